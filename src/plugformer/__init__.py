@@ -1,0 +1,57 @@
+"""plugformer: transformers whose attention score function and position scheme you choose, native to 🤗 transformers.
+
+`import plugformer` registers the config, models and tokenizer with transformers' Auto classes.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
+
+from .capabilities import KERNELS, combination_matrix, supported_kernels
+from .configuration import PRESETS, PlugformerConfig
+from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from .modeling import PlugformerForCausalLM, PlugformerModel, PlugformerPreTrainedModel
+from .positions import POSITION_SCHEMES
+from .registry import Registry
+from .scores import ATTENTION_SCORES
+from .tokenization import train_tokenizer
+
+
+__version__ = "0.1.0"
+
+# Auto classes: which model class serves which Auto class. Also written into every config's `auto_map`, so saved
+# checkpoints load with `trust_remote_code=True` where plugformer is not installed.
+AUTO_CLASSES = {
+    AutoModel: PlugformerModel,
+    AutoModelForCausalLM: PlugformerForCausalLM,
+}
+
+AutoConfig.register(PlugformerConfig.model_type, PlugformerConfig, exist_ok=True)
+PlugformerConfig.register_for_auto_class()
+for _auto_class, _model_class in AUTO_CLASSES.items():
+    _auto_class.register(PlugformerConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_auto_class.__name__)
+AutoTokenizer.register(PlugformerConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+
+__all__ = [
+    "ATTENTION_SCORES",
+    "AUTO_CLASSES",
+    "FEED_FORWARDS",
+    "KERNELS",
+    "NORMS",
+    "NORM_PLACEMENTS",
+    "POSITION_SCHEMES",
+    "PRESETS",
+    "PlugformerConfig",
+    "PlugformerForCausalLM",
+    "PlugformerModel",
+    "PlugformerPreTrainedModel",
+    "Registry",
+    "combination_matrix",
+    "supported_kernels",
+    "train_tokenizer",
+]

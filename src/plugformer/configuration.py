@@ -1,0 +1,305 @@
+"""`PlugformerConfig`: transformers' field names, one string field per variant axis, presets as small diffs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from .positions import POSITION_SCHEMES
+from .scores import ATTENTION_SCORES
+
+
+# Presets are diffs from the dataclass defaults (litgpt's habit): read the defaults, then the diff.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Unit tests: every axis runs in milliseconds; GQA (4 query heads share 2 key/value heads).
+    "tiny": dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        max_relative_distance=8,
+    ),
+    # CPU experiments: ≈ 14M parameters with an 8k vocabulary.
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        max_position_embeddings=1024,
+    ),
+    # GPT-2 small's shape (124M): learned absolute positions, post-2019 pre-LayerNorm, GELU MLP, biases, tied head.
+    "gpt2-small": dict(
+        vocab_size=50257,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=1024,
+        position_scheme="learned",
+        norm_type="layernorm",
+        ffn_type="mlp",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        layer_norm_eps=1e-5,
+    ),
+    # A Llama-3.2-1B-like decoder for GPU: RoPE (theta 500k), GQA 32/8, SwiGLU, RMSNorm.
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+# Written into every config so a saved checkpoint loads with `trust_remote_code=True` without plugformer installed;
+# must match `plugformer.AUTO_CLASSES` (a test checks). Module names are those of the files saved next to the weights.
+DEFAULT_AUTO_MAP = {
+    "AutoConfig": "configuration.PlugformerConfig",
+    "AutoModel": "modeling.PlugformerModel",
+    "AutoModelForCausalLM": "modeling.PlugformerForCausalLM",
+}
+
+
+def _choice(field: str, value: Any, choices: list[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not one of {choices}")
+
+
+def _positive(config: PlugformerConfig, *fields: str) -> None:
+    for field in fields:
+        value = getattr(config, field)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{field}={value!r} must be an int")
+        if value < 1:
+            raise ValueError(f"{field}={value!r} must be a positive integer")
+
+
+def _in_range(config: PlugformerConfig, field: str, low: float, high: float, closed_high: bool = False) -> None:
+    value = getattr(config, field)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{field}={value!r} must be a number")
+    if not (low <= value <= high if closed_high else low <= value < high):
+        raise ValueError(f"{field}={value!r} must lie in [{low}, {high}{']' if closed_high else ')'}")
+
+
+@strict
+class PlugformerConfig(PreTrainedConfig):
+    r"""Configuration of a plugformer model: a transformer whose attention score function and position scheme are
+    chosen by name.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 32000): Number of token ids.
+        hidden_size (`int`, *optional*, defaults to 512): Width d_model of the residual stream.
+        intermediate_size (`int`, *optional*): Width of the feed-forward block; defaults to 4·d for `ffn_type="mlp"`
+            and to 8/3·d rounded up to a multiple of 64 for `"glu"` (same parameter count).
+        num_hidden_layers (`int`, *optional*, defaults to 8): Number of blocks.
+        num_attention_heads (`int`, *optional*, defaults to 8): Query heads h.
+        num_key_value_heads (`int`, *optional*): Key/value heads; `h` = multi-head, 1 = MQA, in between = GQA.
+            Defaults to `num_attention_heads`.
+        head_dim (`int`, *optional*): Per-head width d_k = d_v; defaults to `hidden_size // num_attention_heads`.
+        hidden_act (`str`, *optional*, defaults to `"silu"`): Feed-forward activation (any key of transformers'
+            `ACT2FN`).
+        max_position_embeddings (`int`, *optional*, defaults to 2048): Positions a `learned` scheme can encode; the
+            trained context for RoPE scaling.
+        attention_score (`str`, *optional*, defaults to `"scaled_dot"`): One of `"dot"`, `"scaled_dot"`,
+            `"multiplicative"`, `"additive"` (see `plugformer.scores`).
+        position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
+            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"` (see `plugformer.positions`).
+        norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
+        norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
+        ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
+        rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type`, `rope_theta`, scaling
+            factors); used by `position_scheme="rope"`.
+        relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
+        relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
+        max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
+        additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
+            keep each chunk's tanh activations within 64 MiB.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
+            Norm epsilons.
+        attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
+        hidden_dropout (`float`, *optional*, defaults to 0.0): Dropout on embeddings and each sublayer's output.
+        attention_bias (`bool`, *optional*, defaults to `False`), mlp_bias (`bool`, *optional*, defaults to
+            `False`): Biases in the attention and feed-forward projections.
+        initializer_range (`float`, *optional*, defaults to 0.02): Std of the normal weight initialisation.
+        tie_word_embeddings (`bool`, *optional*, defaults to `True`): Share the input embedding and the LM head.
+        use_cache (`bool`, *optional*, defaults to `True`): Return a KV cache.
+        pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
+
+    Example:
+
+    ```python
+    >>> from plugformer import PlugformerConfig, PlugformerForCausalLM
+    >>> config = PlugformerConfig.from_preset("tiny", attention_score="additive", position_scheme="alibi")
+    >>> model = PlugformerForCausalLM(config)
+    ```
+    """
+
+    model_type = "plugformer"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    attention_score: str = "scaled_dot"
+    position_scheme: str = "rope"
+    norm_type: str = "rmsnorm"
+    norm_placement: str = "pre"
+    ffn_type: str = "glu"
+    rope_parameters: dict | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    max_relative_distance: int = 128
+    additive_chunk_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float = 1e-5
+    attention_dropout: float | int = 0.0
+    hidden_dropout: float | int = 0.0
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self._validate_variants()
+        self._validate_sizes()
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = self._default_intermediate_size()
+        super().__post_init__(**kwargs)
+        if getattr(self, "auto_map", None) is None:
+            self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
+        self._validate_positions()
+
+    def _default_intermediate_size(self) -> int:
+        if self.ffn_type == "glu":  # 3 matrices of 8/3·d ≈ the parameters of 2 of 4·d
+            return -(-(8 * self.hidden_size // 3) // 64) * 64
+        return 4 * self.hidden_size
+
+    def _validate_variants(self) -> None:
+        _choice("attention_score", self.attention_score, ATTENTION_SCORES.names())
+        _choice("position_scheme", self.position_scheme, POSITION_SCHEMES.names())
+        _choice("norm_type", self.norm_type, NORMS.names())
+        _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
+        _choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
+        _choice("hidden_act", self.hidden_act, sorted(ACT2FN))
+
+    def _validate_sizes(self) -> None:
+        _positive(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
+            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size",
+        )  # fmt: skip
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
+                "choose a divisor or set head_dim explicitly"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)"
+            )
+        for field in ("attention_dropout", "hidden_dropout"):
+            _in_range(self, field, 0.0, 1.0)
+        for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
+            _in_range(self, field, 1e-12, 1.0, closed_high=True)
+
+    def _validate_positions(self) -> None:
+        if self.position_scheme == "sinusoidal" and self.hidden_size % 2:
+            raise ValueError(f"position_scheme='sinusoidal' needs an even hidden_size, got {self.hidden_size}")
+        if self.position_scheme == "rope":
+            _choice(
+                "rope_parameters['rope_type']", self.rope_parameters["rope_type"], ["default", *ROPE_INIT_FUNCTIONS]
+            )
+            factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
+            if int(self.head_dim * factor) % 2:
+                raise ValueError(f"position_scheme='rope' rotates pairs of dimensions: head_dim={self.head_dim} "
+                                 f"(× partial_rotary_factor={factor}) must be even")  # fmt: skip
+        if self.relative_attention_num_buckets > self.relative_attention_max_distance:
+            raise ValueError(
+                f"relative_attention_num_buckets={self.relative_attention_num_buckets} must not exceed "
+                f"relative_attention_max_distance={self.relative_attention_max_distance} (T5 buckets cover distances "
+                "up to the max distance)"
+            )
+        if self.relative_attention_num_buckets < 4:
+            raise ValueError(
+                f"relative_attention_num_buckets={self.relative_attention_num_buckets} must be >= 4 (half exact, half "
+                "logarithmic buckets, for each direction of an encoder)"
+            )
+
+    def validate_token_ids(self):
+        """Special token ids must be valid rows of the embedding (transformers only warns)."""
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token_id in value if isinstance(value, list) else [value]:
+                if token_id is not None and not 0 <= token_id < self.vocab_size:
+                    raise ValueError(f"{name}={value!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> PlugformerConfig:
+        """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""
+        _choice("preset", name, list(PRESETS))
+        return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
+
+
+_strict_init = PlugformerConfig.__init__
+
+
+def _init_with_builtin_errors(self, *args, **kwargs):
+    # huggingface_hub's strict dataclasses wrap validation errors in their own exception types; users (and
+    # `except ValueError` around config loading) expect the builtin ones, with the message naming the field.
+    try:
+        _strict_init(self, *args, **kwargs)
+    except StrictDataclassError as error:
+        cause = error.__cause__
+        kind = type(cause) if isinstance(cause, (ValueError, TypeError)) else TypeError
+        raise kind(str(cause or error)) from error
+
+
+PlugformerConfig.__init__ = _init_with_builtin_errors

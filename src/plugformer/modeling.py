@@ -1,0 +1,345 @@
+"""The plugformer transformer: one code path, variants plugged in from the registries.
+
+    embeddings (+ position `embed`) -> blocks [attention (+ `rotary`, + score `prepare`, + `bias`), FFN] -> norm -> head
+
+Module and parameter names follow transformers' Llama (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
+`input_layernorm`, `lm_head`) so PEFT targets, TP plans and weight converters carry over.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .capabilities import unsupported_reason
+from .configuration import PlugformerConfig
+from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from .positions import POSITION_SCHEMES, PositionScheme, apply_rotary
+from .scores import ATTENTION_SCORES, AttentionScore
+
+
+class PlugformerAttention(nn.Module):
+    """Multi-head attention with GQA/MQA; the score function and the kernel are plugged in.
+
+    Order (fixed): project -> rotate (RoPE) -> score `prepare` -> cache update -> kernel (+ position bias).
+    """
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = getattr(config, "is_causal", True)
+        q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_bias: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, key, *position_embeddings)
+        query, key = self.score.prepare(query, key)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        if position_bias is not None:
+            # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
+            position_bias = position_bias.expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self.score.eager_kernel
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.score.scaling,
+            position_bias=position_bias,
+            **self.score.kernel_kwargs(),
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H·D)
+        return self.o_proj(attn_output), attn_weights
+
+
+class PlugformerDecoderLayer(GradientCheckpointingLayer):
+    """Attention and feed-forward sublayers, each wrapped by the configured norm placement (pre or post)."""
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = PlugformerAttention(config, layer_idx)
+        self.mlp = FEED_FORWARDS.get(config.ffn_type)(config)
+        norm = NORMS.get(config.norm_type)
+        self.input_layernorm = norm(config)  # around attention (before it when pre, after the add when post)
+        self.post_attention_layernorm = norm(config)  # around the feed-forward block
+        self.placement = NORM_PLACEMENTS.get(config.norm_placement)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_bias: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        # `position_bias` is positional: a learned bias needs its gradient under reentrant checkpointing.
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.self_attn(
+                x,
+                position_embeddings=position_embeddings,
+                position_bias=position_bias,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            return self.dropout(out)
+
+        hidden_states = self.placement.residual(hidden_states, attend, self.input_layernorm)
+        return self.placement.residual(
+            hidden_states, lambda x: self.dropout(self.mlp(x)), self.post_attention_layernorm
+        )
+
+
+class PlugformerPreTrainedModel(PreTrainedModel):
+    config: PlugformerConfig
+    config_class = PlugformerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["PlugformerDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = True  # where `capabilities` allows: dot-product scores without a score bias
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": PlugformerDecoderLayer, "attentions": PlugformerAttention}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
+        if isinstance(module, (AttentionScore, PositionScheme)):
+            module.reset_parameters(self.config)
+
+    # transformers asks these hooks whether a kernel can run this model; when no kernel was requested, a refusal of
+    # sdpa falls back to eager, an explicit request raises.
+    def _refuse_unsupported(self, kernel: str) -> None:
+        reason = unsupported_reason(self.config, kernel)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
+        self._refuse_unsupported("sdpa")
+        return super()._sdpa_can_dispatch(is_init_check)
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        self._refuse_unsupported("flex_attention")
+        return super()._flex_attn_can_dispatch(is_init_check)
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        self._refuse_unsupported(f"flash_attention_{flash_attn_version}")
+        return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check=is_init_check)
+
+
+def position_ids_from_mask(
+    attention_mask: torch.Tensor | None, past_length: int | torch.Tensor, query_length: int, device: torch.device
+) -> torch.Tensor:
+    """Positions of the current tokens: counted over the non-padding tokens of a 2-D mask (so a left-padded row
+    starts at 0, as the same text alone would), else `past_length + arange(query_length)`. Shape `(B or 1, Q)`."""
+    if attention_mask is not None and attention_mask.ndim == 2:
+        positions = attention_mask.long().cumsum(-1) - 1
+        return positions.clamp(min=0)[:, -query_length:]
+    return (torch.arange(query_length, device=device) + past_length)[None]
+
+
+class PlugformerModel(PlugformerPreTrainedModel):
+    """The bare transformer stack returning `last_hidden_state` (and the cache)."""
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.positions = POSITION_SCHEMES.get(config.position_scheme)(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(PlugformerDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        final_norm = NORM_PLACEMENTS.get(config.norm_placement).final_norm
+        self.norm = NORMS.get(config.norm_type)(config) if final_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """The score bias `(1, H, Q, K)` over the cache slots the kernel will see (same sizes as the mask)."""
+        if not self.positions.has_bias:
+            return None
+        if cache is None:
+            query_offset, (kv_length, kv_offset) = 0, (query_length, 0)
+        else:
+            query_offset, (kv_length, kv_offset) = cache.get_query_offset(0), cache.get_mask_sizes(query_length, 0)
+        query_slots = torch.arange(query_length, device=device) + query_offset
+        key_slots = torch.arange(kv_length, device=device) + kv_offset
+        return self.positions.bias(query_slots, key_slots).to(dtype)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): Token ids.
+            attention_mask (`torch.Tensor` of shape `(batch_size, past + sequence_length)`, *optional*): 1 for
+                tokens to attend to, 0 for padding.
+            position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Absolute
+                positions; derived from `attention_mask` when not given.
+            cache (`Cache`, *optional*): Keys and values of earlier tokens (`DynamicCache`, `StaticCache`, ...).
+            inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+                Embeddings to use instead of `input_ids`.
+            use_cache (`bool`, *optional*): Return the updated cache; defaults to `config.use_cache`.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        query_length = inputs_embeds.shape[1]
+        if position_ids is None:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        position_bias = self._position_bias(cache, query_length, inputs_embeds.dtype, inputs_embeds.device)
+        hidden_states = inputs_embeds
+        absolute = self.positions.embed(position_ids, inputs_embeds.dtype)
+        if absolute is not None:
+            hidden_states = hidden_states + absolute
+        hidden_states = self.dropout(hidden_states)
+        rotary = self.positions.rotary(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                position_bias,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=rotary,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+
+class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
+    """The stack with a language-modelling head (tied to the input embedding when `tie_word_embeddings`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.model = PlugformerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        Args:
+            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets for the
+                next-token loss; shifted inside, -100 is ignored.
+            logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): Compute logits for the last `n`
+                positions only (0 = all), or for the given indices.
+
+        Other arguments as in [`PlugformerModel.forward`].
+        """
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )

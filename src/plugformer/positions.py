@@ -1,0 +1,289 @@
+"""Position schemes: one registered class per `config.position_scheme`.
+
+The taxonomy follows where a scheme acts (x-transformers): added to the token embeddings (`sinusoidal`,
+`learned`), rotating queries and keys (`rope`), or an additive bias on the attention scores (`alibi`, `t5_bias`,
+`clamped_bias`). Every scheme answers the same three hooks and returns `None` where it has nothing to add, so the
+model runs one code path:
+
+- `embed(position_ids, dtype)` -> `(B, T, hidden)` added to the token embeddings, or `None`;
+- `rotary(hidden_states, position_ids)` -> `(cos, sin)` each `(B, T, head_dim)`, or `None`;
+- `bias(query_slots, key_slots)` -> float `(1, H, Q, K)` added to the scores, or `None`.
+
+Relative biases are indexed by cache *slots* (query slot = tokens already cached + offset in the chunk, key
+slot = index in the cache). With left padding the padding is masked, so slot differences are the true relative
+distances; with a static cache the unused slots are masked the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+from .registry import Registry
+
+
+if TYPE_CHECKING:
+    from .configuration import PlugformerConfig
+
+
+POSITION_SCHEMES: Registry[PositionScheme] = Registry("position_scheme")
+
+
+class PositionScheme(nn.Module):
+    """Base class: no position information at all (the hooks all return `None`).
+
+    Class attributes read by `capabilities.py`:
+        has_bias (`bool`): whether `bias()` returns a score bias.
+        learned_bias (`bool`): whether that bias has parameters (it then requires grad in training).
+        max_positions (`str | None`): the config field bounding the absolute positions this scheme can encode.
+    """
+
+    has_bias = False
+    learned_bias = False
+    max_positions: str | None = None
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        # Encoders (config.is_causal=False) see keys on both sides of the query.
+        self.bidirectional = not getattr(config, "is_causal", True)
+
+    def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def rotary(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def reset_parameters(self, config: PlugformerConfig) -> None:
+        """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses
+        `transformers.initialization`, which leaves weights loaded from a checkpoint untouched."""
+
+
+@POSITION_SCHEMES.register("none")
+class NoPositions(PositionScheme):
+    """No positions: attention is permutation-equivariant except for the causal mask (NoPE)."""
+
+
+def sinusoidal_table(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (Vaswani et al. 2017, §3.5).
+
+    Args:
+        position_ids (`torch.Tensor` of shape `(B, T)`): absolute positions.
+        dim (`int`): the (even) model width d.
+    Returns:
+        `torch.Tensor` of shape `(B, T, dim)` in fp32, sine and cosine interleaved.
+    """
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
+    angles = position_ids.float()[..., None] * inv_freq  # (B, T, d/2)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, d): sin, cos, sin, cos, ...
+
+
+@POSITION_SCHEMES.register("sinusoidal")
+class SinusoidalPositions(PositionScheme):
+    """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works."""
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.dim = config.hidden_size
+
+    def embed(self, position_ids, dtype):
+        return sinusoidal_table(position_ids, self.dim).to(dtype)
+
+
+@POSITION_SCHEMES.register("learned")
+class LearnedPositions(PositionScheme):
+    """A learned vector per absolute position, added to the token embeddings (GPT-2's `wpe`)."""
+
+    max_positions = "max_position_embeddings"
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def embed(self, position_ids, dtype):
+        limit = self.embed_positions.num_embeddings
+        # A data-dependent check; skipped under torch.compile, where it would break the graph.
+        if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= limit:
+            raise ValueError(
+                f"position_scheme='learned' has max_position_embeddings={limit} positions, but position "
+                f"{int(position_ids.max())} was requested; use a relative scheme (rope, alibi, t5_bias, "
+                "clamped_bias) to go past it, or shorten the input"
+            )
+        return self.embed_positions(position_ids).to(dtype)
+
+
+@POSITION_SCHEMES.register("rope")
+class RotaryPositions(PositionScheme):
+    """Rotary position embedding (Su et al. 2021) with every rope type transformers ships (`rope_parameters`).
+
+    Same layout as transformers' Llama: frequencies repeated over the two halves of the head dimension and
+    `rotate_half`, so weights converted from Llama give identical logits.
+    """
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        inv_freq, self.attention_scaling = self._init_fn()(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    def _init_fn(self) -> Callable:
+        return self.default_inv_freq if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+
+    @staticmethod
+    def default_inv_freq(config: PlugformerConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        """theta_i = base^(-2i/d) for i < d/2 (RoFormer eq. 15); no attention scaling."""
+        base = config.rope_parameters["rope_theta"]
+        dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update  # grows the frequencies for "dynamic"/"longrope" types past the trained length
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(hidden_states.device)  # (B, T, d/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, d)
+        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+
+    def rotary(self, hidden_states, position_ids):
+        return self(hidden_states, position_ids)
+
+    def reset_parameters(self, config):
+        inv_freq, self.attention_scaling = self._init_fn()(config, device=self.inv_freq.device)
+        init.copy_(self.inv_freq, inv_freq)
+        init.copy_(self.original_inv_freq, inv_freq)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates (B, H, T, D) queries and keys by (B, T, D') angles; with a partial rotary factor only the first D'
+    dimensions rotate and the rest pass through."""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D')
+    rot = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+    return rotate(query), rotate(key)
+
+
+def relative_distances(query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    """(Q,), (K,) -> (Q, K) of key slot − query slot (negative = the key lies in the past)."""
+    return key_slots[None, :] - query_slots[:, None]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The geometric head slopes of ALiBi (Press et al. 2022, §3): for n a power of two, 2^(-8i/n), i = 1..n.
+
+    Otherwise the slopes of the closest lower power of two, then every other slope of twice that many heads.
+    """
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * i / closest) for i in range(1, closest + 1)]
+    extra = [2 ** (-4 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes + extra, dtype=torch.float32)
+
+
+@POSITION_SCHEMES.register("alibi")
+class AlibiPositions(PositionScheme):
+    """ALiBi: a fixed linear penalty −m_h · |i − j| on the score of query i and key j (Press et al. 2022)."""
+
+    has_bias = True
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.slopes = nn.Buffer(alibi_slopes(self.num_heads), persistent=False)
+
+    def bias(self, query_slots, key_slots):
+        distance = relative_distances(query_slots, key_slots).abs().float()  # (Q, K)
+        return (-self.slopes[:, None, None] * distance)[None]  # (1, H, Q, K)
+
+    def reset_parameters(self, config):
+        init.copy_(self.slopes, alibi_slopes(self.num_heads))
+
+
+def t5_relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucketing of key − query distances (Raffel et al. 2020, §2.1): half the buckets are exact small
+    distances, the rest grow logarithmically up to `max_distance`; beyond it everything shares the last bucket.
+    With `bidirectional`, half the buckets serve keys after the query. Future keys of a causal model share bucket 0.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # log-spaced buckets for max_exact <= distance < max_distance; the clamp keeps log() finite for small ones
+    log_ratio = torch.log(distance.float().clamp(min=max_exact) / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+@POSITION_SCHEMES.register("t5_bias")
+class T5BucketBias(PositionScheme):
+    """A learned scalar per head per T5 distance bucket, shared by all layers (as in T5)."""
+
+    has_bias = True
+    learned_bias = True
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+
+    def bias(self, query_slots, key_slots):
+        distance = relative_distances(query_slots, key_slots)
+        buckets = t5_relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # (Q, K, H) -> (1, H, Q, K)
+
+
+@POSITION_SCHEMES.register("clamped_bias")
+class ClampedDistanceBias(PositionScheme):
+    """A learned scalar per head per relative distance, distances clamped to ±`max_relative_distance` (the
+    scalar-bias form of Shaw et al. 2018): `max_relative_distance + 1` values per head for a causal model (twice
+    that for an encoder), whatever the sequence length. Shared by all layers.
+    """
+
+    has_bias = True
+    learned_bias = True
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.max_distance = config.max_relative_distance
+        num_distances = 2 * self.max_distance + 1 if self.bidirectional else self.max_distance + 1
+        self.relative_attention_bias = nn.Embedding(num_distances, self.num_heads)
+
+    def bias(self, query_slots, key_slots):
+        distance = relative_distances(query_slots, key_slots)  # key − query
+        if self.bidirectional:
+            index = distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        else:
+            # How far back the key lies; future keys are masked, clamping them to 0 just keeps indices valid.
+            index = (-distance).clamp(0, self.max_distance)
+        return self.relative_attention_bias(index).permute(2, 0, 1)[None]  # (Q, K, H) -> (1, H, Q, K)

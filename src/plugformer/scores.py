@@ -1,0 +1,138 @@
+"""Attention score functions: one registered class per `config.attention_score`.
+
+A score function turns projected queries and keys into what a kernel consumes, and says which kernels can
+compute it. Inside attention the order is fixed: project -> rotate (position) -> `prepare` (this module) ->
+cache update -> kernel. `prepare` runs *before* the cache update, so the cache holds keys exactly as the kernel
+consumes them and cached decoding equals the full forward.
+
+- `dot`: e = q·k (scaling 1);
+- `scaled_dot`: e = q·k / sqrt(d_k) (Vaswani et al. 2017);
+- `multiplicative`: e = qᵀ W_h k with a learned W per head (Luong et al. 2015, "general"); computed as
+  (W_hᵀ q)·k, so it runs on every dot-product kernel with scaling 1;
+- `additive`: e = v_hᵀ tanh(W1_h q + W2_h k) (Bahdanau et al. 2015); no dot product exists, so it runs on
+  plugformer's chunked eager kernel only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .kernels import additive_attention_forward, eager_attention_forward
+from .registry import Registry
+
+
+if TYPE_CHECKING:
+    from .configuration import PlugformerConfig
+
+
+ATTENTION_SCORES: Registry[AttentionScore] = Registry("attention_score")
+
+
+class AttentionScore(nn.Module):
+    """Base class of the score functions.
+
+    Class attributes:
+        dot_product (`bool`): the score is a (scaled) dot product of the prepared query and key, so transformers'
+            fused kernels (`sdpa`, `flex_attention`, flash) compute it exactly.
+        eager_kernel (`Callable`): the attention function used when `attn_implementation="eager"`.
+    """
+
+    dot_product = True
+    eager_kernel: Callable = staticmethod(eager_attention_forward)
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+
+    @property
+    def scaling(self) -> float:
+        return 1.0
+
+    def prepare(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, Q, D), (B, H_kv, K, D) -> what the kernel consumes."""
+        return query, key
+
+    def kernel_kwargs(self) -> dict:
+        """Extra keyword arguments for the kernel (e.g. the additive energy vector)."""
+        return {}
+
+    def reset_parameters(self, config: PlugformerConfig) -> None:
+        """(Re)initialises this score's parameters; called from `_init_weights`. Uses `transformers.initialization`,
+        which leaves weights loaded from a checkpoint untouched."""
+
+
+@ATTENTION_SCORES.register("dot")
+class DotScore(AttentionScore):
+    """e = q·k, unscaled: logits grow with sqrt(d_k), which is why `scaled_dot` exists."""
+
+
+@ATTENTION_SCORES.register("scaled_dot")
+class ScaledDotScore(AttentionScore):
+    """e = q·k / sqrt(d_k)."""
+
+    @property
+    def scaling(self) -> float:
+        return self.head_dim**-0.5
+
+
+@ATTENTION_SCORES.register("multiplicative")
+class MultiplicativeScore(AttentionScore):
+    """e = qᵀ W_h k with a learned (d_k, d_k) matrix per query head.
+
+    W is folded into the query ((W_hᵀ q)·k), so the keys in the cache stay plain keys and any dot-product kernel
+    runs it. Initialised to I / sqrt(d_k): training starts from scaled dot-product attention.
+    """
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
+
+    def prepare(self, query, key):
+        # (W_hᵀ q)_e = sum_d q_d W_h[d, e]
+        return torch.einsum("bhqd,hde->bhqe", query, self.weight.to(query.dtype)), key
+
+    def reset_parameters(self, config):
+        eye = torch.eye(self.head_dim, device=self.weight.device, dtype=self.weight.dtype)
+        init.copy_(self.weight, eye.expand_as(self.weight) * self.head_dim**-0.5)
+
+
+@ATTENTION_SCORES.register("additive")
+class AdditiveScore(AttentionScore):
+    """e = v_hᵀ tanh(W1_h q + W2_h k), with W1, W2 (d_k, d_k) and v (d_k,) learned per head.
+
+    W1 belongs to each query head and W2 to each key/value head, so with GQA the cache stores the projected keys
+    W2 k once per key/value head. The kernel (`kernels.additive_attention_forward`) works through the queries in
+    chunks, keeping the (B, H, chunk, K, d_k) tanh tensor within a fixed memory budget.
+    """
+
+    dot_product = False
+    eager_kernel: Callable = staticmethod(additive_attention_forward)
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.query_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
+        self.key_weight = nn.Parameter(torch.empty(self.num_key_value_heads, self.head_dim, self.head_dim))
+        self.energy = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.chunk_size = config.additive_chunk_size
+
+    def prepare(self, query, key):
+        query = torch.einsum("bhqd,hda->bhqa", query, self.query_weight.to(query.dtype))  # (B, H, Q, A)
+        key = torch.einsum("bhkd,hda->bhka", key, self.key_weight.to(key.dtype))  # (B, H_kv, K, A)
+        return query, key
+
+    def kernel_kwargs(self):
+        return {"energy": self.energy, "chunk_size": self.chunk_size}
+
+    def reset_parameters(self, config):
+        # Unit-variance pre-activations for unit-variance q, k: tanh starts in its responsive range.
+        std = self.head_dim**-0.5
+        init.normal_(self.query_weight, std=std)
+        init.normal_(self.key_weight, std=std)
+        init.normal_(self.energy, std=std)

@@ -1,0 +1,85 @@
+"""An offline byte-level BPE tokenizer, trained locally with 🤗 tokenizers and reloadable with `AutoTokenizer`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+UNK_TOKEN = "<|unk|>"
+MASK_TOKEN = "<|mask|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, MASK_TOKEN, IM_START, IM_END]
+
+# ChatML. Each assistant turn ends with <|im_end|> (an end-of-generation token, see `generation_eos_token_ids`);
+# `{% generation %}` marks what TRL's `assistant_only_loss` trains on.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2, model_max_length: int = 2048
+) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE tokenizer on `texts`, with no network access.
+
+    Every byte is in the base alphabet, so any text encodes (no unknown tokens) and decodes back exactly.
+
+    Args:
+        texts (`Iterable[str]`): Training corpus.
+        vocab_size (`int`, *optional*, defaults to 8192): Target size including the 256 bytes and the specials.
+        min_frequency (`int`, *optional*, defaults to 2): Minimum count for a merge.
+        model_max_length (`int`, *optional*, defaults to 2048): Recorded for truncation by pipelines / trainers.
+
+    Returns:
+        [`PreTrainedTokenizerFast`]: pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`, mask `<|mask|>`, a ChatML
+        chat template; `save_pretrained(dir)` then `AutoTokenizer.from_pretrained(dir)` reproduces it.
+    """
+    minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    if not isinstance(vocab_size, int) or vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size={vocab_size!r} must be an int >= {minimum} (256 bytes + {len(SPECIAL_TOKENS)} specials)"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=model_max_length,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Token ids that end a generation: end of text and end of a chat turn (put them in
+    `generation_config.eos_token_id`, or chat completions never stop)."""
+    return [tokenizer.convert_tokens_to_ids(token) for token in (EOS_TOKEN, IM_END)]
