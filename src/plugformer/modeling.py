@@ -185,6 +185,21 @@ def position_ids_from_mask(
     return (torch.arange(query_length, device=device) + past_length)[None]
 
 
+def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None) -> None:
+    """Fail loudly instead of decoding wrong tokens.
+
+    transformers 5.24's flex block mask captures a static cache's live length tensor as its query offset and
+    evaluates it inside the kernel, after layer 0's `cache.update` has advanced it: every chunk after the first is
+    masked with the wrong offset (its Llama shows the same). Dynamic caches return plain ints and are unaffected.
+    """
+    if config._attn_implementation == "flex_attention" and getattr(cache, "is_compileable", False):
+        raise ValueError(
+            f"attn_implementation='flex_attention' cannot decode with a {type(cache).__name__}: transformers' flex "
+            "block mask reads the cache length after it changed and masks wrong positions; use a DynamicCache "
+            "(the default) or attn_implementation='sdpa' with the static cache"
+        )
+
+
 class PlugformerModel(PlugformerPreTrainedModel):
     """The bare transformer stack returning `last_hidden_state` (and the cache)."""
 
@@ -248,6 +263,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        refuse_flex_with_static_cache(self.config, cache)
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
             past_length = cache.get_seq_length() if cache is not None else 0
