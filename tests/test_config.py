@@ -1,0 +1,147 @@
+"""PlugformerConfig: validation with clear errors, presets, serialisation, kernel resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build, tiny_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import plugformer
+from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(attention_score="cosine"), r"attention_score='cosine' is not one of \['dot', 'scaled_dot'"),
+        (dict(position_scheme="xpos"), r"position_scheme='xpos' is not one of \['none', 'sinusoidal'"),
+        (dict(norm_type="batchnorm"), r"norm_type='batchnorm' is not one of"),
+        (dict(norm_placement="sandwich"), r"norm_placement='sandwich' is not one of \['pre', 'post'\]"),
+        (dict(ffn_type="moe"), r"ffn_type='moe' is not one of \['mlp', 'glu'\]"),
+        (dict(hidden_act="swish2"), r"hidden_act='swish2' is not one of"),
+        (dict(hidden_size=30, num_attention_heads=4), r"hidden_size=30 is not divisible by num_attention_heads=4"),
+        (
+            dict(num_attention_heads=4, num_key_value_heads=3),
+            r"num_key_value_heads=3 must divide num_attention_heads=4",
+        ),
+        (dict(num_hidden_layers=0), r"num_hidden_layers=0 must be a positive integer"),
+        (dict(vocab_size=-5), r"vocab_size=-5 must be a positive integer"),
+        (dict(attention_dropout=1.0), r"attention_dropout=1.0 must lie in \[0.0, 1.0\)"),
+        (
+            dict(relative_attention_num_buckets=32, relative_attention_max_distance=16),
+            r"relative_attention_num_buckets=32 must not exceed relative_attention_max_distance=16",
+        ),
+        (dict(position_scheme="rope", head_dim=7), r"head_dim=7 .* must be even"),
+        (
+            dict(
+                position_scheme="sinusoidal", hidden_size=33, head_dim=3, num_attention_heads=11, num_key_value_heads=1
+            ),
+            r"needs an even hidden_size, got 33",
+        ),
+        (dict(rope_parameters={"rope_type": "magic"}), r"rope_type'\]='magic' is not one of \['default', 'linear'"),
+        (dict(eos_token_id=128), r"eos_token_id=128 is outside the vocabulary \[0, 128\)"),
+    ],  # fmt: skip
+)
+def test_invalid_values_fail_at_construction_naming_field_value_and_choices(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        PlugformerConfig.from_preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "32"), ("num_attention_heads", 2.5), ("hidden_dropout", "0")])
+def test_wrong_types_raise_type_error_naming_the_field(field, value):
+    with pytest.raises(TypeError, match=field):
+        PlugformerConfig.from_preset("tiny", **{field: value})
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match=r"preset='huge' is not one of \['tiny', 'small', 'gpt2-small', 'llama'\]"):
+        PlugformerConfig.from_preset("huge")
+
+
+def count_parameters(config: PlugformerConfig) -> int:
+    with torch.device("meta"):  # shapes only: the llama preset would take seconds to initialise
+        model = PlugformerForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_presets_have_their_advertised_sizes():
+    assert count_parameters(PlugformerConfig.from_preset("tiny")) < 50_000
+    assert 10e6 <= count_parameters(PlugformerConfig.from_preset("small")) <= 30e6
+    # GPT-2 small: 124,439,808 parameters with the tied head (Radford et al. 2019, the HF checkpoint)
+    assert count_parameters(PlugformerConfig.from_preset("gpt2-small")) == 124_439_808
+    assert 0.9e9 <= count_parameters(PlugformerConfig.from_preset("llama")) <= 1.3e9
+
+
+def test_preset_overrides_win():
+    config = PlugformerConfig.from_preset("small", position_scheme="alibi", num_hidden_layers=2)
+    assert (config.position_scheme, config.num_hidden_layers, config.hidden_size) == ("alibi", 2, 384)
+    assert PRESETS["small"]["num_hidden_layers"] == 6  # presets are not mutated
+
+
+def test_attention_block_has_four_d_squared_weights():
+    """d = 512, h = 8, d_k = d_v = 64: W_Q, W_K, W_V, W_O are each d × d, 4·d² = 1,048,576 weights, no biases."""
+    config = PlugformerConfig(hidden_size=512, num_attention_heads=8, num_hidden_layers=1, vocab_size=16)
+    assert config.head_dim == 64
+    with torch.device("meta"):
+        attention = PlugformerForCausalLM(config).model.layers[0].self_attn
+    assert sum(p.numel() for p in attention.parameters()) == 4 * 512**2 == 1_048_576
+
+
+def test_derived_defaults():
+    config = PlugformerConfig(hidden_size=96, num_attention_heads=6)
+    assert (config.head_dim, config.num_key_value_heads) == (16, 6)
+    assert config.intermediate_size == 256  # 8/3 · 96 = 256, a multiple of 64 (SwiGLU)
+    assert PlugformerConfig(hidden_size=96, num_attention_heads=6, ffn_type="mlp").intermediate_size == 384
+
+
+def test_config_round_trips_through_auto_config(tmp_path):
+    config = tiny_config("additive", "t5_bias", norm_placement="post", norm_type="layernorm", ffn_type="mlp")
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is PlugformerConfig
+    without_path = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}  # noqa: E731
+    assert without_path(loaded) == without_path(config)
+
+
+def test_auto_map_names_every_registered_head():
+    config = tiny_config()
+    expected = {"AutoConfig": "configuration.PlugformerConfig"}
+    expected.update({auto.__name__: f"modeling.{cls.__name__}" for auto, cls in plugformer.AUTO_CLASSES.items()})
+    assert config.auto_map == expected
+
+
+def test_kernel_defaults_to_sdpa_and_to_eager_for_additive():
+    assert PlugformerForCausalLM(tiny_config("scaled_dot")).config._attn_implementation == "sdpa"
+    assert PlugformerForCausalLM(tiny_config("additive")).config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex_attention"])
+def test_explicit_fused_kernel_for_additive_raises(kernel, tmp_path):
+    build(tiny_config("additive", "alibi")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"attention_score='additive' is not a dot product.*{kernel}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="not a dot product"):
+        model.set_attn_implementation(kernel)
+
+
+def test_kernel_switches_at_run_time():
+    model = build(tiny_config("multiplicative", "t5_bias"), "eager")
+    for kernel in ("sdpa", "eager"):
+        model.set_attn_implementation(kernel)
+        assert model.config._attn_implementation == kernel
+
+
+def test_combination_matrix_lists_every_pair():
+    rows = plugformer.combination_matrix()
+    assert len(rows) == len(plugformer.ATTENTION_SCORES.names()) * len(plugformer.POSITION_SCHEMES.names())
+    kernels = {(score, scheme): ks for score, scheme, ks in rows}
+    assert kernels[("additive", "rope")] == ["eager"]
+    assert kernels[("multiplicative", "t5_bias")] == ["eager", "sdpa", "flex_attention"]
+
+
+def test_registry_refuses_duplicates():
+    with pytest.raises(ValueError, match="already registered"):
+        plugformer.ATTENTION_SCORES.register("dot")(type("Another", (), {}))

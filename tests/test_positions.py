@@ -1,0 +1,175 @@
+"""Reference tests of the position schemes: formulas from the papers and transformers' own implementations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build, tiny_config
+from transformers import LlamaConfig
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from plugformer import POSITION_SCHEMES
+from plugformer.positions import alibi_slopes, apply_rotary, sinusoidal_table, t5_relative_position_bucket
+
+
+def scheme(name, **overrides):
+    return POSITION_SCHEMES.get(name)(tiny_config(scheme=name, **overrides))
+
+
+def test_every_registered_scheme_has_a_reference_test():
+    tested = {"none", "sinusoidal", "learned", "rope", "alibi", "t5_bias", "clamped_bias"}
+    assert set(POSITION_SCHEMES.names()) == tested
+
+
+def test_none_adds_nothing():
+    positions = scheme("none")
+    ids = torch.arange(5)[None]
+    assert positions.embed(ids, torch.float32) is None
+    assert positions.rotary(torch.zeros(1, 5, 32), ids) is None
+    assert positions.bias(torch.arange(5), torch.arange(5)) is None
+
+
+def test_sinusoidal_matches_vaswani_formula():
+    d = 8
+    table = sinusoidal_table(torch.arange(6)[None], d)[0]
+    for pos in range(6):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_learned_positions_look_up_rows_and_refuse_positions_past_the_table():
+    positions = scheme("learned")
+    ids = torch.tensor([[0, 3, 63]])
+    torch.testing.assert_close(positions.embed(ids, torch.float32)[0], positions.embed_positions.weight[[0, 3, 63]])
+    with pytest.raises(ValueError, match=r"max_position_embeddings=64.*position 64"):
+        positions.embed(torch.tensor([[64]]), torch.float32)
+
+
+def test_learned_model_rejects_inputs_longer_than_its_table():
+    model = build(tiny_config(scheme="learned"))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.ones(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5_bias", "clamped_bias", "none", "sinusoidal"])
+def test_other_schemes_run_past_max_position_embeddings(name):
+    model = build(tiny_config(scheme=name))
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.ones(1, 80, dtype=torch.long)).logits).all()
+
+
+def llama_rotary(config):
+    llama = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=dict(config.rope_parameters),
+    )
+    return LlamaRotaryEmbedding(llama)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "default", "rope_theta": 500.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],  # fmt: skip
+    ids=["default", "theta500", "linear", "llama3"],
+)
+def test_rope_matches_transformers_llama(rope_parameters):
+    config = tiny_config(scheme="rope", rope_parameters=rope_parameters)
+    ours, reference = POSITION_SCHEMES.get("rope")(config), llama_rotary(config)
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 4, 10, 8, generator=generator), torch.randn(2, 4, 10, 8, generator=generator)
+    ids = torch.arange(3, 13)[None].expand(2, -1)
+    hidden = torch.zeros(2, 10, 32)
+    expected = apply_rotary_pos_emb(query, key, *reference(hidden, ids))
+    actual = apply_rotary(query, key, *ours.rotary(hidden, ids))
+    torch.testing.assert_close(actual, expected)
+
+
+def test_rope_scores_depend_on_relative_offset_only():
+    rope = scheme("rope")
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 4, 1, 8, generator=generator), torch.randn(1, 4, 1, 8, generator=generator)
+
+    def score(m, n):
+        q, _ = apply_rotary(query, query, *rope.rotary(torch.zeros(1, 1, 32), torch.tensor([[m]])))
+        _, k = apply_rotary(key, key, *rope.rotary(torch.zeros(1, 1, 32), torch.tensor([[n]])))
+        return (q * k).sum(-1)
+
+    torch.testing.assert_close(score(7, 3), score(107, 103), atol=1e-4, rtol=0)
+    assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-3)
+
+
+def test_alibi_slopes_are_the_papers_geometric_sequence():
+    # 8 heads: 2^-1 ... 2^-8 (Press et al. 2022, §3)
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)]))
+    # 6 heads: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then every other of the 8-head ones: 2^-1, 2^-3
+    torch.testing.assert_close(alibi_slopes(6), torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]))
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 4, 6, 8, 12, 16])
+def test_alibi_slopes_match_bloom(num_heads):
+    bloom = build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float32)  # (H, 1, 2): slope · key position
+    torch.testing.assert_close(alibi_slopes(num_heads), bloom[:, 0, 1])
+
+
+def test_alibi_bias_is_minus_slope_times_distance():
+    alibi = scheme("alibi")  # 4 heads: slopes 1/4, 1/16, 1/64, 1/256
+    bias = alibi.bias(torch.tensor([5, 6]), torch.arange(7))  # two queries at slots 5, 6 over keys 0..6
+    assert bias.shape == (1, 4, 2, 7)
+    assert bias[0, 0, 0, 2].item() == pytest.approx(-0.25 * 3)
+    assert bias[0, 1, 1, 0].item() == pytest.approx(-(1 / 16) * 6)
+    assert bias[0, :, 1, 6].abs().sum().item() == 0.0
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 16), (16, 20)])
+def test_t5_buckets_match_transformers_t5(bidirectional, num_buckets, max_distance):
+    distances = torch.arange(-300, 301)
+    expected = T5Attention._relative_position_bucket(distances, bidirectional, num_buckets, max_distance)
+    actual = t5_relative_position_bucket(distances, bidirectional, num_buckets, max_distance)
+    assert torch.equal(actual, expected)
+
+
+def test_t5_bias_looks_up_the_bucket_of_each_distance():
+    t5 = scheme("t5_bias")  # causal, 8 buckets, max distance 16
+    query_slots, key_slots = torch.tensor([20]), torch.arange(21)
+    bias = t5.bias(query_slots, key_slots)
+    buckets = T5Attention._relative_position_bucket(key_slots - 20, False, 8, 16)
+    torch.testing.assert_close(bias[0, :, 0, :], t5.relative_attention_bias.weight[buckets].T)
+
+
+def test_clamped_bias_has_one_scalar_per_head_per_clamped_distance():
+    clamped = scheme("clamped_bias")  # causal, max_relative_distance 8 -> 9 distances
+    assert clamped.relative_attention_bias.weight.shape == (9, 4)
+    bias = clamped.bias(torch.tensor([30]), torch.arange(31))[0, :, 0]  # (H, K)
+    table = clamped.relative_attention_bias.weight
+    for key in range(31):
+        torch.testing.assert_close(bias[:, key], table[min(30 - key, 8)])
+
+
+def test_clamped_bias_for_an_encoder_covers_both_directions():
+    clamped = POSITION_SCHEMES.get("clamped_bias")(tiny_config(scheme="clamped_bias", is_causal=False))
+    assert clamped.relative_attention_bias.weight.shape == (17, 4)
+    bias = clamped.bias(torch.tensor([10]), torch.tensor([0, 9, 10, 11, 30]))[0, :, 0]
+    table = clamped.relative_attention_bias.weight
+    for column, distance in enumerate([-8, -1, 0, 1, 8]):
+        torch.testing.assert_close(bias[:, column], table[distance + 8])

@@ -1,0 +1,153 @@
+"""Reference tests of the score functions against the formulas, computed with plain Python floats."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from plugformer import ATTENTION_SCORES, kernels
+
+
+Q = [[1.0, 2.0], [0.5, -1.0], [3.0, 0.0]]
+K = [[0.0, 1.0], [2.0, -0.5], [-1.0, 1.5]]
+V = [[1.0, 0.0, 2.0], [0.0, 1.0, -1.0], [0.5, 0.5, 0.5]]
+W = [[1.0, 2.0], [0.0, -1.0]]  # bilinear W
+W1 = [[0.5, -0.2], [0.1, 0.3]]  # additive W1 (d -> a)
+W2 = [[-0.4, 0.2], [0.6, 0.1]]  # additive W2
+ENERGY = [1.5, -2.0]
+
+
+def dot(a, b):
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def matvec_t(matrix, vector):
+    """vector @ matrix, i.e. (Mᵀ x)."""
+    return [sum(vector[d] * matrix[d][a] for d in range(len(vector))) for a in range(len(matrix[0]))]
+
+
+def attention_reference(score):
+    """softmax_j(e(q_i, k_j)) · V, row by row, in Python floats."""
+    out = []
+    for q in Q:
+        e = [score(q, k) for k in K]
+        top = max(e)
+        weights = [math.exp(x - top) for x in e]
+        total = sum(weights)
+        out.append([sum(w / total * v[c] for w, v in zip(weights, V, strict=True)) for c in range(len(V[0]))])
+    return torch.tensor([out])  # (1, Q, D_v) for one head
+
+
+REFERENCE_SCORES = {
+    "dot": lambda q, k: dot(q, k),
+    "scaled_dot": lambda q, k: dot(q, k) / math.sqrt(2),
+    "multiplicative": lambda q, k: dot(q, [sum(W[d][e] * k[e] for e in range(2)) for d in range(2)]),
+    "additive": lambda q, k: dot(
+        ENERGY, [math.tanh(x + y) for x, y in zip(matvec_t(W1, q), matvec_t(W2, k), strict=True)]
+    ),
+}
+
+
+def score_with_weights(name):
+    config = tiny_config(name, "none", num_attention_heads=1, num_key_value_heads=1, hidden_size=2)
+    score = ATTENTION_SCORES.get(name)(config)
+    with torch.no_grad():
+        if name == "multiplicative":
+            score.weight.copy_(torch.tensor([W]))
+        if name == "additive":
+            score.query_weight.copy_(torch.tensor([W1]))
+            score.key_weight.copy_(torch.tensor([W2]))
+            score.energy.copy_(torch.tensor([ENERGY]))
+    return config, score
+
+
+def run_kernel(name, kernel):
+    config, score = score_with_weights(name)
+    module = SimpleNamespace(num_key_value_groups=1, training=False, is_causal=False, config=config)
+    query, key = score.prepare(torch.tensor(Q)[None, None], torch.tensor(K)[None, None])  # (1, 1, 3, 2)
+    value = torch.tensor(V)[None, None]
+    function = score.eager_kernel if kernel == "eager" else sdpa_attention_forward
+    out, _ = function(module, query, key, value, None, scaling=score.scaling, **score.kernel_kwargs())
+    return out[:, :, 0]  # (1, Q, D_v) of the single head
+
+
+@pytest.mark.parametrize("name", list(REFERENCE_SCORES))
+def test_score_matches_formula_on_eager(name):
+    torch.testing.assert_close(
+        run_kernel(name, "eager"), attention_reference(REFERENCE_SCORES[name]), atol=1e-6, rtol=0
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in REFERENCE_SCORES if ATTENTION_SCORES.get(n).dot_product])
+def test_dot_product_scores_run_exactly_on_sdpa(name):
+    torch.testing.assert_close(run_kernel(name, "sdpa"), attention_reference(REFERENCE_SCORES[name]), atol=1e-6, rtol=0)
+
+
+def test_every_registered_score_has_a_reference():
+    assert set(ATTENTION_SCORES.names()) == set(REFERENCE_SCORES)
+
+
+def test_multiplicative_starts_as_scaled_dot():
+    from plugformer import PlugformerForCausalLM
+
+    model = PlugformerForCausalLM(tiny_config("multiplicative", "none"))
+    weight = model.model.layers[0].self_attn.score.weight
+    expected = torch.eye(8).expand(4, 8, 8) / math.sqrt(8)
+    torch.testing.assert_close(weight.detach(), expected)
+
+
+class _Recorder:
+    def __init__(self, monkeypatch):
+        self.chunks = []
+        original = kernels._additive_chunk
+
+        def record(module, query_chunk, key, *args):
+            self.chunks.append((query_chunk.shape, key.shape))
+            return original(module, query_chunk, key, *args)
+
+        monkeypatch.setattr(kernels, "_additive_chunk", record)
+
+
+def additive_inputs(batch=2, heads=4, length=40, dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query, key, value = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(3))
+    energy = torch.randn(heads, dim, generator=generator)
+    causal = torch.full((length, length), torch.finfo(torch.float32).min).triu(1)[None, None]
+    return query, key, value, energy, causal
+
+
+def naive_additive(query, key, value, energy, mask):
+    scores = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy) + mask
+    return torch.matmul(scores.softmax(-1), value).transpose(1, 2)
+
+
+def test_additive_kernel_bounds_memory_per_chunk(monkeypatch):
+    """With a 16 KiB budget no chunk's (B, H, c, K, A) tanh tensor may exceed it, and the result is unchanged."""
+    query, key, value, energy, mask = additive_inputs()
+    monkeypatch.setattr(kernels, "ADDITIVE_CHUNK_BYTES", 16 * 1024)
+    recorder = _Recorder(monkeypatch)
+    module = SimpleNamespace(num_key_value_groups=1, training=False, config=SimpleNamespace(output_attentions=False))
+    out, weights = kernels.additive_attention_forward(module, query, key, value, mask, energy=energy)
+    torch.testing.assert_close(out, naive_additive(query, key, value, energy, mask), atol=1e-5, rtol=0)
+    assert weights is None
+    assert len(recorder.chunks) > 1
+    for (b, h, c, a), (_, _, k, _) in recorder.chunks:
+        assert b * h * c * k * a * 4 <= 16 * 1024
+
+
+def test_additive_checkpointed_chunks_give_the_same_gradients():
+    query, key, value, energy, mask = additive_inputs(length=24)
+    grads = []
+    for chunk_size in (24, 5):
+        leaves = [t.clone().requires_grad_() for t in (query, key, value, energy)]
+        module = SimpleNamespace(num_key_value_groups=1, training=True, config=SimpleNamespace(output_attentions=False))
+        out, _ = kernels.additive_attention_forward(module, *leaves[:3], mask, energy=leaves[3], chunk_size=chunk_size)
+        out.square().sum().backward()
+        grads.append([leaf.grad for leaf in leaves])
+    for full, chunked in zip(*grads, strict=True):
+        torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
