@@ -41,7 +41,7 @@ from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
         ),
         (dict(rope_parameters={"rope_type": "magic"}), r"rope_type'\]='magic' is not one of \['default', 'linear'"),
         (dict(eos_token_id=128), r"eos_token_id=128 is outside the vocabulary \[0, 128\)"),
-    ],  # fmt: skip
+    ],
 )
 def test_invalid_values_fail_at_construction_naming_field_value_and_choices(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -89,7 +89,7 @@ def llama_rotary(config):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         },
-    ],  # fmt: skip
+    ],
     ids=["default", "theta500", "linear", "llama3"],
 )
 def test_rope_matches_transformers_llama(rope_parameters):
