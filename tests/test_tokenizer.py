@@ -1,0 +1,60 @@
+"""The offline byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from plugformer import train_tokenizer
+from plugformer.corpus import arithmetic_sentences
+from plugformer.tokenization import IM_END, generation_eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(arithmetic_sentences(2000), vocab_size=400)
+
+
+def test_vocabulary_size_and_special_tokens(tokenizer):
+    assert len(tokenizer) == 400
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<|pad|>", "<|bos|>", "<|endoftext|>")
+    assert tokenizer.pad_token_id == 0 and tokenizer.mask_token == "<|mask|>"
+    # BPE learned the corpus: a frequent word is one token, not its bytes
+    assert len(tokenizer.tokenize(" plus")) == 1
+
+
+@pytest.mark.parametrize("text", ["12 plus 7 is 19.", "naïve café – 東京 🚀\n\ttabs", ""])
+def test_any_text_round_trips_exactly(tokenizer, text):
+    """Byte-level: every byte is in the alphabet, so unseen characters encode without unknown tokens."""
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+
+
+def test_reloads_with_auto_tokenizer(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "The sum of 41 and 1 is 42. 東京"
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert reloaded.chat_template == tokenizer.chat_template
+    assert reloaded.pad_token_id == tokenizer.pad_token_id
+
+
+def test_chat_template_marks_assistant_tokens(tokenizer):
+    messages = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    encoded = tokenizer.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    kept = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"], strict=True) if m]
+    assert tokenizer.decode(kept) == "4<|im_end|>"
+
+
+def test_generation_stops_at_end_of_text_and_end_of_turn(tokenizer):
+    assert generation_eos_token_ids(tokenizer) == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)]
+
+
+def test_too_small_vocabulary_is_refused():
+    with pytest.raises(ValueError, match=r"vocab_size=100 must be an int >= 263"):
+        train_tokenizer(["hello"], vocab_size=100)
