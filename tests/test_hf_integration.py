@@ -51,7 +51,7 @@ def saved_model(tokenizer, tmp_path_factory):
 
 
 def test_auto_classes_resolve_to_plugformer(saved_model):
-    directory, model = saved_model
+    directory, _ = saved_model
     assert type(AutoModel.from_pretrained(directory)) is PlugformerModel
     assert type(AutoModelForCausalLM.from_pretrained(directory)) is PlugformerForCausalLM
     assert type(AutoModel.from_config(tiny_config())) is PlugformerModel
