@@ -39,6 +39,10 @@ from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
             ),
             r"needs an even hidden_size, got 33",
         ),
+        (
+            dict(position_scheme="t5_bias", relative_attention_num_buckets=2),
+            r"relative_attention_num_buckets=2 must be >= 4",
+        ),
         (dict(rope_parameters={"rope_type": "magic"}), r"rope_type'\]='magic' is not one of \['default', 'linear'"),
         (dict(eos_token_id=128), r"eos_token_id=128 is outside the vocabulary \[0, 128\)"),
     ],

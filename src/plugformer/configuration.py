@@ -9,7 +9,6 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES
@@ -214,7 +213,7 @@ class PlugformerConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         if getattr(self, "auto_map", None) is None:
             self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
-        self._validate_positions()
+        POSITION_SCHEMES.get(self.position_scheme).validate_config(self)
 
     def _default_intermediate_size(self) -> int:
         if self.ffn_type == "glu":  # 3 matrices of 8/3·d ≈ the parameters of 2 of 4·d
@@ -249,29 +248,6 @@ class PlugformerConfig(PreTrainedConfig):
             _in_range(self, field, 0.0, 1.0)
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
-
-    def _validate_positions(self) -> None:
-        if self.position_scheme == "sinusoidal" and self.hidden_size % 2:
-            raise ValueError(f"position_scheme='sinusoidal' needs an even hidden_size, got {self.hidden_size}")
-        if self.position_scheme == "rope":
-            _choice(
-                "rope_parameters['rope_type']", self.rope_parameters["rope_type"], ["default", *ROPE_INIT_FUNCTIONS]
-            )
-            factor = self.rope_parameters.get("partial_rotary_factor", 1.0)
-            if int(self.head_dim * factor) % 2:
-                raise ValueError(f"position_scheme='rope' rotates pairs of dimensions: head_dim={self.head_dim} "
-                                 f"(× partial_rotary_factor={factor}) must be even")  # fmt: skip
-        if self.relative_attention_num_buckets > self.relative_attention_max_distance:
-            raise ValueError(
-                f"relative_attention_num_buckets={self.relative_attention_num_buckets} must not exceed "
-                f"relative_attention_max_distance={self.relative_attention_max_distance} (T5 buckets cover distances "
-                "up to the max distance)"
-            )
-        if self.relative_attention_num_buckets < 4:
-            raise ValueError(
-                f"relative_attention_num_buckets={self.relative_attention_num_buckets} must be >= 4 (half exact, half "
-                "logarithmic buckets, for each direction of an encoder)"
-            )
 
     def validate_token_ids(self):
         """Special token ids must be valid rows of the embedding (transformers only warns)."""

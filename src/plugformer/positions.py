@@ -54,6 +54,10 @@ class PositionScheme(nn.Module):
         # Encoders (config.is_causal=False) see keys on both sides of the query.
         self.bidirectional = not getattr(config, "is_causal", True)
 
+    @classmethod
+    def validate_config(cls, config: PlugformerConfig) -> None:
+        """Raises a `ValueError` naming the field if `config` cannot use this scheme."""
+
     def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 
@@ -96,6 +100,11 @@ class SinusoidalPositions(PositionScheme):
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)
         self.dim = config.hidden_size
+
+    @classmethod
+    def validate_config(cls, config):
+        if config.hidden_size % 2:
+            raise ValueError(f"position_scheme='sinusoidal' needs an even hidden_size, got {config.hidden_size}")
 
     def embed(self, position_ids, dtype):
         return sinusoidal_table(position_ids, self.dim).to(dtype)
@@ -140,6 +149,19 @@ class RotaryPositions(PositionScheme):
         inv_freq, self.attention_scaling = self._init_fn()(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @classmethod
+    def validate_config(cls, config):
+        rope_type = config.rope_parameters["rope_type"]
+        choices = ["default", *ROPE_INIT_FUNCTIONS]
+        if rope_type not in choices:
+            raise ValueError(f"rope_parameters['rope_type']={rope_type!r} is not one of {choices}")
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        if int(config.head_dim * factor) % 2:
+            raise ValueError(
+                f"position_scheme='rope' rotates pairs of dimensions: head_dim={config.head_dim} "
+                f"(× partial_rotary_factor={factor}) must be even"
+            )
 
     def _init_fn(self) -> Callable:
         return self.default_inv_freq if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
@@ -256,6 +278,20 @@ class T5BucketBias(PositionScheme):
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
         self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+
+    @classmethod
+    def validate_config(cls, config):
+        buckets, distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
+        if buckets > distance:
+            raise ValueError(
+                f"relative_attention_num_buckets={buckets} must not exceed relative_attention_max_distance={distance} "
+                "(T5 buckets cover distances up to the max distance)"
+            )
+        if buckets < 4:
+            raise ValueError(
+                f"relative_attention_num_buckets={buckets} must be >= 4 (half exact, half logarithmic buckets, for "
+                "each direction of an encoder)"
+            )
 
     def bias(self, query_slots, key_slots):
         distance = relative_distances(query_slots, key_slots)
