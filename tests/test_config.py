@@ -29,7 +29,7 @@ from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
         (dict(vocab_size=-5), r"vocab_size=-5 must be a positive integer"),
         (dict(attention_dropout=1.0), r"attention_dropout=1.0 must lie in \[0.0, 1.0\)"),
         (
-            dict(relative_attention_num_buckets=32, relative_attention_max_distance=16),
+            dict(position_scheme="t5_bias", relative_attention_num_buckets=32, relative_attention_max_distance=16),
             r"relative_attention_num_buckets=32 must not exceed relative_attention_max_distance=16",
         ),
         (dict(position_scheme="rope", head_dim=7), r"head_dim=7 .* must be even"),
