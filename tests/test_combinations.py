@@ -156,3 +156,15 @@ def test_head_sharing_variants(score, scheme, kernel, num_key_value_heads, token
     model.train()
     model(tokens, labels=tokens).loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa")))
+def test_packed_documents_match_each_document_alone(score, scheme, kernel, tokens):
+    """TRL's packing passes position_ids restarting per document and no attention mask; documents stay apart."""
+    model = build(tiny_config(score, scheme), kernel)
+    first, second = tokens[0, :7], tokens[1, :5]
+    packed = torch.cat([first, second])[None]
+    position_ids = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    logits = full_logits(model, packed, position_ids=position_ids)
+    torch.testing.assert_close(logits[:, :7], full_logits(model, first[None]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[:, 7:], full_logits(model, second[None]), atol=ATOL, rtol=0)

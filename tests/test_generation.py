@@ -145,3 +145,22 @@ def test_tensor_parallel_plan_and_no_split_modules_name_real_modules():
         regex = re.compile("model." + pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
         assert any(regex.match(name) for name in names), pattern
     assert {type(m).__name__ for m in model.modules()} >= set(model._no_split_modules)
+
+
+def test_compiled_fullgraph_decoding_with_a_static_cache(tokens):
+    """`_can_compile_fullgraph`: a decode step compiles whole with a learned bias indexed by the static cache."""
+    from transformers import StaticCache
+
+    model = build(tiny_config("scaled_dot", "t5_bias"), "sdpa")
+    prompt = tokens[:1, :8]
+    expected = model.generate(prompt, max_new_tokens=5, do_sample=False)[:, 8:]
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    step = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        token = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        generated = [token]
+        for position in range(8, 12):
+            logits = step(input_ids=token, cache=cache, use_cache=True, position_ids=torch.tensor([[position]])).logits
+            token = logits[:, -1:].argmax(-1)
+            generated.append(token)
+    assert torch.equal(torch.cat(generated, dim=1), expected)
