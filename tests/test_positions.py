@@ -89,19 +89,22 @@ def llama_rotary(config):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
     ],
-    ids=["default", "theta500", "linear", "llama3"],
+    ids=["default", "theta500", "linear", "llama3", "yarn", "dynamic"],
 )
 def test_rope_matches_transformers_llama(rope_parameters):
     config = tiny_config(scheme="rope", rope_parameters=rope_parameters)
     ours, reference = POSITION_SCHEMES.get("rope")(config), llama_rotary(config)
     generator = torch.Generator().manual_seed(0)
     query, key = torch.randn(2, 4, 10, 8, generator=generator), torch.randn(2, 4, 10, 8, generator=generator)
-    ids = torch.arange(3, 13)[None].expand(2, -1)
     hidden = torch.zeros(2, 10, 32)
-    expected = apply_rotary_pos_emb(query, key, *reference(hidden, ids))
-    actual = apply_rotary(query, key, *ours.rotary(hidden, ids))
-    torch.testing.assert_close(actual, expected)
+    for start in (3, 90):  # 90: past max_position_embeddings=64, where "dynamic" rescales its frequencies
+        ids = torch.arange(start, start + 10)[None].expand(2, -1)
+        expected = apply_rotary_pos_emb(query, key, *reference(hidden, ids))
+        actual = apply_rotary(query, key, *ours.rotary(hidden, ids))
+        torch.testing.assert_close(actual, expected)
 
 
 def test_rope_scores_depend_on_relative_offset_only():

@@ -97,15 +97,12 @@ class MLP(nn.Module):
 
 
 @FEED_FORWARDS.register("glu")
-class GatedMLP(nn.Module):
+class GatedMLP(MLP):
     """down(act(gate(x)) * up(x)) (Shazeer 2020): SwiGLU with `hidden_act="silu"` (Llama), GeGLU with "gelu"."""
 
     def __init__(self, config: PlugformerConfig):
-        super().__init__()
+        super().__init__(config)
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
