@@ -7,6 +7,9 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedTokenizerFast,
 )
@@ -14,7 +17,14 @@ from transformers import (
 from .capabilities import KERNELS, combination_matrix, supported_kernels
 from .configuration import PRESETS, PlugformerConfig
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
-from .modeling import PlugformerForCausalLM, PlugformerModel, PlugformerPreTrainedModel
+from .modeling import (
+    PlugformerForCausalLM,
+    PlugformerForMaskedLM,
+    PlugformerForSequenceClassification,
+    PlugformerForTokenClassification,
+    PlugformerModel,
+    PlugformerPreTrainedModel,
+)
 from .positions import POSITION_SCHEMES
 from .registry import Registry
 from .scores import ATTENTION_SCORES
@@ -28,6 +38,9 @@ __version__ = "0.1.0"
 AUTO_CLASSES = {
     AutoModel: PlugformerModel,
     AutoModelForCausalLM: PlugformerForCausalLM,
+    AutoModelForMaskedLM: PlugformerForMaskedLM,
+    AutoModelForSequenceClassification: PlugformerForSequenceClassification,
+    AutoModelForTokenClassification: PlugformerForTokenClassification,
 }
 
 AutoConfig.register(PlugformerConfig.model_type, PlugformerConfig, exist_ok=True)
@@ -48,6 +61,9 @@ __all__ = [
     "PRESETS",
     "PlugformerConfig",
     "PlugformerForCausalLM",
+    "PlugformerForMaskedLM",
+    "PlugformerForSequenceClassification",
+    "PlugformerForTokenClassification",
     "PlugformerModel",
     "PlugformerPreTrainedModel",
     "Registry",

@@ -77,6 +77,9 @@ DEFAULT_AUTO_MAP = {
     "AutoConfig": "configuration.PlugformerConfig",
     "AutoModel": "modeling.PlugformerModel",
     "AutoModelForCausalLM": "modeling.PlugformerForCausalLM",
+    "AutoModelForMaskedLM": "modeling.PlugformerForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling.PlugformerForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling.PlugformerForTokenClassification",
 }
 
 
@@ -130,6 +133,8 @@ class PlugformerConfig(PreTrainedConfig):
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
+        is_causal (`bool`, *optional*, defaults to `True`): `True` for a GPT-style decoder (masked self-attention),
+            `False` for a BERT-style bidirectional encoder (masked LM, classification heads).
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type`, `rope_theta`, scaling
             factors); used by `position_scheme="rope"`.
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
@@ -183,6 +188,7 @@ class PlugformerConfig(PreTrainedConfig):
     norm_type: str = "rmsnorm"
     norm_placement: str = "pre"
     ffn_type: str = "glu"
+    is_causal: bool = True
     rope_parameters: dict | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128

@@ -14,7 +14,13 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -41,7 +47,7 @@ class PlugformerAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
-        self.is_causal = getattr(config, "is_causal", True)
+        self.is_causal = config.is_causal
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
@@ -261,13 +267,14 @@ class PlugformerModel(PlugformerPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
+        if use_cache and cache is None and self.config.is_causal:  # an encoder has nothing to decode
             cache = DynamicCache(config=self.config)
         refuse_flex_with_static_cache(self.config, cache)
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
             past_length = cache.get_seq_length() if cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
+        # `create_causal_mask` builds the bidirectional mask itself when config.is_causal is False (an encoder)
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -358,4 +365,168 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+        )
+
+
+def require_encoder(config: PlugformerConfig, head: str) -> None:
+    if config.is_causal:
+        raise ValueError(
+            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
+            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
+        )
+
+
+class PlugformerForMaskedLM(PlugformerPreTrainedModel):
+    """BERT-style masked-token prediction on a bidirectional stack (`is_causal=False`); the head is tied to the
+    input embedding when `tie_word_embeddings`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: PlugformerConfig):
+        require_encoder(config, type(self).__name__)
+        super().__init__(config)
+        self.model = PlugformerModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        r"""
+        Args:
+            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): The original ids at
+                masked positions, -100 elsewhere (no shift: every position predicts itself).
+        """
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
+        )  # fmt: skip
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+def last_token_indices(
+    input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, pad_token_id
+) -> torch.Tensor | int:
+    """Index of each row's last real token (left or right padding): from the mask, else from the pad id, else -1."""
+    if attention_mask is not None and attention_mask.ndim == 2:
+        mask = attention_mask
+    elif input_ids is not None and pad_token_id is not None:
+        mask = input_ids != pad_token_id
+    else:
+        return -1
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return (positions * mask.to(torch.long)).argmax(-1)
+
+
+class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
+    """A linear `score` head on the last real token of each sequence (as transformers' decoder models pool).
+
+    Serves encoders (`is_causal=False`) and decoders alike; with `num_labels=1` it is a regression head, the reward
+    model TRL's `RewardTrainer` trains.
+    """
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = PlugformerModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        r"""
+        Args:
+            labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*): Class ids (cross-entropy), or
+                targets for `num_labels=1` (mean squared error); `config.problem_type` decides as in transformers.
+        """
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
+        if (
+            attention_mask is None
+            and input_ids is not None
+            and self.config.pad_token_id is None
+            and input_ids.shape[0] > 1
+        ):
+            raise ValueError(
+                "A batch of several sequences needs an attention_mask or config.pad_token_id to find each last token"
+            )
+        logits = self.score(outputs.last_hidden_state)  # (B, T, num_labels)
+        last = last_token_indices(input_ids, attention_mask, self.config.pad_token_id)
+        pooled = logits[torch.arange(logits.shape[0], device=logits.device), last]  # (B, num_labels)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )  # fmt: skip
+
+
+class PlugformerForTokenClassification(PlugformerPreTrainedModel):
+    """A linear `score` head on every token (tagging, NER); best on a bidirectional encoder."""
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = PlugformerModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
+        r"""
+        Args:
+            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Tag ids, -100 ignored.
+        """
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
+        )  # fmt: skip
+        logits = self.score(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -52,7 +52,7 @@ class PositionScheme(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         # Encoders (config.is_causal=False) see keys on both sides of the query.
-        self.bidirectional = not getattr(config, "is_causal", True)
+        self.bidirectional = not config.is_causal
 
     @classmethod
     def validate_config(cls, config: PlugformerConfig) -> None:
