@@ -28,3 +28,30 @@ def arithmetic_sentences(count: int, seed: int = 0, max_operand: int = 99) -> li
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         sentences.append(rng.choice(TEMPLATES).format(a=a, b=b, s=a + b))
     return sentences
+
+
+SUBJECTS = ("the movie", "the food", "this book", "the service", "my day", "the concert", "the hotel", "the game")
+VERBS = ("was", "is", "seemed", "felt")
+POSITIVE = ("great", "wonderful", "good", "excellent", "lovely", "fun", "delightful")
+NEGATIVE = ("awful", "bad", "terrible", "boring", "horrible", "dull", "disappointing")
+SENTIMENT_LABELS = {0: "NEGATIVE", 1: "POSITIVE"}
+
+
+def sentiment_examples(count: int, seed: int = 0) -> list[tuple[str, int]]:
+    """`count` (sentence, label) pairs from a tiny lexicon grammar: "the food was not really good" -> 0.
+
+    The label is the adjective's polarity, flipped by "not": a model has to combine two words that can be far apart,
+    so a bag of words is not enough. Labels: 0 = NEGATIVE, 1 = POSITIVE.
+    """
+    if count < 0:
+        raise ValueError(f"count={count!r} must be >= 0")
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        positive = rng.random() < 0.5
+        negated = rng.random() < 0.4
+        words = [rng.choice(SUBJECTS), rng.choice(VERBS)]
+        words += ["not"] * negated + ["really"] * (rng.random() < 0.3)
+        words.append(rng.choice(POSITIVE if positive else NEGATIVE))
+        examples.append((" ".join(words), int(positive != negated)))
+    return examples
