@@ -69,7 +69,8 @@ def score_with_weights(name):
 def run_kernel(name, kernel):
     config, score = score_with_weights(name)
     module = SimpleNamespace(num_key_value_groups=1, training=False, is_causal=False, config=config)
-    query, key = score.prepare(torch.tensor(Q)[None, None], torch.tensor(K)[None, None])  # (1, 1, 3, 2)
+    query = score.prepare_query(torch.tensor(Q)[None, None])  # (1, 1, 3, 2)
+    key = score.prepare_key(torch.tensor(K)[None, None])
     value = torch.tensor(V)[None, None]
     function = score.eager_kernel if kernel == "eager" else sdpa_attention_forward
     out, _ = function(module, query, key, value, None, scaling=score.scaling, **score.kernel_kwargs())

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
+    BaseModelOutput,
     BaseModelOutputWithPast,
+    BaseModelOutputWithPastAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
     SequenceClassifierOutputWithPast,
@@ -25,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
 from .configuration import PlugformerConfig
@@ -35,19 +37,20 @@ from .scores import ATTENTION_SCORES, AttentionScore
 
 
 class PlugformerAttention(nn.Module):
-    """Multi-head attention with GQA/MQA; the score function and the kernel are plugged in.
+    """Multi-head self-attention with GQA/MQA; the score function and the kernel are plugged in.
 
-    Order (fixed): project -> rotate (RoPE) -> score `prepare` -> cache update -> kernel (+ position bias).
+    Order (fixed): project -> rotate (RoPE) -> score `prepare_query`/`prepare_key` -> cache update -> kernel
+    (+ position bias).
     """
 
-    def __init__(self, config: PlugformerConfig, layer_idx: int):
+    def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
-        self.is_causal = config.is_causal
+        self.is_causal = is_causal
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
@@ -55,26 +58,13 @@ class PlugformerAttention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        position_bias: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        **kwargs,
+    def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
+
+    def attend(
+        self, query, key, value, attention_mask, position_bias, kwargs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, D)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
-        if position_embeddings is not None:
-            query, key = apply_rotary(query, key, *position_embeddings)
-        query, key = self.score.prepare(query, key)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+        """Runs the configured kernel and the output projection; `query` (B, H, Q, ·) is already prepared."""
         if position_bias is not None:
             # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
             position_bias = position_bias.expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
@@ -93,20 +83,74 @@ class PlugformerAttention(nn.Module):
             **self.score.kernel_kwargs(),
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H·D)
+        attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()  # (B, Q, H, D) -> (B, Q, H·D)
         return self.o_proj(attn_output), attn_weights
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_bias: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
+        key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
+        value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, key, *position_embeddings)
+        query, key = self.score.prepare_query(query), self.score.prepare_key(key)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        return self.attend(query, key, value, attention_mask, position_bias, kwargs)
+
+
+class PlugformerCrossAttention(PlugformerAttention):
+    """Encoder-decoder attention: queries from the decoder, keys and values from the encoder output, scored by the
+    configured score function (additive = Bahdanau's setup). No position scheme applies (as in T5 and Bart). The
+    encoder's keys and values are computed once and kept in the cross-attention half of an `EncoderDecoderCache`.
+    """
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx, is_causal=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.score.prepare_query(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, ·)
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            key, value = layer.keys, layer.values
+        else:
+            key = self.score.prepare_key(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, ·)
+            value = self.split_heads(self.v_proj(encoder_hidden_states))  # (B, H_kv, S, D)
+            if cache is not None:
+                key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+        return self.attend(query, key, value, attention_mask, None, kwargs)
 
 
 class PlugformerDecoderLayer(GradientCheckpointingLayer):
-    """Attention and feed-forward sublayers, each wrapped by the configured norm placement (pre or post)."""
+    """Self-attention (and, in a seq2seq decoder, cross-attention) and a feed-forward block, each wrapped by the
+    configured norm placement (pre or post)."""
 
-    def __init__(self, config: PlugformerConfig, layer_idx: int):
+    def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True, cross_attention: bool = False):
         super().__init__()
-        self.self_attn = PlugformerAttention(config, layer_idx)
+        self.self_attn = PlugformerAttention(config, layer_idx, is_causal)
         self.mlp = FEED_FORWARDS.get(config.ffn_type)(config)
         norm = NORMS.get(config.norm_type)
         self.input_layernorm = norm(config)  # around attention (before it when pre, after the add when post)
         self.post_attention_layernorm = norm(config)  # around the feed-forward block
+        if cross_attention:
+            self.cross_attn = PlugformerCrossAttention(config, layer_idx)
+            self.cross_attn_layernorm = norm(config)
         self.placement = NORM_PLACEMENTS.get(config.norm_placement)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -115,14 +159,18 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_bias: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
+        cross_cache: EncoderDecoderCache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        # `position_bias` is positional: a learned bias needs its gradient under reentrant checkpointing.
+        # `position_bias` and `encoder_hidden_states` are positional: they need their gradients under reentrant
+        # checkpointing.
         def attend(x: torch.Tensor) -> torch.Tensor:
             out, _ = self.self_attn(
                 x,
@@ -136,7 +184,15 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
             )
             return self.dropout(out)
 
+        def attend_to_encoder(x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.cross_attn(
+                x, encoder_hidden_states, attention_mask=encoder_attention_mask, cache=cross_cache, **kwargs
+            )
+            return self.dropout(out)
+
         hidden_states = self.placement.residual(hidden_states, attend, self.input_layernorm)
+        if encoder_hidden_states is not None:
+            hidden_states = self.placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
         return self.placement.residual(
             hidden_states, lambda x: self.dropout(self.mlp(x)), self.post_attention_layernorm
         )
@@ -153,7 +209,11 @@ class PlugformerPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True  # where `capabilities` allows: dot-product scores without a score bias
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": PlugformerDecoderLayer, "attentions": PlugformerAttention}
+    _can_record_outputs = {
+        "hidden_states": PlugformerDecoderLayer,
+        "attentions": OutputRecorder(PlugformerAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(PlugformerCrossAttention, index=1, layer_name="cross_attn"),
+    }
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
@@ -207,14 +267,37 @@ def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None)
 
 
 class PlugformerModel(PlugformerPreTrainedModel):
-    """The bare transformer stack returning `last_hidden_state` (and the cache)."""
+    """The bare transformer stack returning `last_hidden_state` (and the cache).
 
-    def __init__(self, config: PlugformerConfig):
+    By default a decoder (`config.is_causal=True`) or an encoder (`False`); a seq2seq model builds one of each
+    from the same config, the decoder with cross-attention and the encoder's embedding.
+
+    Args:
+        config ([`PlugformerConfig`]): The configuration.
+        is_causal (`bool`, *optional*): Overrides `config.is_causal` for this stack.
+        cross_attention (`bool`, *optional*, defaults to `False`): Add encoder-decoder attention to every block.
+        num_layers (`int`, *optional*): Number of blocks; defaults to `config.num_hidden_layers`.
+        embed_tokens (`nn.Embedding`, *optional*): An embedding shared with another stack.
+    """
+
+    def __init__(
+        self,
+        config: PlugformerConfig,
+        is_causal: bool | None = None,
+        cross_attention: bool = False,
+        num_layers: int | None = None,
+        embed_tokens: nn.Embedding | None = None,
+    ):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.positions = POSITION_SCHEMES.get(config.position_scheme)(config)
+        self.is_causal = config.is_causal if is_causal is None else is_causal
+        self.cross_attention = cross_attention
+        self.embed_tokens = embed_tokens or nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(PlugformerDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(
+            PlugformerDecoderLayer(config, i, self.is_causal, cross_attention) for i in range(num_layers)
+        )
         final_norm = NORM_PLACEMENTS.get(config.norm_placement).final_norm
         self.norm = NORMS.get(config.norm_type)(config) if final_norm else nn.Identity()
         self.gradient_checkpointing = False
@@ -225,6 +308,19 @@ class PlugformerModel(PlugformerPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
+
+    def _new_cache(self) -> Cache:
+        if self.cross_attention:  # self-attention keys grow per step; the encoder's are computed once
+            return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        return DynamicCache(config=self.config)
+
+    def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
+        if self.is_causal:
+            return create_causal_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                position_ids=position_ids,
+            )  # fmt: skip
+        return create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
 
     def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
         """The score bias `(1, H, Q, K)` over the cache slots the kernel will see (same sizes as the mask)."""
@@ -249,8 +345,10 @@ class PlugformerModel(PlugformerPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        encoder_hidden_states: torch.FloatTensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         r"""
         Args:
             input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): Token ids.
@@ -258,31 +356,39 @@ class PlugformerModel(PlugformerPreTrainedModel):
                 tokens to attend to, 0 for padding.
             position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Absolute
                 positions; derived from `attention_mask` when not given.
-            cache (`Cache`, *optional*): Keys and values of earlier tokens (`DynamicCache`, `StaticCache`, ...).
+            cache (`Cache`, *optional*): Keys and values of earlier tokens (`DynamicCache`, `StaticCache`, ...;
+                an `EncoderDecoderCache` for a decoder with cross-attention).
             inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
                 Embeddings to use instead of `input_ids`.
-            use_cache (`bool`, *optional*): Return the updated cache; defaults to `config.use_cache`.
+            use_cache (`bool`, *optional*): Return the updated cache (causal stacks only); defaults to
+                `config.use_cache`.
+            encoder_hidden_states (`torch.FloatTensor` of shape `(batch_size, source_length, hidden_size)`,
+                *optional*): The encoder output cross-attention reads (stacks built with `cross_attention=True`).
+            encoder_attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*): Padding
+                mask of the encoder output.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if encoder_hidden_states is not None and not self.cross_attention:
+            raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and cache is None and self.config.is_causal:  # an encoder has nothing to decode
-            cache = DynamicCache(config=self.config)
+        if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
+            cache = self._new_cache()
         refuse_flex_with_static_cache(self.config, cache)
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
-            past_length = cache.get_seq_length() if cache is not None else 0
+            past_length = self_cache.get_seq_length() if self_cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
-        # `create_causal_mask` builds the bidirectional mask itself when config.is_causal is False (an encoder)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        position_bias = self._position_bias(cache, query_length, inputs_embeds.dtype, inputs_embeds.device)
+        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
+        encoder_mask = None
+        if encoder_hidden_states is not None:
+            encoder_mask = create_bidirectional_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+            )  # fmt: skip
+        position_bias = self._position_bias(self_cache, query_length, inputs_embeds.dtype, inputs_embeds.device)
         hidden_states = inputs_embeds
         absolute = self.positions.embed(position_ids, inputs_embeds.dtype)
         if absolute is not None:
@@ -293,14 +399,17 @@ class PlugformerModel(PlugformerPreTrainedModel):
             hidden_states = layer(
                 hidden_states,
                 position_bias,
+                encoder_hidden_states,
                 attention_mask=mask,
+                encoder_attention_mask=encoder_mask,
                 position_ids=position_ids,
-                cache=cache,
+                cache=self_cache,
+                cross_cache=cache if isinstance(cache, EncoderDecoderCache) else None,
                 use_cache=use_cache,
                 position_embeddings=rotary,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
 class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):

@@ -48,11 +48,11 @@ class PositionScheme(nn.Module):
     learned_bias = False
     max_positions: str | None = None
 
-    def __init__(self, config: PlugformerConfig):
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
-        # Encoders (config.is_causal=False) see keys on both sides of the query.
-        self.bidirectional = not config.is_causal
+        # Encoders see keys on both sides of the query; by default the config says which this stack is.
+        self.bidirectional = not config.is_causal if bidirectional is None else bidirectional
 
     @classmethod
     def validate_config(cls, config: PlugformerConfig) -> None:
@@ -97,8 +97,8 @@ def sinusoidal_table(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
 class SinusoidalPositions(PositionScheme):
     """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works."""
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.dim = config.hidden_size
 
     @classmethod
@@ -116,8 +116,8 @@ class LearnedPositions(PositionScheme):
 
     max_positions = "max_position_embeddings"
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     def embed(self, position_ids, dtype):
@@ -140,8 +140,8 @@ class RotaryPositions(PositionScheme):
     `rotate_half`, so weights converted from Llama give identical logits.
     """
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.config = config
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
@@ -232,8 +232,8 @@ class AlibiPositions(PositionScheme):
 
     has_bias = True
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.slopes = nn.Buffer(alibi_slopes(self.num_heads), persistent=False)
 
     def bias(self, query_slots, key_slots):
@@ -273,8 +273,8 @@ class T5BucketBias(PositionScheme):
     has_bias = True
     learned_bias = True
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
         self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
@@ -309,8 +309,8 @@ class ClampedDistanceBias(PositionScheme):
     has_bias = True
     learned_bias = True
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
         self.max_distance = config.max_relative_distance
         num_distances = 2 * self.max_distance + 1 if self.bidirectional else self.max_distance + 1
         self.relative_attention_bias = nn.Embedding(num_distances, self.num_heads)

@@ -1,8 +1,8 @@
 """Attention score functions: one registered class per `config.attention_score`.
 
 A score function turns projected queries and keys into what a kernel consumes, and says which kernels can
-compute it. Inside attention the order is fixed: project -> rotate (position) -> `prepare` (this module) ->
-cache update -> kernel. `prepare` runs *before* the cache update, so the cache holds keys exactly as the kernel
+compute it. Inside attention the order is fixed: project -> rotate (position) -> `prepare_query`/`prepare_key` (this
+module) -> cache update -> kernel. Preparation runs *before* the cache update, so the cache holds keys exactly as the kernel
 consumes them and cached decoding equals the full forward.
 
 - `dot`: e = q·k (scaling 1);
@@ -55,9 +55,13 @@ class AttentionScore(nn.Module):
     def scaling(self) -> float:
         return 1.0
 
-    def prepare(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H, Q, D), (B, H_kv, K, D) -> what the kernel consumes."""
-        return query, key
+    def prepare_query(self, query: torch.Tensor) -> torch.Tensor:
+        """(B, H, Q, D) -> the query the kernel consumes."""
+        return query
+
+    def prepare_key(self, key: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, K, D) -> the key the kernel consumes (and the cache stores)."""
+        return key
 
     def kernel_kwargs(self) -> dict:
         """Extra keyword arguments for the kernel (e.g. the additive energy vector)."""
@@ -94,9 +98,9 @@ class MultiplicativeScore(AttentionScore):
         super().__init__(config)
         self.weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
 
-    def prepare(self, query, key):
+    def prepare_query(self, query):
         # (W_hᵀ q)_e = sum_d q_d W_h[d, e]
-        return torch.einsum("bhqd,hde->bhqe", query, self.weight.to(query.dtype)), key
+        return torch.einsum("bhqd,hde->bhqe", query, self.weight.to(query.dtype))
 
     def reset_parameters(self, config):
         eye = torch.eye(self.head_dim, device=self.weight.device, dtype=self.weight.dtype)
@@ -122,10 +126,11 @@ class AdditiveScore(AttentionScore):
         self.energy = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
         self.chunk_size = config.additive_chunk_size
 
-    def prepare(self, query, key):
-        query = torch.einsum("bhqd,hda->bhqa", query, self.query_weight.to(query.dtype))  # (B, H, Q, A)
-        key = torch.einsum("bhkd,hda->bhka", key, self.key_weight.to(key.dtype))  # (B, H_kv, K, A)
-        return query, key
+    def prepare_query(self, query):
+        return torch.einsum("bhqd,hda->bhqa", query, self.query_weight.to(query.dtype))  # (B, H, Q, A)
+
+    def prepare_key(self, key):
+        return torch.einsum("bhkd,hda->bhka", key, self.key_weight.to(key.dtype))  # (B, H_kv, K, A)
 
     def kernel_kwargs(self):
         return {"energy": self.energy, "chunk_size": self.chunk_size}
