@@ -8,6 +8,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -19,6 +20,7 @@ from .configuration import PRESETS, PlugformerConfig
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .modeling import (
     PlugformerForCausalLM,
+    PlugformerForConditionalGeneration,
     PlugformerForMaskedLM,
     PlugformerForSequenceClassification,
     PlugformerForTokenClassification,
@@ -41,6 +43,7 @@ AUTO_CLASSES = {
     AutoModelForMaskedLM: PlugformerForMaskedLM,
     AutoModelForSequenceClassification: PlugformerForSequenceClassification,
     AutoModelForTokenClassification: PlugformerForTokenClassification,
+    AutoModelForSeq2SeqLM: PlugformerForConditionalGeneration,
 }
 
 AutoConfig.register(PlugformerConfig.model_type, PlugformerConfig, exist_ok=True)
@@ -61,6 +64,7 @@ __all__ = [
     "PRESETS",
     "PlugformerConfig",
     "PlugformerForCausalLM",
+    "PlugformerForConditionalGeneration",
     "PlugformerForMaskedLM",
     "PlugformerForSequenceClassification",
     "PlugformerForTokenClassification",

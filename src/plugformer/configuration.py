@@ -80,6 +80,7 @@ DEFAULT_AUTO_MAP = {
     "AutoModelForMaskedLM": "modeling.PlugformerForMaskedLM",
     "AutoModelForSequenceClassification": "modeling.PlugformerForSequenceClassification",
     "AutoModelForTokenClassification": "modeling.PlugformerForTokenClassification",
+    "AutoModelForSeq2SeqLM": "modeling.PlugformerForConditionalGeneration",
 }
 
 
@@ -117,7 +118,8 @@ class PlugformerConfig(PreTrainedConfig):
         hidden_size (`int`, *optional*, defaults to 512): Width d_model of the residual stream.
         intermediate_size (`int`, *optional*): Width of the feed-forward block; defaults to 4·d for `ffn_type="mlp"`
             and to 8/3·d rounded up to a multiple of 64 for `"glu"` (same parameter count).
-        num_hidden_layers (`int`, *optional*, defaults to 8): Number of blocks.
+        num_hidden_layers (`int`, *optional*, defaults to 8): Number of blocks (of the encoder, in a seq2seq model).
+        num_decoder_layers (`int`, *optional*): Decoder blocks of a seq2seq model; defaults to `num_hidden_layers`.
         num_attention_heads (`int`, *optional*, defaults to 8): Query heads h.
         num_key_value_heads (`int`, *optional*): Key/value heads; `h` = multi-head, 1 = MQA, in between = GQA.
             Defaults to `num_attention_heads`.
@@ -152,6 +154,8 @@ class PlugformerConfig(PreTrainedConfig):
         tie_word_embeddings (`bool`, *optional*, defaults to `True`): Share the input embedding and the LM head.
         use_cache (`bool`, *optional*, defaults to `True`): Return a KV cache.
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
+        decoder_start_token_id (`int`, *optional*): First decoder input of a seq2seq model; defaults to the pad id.
+        is_encoder_decoder (`bool`, *optional*, defaults to `False`): Set for [`PlugformerForConditionalGeneration`].
 
     Example:
 
@@ -178,6 +182,7 @@ class PlugformerConfig(PreTrainedConfig):
     hidden_size: int = 512
     intermediate_size: int | None = None
     num_hidden_layers: int = 8
+    num_decoder_layers: int | None = None
     num_attention_heads: int = 8
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -206,6 +211,7 @@ class PlugformerConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    decoder_start_token_id: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -214,6 +220,8 @@ class PlugformerConfig(PreTrainedConfig):
         self._validate_sizes()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_hidden_layers
         if self.intermediate_size is None:
             self.intermediate_size = self._default_intermediate_size()
         super().__post_init__(**kwargs)
@@ -236,7 +244,7 @@ class PlugformerConfig(PreTrainedConfig):
 
     def _validate_sizes(self) -> None:
         _positive(
-            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
             "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size",
         )  # fmt: skip
@@ -257,7 +265,7 @@ class PlugformerConfig(PreTrainedConfig):
 
     def validate_token_ids(self):
         """Special token ids must be valid rows of the embedding (transformers only warns)."""
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             for token_id in value if isinstance(value, list) else [value]:
                 if token_id is not None and not 0 <= token_id < self.vocab_size:

@@ -20,11 +20,12 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
+    Seq2SeqLMOutput,
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -81,7 +82,10 @@ class PlugformerAttention(nn.Module):
             scaling=self.score.scaling,
             position_bias=position_bias,
             **self.score.kernel_kwargs(),
-            **kwargs,
+            # `merge_with_config_defaults` puts config.is_causal in the kwargs and sdpa obeys it over the module's
+            # flag; each attention's direction is fixed when built (a seq2seq encoder and its cross-attention share
+            # the decoder's config).
+            **{**kwargs, "is_causal": self.is_causal},
         )
         attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()  # (B, Q, H, D) -> (B, Q, H·D)
         return self.o_proj(attn_output), attn_weights
@@ -639,3 +643,120 @@ class PlugformerForTokenClassification(PlugformerPreTrainedModel):
         return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher forcing: the decoder reads `[start, y_1 .. y_{n-1}]` to predict `[y_1 .. y_n]` (-100 becomes pad)."""
+    shifted = labels.new_full(labels.shape, decoder_start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, GenerationMixin):
+    """Encoder-decoder transformer (Vaswani et al. 2017): a bidirectional encoder, a causal decoder whose blocks add
+    cross-attention to the encoder output, one embedding shared by both and the LM head.
+
+    Needs `config.is_encoder_decoder=True` and a `pad_token_id`; `decoder_start_token_id` defaults to the pad id
+    (T5's convention). The decoder has `config.num_decoder_layers` blocks (default: `num_hidden_layers`). Positions
+    apply to self-attention in both stacks; cross-attention uses the configured score function without positions.
+    """
+
+    _tied_weights_keys = {
+        "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+        "lm_head.weight": "encoder.embed_tokens.weight",
+    }
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: PlugformerConfig):
+        if not config.is_encoder_decoder or config.pad_token_id is None:
+            raise ValueError(
+                f"{type(self).__name__} needs is_encoder_decoder=True and a pad_token_id, got is_encoder_decoder="
+                f"{config.is_encoder_decoder}, pad_token_id={config.pad_token_id}"
+            )
+        super().__init__(config)
+        self.encoder = PlugformerModel(config, is_causal=False)
+        self.decoder = PlugformerModel(
+            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers,
+            embed_tokens=self.encoder.embed_tokens,
+        )  # fmt: skip
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        if self.generation_config is not None and self.generation_config.decoder_start_token_id is None:
+            self.generation_config.decoder_start_token_id = self.decoder_start_token_id
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.embed_tokens = self.decoder.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: EncoderDecoderCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        decoder_inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`): Source token ids.
+            attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*): Source padding.
+            decoder_input_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*): Decoder
+                inputs; built from `labels` by shifting right when not given.
+            decoder_attention_mask (`torch.Tensor`, *optional*): Decoder padding (with the cached length).
+            encoder_outputs (`BaseModelOutput`, *optional*): A precomputed encoder output (`generate` passes it).
+            cache (`EncoderDecoderCache`, *optional*): Decoder self-attention keys/values and the encoder's
+                cross-attention keys/values (computed once).
+            labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*): Target ids, -100 ignored.
+            logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): As in [`PlugformerForCausalLM`].
+        """
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, ModelOutput):  # a tuple (last_hidden_state, hidden_states, attentions)
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
+        # is_causal=True: the decoder's causal mask reads config.is_causal, which this call pins for its duration
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
+            cache=cache, use_cache=use_cache, encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask, **{**kwargs, "is_causal": True},
+        )  # fmt: skip
+        logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=decoder_outputs.cache,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+    @property
+    def decoder_start_token_id(self) -> int:
+        start = self.config.decoder_start_token_id
+        return self.config.pad_token_id if start is None else start
