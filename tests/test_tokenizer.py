@@ -56,5 +56,14 @@ def test_generation_stops_at_end_of_text_and_end_of_turn(tokenizer):
 
 
 def test_too_small_vocabulary_is_refused():
-    with pytest.raises(ValueError, match=r"vocab_size=100 must be an int >= 263"):
+    with pytest.raises(ValueError, match=r"vocab_size=100 must be an int >= 264"):
         train_tokenizer(["hello"], vocab_size=100)
+
+
+def test_sentence_pairs_are_joined_by_the_separator(tokenizer, tmp_path):
+    single = tokenizer("the food was good")["input_ids"]
+    pair = tokenizer("the food was good", "it was bad")["input_ids"]
+    assert pair[: len(single)] == single and pair[len(single)] == tokenizer.sep_token_id
+    assert tokenizer.decode(pair) == "the food was good<|sep|>it was bad"
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)("a", "b")["input_ids"] == tokenizer("a", "b")["input_ids"]

@@ -17,6 +17,7 @@ from transformers import (
 
 from .capabilities import KERNELS, combination_matrix, supported_kernels
 from .configuration import PRESETS, PlugformerConfig
+from .decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .modeling import (
     PlugformerForCausalLM,
@@ -53,6 +54,14 @@ for _auto_class, _model_class in AUTO_CLASSES.items():
     _model_class.register_for_auto_class(_auto_class.__name__)
 AutoTokenizer.register(PlugformerConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
 
+AutoConfig.register(DecomposableAttentionConfig.model_type, DecomposableAttentionConfig, exist_ok=True)
+DecomposableAttentionConfig.register_for_auto_class()
+AutoModelForSequenceClassification.register(
+    DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification, exist_ok=True
+)
+DecomposableAttentionForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+
 __all__ = [
     "ATTENTION_SCORES",
     "AUTO_CLASSES",
@@ -62,6 +71,8 @@ __all__ = [
     "NORM_PLACEMENTS",
     "POSITION_SCHEMES",
     "PRESETS",
+    "DecomposableAttentionConfig",
+    "DecomposableAttentionForSequenceClassification",
     "PlugformerConfig",
     "PlugformerForCausalLM",
     "PlugformerForConditionalGeneration",

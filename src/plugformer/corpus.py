@@ -55,3 +55,35 @@ def sentiment_examples(count: int, seed: int = 0) -> list[tuple[str, int]]:
         words.append(rng.choice(POSITIVE if positive else NEGATIVE))
         examples.append((" ".join(words), int(positive != negated)))
     return examples
+
+
+NLI_LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
+_PEOPLE = ("the man", "the woman", "a child", "the teacher", "a doctor", "the farmer", "my friend", "the pilot")
+_ACTIONS = ("running", "reading", "cooking", "singing", "sleeping", "painting", "swimming", "working")
+_PLACES = ("park", "kitchen", "garden", "library", "office", "station", "museum", "house")
+_EXTRAS = ("with a friend", "after lunch", "for an hour", "because it is late", "again today")
+
+
+def nli_examples(count: int, seed: int = 0) -> list[tuple[str, str, int]]:
+    """`count` (premise, hypothesis, label) triples; 0 entailment, 1 neutral, 2 contradiction (MNLI's order).
+
+    The label is decidable from word overlap and negation: an entailed hypothesis drops part of the premise, a
+    contradiction negates it, a neutral one adds information the premise does not have.
+    """
+    if count < 0:
+        raise ValueError(f"count={count!r} must be >= 0")
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        person, action, place = rng.choice(_PEOPLE), rng.choice(_ACTIONS), rng.choice(_PLACES)
+        premise = f"{person} is {action} in the {place}"
+        label = rng.randrange(3)
+        claim = rng.choice((f"is {action}", f"is in the {place}"))
+        if label == 0:
+            hypothesis = f"{person} {claim}"
+        elif label == 2:
+            hypothesis = f"{person} {claim.replace('is', 'is not', 1)}"
+        else:
+            hypothesis = f"{person} {claim} {rng.choice(_EXTRAS)}"
+        examples.append((premise, hypothesis, label))
+    return examples

@@ -13,8 +13,9 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 UNK_TOKEN = "<|unk|>"
 MASK_TOKEN = "<|mask|>"
+SEP_TOKEN = "<|sep|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, MASK_TOKEN, IM_START, IM_END]
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, MASK_TOKEN, IM_START, IM_END, SEP_TOKEN]
 
 # ChatML. Each assistant turn ends with <|im_end|> (an end-of-generation token, see `generation_eos_token_ids`);
 # `{% generation %}` marks what TRL's `assistant_only_loss` trains on.
@@ -45,8 +46,8 @@ def train_tokenizer(
         model_max_length (`int`, *optional*, defaults to 2048): Recorded for truncation by pipelines / trainers.
 
     Returns:
-        [`PreTrainedTokenizerFast`]: pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`, mask `<|mask|>`, a ChatML
-        chat template; `save_pretrained(dir)` then `AutoTokenizer.from_pretrained(dir)` reproduces it.
+        [`PreTrainedTokenizerFast`]: pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`, mask `<|mask|>`, sep
+        `<|sep|>` between the texts of a pair, a ChatML chat template; `save_pretrained(dir)` then `AutoTokenizer.from_pretrained(dir)` reproduces it.
     """
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
     if not isinstance(vocab_size, int) or vocab_size < minimum:
@@ -56,7 +57,6 @@ def train_tokenizer(
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
@@ -65,6 +65,12 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    # A sentence pair (premise, hypothesis) is encoded as `a <|sep|> b`; single texts are left as they are.
+    separator = (SEP_TOKEN, tokenizer.token_to_id(SEP_TOKEN))
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="$A", pair=f"$A {SEP_TOKEN} $B:1", special_tokens=[separator]),
+    ])  # fmt: skip
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
@@ -72,6 +78,7 @@ def train_tokenizer(
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         mask_token=MASK_TOKEN,
+        sep_token=SEP_TOKEN,
         additional_special_tokens=[IM_START, IM_END],
         model_max_length=model_max_length,
     )
