@@ -204,3 +204,68 @@ def test_peft_lora_trains_only_adapters_and_merges_exactly(tokens):
     assert changed and all(
         k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed
     )
+
+
+EVERY_HEAD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    class HidePlugformer:
+        def find_spec(self, name, path=None, target=None):
+            if name == "plugformer" or name.startswith("plugformer."):
+                raise ImportError("plugformer is hidden in this test")
+
+    sys.meta_path.insert(0, HidePlugformer())
+    import torch
+    import transformers
+
+    jobs, out_file = torch.load(sys.argv[1]), sys.argv[2]
+    results = {}
+    for auto_name, directory, inputs in jobs:
+        model = getattr(transformers, auto_name).from_pretrained(directory, trust_remote_code=True).eval()
+        with torch.no_grad():
+            results[directory] = (type(model).__name__, model(**inputs).logits)
+    assert not any(name.split(".")[0] == "plugformer" for name in sys.modules)
+    torch.save(results, out_file)
+    """
+)
+
+
+def test_every_head_loads_with_trust_remote_code_without_the_package(tmp_path, tokens):
+    from plugformer import (
+        DecomposableAttentionConfig,
+        DecomposableAttentionForSequenceClassification,
+        PlugformerForConditionalGeneration,
+        PlugformerForMaskedLM,
+        PlugformerForSequenceClassification,
+        PlugformerForTokenClassification,
+    )
+
+    encoder = tiny_config("additive", "t5_bias", is_causal=False, pad_token_id=0)
+    heads = [
+        ("AutoModelForMaskedLM", PlugformerForMaskedLM(encoder), {"input_ids": tokens}),
+        ("AutoModelForTokenClassification", PlugformerForTokenClassification(encoder), {"input_ids": tokens}),
+        ("AutoModelForSequenceClassification", PlugformerForSequenceClassification(tiny_config(pad_token_id=0)), {"input_ids": tokens}),
+        ("AutoModelForSeq2SeqLM", PlugformerForConditionalGeneration(tiny_config("multiplicative", "alibi", is_encoder_decoder=True, pad_token_id=0)),
+         {"input_ids": tokens, "decoder_input_ids": tokens[:, :4]}),
+        ("AutoModelForSequenceClassification", DecomposableAttentionForSequenceClassification(DecomposableAttentionConfig(vocab_size=128, sep_token_id=2)),
+         {"input_ids": torch.cat([tokens[:, :5], torch.full((2, 1), 2), tokens[:, 5:]], dim=1)}),
+    ]  # fmt: skip
+    jobs, expected = [], {}
+    for index, (auto_name, model, inputs) in enumerate(heads):
+        directory = str(tmp_path / f"head{index}")
+        model.eval().save_pretrained(directory)
+        jobs.append((auto_name, directory, inputs))
+        with torch.no_grad():
+            expected[directory] = (type(model).__name__, model(**inputs).logits)
+    torch.save(jobs, tmp_path / "jobs.pt")
+    (tmp_path / "load.py").write_text(EVERY_HEAD_SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run(
+        [sys.executable, str(tmp_path / "load.py"), str(tmp_path / "jobs.pt"), str(tmp_path / "out.pt")],
+        check=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    results = torch.load(tmp_path / "out.pt")
+    for directory, (name, logits) in expected.items():
+        assert results[directory][0] == name
+        torch.testing.assert_close(results[directory][1], logits, atol=1e-6, rtol=0)
