@@ -12,6 +12,31 @@ def _demo(argv: list[str]) -> None:
     main(argv)
 
 
+def _convert(argv: list[str]) -> None:
+    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...]"""
+    import argparse
+
+    import yaml
+
+    from .convert import convert
+
+    parser = argparse.ArgumentParser(prog="plugformer convert", description="Import a Llama or GPT-2 checkpoint.")
+    parser.add_argument("source", help="transformers checkpoint directory (model_type llama or gpt2)")
+    parser.add_argument("output_dir", help="where the plugformer model is saved")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        field, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
+        overrides[field] = yaml.safe_load(value)
+    model = convert(args.source, args.output_dir, **overrides)
+    print(
+        f"saved {type(model).__name__} ({model.config.attention_score}, {model.config.position_scheme}) to {args.output_dir}"
+    )
+
+
 def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
@@ -23,6 +48,7 @@ def _info(argv: list[str]) -> None:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
+    "convert": (_convert, "import a transformers Llama or GPT-2 checkpoint (identical logits)"),
     "info": (_info, "list which kernels run each attention_score x position_scheme"),
 }
 

@@ -307,12 +307,6 @@ class PlugformerModel(PlugformerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
     def _new_cache(self) -> Cache:
         if self.cross_attention:  # self-attention keys grow per step; the encoder's are computed once
             return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
@@ -429,12 +423,6 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
@@ -502,12 +490,6 @@ class PlugformerForMaskedLM(PlugformerPreTrainedModel):
         self.model = PlugformerModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     @can_return_tuple
     def forward(
@@ -689,12 +671,6 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, GenerationMi
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.encoder.embed_tokens = self.decoder.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple

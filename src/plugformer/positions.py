@@ -38,15 +38,12 @@ POSITION_SCHEMES: Registry[PositionScheme] = Registry("position_scheme")
 class PositionScheme(nn.Module):
     """Base class: no position information at all (the hooks all return `None`).
 
-    Class attributes read by `capabilities.py`:
-        has_bias (`bool`): whether `bias()` returns a score bias.
-        learned_bias (`bool`): whether that bias has parameters (it then requires grad in training).
-        max_positions (`str | None`): the config field bounding the absolute positions this scheme can encode.
+    Class attributes:
+        has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
+            refuse such schemes).
     """
 
     has_bias = False
-    learned_bias = False
-    max_positions: str | None = None
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__()
@@ -113,8 +110,6 @@ class SinusoidalPositions(PositionScheme):
 @POSITION_SCHEMES.register("learned")
 class LearnedPositions(PositionScheme):
     """A learned vector per absolute position, added to the token embeddings (GPT-2's `wpe`)."""
-
-    max_positions = "max_position_embeddings"
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
@@ -271,7 +266,6 @@ class T5BucketBias(PositionScheme):
     """A learned scalar per head per T5 distance bucket, shared by all layers (as in T5)."""
 
     has_bias = True
-    learned_bias = True
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
@@ -307,7 +301,6 @@ class ClampedDistanceBias(PositionScheme):
     """
 
     has_bias = True
-    learned_bias = True
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)

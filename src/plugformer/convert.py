@@ -1,0 +1,165 @@
+"""Import transformers' Llama and GPT-2 causal LM checkpoints into plugformer with identical logits.
+
+That is the path from a pretrained public checkpoint to a variant study: convert, then switch `position_scheme` or
+`attention_score` (the weights that still fit are kept, new variant parameters start fresh) and fine-tune.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+
+from .configuration import PlugformerConfig
+from .modeling import PlugformerForCausalLM
+
+
+logger = logging.getLogger(__name__)
+StateDict = dict[str, torch.Tensor]
+
+
+def _special_tokens(source: PreTrainedConfig) -> dict[str, Any]:
+    """The special ids; ones outside the vocabulary (transformers only warns about those) are dropped, logged."""
+    tokens = {}
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(source, name, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(i is not None and not 0 <= i < source.vocab_size for i in ids):
+            logger.warning(
+                "%s=%s is outside the vocabulary of %d tokens; not carried over", name, value, source.vocab_size
+            )
+            value = None
+        tokens[name] = value
+    return tokens
+
+
+def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Llama is plugformer's default architecture: scaled dot product, RoPE, RMSNorm before each block, SwiGLU."""
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads,
+        head_dim=source.head_dim,
+        hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings,
+        rope_parameters=dict(source.rope_parameters),
+        rms_norm_eps=source.rms_norm_eps,
+        attention_bias=source.attention_bias,
+        mlp_bias=source.mlp_bias,
+        attention_dropout=source.attention_dropout,
+        tie_word_embeddings=source.tie_word_embeddings,
+        initializer_range=source.initializer_range,
+        attention_score="scaled_dot",
+        position_scheme="rope",
+        norm_type="rmsnorm",
+        norm_placement="pre",
+        ffn_type="glu",
+        **_special_tokens(source),
+    )
+
+
+def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """Module names are the same (`model.layers.N.self_attn.q_proj`, ...): nothing to rename."""
+    return dict(state)
+
+
+def gpt2_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """GPT-2: learned absolute positions, LayerNorm before each block, GELU MLP, biases everywhere, tied head."""
+    if source.scale_attn_by_inverse_layer_idx:
+        raise ValueError("scale_attn_by_inverse_layer_idx=True (a per-layer score scale) has no plugformer equivalent")
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.n_embd,
+        intermediate_size=source.n_inner or 4 * source.n_embd,
+        num_hidden_layers=source.n_layer,
+        num_attention_heads=source.n_head,
+        hidden_act=source.activation_function,
+        max_position_embeddings=source.n_positions,
+        layer_norm_eps=source.layer_norm_epsilon,
+        attention_bias=True,
+        mlp_bias=True,
+        attention_dropout=source.attn_pdrop,
+        hidden_dropout=source.resid_pdrop,
+        tie_word_embeddings=source.tie_word_embeddings,
+        initializer_range=source.initializer_range,
+        attention_score="scaled_dot" if source.scale_attn_weights else "dot",
+        position_scheme="learned",
+        norm_type="layernorm",
+        norm_placement="pre",
+        ffn_type="mlp",
+        **_special_tokens(source),
+    )
+
+
+def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """GPT-2's Conv1D layers store (in, out) matrices and fuse q, k, v: split and transpose into nn.Linear layout."""
+    renamed = {
+        "model.embed_tokens.weight": state["transformer.wte.weight"],
+        "model.positions.embed_positions.weight": state["transformer.wpe.weight"],
+        "model.norm.weight": state["transformer.ln_f.weight"],
+        "model.norm.bias": state["transformer.ln_f.bias"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        old, new = f"transformer.h.{i}.", f"model.layers.{i}."
+        for norm_old, norm_new in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            for kind in ("weight", "bias"):
+                renamed[f"{new}{norm_new}.{kind}"] = state[f"{old}{norm_old}.{kind}"]
+        qkv_weight = state[f"{old}attn.c_attn.weight"].t().chunk(3, dim=0)  # (3·d, d) -> q, k, v each (d, d)
+        qkv_bias = state[f"{old}attn.c_attn.bias"].chunk(3, dim=0)
+        for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), qkv_weight, qkv_bias, strict=True):
+            renamed[f"{new}self_attn.{name}.weight"], renamed[f"{new}self_attn.{name}.bias"] = weight, bias
+        for conv, linear in (
+            ("attn.c_proj", "self_attn.o_proj"),
+            ("mlp.c_fc", "mlp.up_proj"),
+            ("mlp.c_proj", "mlp.down_proj"),
+        ):
+            renamed[f"{new}{linear}.weight"] = state[f"{old}{conv}.weight"].t()
+            renamed[f"{new}{linear}.bias"] = state[f"{old}{conv}.bias"]
+    return {name: tensor.contiguous() for name, tensor in renamed.items()}
+
+
+CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
+    "llama": (llama_config, llama_weights),
+    "gpt2": (gpt2_config, gpt2_weights),
+}
+
+
+def convert(source: str | Path, output_dir: str | Path | None = None, **overrides: Any) -> PlugformerForCausalLM:
+    """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
+
+    Args:
+        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama or gpt2).
+        output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code).
+        overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that no longer fit
+            are dropped and new parameters initialised; both lists are logged.
+
+    Returns:
+        [`PlugformerForCausalLM`]: In eval mode; without overrides its logits equal the source model's.
+    """
+    source_config = AutoConfig.from_pretrained(source)
+    if source_config.model_type not in CONVERTERS:
+        raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")
+    to_config, to_weights = CONVERTERS[source_config.model_type]
+    config = PlugformerConfig(**{**to_config(source_config), **overrides})
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    weights = to_weights(reference.state_dict(), config)
+    model = PlugformerForCausalLM(config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [name for name in missing if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    if (missing or unexpected) and not overrides:
+        raise RuntimeError(f"conversion bug: missing {missing}, unexpected {unexpected}")
+    if missing or unexpected:
+        logger.warning("after overrides %s: newly initialised %s; dropped %s", overrides, missing, unexpected)
+    model.generation_config = reference.generation_config
+    model.eval()
+    if output_dir is not None:
+        model.save_pretrained(output_dir)
+    return model

@@ -1,0 +1,90 @@
+"""Weight import from transformers' Llama and GPT-2: identical logits, then variant switches."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from plugformer import PlugformerForCausalLM
+from plugformer.cli import main as cli_main
+from plugformer.convert import convert
+
+
+def llama(tie: bool):
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def gpt2(tie: bool = True):
+    config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tie)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize(
+    "reference",
+    [lambda: llama(False), lambda: llama(True), lambda: gpt2(True), lambda: gpt2(False)],
+    ids=["llama", "llama-tied", "gpt2", "gpt2-untied"],
+)
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_converted_model_gives_the_reference_logits(reference, kernel, tmp_path, tokens):
+    torch.manual_seed(0)
+    source = reference().eval()
+    source.save_pretrained(tmp_path / "source")
+    model = convert(tmp_path / "source", tmp_path / "converted")
+    mask = torch.ones_like(tokens)
+    mask[1, :3] = 0  # left padding: both derive positions from the mask
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation=kernel).eval()
+    assert type(loaded) is PlugformerForCausalLM
+    source.set_attn_implementation(kernel)
+    with torch.no_grad():
+        expected = source(tokens, attention_mask=mask, position_ids=position_ids).logits
+        actual = loaded(tokens, attention_mask=mask).logits
+    torch.testing.assert_close(actual[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(actual[1, 3:], expected[1, 3:], atol=1e-5, rtol=0)
+    prompt = tokens[:1, :5]
+    assert torch.equal(
+        loaded.generate(prompt, max_new_tokens=6, do_sample=False),
+        source.generate(prompt, max_new_tokens=6, do_sample=False),
+    )
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == source.config.tie_word_embeddings
+    assert model.config.position_scheme == ("rope" if source.config.model_type == "llama" else "learned")
+
+
+def test_switching_the_position_scheme_keeps_every_other_weight(tmp_path, tokens, caplog):
+    torch.manual_seed(0)
+    source = gpt2()
+    source.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="plugformer.convert"):
+        model = convert(tmp_path, position_scheme="alibi", attention_score="multiplicative")
+    assert "model.positions.embed_positions.weight" in caplog.text  # dropped: ALiBi has no position table
+    assert "score.weight" in caplog.text  # new: the bilinear W, initialised as I/sqrt(d)
+    torch.testing.assert_close(model.model.layers[1].mlp.up_proj.weight, source.transformer.h[1].mlp.c_fc.weight.t())
+    model.train()
+    model(tokens, labels=tokens).loss.backward()  # ready to fine-tune
+    assert model.model.layers[0].self_attn.score.weight.grad is not None
+
+
+def test_unsupported_checkpoints_are_refused(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(
+        vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'gpt2'\]"):
+        convert(tmp_path)
+
+
+def test_convert_command(tmp_path, capsys):
+    torch.manual_seed(0)
+    llama(True).save_pretrained(tmp_path / "source")
+    cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--set", "position_scheme=t5_bias"])
+    assert "t5_bias" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.position_scheme == "t5_bias"
