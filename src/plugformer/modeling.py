@@ -477,19 +477,14 @@ def require_encoder(config: PlugformerConfig, head: str) -> None:
         )
 
 
-class PlugformerForMaskedLM(PlugformerPreTrainedModel):
-    """BERT-style masked-token prediction on a bidirectional stack (`is_causal=False`); the head is tied to the
-    input embedding when `tie_word_embeddings`."""
+class PlugformerTokenHead(PlugformerPreTrainedModel):
+    """Shared forward of the heads that predict one label per token (masked LM, tagging): stack -> `head` -> cross
+    entropy over the positions whose label is not -100. Subclasses build `self.model` and define `head`."""
 
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    output_class: type[ModelOutput]
 
-    def __init__(self, config: PlugformerConfig):
-        require_encoder(config, type(self).__name__)
-        super().__init__(config)
-        self.model = PlugformerModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+    def head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @can_return_tuple
     def forward(
@@ -500,23 +495,43 @@ class PlugformerForMaskedLM(PlugformerPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         **kwargs,
-    ) -> MaskedLMOutput:
+    ) -> MaskedLMOutput | TokenClassifierOutput:
         r"""
         Args:
-            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): The original ids at
-                masked positions, -100 elsewhere (no shift: every position predicts itself).
+            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): A label per token
+                (the original id at masked positions for a masked LM; a tag id), -100 where there is none. No shift:
+                every position predicts its own label.
         """
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
         )  # fmt: skip
-        logits = self.lm_head(outputs.last_hidden_state)
+        logits = self.head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
-        return MaskedLMOutput(
+        return self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+
+
+class PlugformerForMaskedLM(PlugformerTokenHead):
+    """BERT-style masked-token prediction on a bidirectional stack (`is_causal=False`); the head is tied to the
+    input embedding when `tie_word_embeddings`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    output_class = MaskedLMOutput
+
+    def __init__(self, config: PlugformerConfig):
+        require_encoder(config, type(self).__name__)
+        super().__init__(config)
+        self.model = PlugformerModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def head(self, hidden_states):
+        return self.lm_head(hidden_states)
 
 
 def last_token_indices(
@@ -589,8 +604,10 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
         )  # fmt: skip
 
 
-class PlugformerForTokenClassification(PlugformerPreTrainedModel):
+class PlugformerForTokenClassification(PlugformerTokenHead):
     """A linear `score` head on every token (tagging, NER); best on a bidirectional encoder."""
+
+    output_class = TokenClassifierOutput
 
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)
@@ -600,31 +617,8 @@ class PlugformerForTokenClassification(PlugformerPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        **kwargs,
-    ) -> TokenClassifierOutput:
-        r"""
-        Args:
-            labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Tag ids, -100 ignored.
-        """
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
-        )  # fmt: skip
-        logits = self.score(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
-        return TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+    def head(self, hidden_states):
+        return self.score(self.dropout(hidden_states))
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
