@@ -75,7 +75,8 @@ def test_text_generation_pipeline(saved_model):
     assert [m["role"] for m in messages] == ["user", "assistant"]
 
 
-HIDDEN_PACKAGE_SCRIPT = textwrap.dedent(
+# Prepended to each subprocess script: any import of plugformer fails, as where it is not installed.
+HIDE_PLUGFORMER = textwrap.dedent(
     """
     import sys
 
@@ -85,6 +86,11 @@ HIDDEN_PACKAGE_SCRIPT = textwrap.dedent(
                 raise ImportError("plugformer is hidden in this test")
 
     sys.meta_path.insert(0, HidePlugformer())
+    """
+)
+
+HIDDEN_PACKAGE_SCRIPT = HIDE_PLUGFORMER + textwrap.dedent(
+    """
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -206,16 +212,8 @@ def test_peft_lora_trains_only_adapters_and_merges_exactly(tokens):
     )
 
 
-EVERY_HEAD_SCRIPT = textwrap.dedent(
+EVERY_HEAD_SCRIPT = HIDE_PLUGFORMER + textwrap.dedent(
     """
-    import sys
-
-    class HidePlugformer:
-        def find_spec(self, name, path=None, target=None):
-            if name == "plugformer" or name.startswith("plugformer."):
-                raise ImportError("plugformer is hidden in this test")
-
-    sys.meta_path.insert(0, HidePlugformer())
     import torch
     import transformers
 
