@@ -37,6 +37,24 @@ def _convert(argv: list[str]) -> None:
     )
 
 
+def _train(argv: list[str]) -> None:
+    """plugformer train STAGE [--config FILE.yaml] [--key value ...]"""
+    from .training import STAGES, run_stage
+
+    if not argv or argv[0] not in STAGES:
+        stages = "\n".join(f"  {name:10s}{stage.description}" for name, stage in STAGES.items())
+        print(f"usage: plugformer train <stage> [--config FILE.yaml] [--key value ...]\n\nstages:\n{stages}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    run_stage(argv[0], argv[1:])
+
+
+def _pipeline(argv: list[str]) -> None:
+    from .training.pipeline import main
+
+    main(argv)
+
+
 def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
@@ -49,6 +67,8 @@ def _info(argv: list[str]) -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
     "convert": (_convert, "import a transformers Llama or GPT-2 checkpoint (identical logits)"),
+    "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
+    "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "info": (_info, "list which kernels run each attention_score x position_scheme"),
 }
 
@@ -56,7 +76,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        usage = "\n".join(f"  {name:8s}{description}" for name, (_, description) in COMMANDS.items())
+        usage = "\n".join(f"  {name:10s}{description}" for name, (_, description) in COMMANDS.items())
         print(f"usage: plugformer <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     COMMANDS[argv[0]][0](argv[1:])

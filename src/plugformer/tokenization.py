@@ -33,7 +33,11 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2, model_max_length: int = 2048
+    texts: Iterable[str],
+    vocab_size: int = 8192,
+    min_frequency: int = 2,
+    model_max_length: int = 2048,
+    split_digits: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Trains a byte-level BPE tokenizer on `texts`, with no network access.
 
@@ -44,6 +48,8 @@ def train_tokenizer(
         vocab_size (`int`, *optional*, defaults to 8192): Target size including the 256 bytes and the specials.
         min_frequency (`int`, *optional*, defaults to 2): Minimum count for a merge.
         model_max_length (`int`, *optional*, defaults to 2048): Recorded for truncation by pipelines / trainers.
+        split_digits (`bool`, *optional*, defaults to `False`): Keep every digit a token of its own (as Llama
+            does), so numbers are read digit by digit instead of as arbitrary merged chunks — arithmetic needs it.
 
     Returns:
         [`PreTrainedTokenizerFast`]: pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`, mask `<|mask|>`, sep
@@ -55,7 +61,12 @@ def train_tokenizer(
             f"vocab_size={vocab_size!r} must be an int >= {minimum} (256 bytes + {len(SPECIAL_TOKENS)} specials)"
         )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

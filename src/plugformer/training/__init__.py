@@ -1,0 +1,67 @@
+"""The training pipeline: one stage per module, each wrapping transformers' `Trainer` or a TRL trainer.
+
+`plugformer train <stage> --config configs/<stage>/<name>.yaml [--key value ...]`, also under
+`accelerate launch -m plugformer train <stage> ...`. Each stage's `--model_name_or_path` is the previous stage's
+output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+from .arguments import GRPOArguments, PretrainArguments, RLHFArguments, StageArguments
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its script arguments, the name of its trainer config class in `module`, and what it does."""
+
+    script_arguments: type
+    config_class: str
+    description: str
+
+    def config_type(self) -> type:
+        if self.config_class == "TrainingArguments":
+            from transformers import TrainingArguments
+
+            return TrainingArguments
+        return getattr(importlib.import_module("trl"), self.config_class)
+
+
+STAGES: dict[str, Stage] = {
+    "pretrain": Stage(PretrainArguments, "TrainingArguments", "causal/masked LM from scratch (Trainer), tokenizer too"),
+    "sft": Stage(StageArguments, "SFTConfig", "supervised fine-tuning on conversations (TRL SFTTrainer)"),
+    "reward": Stage(StageArguments, "RewardConfig", "reward model on preference pairs (TRL RewardTrainer)"),
+    "rlhf": Stage(RLHFArguments, "RLOOConfig", "online RL against the learned reward model (TRL RLOOTrainer)"),
+    "dpo": Stage(StageArguments, "DPOConfig", "direct preference optimisation (TRL DPOTrainer)"),
+    "grpo": Stage(GRPOArguments, "GRPOConfig", "RL with verifiable rewards (TRL GRPOTrainer)"),
+}
+
+
+def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
+    """(script arguments, TRL `ModelConfig`, trainer config) from defaults < `--config` YAML < `argv`."""
+    from trl import ModelConfig, TrlParser
+
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
+    entry = STAGES[stage]
+    parser = TrlParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
+    return parser.parse_args_and_config(argv)
+
+
+def run_stage(stage: str, argv: list[str]) -> dict:
+    """Parses `argv` and trains `stage`; returns what it wrote to `run_info.json`."""
+    if not _accelerator_available():
+        # gloo data parallelism across CPU processes needs accelerate's CPU flag (see configs/accelerate/)
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    script_args, model_args, training_args = parse_stage_arguments(stage, argv)
+    module = importlib.import_module(f".{stage}", __name__)
+    return module.train(script_args, model_args, training_args)
+
+
+def _accelerator_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())

@@ -1,0 +1,76 @@
+"""Per-stage script arguments. Each stage parses (its script arguments, TRL's `ModelConfig`, the trainer's config)
+with `trl.TrlParser`: dataclass defaults < YAML (`--config`) < command line, unknown keys are errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageArguments:
+    """Data and held-out evaluation, common to every stage."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "datasets.load_dataset source (local dir, json/csv/text/parquet with --data_files, Hub id); "
+                          "default: the embedded arithmetic generator"},
+    )  # fmt: skip
+    dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
+    data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
+    train_examples: int = field(default=4000, metadata={"help": "embedded generator: training examples"})
+    dev_examples: int = field(default=200, metadata={"help": "dev examples (carved from train if the source has none)"})
+    test_examples: int = field(
+        default=200, metadata={"help": "test examples (carved from train if the source has none)"}
+    )
+    dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded generator and of carved splits"})
+    exact_match_examples: int = field(
+        default=200, metadata={"help": "dev examples scored by greedy exact match after training (0: skip)"}
+    )
+    max_new_tokens: int = field(default=32, metadata={"help": "generation budget of the exact-match evaluation"})
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
+
+
+@dataclass
+class PretrainArguments(StageArguments):
+    """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
+
+    preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset; the fields below override it"})
+    attention_score: str = field(
+        default="scaled_dot", metadata={"help": "dot | scaled_dot | multiplicative | additive"}
+    )
+    position_scheme: str = field(default="rope", metadata={"help": "none | sinusoidal | learned | rope | alibi | t5_bias | clamped_bias"})  # fmt: skip
+    is_causal: bool = field(default=True, metadata={"help": "False: a BERT-style encoder trained as a masked LM"})
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "tokenizer to use; default: train a byte-level BPE on the training texts"}
+    )
+    vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
+    block_size: int = field(default=128, metadata={"help": "tokens per training sequence (documents are packed)"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
+
+    def architecture(self) -> dict:
+        names = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+@dataclass
+class RLHFArguments(StageArguments):
+    reward_model_path: str | None = field(
+        default=None, metadata={"help": "output directory of the reward stage (a num_labels=1 classifier)"}
+    )
+
+
+@dataclass
+class GRPOArguments(StageArguments):
+    reward_functions: list[str] = field(
+        default_factory=lambda: ["exact_match", "format"],
+        metadata={"help": "verifiable rewards from plugformer.training.rewards (weights: --reward_weights)"},
+    )

@@ -1,0 +1,171 @@
+"""What every stage does the same way: load the previous stage's model, train with resumption, save a directory
+the next stage (and the Auto classes) load, and record how the run went."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..tokenization import generation_eos_token_ids
+from .data import load_stage_dataset
+from .evaluation import exact_match
+
+
+logger = logging.getLogger(__name__)
+
+# LoRA targets by plugformer's module names (attention and feed-forward projections; never lm_head or embeddings)
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def register_peft_defaults() -> None:
+    """Lets `LoraConfig()` without `target_modules` find plugformer's projections (PEFT looks them up by
+    model_type)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    mapping.setdefault("plugformer", LORA_TARGET_MODULES)
+
+
+def require_model_path(model_args, stage: str) -> str:
+    if not model_args.model_name_or_path:
+        raise ValueError(
+            f"stage {stage!r} needs --model_name_or_path: the output directory of the previous stage "
+            "(pretrain -> sft -> reward -> rlhf; sft -> dpo; sft -> grpo)"
+        )
+    return model_args.model_name_or_path
+
+
+def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
+    """The previous stage's model through an Auto class, with the dtype and kernel asked for."""
+    path = require_model_path(model_args, stage)
+    if model_args.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+    return auto_class.from_pretrained(path, revision=model_args.model_revision, dtype=dtype, **kwargs)
+
+
+def load_tokenizer(path: str):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        raise ValueError(f"the tokenizer in {path} has no pad token; set one before training")
+    return tokenizer
+
+
+def peft_config(model_args):
+    """TRL's LoRA config from `--use_peft` and `--lora_*`, with plugformer's target modules by default."""
+    from trl import get_peft_config
+
+    if model_args.use_peft:
+        register_peft_defaults()
+    return get_peft_config(model_args)
+
+
+def stage_data(stage: str, script_args):
+    return load_stage_dataset(
+        stage,
+        dataset_name=script_args.dataset_name,
+        dataset_config=script_args.dataset_config,
+        data_files=script_args.data_files,
+        sizes=script_args.sizes(),
+        seed=script_args.dataset_seed,
+    )
+
+
+def resume_checkpoint(training_args) -> str | None:
+    """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest checkpoint in the output directory."""
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).lower() not in ("last", "true"):
+        return value
+    last = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+    if last is None:
+        logger.warning(
+            "--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", value, training_args.output_dir
+        )
+    return last
+
+
+def parameter_digest(model: torch.nn.Module) -> int:
+    """A 63-bit digest of every parameter's bytes (equal digests: identical weights)."""
+    digest = hashlib.sha256()
+    for name, parameter in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def save_final_model(trainer, tokenizer, output_dir: str) -> None:
+    """Saves a directory the next stage loads: LoRA adapters in `adapter/` and the merged model beside them."""
+    model = trainer.model
+    if not hasattr(model, "merge_and_unload"):
+        trainer.save_model(output_dir)
+        return
+    if trainer.is_world_process_zero():
+        model.save_pretrained(Path(output_dir) / "adapter")
+        merged = model.merge_and_unload()
+        merged.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    trainer.accelerator.wait_for_everyone()
+
+
+def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | None = None) -> dict:
+    """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`."""
+    args = trainer.args
+    started = time.perf_counter()
+    train_output = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
+    seconds = time.perf_counter() - started
+    metrics = dict(train_output.metrics)
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    if "eval_loss" in metrics:
+        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
+    # every rank's digest: after data-parallel training all ranks must hold the same weights
+    digest = torch.tensor([parameter_digest(trainer.model)], dtype=torch.int64, device=trainer.accelerator.device)
+    digests = trainer.accelerator.gather(digest).tolist()
+    save_final_model(trainer, tokenizer, args.output_dir)
+    info = {
+        "stage": stage,
+        "train_seconds": round(seconds, 1),
+        "world_size": trainer.accelerator.num_processes,
+        "parameter_digests": digests,
+        "metrics": metrics,
+        **(extra or {}),
+    }
+    if trainer.is_world_process_zero():
+        info["dev_exact_match"] = dev_exact_match(trainer, stage, script_args, tokenizer)
+        Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        summary = info["dev_exact_match"] or {}
+        print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
+              + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip
+    trainer.accelerator.wait_for_everyone()
+    return info
+
+
+def dev_exact_match(trainer, stage: str, script_args, tokenizer) -> dict | None:
+    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if script_args.exact_match_examples <= 0 or not hasattr(model, "generate") or not model.config.is_causal:
+        return None
+    if stage == "reward":
+        return None
+    try:
+        rows = stage_data("evaluation", script_args).get("dev")
+    except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
+        logger.info("no exact-match evaluation: %s", error)
+        return None
+    if rows is None:
+        return None
+    rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
+    return exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
+
+
+def set_generation_eos(model, tokenizer) -> None:
+    """End of text and end of a chat turn both stop generation (TRL's GRPO/RLOO rely on it)."""
+    model.generation_config.eos_token_id = generation_eos_token_ids(tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -1,0 +1,223 @@
+"""Training data for every stage: an embedded generator of arithmetic tasks with verifiable answers, or any
+`datasets` source.
+
+The generator needs no network and is deterministic. A problem is an arithmetic fact (operation, a, b) told as
+a bare sum or as a short word problem; its split (train / dev / test) is a function of the fact alone, so a
+fact seen in training never appears in dev or test, whatever the phrasing and however many examples are drawn.
+Each stage gets the same problems in its own format (TRL's dataset formats):
+
+| stage | columns |
+|---|---|
+| pretrain | `text` (facts and worked problems as plain text) |
+| sft | `prompt`, `completion` (conversational: completion-only loss) |
+| reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
+| rlhf, grpo, evaluation | `prompt`, `answer` (ground truth reaching the reward functions) |
+
+An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
+`37 + 45 = 82\\n#### 82`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from datasets import Dataset, DatasetDict, load_dataset
+
+
+SPLITS = ("train", "dev", "test")
+ANSWER_MARKER = "####"
+NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jun")
+ITEMS = ("apples", "books", "coins", "marbles", "pens", "shells", "stamps", "cards")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic fact in one phrasing; `answer` is the exact integer result."""
+
+    operation: str
+    a: int
+    b: int
+    question: str
+
+    @property
+    def answer(self) -> int:
+        return OPERATIONS[self.operation][1](self.a, self.b)
+
+    @property
+    def solution(self) -> str:
+        symbol = OPERATIONS[self.operation][0]
+        return f"{self.a} {symbol} {self.b} = {self.answer}\n{ANSWER_MARKER} {self.answer}"
+
+    @property
+    def split(self) -> str:
+        return split_of(self.operation, self.a, self.b)
+
+
+# operation -> (symbol, result, operand range for a, operand range for b)
+OPERATIONS: dict[str, tuple[str, Callable[[int, int], int], range, range]] = {
+    "add": ("+", lambda a, b: a + b, range(100), range(100)),
+    "sub": ("-", lambda a, b: a - b, range(100), range(100)),
+    "mul": ("*", lambda a, b: a * b, range(13), range(13)),
+}
+
+# (operation, template); word problems only where the story makes sense (no negative counts)
+QUESTION_TEMPLATES: tuple[tuple[str, str], ...] = (
+    ("add", "What is {a} + {b}?"),
+    ("sub", "What is {a} - {b}?"),
+    ("mul", "What is {a} * {b}?"),
+    ("add", "{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"),
+    ("sub", "{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?"),
+    ("mul", "{name} has {a} bags with {b} {item} in each. How many {item} are there in total?"),
+)
+
+
+def split_of(operation: str, a: int, b: int, dev_percent: int = 10, test_percent: int = 10) -> str:
+    """The fixed split of an arithmetic fact: a hash of the fact, so splits never change and never overlap.
+
+    Example:
+
+    >>> split_of("add", 37, 45) == split_of("add", 37, 45)
+    True
+    """
+    bucket = int(hashlib.sha256(f"{operation}|{a}|{b}".encode()).hexdigest(), 16) % 100
+    if bucket < test_percent:
+        return "test"
+    return "dev" if bucket < test_percent + dev_percent else "train"
+
+
+def generate_problems(count: int, split: str, seed: int = 0) -> list[Problem]:
+    """`count` problems whose facts belong to `split`, drawn deterministically from `seed`."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"count={count!r} must be a non-negative int")
+    rng = random.Random(f"{seed}|{split}")
+    problems = []
+    while len(problems) < count:
+        operation, template = rng.choice(QUESTION_TEMPLATES)
+        _, _, range_a, range_b = OPERATIONS[operation]
+        a, b = rng.choice(range_a), rng.choice(range_b)
+        if "{name}" in template and operation == "sub" and b > a:
+            a, b = b, a
+        if split_of(operation, a, b) != split:
+            continue
+        question = template.format(a=a, b=b, name=rng.choice(NAMES), item=rng.choice(ITEMS))
+        problems.append(Problem(operation, a, b, question))
+    return problems
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> str:
+    """A plausible wrong answer in the right format: an off-by-one/ten result or a wrong final line."""
+    symbol = OPERATIONS[problem.operation][0]
+    wrong = problem.answer + rng.choice((-10, -2, -1, 1, 2, 10))
+    if rng.random() < 0.5:
+        # the worked line is right, the final answer is not
+        return f"{problem.a} {symbol} {problem.b} = {problem.answer}\n{ANSWER_MARKER} {wrong}"
+    return f"{problem.a} {symbol} {problem.b} = {wrong}\n{ANSWER_MARKER} {wrong}"
+
+
+def pretraining_texts(problem: Problem, rng: random.Random) -> str:
+    """A plain-text document stating the fact (the pretraining corpus knows arithmetic, not the chat format)."""
+    symbol = OPERATIONS[problem.operation][0]
+    word = {"add": "plus", "sub": "minus", "mul": "times"}[problem.operation]
+    return rng.choice((
+        f"{problem.a} {symbol} {problem.b} = {problem.answer}.",
+        f"{problem.a} {word} {problem.b} is {problem.answer}.",
+        f"Question: {problem.question}\nAnswer: {problem.solution}",
+    ))  # fmt: skip
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def stage_rows(stage: str, problems: list[Problem], seed: int) -> list[dict]:
+    """The rows of one stage's dataset (see the module docstring for the columns)."""
+    rng = random.Random(seed)
+    if stage == "pretrain":
+        return [{"text": pretraining_texts(p, rng)} for p in problems]
+    if stage == "sft":
+        return [{"prompt": user(p.question), "completion": assistant(p.solution)} for p in problems]
+    if stage in ("reward", "dpo"):
+        return [
+            {"prompt": user(p.question), "chosen": assistant(p.solution), "rejected": assistant(wrong_answer(p, rng))}
+            for p in problems
+        ]
+    if stage in ("rlhf", "grpo", "evaluation"):
+        return [{"prompt": user(p.question), "answer": str(p.answer)} for p in problems]
+    raise ValueError(f"stage={stage!r} has no embedded data; known: {sorted(STAGE_COLUMNS)}")
+
+
+# the columns each stage needs from any dataset (TRL's formats)
+STAGE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "pretrain": ("text",),
+    "sft": (),  # TRL accepts text | messages | prompt + completion
+    "reward": ("chosen", "rejected"),
+    "dpo": ("chosen", "rejected"),
+    "rlhf": ("prompt",),
+    "grpo": ("prompt",),
+    "evaluation": ("prompt", "answer"),
+}
+
+
+def embedded_dataset(stage: str, sizes: dict[str, int], seed: int = 0) -> DatasetDict:
+    """The embedded arithmetic task for `stage`, with `sizes[split]` examples per split."""
+    return DatasetDict({
+        split: Dataset.from_list(stage_rows(stage, generate_problems(count, split, seed), seed))
+        for split, count in sizes.items()
+        if count > 0
+    })  # fmt: skip
+
+
+def load_stage_dataset(
+    stage: str,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    data_files: list[str] | None = None,
+    sizes: dict[str, int] | None = None,
+    seed: int = 0,
+) -> DatasetDict:
+    """The data of a training stage with `train`/`dev`/`test` splits.
+
+    Args:
+        stage (`str`): One of `pretrain`, `sft`, `reward`, `dpo`, `rlhf`, `grpo`, `evaluation`.
+        dataset_name (`str`, *optional*): Anything `datasets.load_dataset` takes — a local directory, a builder name
+            (`json`, `csv`, `text`, `parquet`) with `data_files`, or a Hub id when online. `None` uses the embedded
+            arithmetic generator.
+        dataset_config (`str`, *optional*): The dataset's configuration name.
+        data_files (`list[str]`, *optional*): Local files for a builder such as `json`.
+        sizes (`dict[str, int]`, *optional*): Examples per split for the embedded data; for other data, the
+            sizes of `dev`/`test` carved from `train` when the source has no such split.
+        seed (`int`, *optional*, defaults to 0): Generation seed / split seed.
+    """
+    sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
+    if dataset_name is None:
+        return embedded_dataset(stage, sizes, seed)
+    if data_files and dataset_name not in ("json", "csv", "text", "parquet", "arrow"):
+        raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
+    loaded = load_dataset(dataset_name, dataset_config, data_files=data_files)
+    splits = DatasetDict({_canonical_split(name): split for name, split in loaded.items()})
+    if "train" not in splits:
+        raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
+    for held_out in ("test", "dev"):
+        if held_out not in splits and sizes.get(held_out, 0) > 0:
+            parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
+            splits["train"], splits[held_out] = parts["train"], parts["test"]
+    missing = [c for c in STAGE_COLUMNS[stage] if c not in splits["train"].column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {dataset_name!r} lacks the columns {missing} that stage {stage!r} needs "
+            f"(it has {splits['train'].column_names})"
+        )
+    return splits
+
+
+def _canonical_split(name: str) -> str:
+    return {"validation": "dev", "valid": "dev", "eval": "dev"}.get(name, name)

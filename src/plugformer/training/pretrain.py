@@ -1,0 +1,94 @@
+"""Pretraining with transformers' `Trainer`: a causal LM (or a masked LM for `is_causal=False` configs) from
+scratch, on packed documents, with held-out perplexity, checkpoints and `--resume_from_checkpoint`. Trains the
+tokenizer first when none is given."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    default_data_collator,
+)
+
+from ..configuration import PlugformerConfig
+from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
+from ..tokenization import train_tokenizer
+from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
+
+
+def build_tokenizer(script_args, model_args, texts):
+    """The previous model's tokenizer, a named one, or a new byte-level BPE (digits split) on `texts`."""
+    source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
+    if source is not None:
+        return load_tokenizer(source)
+    return train_tokenizer(texts, vocab_size=script_args.vocab_size, split_digits=True)
+
+
+def build_model(script_args, model_args, tokenizer):
+    """Continues `--model_name_or_path`, or builds the preset with the architecture fields given."""
+    head = AutoModelForCausalLM if script_args.is_causal else AutoModelForMaskedLM
+    if model_args.model_name_or_path is not None:
+        return load_model(head, model_args, "pretrain")
+    architecture = script_args.architecture()
+    if script_args.hidden_size is not None and script_args.intermediate_size is None:
+        architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
+    config = PlugformerConfig.from_preset(
+        script_args.preset,
+        **architecture,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if model_args.attn_implementation is not None:
+        config._attn_implementation = model_args.attn_implementation
+    return (PlugformerForCausalLM if config.is_causal else PlugformerForMaskedLM)(config)
+
+
+def pack(examples: dict, tokenizer, block_size: int, causal: bool) -> dict:
+    """Concatenates `<bos> text <eos>` documents and cuts blocks of `block_size` tokens (a shorter tail is
+    dropped). Causal blocks carry `position_ids` restarting at each document, so documents in a block do not
+    attend to each other (the model reads restarts as document boundaries, as with TRL's packing)."""
+    documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in examples["text"]],
+                          add_special_tokens=False)["input_ids"]  # fmt: skip
+    tokens = list(chain.from_iterable(documents))
+    positions = list(chain.from_iterable(range(len(d)) for d in documents))
+    usable = len(tokens) // block_size * block_size
+    blocks = {"input_ids": [tokens[i : i + block_size] for i in range(0, usable, block_size)]}
+    if causal:
+        blocks["position_ids"] = [positions[i : i + block_size] for i in range(0, usable, block_size)]
+        blocks["labels"] = [list(block) for block in blocks["input_ids"]]
+    return blocks
+
+
+def train(script_args, model_args, training_args) -> dict:
+    data = stage_data("pretrain", script_args)
+    tokenizer = build_tokenizer(script_args, model_args, data["train"]["text"])
+    model = build_model(script_args, model_args, tokenizer)
+    set_generation_eos(model, tokenizer)
+    causal = model.config.is_causal
+    with training_args.main_process_first(desc="packing"):
+        blocks = data.map(
+            pack,
+            batched=True,
+            remove_columns=data["train"].column_names,
+            fn_kwargs={"tokenizer": tokenizer, "block_size": script_args.block_size, "causal": causal},
+        )
+    collator = (
+        default_data_collator
+        if causal
+        else DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=script_args.mlm_probability)
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=blocks["train"],
+        eval_dataset=blocks.get("dev"),
+        data_collator=collator,
+        processing_class=tokenizer,
+    )
+    return train_and_save(trainer, "pretrain", script_args, tokenizer)

@@ -1,0 +1,119 @@
+"""Verifiable rewards (RLVR): plain callables in TRL's reward-function signature.
+
+`f(prompts, completions, **kwargs) -> list[float | None]`; dataset columns such as `answer` arrive as keyword
+lists. Completions are strings, or for conversational data `[{"role": "assistant", "content": ...}]`.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+
+# the final answer after `####`, or else the last number in the text
+_MARKED = re.compile(r"####\s*([^\n]*)")
+_NUMBER = re.compile(r"[-+−]?\s*\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+_FORMAT = re.compile(r"\A[^\n#]*\n####[ \t]*[-+]?\d+(?:\.\d+)?[ \t]*\Z")
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of a completion, plain or conversational (the last message's content)."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"] if completion else ""
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The number `text` starts with, exactly (signs, unicode minus, thousands commas, decimals, fractions).
+
+    Examples:
+
+    >>> parse_number(" -1,234.50 apples")
+    Fraction(-2469, 2)
+    >>> parse_number("− 7") == parse_number("-7")
+    True
+    >>> parse_number("3/4") == parse_number("0.75")
+    True
+    >>> parse_number("seven") is None
+    True
+    """
+    match = _NUMBER.search(text)
+    if match is None:
+        return None
+    token = match.group(0).replace("−", "-").replace(" ", "").replace(",", "").lstrip("+")
+    try:
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def extract_answer(text: str) -> Fraction | None:
+    """The final answer of a solution: the number after the last `####`, else the last number in the text.
+
+    Examples:
+
+    >>> extract_answer("37 + 45 = 82\\n#### 82")
+    Fraction(82, 1)
+    >>> extract_answer("12 - 20 = -8\\n####-8 apples, I think")
+    Fraction(-8, 1)
+    >>> extract_answer("so the total is 1,000.") == 1000
+    True
+    >>> extract_answer("#### ") is None
+    True
+    >>> extract_answer("no digits here") is None
+    True
+    """
+    marked = _MARKED.findall(text)
+    if marked:
+        return parse_number(marked[-1])
+    numbers = _NUMBER.findall(text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def exact_match_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1.0 where the completion's final answer equals the ground truth as a number, else 0.0.
+
+    Example:
+
+    >>> exact_match_reward(["3 + 4 = 7\\n#### 7", "#### +7.0", "#### 71", "seven"], answer=["7"] * 4)
+    [1.0, 1.0, 0.0, 0.0]
+    """
+    rewards = []
+    for completion, truth in zip(completions, answer, strict=True):
+        predicted, expected = extract_answer(completion_text(completion)), parse_number(str(truth))
+        rewards.append(float(predicted is not None and predicted == expected))
+    return rewards
+
+
+def format_reward(completions: list, **kwargs) -> list[float]:
+    """1.0 for a completion made of one worked line then `#### <number>` and nothing after it, else 0.0.
+
+    Example:
+
+    >>> format_reward(["3 + 4 = 7\\n#### 7", "#### 7", "3 + 4 = 7\\n#### 7 done", "3 + 4 = 7\\n#### 7 "])
+    [1.0, 0.0, 0.0, 1.0]
+    """
+    return [float(_FORMAT.match(completion_text(c)) is not None) for c in completions]
+
+
+def math_verify_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
+    """1.0 where `math-verify` judges the completion equal to the answer (LaTeX, fractions, expressions).
+
+    Needs `pip install math-verify`; returns `None` (no reward) for completions it cannot parse.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as error:
+        raise ImportError("math_verify_reward needs `pip install math-verify`") from error
+    rewards = []
+    for completion, truth in zip(completions, answer, strict=True):
+        parsed = parse(completion_text(completion))
+        rewards.append(float(verify(parse(str(truth)), parsed)) if parsed else None)
+    return rewards
+
+
+REWARD_FUNCTIONS = {
+    "exact_match": exact_match_reward,
+    "format": format_reward,
+    "math_verify": math_verify_reward,
+}

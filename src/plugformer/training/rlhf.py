@@ -1,0 +1,37 @@
+"""RLHF against the learned reward model (Ouyang et al. 2022) with TRL's `RLOOTrainer`.
+
+TRL 1.16 ships no PPO. RLOO (REINFORCE leave-one-out, Ahmadian et al. 2024) samples several answers per prompt,
+uses the mean reward of the others as each answer's baseline (no value model to train) and keeps the policy close
+to the SFT reference with a KL penalty (`--beta`, TRL's default 0.05) — the RLHF objective of InstructGPT without
+PPO's critic."""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from trl import RLOOTrainer
+
+from .common import load_model, load_tokenizer, peft_config, stage_data, train_and_save
+
+
+def load_reward_model(path: str | None):
+    if not path:
+        raise ValueError("stage 'rlhf' needs --reward_model_path: the output directory of the reward stage")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    return reward_model.eval(), load_tokenizer(path)
+
+
+def train(script_args, model_args, training_args) -> dict:
+    reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
+    model = load_model(AutoModelForCausalLM, model_args, "rlhf")
+    tokenizer = load_tokenizer(model_args.model_name_or_path)
+    data = stage_data("rlhf", script_args)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward_model,
+        args=training_args,
+        train_dataset=data["train"],
+        processing_class=tokenizer,
+        reward_processing_classes=reward_tokenizer,
+        peft_config=peft_config(model_args),
+    )
+    return train_and_save(trainer, "rlhf", script_args, tokenizer, {"reward_model": script_args.reward_model_path})
