@@ -3,6 +3,7 @@
 `import plugformer` registers the config, models and tokenizer with transformers' Auto classes.
 """
 
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as _PEFT_TARGETS
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -62,11 +63,16 @@ AutoModelForSequenceClassification.register(
 DecomposableAttentionForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
 
+# PEFT picks default LoRA targets by model_type: a bare `LoraConfig()` then adapts plugformer's projections
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_PEFT_TARGETS.setdefault(PlugformerConfig.model_type, LORA_TARGET_MODULES)
+
 __all__ = [
     "ATTENTION_SCORES",
     "AUTO_CLASSES",
     "FEED_FORWARDS",
     "KERNELS",
+    "LORA_TARGET_MODULES",
     "NORMS",
     "NORM_PLACEMENTS",
     "POSITION_SCHEMES",

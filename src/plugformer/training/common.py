@@ -21,17 +21,6 @@ from .evaluation import exact_match
 
 logger = logging.getLogger(__name__)
 
-# LoRA targets by plugformer's module names (attention and feed-forward projections; never lm_head or embeddings)
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def register_peft_defaults() -> None:
-    """Lets `LoraConfig()` without `target_modules` find plugformer's projections (PEFT looks them up by
-    model_type)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
-
-    mapping.setdefault("plugformer", LORA_TARGET_MODULES)
-
 
 def require_model_path(model_args, stage: str) -> str:
     if not model_args.model_name_or_path:
@@ -59,11 +48,10 @@ def load_tokenizer(path: str):
 
 
 def peft_config(model_args):
-    """TRL's LoRA config from `--use_peft` and `--lora_*`, with plugformer's target modules by default."""
+    """TRL's LoRA config from `--use_peft` and `--lora_*`; without `--lora_target_modules` PEFT takes
+    `plugformer.LORA_TARGET_MODULES` (registered by model_type on import)."""
     from trl import get_peft_config
 
-    if model_args.use_peft:
-        register_peft_defaults()
     return get_peft_config(model_args)
 
 
@@ -123,7 +111,7 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
     metrics = dict(train_output.metrics)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
-    if "eval_loss" in metrics:
+    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     # every rank's digest: after data-parallel training all ranks must hold the same weights
     digest = torch.tensor([parameter_digest(trainer.model)], dtype=torch.int64, device=trainer.accelerator.device)

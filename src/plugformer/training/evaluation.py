@@ -58,6 +58,27 @@ def exact_match(model, tokenizer, rows, max_new_tokens: int = 32, batch_size: in
         "examples": len(correct),
         "samples": [
             {"prompt": prompt_text(tokenizer, p), "completion": c, "answer": a}
-            for p, c, a in list(zip(prompts, completions, answers))[:3]
+            for p, c, a in list(zip(prompts, completions, answers, strict=True))[:3]
         ],
     }
+
+
+@torch.no_grad()
+def preference_accuracy(model, tokenizer, rows, batch_size: int = 64) -> float:
+    """Fraction of preference pairs (`prompt`, `chosen`, `rejected`) where a reward model scores `chosen` higher."""
+    model.eval()
+
+    def scores(column: str) -> torch.Tensor:
+        texts = [
+            tokenizer.apply_chat_template(prompt + answer, tokenize=False)
+            if isinstance(prompt, list)
+            else prompt + answer
+            for prompt, answer in zip(rows["prompt"], rows[column], strict=True)
+        ]
+        values = []
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
+            values.append(model(**batch.to(model.device)).logits[:, 0].float().cpu())  # (B, 1) -> (B,)
+        return torch.cat(values)
+
+    return (scores("chosen") > scores("rejected")).float().mean().item()

@@ -1,0 +1,263 @@
+"""Training stages: each trains a few steps on the tiny preset, changes the trainable parameters and leaves a
+directory the Auto classes load; LoRA adapters merge exactly; a killed run resumes to the same weights; a
+2-process CPU run keeps both ranks identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from plugformer.training import STAGES, parse_stage_arguments, run_stage
+from plugformer.training import rewards as reward_module
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# a few steps of a 2-layer, 32-wide model: every stage in seconds
+TINY = ["--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no",
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--max_steps", "3",
+        "--train_examples", "48", "--dev_examples", "8", "--test_examples", "8", "--exact_match_examples", "4",
+        "--max_new_tokens", "8", "--dataloader_pin_memory", "false", "--learning_rate", "1e-3"]  # fmt: skip
+TRL = ["--bf16", "false", "--gradient_checkpointing", "false", "--max_length", "64"]
+ONLINE = ["--bf16", "false", "--gradient_checkpointing", "false", "--num_generations", "4", "--max_completion_length", "8"]  # fmt: skip
+PRETRAIN = ["--preset", "tiny", "--vocab_size", "300", "--block_size", "32", "--max_position_embeddings", "128"]
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def assert_trained(parent, child, prefix: str = "model.") -> None:
+    """Every backbone tensor the child shares with its parent has moved (TRL's own tests check the same)."""
+    before, after = weights(parent), weights(child)
+    shared = [name for name in after if name.startswith(prefix) and name in before]
+    assert shared, f"no shared parameters between {parent} and {child}"
+    unchanged = [name for name in shared if torch.equal(before[name], after[name])]
+    assert not unchanged, f"parameters not trained: {unchanged}"
+
+
+def train(stage: str, output_dir, *extra: str) -> dict:
+    flags = TRL if stage in ("sft", "reward", "dpo") else ONLINE if stage in ("grpo", "rlhf") else PRETRAIN
+    return run_stage(stage, ["--output_dir", str(output_dir), *TINY, *flags, *extra])
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> dict[str, Path]:
+    """pretrain -> sft -> reward, the parents of the other stages."""
+    root = tmp_path_factory.mktemp("chain")
+    dirs = {stage: root / stage for stage in ("pretrain", "sft", "reward")}
+    train("pretrain", dirs["pretrain"])
+    train("sft", dirs["sft"], "--model_name_or_path", str(dirs["pretrain"]))
+    train("reward", dirs["reward"], "--model_name_or_path", str(dirs["sft"]))
+    return dirs
+
+
+def test_pretrain_trains_a_tokenizer_and_a_model_that_loads(chain):
+    info = json.loads((chain["pretrain"] / "run_info.json").read_text())
+    assert info["world_size"] == 1 and info["metrics"]["train_loss"] > 0
+    assert info["metrics"]["eval_perplexity"] == pytest.approx(2.718281828 ** info["metrics"]["eval_loss"], rel=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(chain["pretrain"])
+    assert type(model).__name__ == "PlugformerForCausalLM" and model.config.vocab_size <= 300
+    # the generation config stops at the end of a chat turn, or online RL completions never end
+    assert len(model.generation_config.eos_token_id) == 2
+    assert (chain["pretrain"] / "tokenizer.json").exists()
+
+
+def test_sft_and_reward_train_every_parameter(chain):
+    assert_trained(chain["pretrain"], chain["sft"])
+    assert_trained(chain["sft"], chain["reward"])
+    reward_model = AutoModelForSequenceClassification.from_pretrained(chain["reward"])
+    assert reward_model.config.num_labels == 1 and "score.weight" in weights(chain["reward"])
+    info = json.loads((chain["sft"] / "run_info.json").read_text())
+    assert info["dev_exact_match"]["examples"] == 4 and 0.0 <= info["dev_exact_match"]["exact_match"] <= 1.0
+
+
+def test_dpo_trains_from_the_sft_model(chain, tmp_path):
+    train("dpo", tmp_path, "--model_name_or_path", str(chain["sft"]))
+    assert_trained(chain["sft"], tmp_path)
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_rlhf_optimises_against_the_learned_reward_model(chain, tmp_path):
+    info = train(
+        "rlhf", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_model_path", str(chain["reward"])
+    )
+    assert info["reward_model"] == str(chain["reward"])
+    assert_trained(chain["sft"], tmp_path)
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_grpo_trains_on_a_verifiable_reward(chain, tmp_path, monkeypatch):
+    # an untrained model never answers right: every group would have zero advantage; a graded reward gives signal
+    graded = lambda completions, **kwargs: [float(len(reward_module.completion_text(c))) for c in completions]  # noqa: E731
+    monkeypatch.setitem(reward_module.REWARD_FUNCTIONS, "length", graded)
+    train("grpo", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_functions", "length")
+    assert_trained(chain["sft"], tmp_path)
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_lora_adapters_train_save_reload_and_merge_exactly(chain, tmp_path):
+    from peft import PeftModel
+
+    train("sft", tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4")
+    adapter = tmp_path / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    lora_b = [t for name, t in load_file(str(adapter / "adapter_model.safetensors")).items() if "lora_B" in name]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: nonzero means trained
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chain["sft"]), adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(8, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(chain["sft"]).eval()
+        assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-4)  # the adapters did something
+
+
+def test_rlhf_without_a_reward_model_and_unknown_stage_fail_clearly(chain, tmp_path):
+    with pytest.raises(ValueError, match="--reward_model_path"):
+        train("rlhf", tmp_path, "--model_name_or_path", str(chain["sft"]))
+    with pytest.raises(ValueError, match="needs --model_name_or_path"):
+        train("sft", tmp_path)
+    with pytest.raises(ValueError, match="unknown stage 'ppo'"):
+        run_stage("ppo", [])
+    with pytest.raises(ValueError, match="reward_functions"):
+        train("grpo", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_functions", "exactmatch")
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_stage_yaml_parses_into_its_stage(path):
+    if path.parent.name not in STAGES:
+        pytest.skip("not a stage config")
+    script_args, _, training_args = parse_stage_arguments(path.parent.name, ["--config", str(path)])
+    assert training_args.output_dir and script_args.train_examples > 0
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/accelerate/*.yaml")), ids=lambda p: p.name)
+def test_every_accelerate_topology_is_a_valid_accelerate_config(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(str(path))
+    assert config.num_processes >= 1 and config.compute_environment.value == "LOCAL_MACHINE"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/pipeline/*.yaml")), ids=lambda p: p.name)
+def test_every_pipeline_yaml_names_existing_stage_configs(path):
+    from plugformer.arguments import parse_arguments
+    from plugformer.training.pipeline import PipelineArguments, stage_argv
+
+    arguments = parse_arguments(PipelineArguments, ["--config", str(path)], prog="test")
+    for stage in arguments.stages:
+        assert (ROOT / stage_argv(arguments, stage)[1]).exists()
+
+
+def test_yaml_below_command_line_and_unknown_keys_fail(tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text("output_dir: out\nmax_steps: 7\nlearning_rate: 0.01\n")
+    _, _, training_args = parse_stage_arguments("sft", ["--config", str(config), "--max_steps", "9"])
+    assert (training_args.max_steps, training_args.learning_rate) == (9, 0.01)
+    config.write_text("output_dir: out\nmax_stepz: 7\n")
+    with pytest.raises(ValueError, match="max_stepz"):
+        parse_stage_arguments("sft", ["--config", str(config)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(stage: str, output_dir, *extra: str, processes: int = 2, timeout: int = 300) -> dict:
+    """`accelerate launch` with the shipped 2-process CPU topology."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
+               "--main_process_port", str(free_port()), "-m", "plugformer", "train", stage,
+               "--output_dir", str(output_dir), *TINY, *extra]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((Path(output_dir) / "run_info.json").read_text())
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
+    extra = PRETRAIN if stage == "pretrain" else [*TRL, "--model_name_or_path", str(chain["pretrain"])]
+    info = launch(stage, tmp_path, *extra)
+    assert info["world_size"] == 2
+    first, second = info["parameter_digests"]
+    assert first == second  # DDP kept the ranks in step
+    parent = chain["pretrain"] if stage == "sft" else None
+    if parent is not None:
+        assert_trained(parent, tmp_path)
+
+
+def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
+    """SIGKILL after a checkpoint, resume from it: the final weights equal an uninterrupted run's, bit for bit."""
+    flags = [*TINY, *PRETRAIN, "--max_steps", "120", "--save_strategy", "steps", "--save_steps", "10",
+             "--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0"]  # fmt: skip
+    run_stage("pretrain", ["--output_dir", str(tmp_path / "whole"), *flags])
+
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "plugformer", "train", "pretrain", "--output_dir", str(killed), *flags]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    deadline = time.time() + 240
+    while not (killed / "checkpoint-20" / "trainer_state.json").exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before checkpoint 20"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "run_info.json").exists()
+    # the newest checkpoint may be half written by the kill; checkpoint 20 is complete
+    run_stage(
+        "pretrain", ["--output_dir", str(killed), *flags, "--resume_from_checkpoint", str(killed / "checkpoint-20")]
+    )
+    whole, resumed = weights(tmp_path / "whole"), weights(killed)
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+
+def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
+    """The README's pipeline on the shipped tiny YAMLs, cut to a few steps; a re-run reuses finished stages."""
+    import yaml
+
+    from plugformer.training.pipeline import main as pipeline_main
+
+    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
+             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
+             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
+    for stage in STAGES:
+        values = yaml.safe_load((ROOT / f"configs/{stage}/tiny.yaml").read_text())
+        values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
+        (tmp_path / f"{stage}.yaml").write_text(yaml.safe_dump(values))
+    argv = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(tmp_path / "out"),
+            "--stage_configs", str(tmp_path / "{stage}.yaml"), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
+    results = pipeline_main(argv)
+    assert list(results) == ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]
+    assert all(results[s]["examples"] == 6 for s in results if s != "reward")
+    assert 0.0 <= results["reward"]["pairwise_accuracy"] <= 1.0
+    table = (tmp_path / "out/results.md").read_text()
+    assert table.count("\n| ") == 2 + 6  # header, rule, one row per stage
+    assert "pipeline('text-generation'" in capsys.readouterr().out
+    # parents are the right directories
+    assert json.loads((tmp_path / "out/rlhf/run_info.json").read_text())["reward_model"] == str(tmp_path / "out/reward")
+    capsys.readouterr()
+    pipeline_main([*argv, "--stages", "pretrain", "sft"])
+    assert capsys.readouterr().out.count("reusing") == 2
