@@ -8,7 +8,6 @@ output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 from .arguments import GRPOArguments, PretrainArguments, RLHFArguments, StageArguments
@@ -48,15 +47,20 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
     entry = STAGES[stage]
     parser = TrlParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
+    if not _accelerator_available():
+        # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
+        # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
+        parser.set_defaults(use_cpu=True)
     return parser.parse_args_and_config(argv)
 
 
 def run_stage(stage: str, argv: list[str]) -> dict:
     """Parses `argv` and trains `stage`; returns what it wrote to `run_info.json`."""
-    if not _accelerator_available():
-        # gloo data parallelism across CPU processes needs accelerate's CPU flag (see configs/accelerate/)
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    from transformers import set_seed
+
     script_args, model_args, training_args = parse_stage_arguments(stage, argv)
+    # before any model is built: new weights (a fresh model, a reward head) are part of the seeded run
+    set_seed(training_args.seed)
     module = importlib.import_module(f".{stage}", __name__)
     return module.train(script_args, model_args, training_args)
 
