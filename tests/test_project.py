@@ -24,7 +24,7 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second():
     readme = (ROOT / "README.md").read_text()
     commands = readme_commands()
     assert readme.index("```bash") < readme.index("\n## ")  # before any section
-    assert "plugformer demo" in commands[0] and "pytest" in commands[1]
+    assert "plugformer pipeline --config configs/pipeline/tiny.yaml" in commands[0] and "pytest" in commands[1]
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
     assert commands[1] in ci_lines
 

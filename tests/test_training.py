@@ -271,3 +271,59 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     capsys.readouterr()
     pipeline_main([*argv, "--stages", "pretrain", "sft"])
     assert capsys.readouterr().out.count("reusing") == 2
+
+
+def test_embedded_splits_never_share_a_fact_and_are_deterministic():
+    from plugformer.training.data import generate_problems, load_stage_dataset
+
+    facts = {
+        split: {(p.operation, p.a, p.b) for p in generate_problems(3000, split)} for split in ("train", "dev", "test")
+    }
+    assert not facts["train"] & facts["dev"] and not facts["train"] & facts["test"] and not facts["dev"] & facts["test"]
+    assert generate_problems(50, "test", seed=3) == generate_problems(50, "test", seed=3)
+    data = load_stage_dataset("dpo", sizes={"train": 20, "dev": 5, "test": 5})
+    assert {name: len(split) for name, split in data.items()} == {"train": 20, "dev": 5, "test": 5}
+    row = data["train"][0]
+    assert row["chosen"][0]["content"] != row["rejected"][0]["content"]
+    question = row["prompt"][0]["content"]
+    assert any(p.question == question for p in generate_problems(20, "train"))
+
+
+def test_sft_on_local_json_files_with_carved_splits(chain, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                          {"role": "assistant", "content": f"{i} + 1 = {i + 1}\n#### {i + 1}"}]} for i in range(40)]  # fmt: skip
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    info = train("sft", tmp_path / "out", "--model_name_or_path", str(chain["pretrain"]), "--dataset_name", "json",
+                 "--data_files", str(path), "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    assert info["dev_exact_match"] is None  # no `answer` column: nothing to score, no error
+    assert_trained(chain["pretrain"], tmp_path / "out")
+    with pytest.raises(ValueError, match=r"lacks the columns \['chosen', 'rejected'\]"):
+        train("dpo", tmp_path / "dpo", "--model_name_or_path", str(chain["sft"]), "--dataset_name", "json",
+              "--data_files", str(path))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "correct", "formatted"),
+    [
+        ("12 + 7 = 19\n#### 19", "19", 1.0, 1.0),
+        ("12 + 7 = 19\n####19", "19", 1.0, 1.0),  # no space after the marker
+        ("12 + 7 = 19\n####   19  ", "19", 1.0, 1.0),  # trailing spaces
+        ("3 - 10 = -7\n#### -7", "-7", 1.0, 1.0),
+        ("3 - 10 = -7\n#### − 7", "-7", 1.0, 0.0),  # unicode minus and a gap: right number, off format
+        ("3 - 10 = -7\n#### 7", "-7", 0.0, 1.0),  # the sign matters
+        ("12 + 7 = 19\n#### 19 apples", "19", 1.0, 0.0),  # trailing text: still the answer, not the format
+        ("12 + 7 = 19\n#### 19\n#### 20", "19", 0.0, 0.0),  # the last marked answer counts
+        ("#### 1,000", "1000", 1.0, 0.0),
+        ("#### 19.0", "19", 1.0, 0.0),
+        ("12 + 7 is nineteen", "19", 0.0, 0.0),
+        ("the total is 19", "19", 1.0, 0.0),  # no marker: the last number
+        ("", "19", 0.0, 0.0),
+        ("12 + 7 = 190\n#### 190", "19", 0.0, 1.0),  # a prefix match is not a match
+    ],
+)
+def test_verifiable_rewards_on_tricky_answers(completion, answer, correct, formatted):
+    conversational = [{"role": "assistant", "content": completion}]
+    for form in (completion, conversational):
+        assert reward_module.exact_match_reward([form], answer=[answer]) == [correct]
+        assert reward_module.format_reward([form]) == [formatted]
