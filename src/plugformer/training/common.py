@@ -36,7 +36,11 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
     path = require_model_path(model_args, stage)
     if model_args.attn_implementation is not None:
         kwargs["attn_implementation"] = model_args.attn_implementation
-    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+    dtype = model_args.dtype
+    if dtype not in (None, "auto"):
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
+        dtype = getattr(torch, dtype)
     return auto_class.from_pretrained(path, revision=model_args.model_revision, dtype=dtype, **kwargs)
 
 
