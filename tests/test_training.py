@@ -327,3 +327,27 @@ def test_verifiable_rewards_on_tricky_answers(completion, answer, correct, forma
     for form in (completion, conversational):
         assert reward_module.exact_match_reward([form], answer=[answer]) == [correct]
         assert reward_module.format_reward([form]) == [formatted]
+
+
+def test_pretrain_an_encoder_as_a_masked_lm(tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    info = train("pretrain", tmp_path, "--is_causal", "false", "--position_scheme", "t5_bias")
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    assert type(model).__name__ == "PlugformerForMaskedLM" and model.config.is_causal is False
+    assert info["dev_exact_match"] is None and info["metrics"]["eval_loss"] > 0  # masked-token loss on dev
+
+
+def test_resume_from_checkpoint_last_finds_the_newest(tmp_path):
+    from types import SimpleNamespace
+
+    from plugformer.training.common import resume_checkpoint
+
+    args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="last")
+    assert resume_checkpoint(args) is None  # nothing yet: a fresh start, with a warning
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert resume_checkpoint(args) == str(tmp_path / "checkpoint-10")
+    args.resume_from_checkpoint = str(tmp_path / "checkpoint-5")
+    assert resume_checkpoint(args) == str(tmp_path / "checkpoint-5")

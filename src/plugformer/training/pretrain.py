@@ -69,7 +69,8 @@ def train(script_args, model_args, training_args) -> dict:
     data = stage_data("pretrain", script_args)
     tokenizer = build_tokenizer(script_args, model_args, data["train"]["text"])
     model = build_model(script_args, model_args, tokenizer)
-    set_generation_eos(model, tokenizer)
+    if model.can_generate():
+        set_generation_eos(model, tokenizer)
     causal = model.config.is_causal
     with training_args.main_process_first(desc="packing"):
         blocks = data.map(
