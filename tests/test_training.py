@@ -351,3 +351,23 @@ def test_resume_from_checkpoint_last_finds_the_newest(tmp_path):
     assert resume_checkpoint(args) == str(tmp_path / "checkpoint-10")
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-5")
     assert resume_checkpoint(args) == str(tmp_path / "checkpoint-5")
+
+
+def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
+    from huggingface_hub import ModelCard
+    from scipy.stats import binomtest
+
+    from plugformer.cards import wilson_interval
+
+    card = ModelCard.load(chain["sft"] / "README.md")
+    info = json.loads((chain["sft"] / "run_info.json").read_text())
+    metrics = {result.metric_type: result.metric_value for result in card.data.eval_results}
+    assert metrics["exact_match"] == round(info["dev_exact_match"]["exact_match"], 4)
+    assert metrics["perplexity"] == pytest.approx(info["metrics"]["eval_perplexity"], rel=1e-3)
+    assert {"plugformer", "sft", "attention_score:scaled_dot", "position_scheme:rope"} <= set(card.data.tags)
+    assert f"started from `{chain['pretrain']}`" in card.text and "trust_remote_code=True" in card.text
+    reward_card = ModelCard.load(chain["reward"] / "README.md")
+    assert "AutoModelForSequenceClassification" in reward_card.text
+    for successes, trials in [(0, 10), (3, 10), (20, 100), (57, 300), (300, 300)]:
+        expected = binomtest(successes, trials).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson_interval(successes, trials) == pytest.approx((expected.low, expected.high), abs=1e-12)

@@ -132,11 +132,22 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
     if trainer.is_world_process_zero():
         info["dev_exact_match"] = dev_exact_match(trainer, stage, script_args, tokenizer)
         Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        write_card(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
               + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip
     trainer.accelerator.wait_for_everyone()
     return info
+
+
+def write_card(trainer, info: dict, script_args) -> None:
+    """README.md (a huggingface_hub model card) beside the weights."""
+    from ..cards import stage_card
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    parent = model.config._name_or_path or None
+    card = stage_card(model, info, trainer.args, script_args, parent=parent, model_path=trainer.args.output_dir)
+    card.save(Path(trainer.args.output_dir) / "README.md")
 
 
 def dev_exact_match(trainer, stage: str, script_args, tokenizer) -> dict | None:
