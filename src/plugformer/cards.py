@@ -80,7 +80,7 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -
     Example:
 
     >>> [round(x, 4) for x in wilson_interval(20, 100)]
-    [0.1333, 0.2888]
+    [0.1334, 0.2888]
     """
     if trials <= 0 or not 0 <= successes <= trials:
         raise ValueError(f"wilson_interval: need 0 <= successes ({successes}) <= trials ({trials}) and trials > 0")
