@@ -140,6 +140,37 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
     return info
 
 
+def run_trainer(
+    stage: str,
+    trainer_class,
+    auto_class,
+    script_args,
+    model_args,
+    training_args,
+    model_kwargs: dict | None = None,
+    evaluate: bool = True,
+    **trainer_kwargs,
+) -> dict:
+    """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
+    when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute)."""
+    model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
+    tokenizer = load_tokenizer(model_args.model_name_or_path)
+    if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
+        model.config.pad_token_id = tokenizer.pad_token_id
+    data = stage_data(stage, script_args)
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        **({"eval_dataset": data.get("dev")} if evaluate else {}),
+        processing_class=tokenizer,
+        peft_config=peft_config(model_args),
+        **trainer_kwargs,
+    )
+    extra = {"reward_model": script_args.reward_model_path} if stage == "rlhf" else None
+    return train_and_save(trainer, stage, script_args, tokenizer, extra)
+
+
 def write_card(trainer, info: dict, script_args) -> None:
     """README.md (a huggingface_hub model card) beside the weights."""
     from ..cards import stage_card

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from .common import load_model, load_tokenizer, peft_config, stage_data, train_and_save
+from .common import run_trainer
 from .rewards import REWARD_FUNCTIONS
 
 
@@ -19,15 +19,7 @@ def reward_functions(names: list[str]) -> list:
 
 def train(script_args, model_args, training_args) -> dict:
     rewards = reward_functions(script_args.reward_functions)
-    model = load_model(AutoModelForCausalLM, model_args, "grpo")
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
-    data = stage_data("grpo", script_args)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=rewards,
-        args=training_args,
-        train_dataset=data["train"],
-        processing_class=tokenizer,
-        peft_config=peft_config(model_args),
-    )
-    return train_and_save(trainer, "grpo", script_args, tokenizer)
+    return run_trainer(
+        "grpo", GRPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
+        evaluate=False, reward_funcs=rewards,
+    )  # fmt: skip

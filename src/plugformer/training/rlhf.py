@@ -10,7 +10,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from trl import RLOOTrainer
 
-from .common import load_model, load_tokenizer, peft_config, stage_data, train_and_save
+from .common import load_tokenizer, run_trainer
 
 
 def load_reward_model(path: str | None):
@@ -22,16 +22,7 @@ def load_reward_model(path: str | None):
 
 def train(script_args, model_args, training_args) -> dict:
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
-    model = load_model(AutoModelForCausalLM, model_args, "rlhf")
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
-    data = stage_data("rlhf", script_args)
-    trainer = RLOOTrainer(
-        model=model,
-        reward_funcs=reward_model,
-        args=training_args,
-        train_dataset=data["train"],
-        processing_class=tokenizer,
-        reward_processing_classes=reward_tokenizer,
-        peft_config=peft_config(model_args),
-    )
-    return train_and_save(trainer, "rlhf", script_args, tokenizer, {"reward_model": script_args.reward_model_path})
+    return run_trainer(
+        "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
+        evaluate=False, reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
+    )  # fmt: skip
