@@ -149,10 +149,12 @@ def run_trainer(
     training_args,
     model_kwargs: dict | None = None,
     evaluate: bool = True,
+    extra: dict | None = None,
     **trainer_kwargs,
 ) -> dict:
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
-    when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute)."""
+    when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
+    `run_info.json`."""
     model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
@@ -167,7 +169,6 @@ def run_trainer(
         peft_config=peft_config(model_args),
         **trainer_kwargs,
     )
-    extra = {"reward_model": script_args.reward_model_path} if stage == "rlhf" else None
     return train_and_save(trainer, stage, script_args, tokenizer, extra)
 
 

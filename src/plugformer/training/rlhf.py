@@ -24,5 +24,6 @@ def train(script_args, model_args, training_args) -> dict:
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
     return run_trainer(
         "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
-        evaluate=False, reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
+        evaluate=False, extra={"reward_model": script_args.reward_model_path},
+        reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
     )  # fmt: skip
