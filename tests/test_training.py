@@ -371,3 +371,14 @@ def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
     for successes, trials in [(0, 10), (3, 10), (20, 100), (57, 300), (300, 300)]:
         expected = binomtest(successes, trials).proportion_ci(confidence_level=0.95, method="wilson")
         assert wilson_interval(successes, trials) == pytest.approx((expected.low, expected.high), abs=1e-12)
+
+
+@pytest.mark.parametrize("stage", ["dpo", "grpo", "rlhf"])
+def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, monkeypatch):
+    graded = lambda completions, **kwargs: [float(len(reward_module.completion_text(c))) for c in completions]  # noqa: E731
+    monkeypatch.setitem(reward_module.REWARD_FUNCTIONS, "length", graded)
+    extra = {"grpo": ["--reward_functions", "length"], "rlhf": ["--reward_model_path", str(chain["reward"])]}
+    train(stage, tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4",
+          *extra.get(stage, []))  # fmt: skip
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert_trained(chain["sft"], tmp_path, prefix="model.layers.0.self_attn.q_proj")  # merged LoRA moved q_proj
