@@ -382,3 +382,37 @@ def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, monkeypatc
           *extra.get(stage, []))  # fmt: skip
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     assert_trained(chain["sft"], tmp_path, prefix="model.layers.0.self_attn.q_proj")  # merged LoRA moved q_proj
+
+
+def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
+    from plugformer.metrics import load_metric
+    from plugformer.training.data import load_stage_dataset
+    from plugformer.training.evaluation import main as eval_main
+
+    output = tmp_path / "eval.json"
+    results = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "6", "--max_new_tokens", "6",
+                         "--output", str(output)])  # fmt: skip
+    assert json.loads(output.read_text())["examples"] == 6
+    low, high = results["exact_match_ci95"]
+    assert low <= results["exact_match"] <= high
+    # perplexity: exp of the token-weighted mean of each document's own loss, computed one document at a time
+    model = AutoModelForCausalLM.from_pretrained(chain["sft"]).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chain["sft"])
+    total, count = 0.0, 0
+    for text in load_stage_dataset("pretrain", sizes={"dev": 6})["dev"]["text"]:
+        ids = tokenizer(tokenizer.bos_token + text + tokenizer.eos_token, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            loss = model(**ids, labels=ids["input_ids"]).loss.item()
+        total, count = total + loss * (ids["input_ids"].shape[1] - 1), count + ids["input_ids"].shape[1] - 1
+    assert results["perplexity"] == pytest.approx(2.718281828459045 ** (total / count), rel=1e-4)
+    reward = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output)])
+    assert 0.0 <= reward["pairwise_accuracy"] <= 1.0 and reward["examples"] == 6
+    # the metrics are local evaluate modules: they load and compute without network
+    assert (
+        load_metric("numeric_exact_match").compute(predictions=["#### −7", "7"], references=["-7", "8"])["exact_match"]
+        == 0.5
+    )
+    with pytest.raises(ValueError, match="offline metrics"):
+        load_metric("bleu")

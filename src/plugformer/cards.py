@@ -88,7 +88,10 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -
     denominator = 1 + z**2 / trials
     centre = (p + z**2 / (2 * trials)) / denominator
     half = z * math.sqrt(p * (1 - p) / trials + z**2 / (4 * trials**2)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exact at the ends (the formula leaves rounding noise there)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high
 
 
 def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:

@@ -55,6 +55,12 @@ def _pipeline(argv: list[str]) -> None:
     main(argv)
 
 
+def _eval(argv: list[str]) -> None:
+    from .training.evaluation import main
+
+    main(argv)
+
+
 def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
@@ -69,6 +75,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "convert": (_convert, "import a transformers Llama or GPT-2 checkpoint (identical logits)"),
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
+    "eval": (_eval, "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy"),
     "info": (_info, "list which kernels run each attention_score x position_scheme"),
 }
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import torch
 
+from ..metrics import load_metric
 from ..tokenization import generation_eos_token_ids
-from .rewards import exact_match_reward, format_reward
+from .rewards import format_reward
 
 
 def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
@@ -50,12 +56,12 @@ def exact_match(model, tokenizer, rows, max_new_tokens: int = 32, batch_size: in
     """
     prompts, answers = list(rows["prompt"]), list(rows["answer"])
     completions = generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size)
-    correct = exact_match_reward(completions, answer=answers)
+    scores = load_metric("numeric_exact_match").compute(predictions=completions, references=[str(a) for a in answers])
     formatted = format_reward(completions)
     return {
-        "exact_match": sum(correct) / max(len(correct), 1),
+        "exact_match": scores["exact_match"],
         "format": sum(formatted) / max(len(formatted), 1),
-        "examples": len(correct),
+        "examples": len(completions),
         "samples": [
             {"prompt": prompt_text(tokenizer, p), "completion": c, "answer": a}
             for p, c, a in list(zip(prompts, completions, answers, strict=True))[:3]
@@ -81,4 +87,83 @@ def preference_accuracy(model, tokenizer, rows, batch_size: int = 64) -> float:
             values.append(model(**batch.to(model.device)).logits[:, 0].float().cpu())  # (B, 1) -> (B,)
         return torch.cat(values)
 
-    return (scores("chosen") > scores("rejected")).float().mean().item()
+    metric = load_metric("pairwise_accuracy")
+    return metric.compute(predictions=scores("chosen").tolist(), references=scores("rejected").tolist())[
+        "pairwise_accuracy"
+    ]
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, texts: list[str], batch_size: int = 32) -> float:
+    """exp of the mean next-token loss over every token of `<bos> text <eos>` documents (pads excluded)."""
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "right"
+    total_loss, total_tokens = 0.0, 0
+    try:
+        for start in range(0, len(texts), batch_size):
+            documents = [tokenizer.bos_token + t + tokenizer.eos_token for t in texts[start : start + batch_size]]
+            batch = tokenizer(documents, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            logits = model(**batch).logits[:, :-1].float()  # (B, T-1, V): predictions of tokens 1..T-1
+            targets = batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+            loss = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum"
+            )
+            total_loss += loss.item()
+            total_tokens += int((targets != -100).sum())
+    finally:
+        tokenizer.padding_side = side
+    return math.exp(total_loss / max(total_tokens, 1))
+
+
+@dataclass
+class EvalArguments:
+    model: str = field(default="outputs/pipeline/sft", metadata={"help": "a trained stage's output directory"})
+    split: str = field(default="test", metadata={"help": "train | dev | test"})
+    examples: int = field(default=300, metadata={"help": "problems of the split to score"})
+    dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (the pipeline's splits: 0)"})
+    max_new_tokens: int = 32
+    batch_size: int = 64
+    output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
+
+
+def evaluate_directory(args: EvalArguments) -> dict:
+    """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
+    95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ..cards import wilson_interval
+    from .common import load_tokenizer
+    from .data import load_stage_dataset
+
+    if args.split not in ("train", "dev", "test"):
+        raise ValueError(f"split={args.split!r}: choose train, dev or test")
+    tokenizer = load_tokenizer(args.model)
+    sizes, seed = {args.split: args.examples}, args.dataset_seed
+    config = AutoConfig.from_pretrained(args.model)
+    results = {"model": args.model, "split": args.split}
+    if any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+        model = AutoModelForSequenceClassification.from_pretrained(args.model)
+        rows = load_stage_dataset("reward", sizes=sizes, seed=seed)[args.split]
+        results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
+        results["examples"] = len(rows)
+        return results
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    rows = load_stage_dataset("evaluation", sizes=sizes, seed=seed)[args.split]
+    results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
+    results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
+    texts = load_stage_dataset("pretrain", sizes=sizes, seed=seed)[args.split]["text"]
+    results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
+    return results
+
+
+def main(argv: list[str]) -> dict:
+    """`plugformer eval --model DIR [--split test] ...`: prints the scores and writes them as JSON."""
+    from ..arguments import parse_arguments
+
+    args = parse_arguments(EvalArguments, argv, prog="plugformer eval")
+    results = evaluate_directory(args)
+    output = Path(args.output or Path(args.model) / f"eval_{args.split}.json")
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    shown = {k: v for k, v in results.items() if k != "samples"}
+    print(json.dumps(shown, indent=2) + f"\nwritten to {output}")
+    return results

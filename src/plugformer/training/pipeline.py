@@ -15,8 +15,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from . import STAGES, run_stage
-from .data import load_stage_dataset
-from .evaluation import exact_match, preference_accuracy
+from .evaluation import EvalArguments, evaluate_directory
 
 
 # stage -> the stage whose output it starts from
@@ -73,22 +72,10 @@ def stage_dir(args: PipelineArguments, stage: str) -> str:
 
 
 def held_out(args: PipelineArguments, stage: str) -> dict:
-    """Test-split results of a finished stage: exact match for policies, pairwise accuracy for the reward model,
-    perplexity from the stage's own dev evaluation where it has one."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .common import load_tokenizer
-
-    directory = stage_dir(args, stage)
-    tokenizer = load_tokenizer(directory)
-    sizes = {"test": args.test_examples}
-    if stage == "reward":
-        model = AutoModelForSequenceClassification.from_pretrained(directory)
-        rows = load_stage_dataset("reward", sizes=sizes, seed=args.dataset_seed)["test"]
-        return {"pairwise_accuracy": preference_accuracy(model, tokenizer, rows)}
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    rows = load_stage_dataset("evaluation", sizes=sizes, seed=args.dataset_seed)["test"]
-    return exact_match(model, tokenizer, rows, max_new_tokens=args.max_new_tokens)
+    """Test-split results of a finished stage (`plugformer eval`): exact match for policies, pairwise accuracy for
+    the reward model."""
+    return evaluate_directory(EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
+                                            dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens))  # fmt: skip
 
 
 def run(args: PipelineArguments) -> dict:
