@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from plugformer.training import STAGES, parse_stage_arguments, run_stage
 from plugformer.training import rewards as reward_module
@@ -97,10 +97,15 @@ def test_rlhf_optimises_against_the_learned_reward_model(chain, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-def test_grpo_trains_on_a_verifiable_reward(chain, tmp_path, monkeypatch):
-    # an untrained model never answers right: every group would have zero advantage; a graded reward gives signal
+@pytest.fixture
+def length_reward(monkeypatch):
+    """An untrained model never answers right, so every group would have zero advantage: a graded reward
+    (completion length) gives the few-step RL tests a signal."""
     graded = lambda completions, **kwargs: [float(len(reward_module.completion_text(c))) for c in completions]  # noqa: E731
     monkeypatch.setitem(reward_module.REWARD_FUNCTIONS, "length", graded)
+
+
+def test_grpo_trains_on_a_verifiable_reward(chain, tmp_path, length_reward):
     train("grpo", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_functions", "length")
     assert_trained(chain["sft"], tmp_path)
     AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -109,7 +114,8 @@ def test_grpo_trains_on_a_verifiable_reward(chain, tmp_path, monkeypatch):
 def test_lora_adapters_train_save_reload_and_merge_exactly(chain, tmp_path):
     from peft import PeftModel
 
-    train("sft", tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4")
+    info = train("sft", tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4")
+    assert info["dev_exact_match"]["examples"] == 4  # the merged LoRA model is scored like any other
     adapter = tmp_path / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert set(config["target_modules"]) == {
@@ -374,9 +380,7 @@ def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
 
 
 @pytest.mark.parametrize("stage", ["dpo", "grpo", "rlhf"])
-def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, monkeypatch):
-    graded = lambda completions, **kwargs: [float(len(reward_module.completion_text(c))) for c in completions]  # noqa: E731
-    monkeypatch.setitem(reward_module.REWARD_FUNCTIONS, "length", graded)
+def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, length_reward):
     extra = {"grpo": ["--reward_functions", "length"], "rlhf": ["--reward_model_path", str(chain["reward"])]}
     train(stage, tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4",
           *extra.get(stage, []))  # fmt: skip
@@ -397,8 +401,6 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     assert low <= results["exact_match"] <= high
     # perplexity: exp of the token-weighted mean of each document's own loss, computed one document at a time
     model = AutoModelForCausalLM.from_pretrained(chain["sft"]).eval()
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(chain["sft"])
     total, count = 0.0, 0
     for text in load_stage_dataset("pretrain", sizes={"dev": 6})["dev"]["text"]:

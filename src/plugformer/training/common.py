@@ -130,7 +130,7 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
         **(extra or {}),
     }
     if trainer.is_world_process_zero():
-        info["dev_exact_match"] = dev_exact_match(trainer, stage, script_args, tokenizer)
+        info["dev_exact_match"] = dev_exact_match(trainer, script_args, tokenizer)
         Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
         write_card(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
@@ -182,12 +182,11 @@ def write_card(trainer, info: dict, script_args) -> None:
     card.save(Path(trainer.args.output_dir) / "README.md")
 
 
-def dev_exact_match(trainer, stage: str, script_args, tokenizer) -> dict | None:
+def dev_exact_match(trainer, script_args, tokenizer) -> dict | None:
     """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if script_args.exact_match_examples <= 0 or not hasattr(model, "generate") or not model.config.is_causal:
-        return None
-    if stage == "reward":
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
+    if script_args.exact_match_examples <= 0 or not base.can_generate():
         return None
     try:
         rows = stage_data("evaluation", script_args).get("dev")

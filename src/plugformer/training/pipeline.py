@@ -85,7 +85,6 @@ def run(args: PipelineArguments) -> dict:
     for stage in args.stages:
         argv = stage_argv(args, stage)
         info_path = Path(stage_dir(args, stage), "run_info.json")
-        started = time.perf_counter()
         if args.rerun or not info_path.exists():
             print(f"\n=== {stage}: plugformer train {stage} {' '.join(argv)}", flush=True)
             run_stage(stage, argv)
@@ -93,7 +92,7 @@ def run(args: PipelineArguments) -> dict:
             print(f"\n=== {stage}: reusing {info_path.parent} (--rerun true retrains)", flush=True)
         state.wait_for_everyone()
         info = json.loads(info_path.read_text())
-        results[stage] = {"seconds": round(time.perf_counter() - started, 1), "train_seconds": info["train_seconds"]}
+        results[stage] = {"train_seconds": info["train_seconds"]}
         if state.is_main_process:
             results[stage].update(held_out(args, stage))
             results[stage]["eval_perplexity"] = info["metrics"].get("eval_perplexity")
