@@ -61,6 +61,30 @@ def _eval(argv: list[str]) -> None:
     main(argv)
 
 
+def _compare(argv: list[str]) -> None:
+    from .evaluation.compare import main
+
+    main(argv)
+
+
+def _extrapolate(argv: list[str]) -> None:
+    from .evaluation.extrapolation import main
+
+    main(argv)
+
+
+def _attention_map(argv: list[str]) -> None:
+    from .evaluation.attention_maps import main
+
+    main(argv)
+
+
+def _plot(argv: list[str]) -> None:
+    from .evaluation.plots import main
+
+    main(argv)
+
+
 def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
@@ -76,6 +100,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "eval": (_eval, "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy"),
+    "compare": (_compare, "train a grid of variants x seeds; mean ± 95% CI, paired significance tests, plot"),
+    "extrapolate": (_extrapolate, "perplexity vs evaluation length (0.5x-8x training length) per position scheme"),
+    "attention-map": (_attention_map, "heatmaps of attention weights (self and cross) for a text, as PNG"),
+    "plot": (_plot, "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves"),
     "info": (_info, "list which kernels run each attention_score x position_scheme"),
 }
 
