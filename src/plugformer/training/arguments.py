@@ -54,11 +54,42 @@ class PretrainArguments(StageArguments):
     vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
     block_size: int = field(default=128, metadata={"help": "tokens per training sequence (documents are packed)"})
     mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
+    document_positions: bool = field(
+        default=True,
+        metadata={"help": "causal packing: positions restart at each document and documents do not see each other; "
+                          "False: positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi "
+                          "paper's training)"},
+    )  # fmt: skip
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "any other PlugformerConfig fields, as in transformers' run_clm: "
+                          "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
+    )  # fmt: skip
 
     def architecture(self) -> dict:
         names = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        fields = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {**fields, **parse_overrides(self.config_overrides, "config_overrides")}
+
+
+def parse_overrides(text: str | None, name: str) -> dict:
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values parsed as YAML scalars).
+
+    >>> parse_overrides("norm_type=layernorm,attention_dropout=0.1", "config_overrides")
+    {'norm_type': 'layernorm', 'attention_dropout': 0.1}
+    """
+    import yaml
+
+    values = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, separator, value = item.partition("=")
+        if not separator or not key.strip():
+            raise ValueError(f"{name}={text!r}: expected comma-separated FIELD=VALUE pairs, got {item!r}")
+        values[key.strip()] = yaml.safe_load(value)
+    return values
 
 
 @dataclass

@@ -94,11 +94,11 @@ def preference_accuracy(model, tokenizer, rows, batch_size: int = 64) -> float:
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer, texts: list[str], batch_size: int = 32) -> float:
-    """exp of the mean next-token loss over every token of `<bos> text <eos>` documents (pads excluded)."""
+def document_losses(model, tokenizer, texts: list[str], batch_size: int = 32) -> tuple[list[float], list[int]]:
+    """Each `<bos> text <eos>` document's summed next-token loss (nats) and its number of predicted tokens."""
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "right"
-    total_loss, total_tokens = 0.0, 0
+    losses, counts = [], []
     try:
         for start in range(0, len(texts), batch_size):
             documents = [tokenizer.bos_token + t + tokenizer.eos_token for t in texts[start : start + batch_size]]
@@ -106,13 +106,19 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int = 32) -> floa
             logits = model(**batch).logits[:, :-1].float()  # (B, T-1, V): predictions of tokens 1..T-1
             targets = batch["input_ids"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
             loss = torch.nn.functional.cross_entropy(
-                logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum"
-            )
-            total_loss += loss.item()
-            total_tokens += int((targets != -100).sum())
+                logits.transpose(1, 2), targets, ignore_index=-100, reduction="none"
+            )  # (B, T-1), 0 at pads
+            losses += loss.sum(dim=1).tolist()
+            counts += (targets != -100).sum(dim=1).tolist()
     finally:
         tokenizer.padding_side = side
-    return math.exp(total_loss / max(total_tokens, 1))
+    return losses, counts
+
+
+def perplexity(model, tokenizer, texts: list[str], batch_size: int = 32) -> float:
+    """exp of the mean next-token loss over every token of `<bos> text <eos>` documents (pads excluded)."""
+    losses, counts = document_losses(model, tokenizer, texts, batch_size)
+    return math.exp(sum(losses) / max(sum(counts), 1))
 
 
 @dataclass

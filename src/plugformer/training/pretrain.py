@@ -4,6 +4,7 @@ tokenizer first when none is given."""
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import chain
 
 from transformers import (
@@ -34,6 +35,11 @@ def build_model(script_args, model_args, tokenizer):
     if model_args.model_name_or_path is not None:
         return load_model(head, model_args, "pretrain")
     architecture = script_args.architecture()
+    known = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    unknown = sorted(set(architecture) - known)
+    if unknown:
+        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
+                         f"fields; fields: {sorted(known)}")  # fmt: skip
     if script_args.hidden_size is not None and script_args.intermediate_size is None:
         architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
     config = PlugformerConfig.from_preset(
@@ -49,18 +55,20 @@ def build_model(script_args, model_args, tokenizer):
     return (PlugformerForCausalLM if config.is_causal else PlugformerForMaskedLM)(config)
 
 
-def pack(examples: dict, tokenizer, block_size: int, causal: bool) -> dict:
+def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_positions: bool = True) -> dict:
     """Concatenates `<bos> text <eos>` documents and cuts blocks of `block_size` tokens (a shorter tail is
-    dropped). Causal blocks carry `position_ids` restarting at each document, so documents in a block do not
-    attend to each other (the model reads restarts as document boundaries, as with TRL's packing)."""
+    dropped). With `document_positions`, causal blocks carry `position_ids` restarting at each document, so
+    documents in a block do not attend to each other (the model reads restarts as document boundaries, as with
+    TRL's packing); without, the block is one contiguous text at positions 0..block_size-1."""
     documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in examples["text"]],
                           add_special_tokens=False)["input_ids"]  # fmt: skip
     tokens = list(chain.from_iterable(documents))
     positions = list(chain.from_iterable(range(len(d)) for d in documents))
     usable = len(tokens) // block_size * block_size
     blocks = {"input_ids": [tokens[i : i + block_size] for i in range(0, usable, block_size)]}
-    if causal:
+    if causal and document_positions:
         blocks["position_ids"] = [positions[i : i + block_size] for i in range(0, usable, block_size)]
+    if causal:
         blocks["labels"] = [list(block) for block in blocks["input_ids"]]
     return blocks
 
@@ -77,7 +85,12 @@ def train(script_args, model_args, training_args) -> dict:
             pack,
             batched=True,
             remove_columns=data["train"].column_names,
-            fn_kwargs={"tokenizer": tokenizer, "block_size": script_args.block_size, "causal": causal},
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "block_size": script_args.block_size,
+                "causal": causal,
+                "document_positions": script_args.document_positions,
+            },
         )
     collator = (
         default_data_collator

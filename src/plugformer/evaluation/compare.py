@@ -1,0 +1,380 @@
+"""`plugformer compare`: a grid of variants x seeds, trained with the same budget and data by the pipeline's stages,
+selected on dev, reported on test with 95% confidence intervals and paired significance tests, plus a plot.
+
+    plugformer compare --grid attention_score=scaled_dot,additive position_scheme=rope,alibi \\
+        --seeds 0 1 2 --set max_steps=200 --output_dir outputs/compare
+
+Each grid entry is `KEY=V1,V2,...`; the variants are the cartesian product. A key goes to every stage whose
+options include it (`sft.learning_rate=...` names one stage); a `PlugformerConfig` field that is not a stage
+option (e.g. `norm_type`) goes into pretrain's `config_overrides`. `--set KEY=VALUE` applies to every run.
+
+A run lives in `<output_dir>/runs/<variant>-<hash>/seed<N>/<stage>`, the hash covering every setting that shapes
+it (the stage command lines and the content of their YAML files): re-running the same comparison reuses finished
+runs and their scores; changing a setting trains new ones. The variant with the best mean dev score is selected;
+each other variant is compared with it on test by a paired bootstrap over test examples (each example's score
+averaged over seeds; `--significance ttest` uses a paired t-test over seeds instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .stats import mean_interval, paired_bootstrap, paired_t_test
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A score per example: `score` summed over examples and divided by the summed `weight` gives the statistic."""
+
+    name: str
+    higher_is_better: bool
+    needs: str  # what the final stage's model must be
+
+    def report(self, statistic: float) -> float:
+        """The number shown: perplexity is exp of the per-token loss; exact match is the mean itself."""
+        return math.exp(statistic) if self.name == "perplexity" else statistic
+
+
+METRICS = {
+    "perplexity": Metric("perplexity", higher_is_better=False, needs="a causal language model"),
+    "exact_match": Metric(
+        "exact_match", higher_is_better=True, needs="a model that answers chat prompts (sft or later)"
+    ),
+}
+SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
+
+
+@dataclass
+class CompareArguments:
+    output_dir: str = field(default="outputs/compare", metadata={"help": "runs, table, JSON and plot go here"})
+    grid: list[str] = field(
+        default_factory=lambda: ["attention_score=scaled_dot,additive", "position_scheme=rope,alibi"],
+        metadata={"help": "KEY=V1,V2,... entries after one --grid; the variants are their cartesian product"},
+    )
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "training seeds of every variant"})
+    stages: list[str] = field(default_factory=lambda: ["pretrain"], metadata={"help": "stages run in order per run"})
+    stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
+    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE entries applied to every run"})
+    metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
+    dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
+    test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
+    dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
+    significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
+    bootstrap_samples: int = 10_000
+    alpha: float = field(default=0.05, metadata={"help": "significance level, Holm-corrected over the comparisons"})
+    max_new_tokens: int = 32
+    rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
+
+    def __post_init__(self):
+        if self.metric not in METRICS:
+            raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
+        if self.significance not in SIGNIFICANCE_TESTS:
+            raise ValueError(f"significance={self.significance!r}: choose one of {list(SIGNIFICANCE_TESTS)}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds={self.seeds}: give at least one seed, each once")
+        if self.significance == "ttest" and len(self.seeds) < 2:
+            raise ValueError(f"significance='ttest' pairs seeds: give at least 2 seeds, got {self.seeds}")
+
+
+def parse_grid(entries: list[str]) -> dict[str, list[str]]:
+    """`["a=1,2", "b=x"]` -> `{"a": ["1", "2"], "b": ["x"]}`.
+
+    >>> parse_grid(["attention_score=dot,additive", "sft.learning_rate=1e-3"])
+    {'attention_score': ['dot', 'additive'], 'sft.learning_rate': ['1e-3']}
+    """
+    grid = {}
+    for entry in entries:
+        key, separator, values = entry.partition("=")
+        choices = [v.strip() for v in values.split(",") if v.strip()]
+        if not separator or not key.strip() or not choices:
+            raise ValueError(f"grid entry {entry!r}: expected KEY=V1,V2,...")
+        if key.strip() in grid:
+            raise ValueError(f"grid entry {entry!r}: {key.strip()!r} appears twice")
+        grid[key.strip()] = choices
+    return grid
+
+
+def variants(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """The cartesian product of the grid, in the order given."""
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def variant_name(variant: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in variant.items()) or "baseline"
+
+
+def stage_options(stage: str) -> set[str]:
+    """Every option `plugformer train <stage>` accepts."""
+    from trl import ModelConfig
+
+    from ..training import STAGES
+
+    entry = STAGES[stage]
+    classes = (entry.script_arguments, ModelConfig, entry.config_type())
+    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+
+
+def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
+    """Command-line options per stage for `settings` (grid values and `--set` values)."""
+    from ..configuration import PlugformerConfig
+
+    config_fields = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    options = {stage: stage_options(stage) for stage in stages}
+    argv = {stage: [] for stage in stages}
+    config_overrides = []
+    for key, value in settings.items():
+        stage, _, name = key.rpartition(".")
+        targets = [stage] if stage else [s for s in stages if name in options[s]]
+        if stage and (stage not in stages or name not in options[stage]):
+            raise ValueError(f"{key}={value}: stage {stage!r} is not in stages={stages} or has no option {name!r}")
+        if targets:
+            for target in targets:
+                argv[target] += [f"--{name}", value]
+        elif name in config_fields and "pretrain" in stages:
+            config_overrides.append(f"{name}={value}")
+        else:
+            raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
+                             "PlugformerConfig field set at pretraining")  # fmt: skip
+    if config_overrides:
+        argv["pretrain"] += ["--config_overrides", ",".join(config_overrides)]
+    return argv
+
+
+def parse_settings(entries: list[str]) -> dict[str, str]:
+    settings = {}
+    for entry in entries:
+        key, separator, value = entry.partition("=")
+        if not separator or not key.strip():
+            raise ValueError(f"--set {entry!r}: expected KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    return settings
+
+
+def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dict[str, list[str]]]:
+    """The directory of a variant and the per-stage options of its runs (without seed and paths)."""
+    settings = {**parse_settings(args.set), **variant}
+    options = route(settings, args.stages)
+    configs = {stage: args.stage_configs.format(stage=stage) for stage in args.stages}
+    for stage, path in configs.items():
+        if not Path(path).is_file():
+            raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}")
+    fingerprint = {
+        "stages": args.stages,
+        "options": options,
+        "configs": {stage: Path(path).read_text() for stage, path in configs.items()},
+        "dataset_seed": args.dataset_seed,
+    }
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
+    slug = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", variant_name(variant))
+    return Path(args.output_dir, "runs", f"{slug}-{digest}"), options
+
+
+def train_run(args: CompareArguments, directory: Path, options: dict[str, list[str]], seed: int) -> Path:
+    """Trains the stages of one (variant, seed) run, reusing finished stages; returns the last stage's directory."""
+    from ..training import run_stage
+    from ..training.pipeline import PARENTS
+
+    run_dir = directory / f"seed{seed}"
+    for stage in args.stages:
+        output = run_dir / stage
+        if (output / "run_info.json").exists() and not args.rerun:
+            continue
+        argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", str(output)]
+        argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed), "--exact_match_examples", "0"]
+        parent = PARENTS[stage]
+        if parent is not None:
+            if parent not in args.stages:
+                raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
+            argv += ["--model_name_or_path", str(run_dir / parent)]
+        if stage == "rlhf":
+            argv += ["--reward_model_path", str(run_dir / "reward")]
+        print(f"=== {directory.name} seed {seed}: plugformer train {stage} {' '.join(argv + options[stage])}")
+        run_stage(stage, argv + options[stage])
+    return run_dir / args.stages[-1]
+
+
+def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
+    """Per-example scores of a trained run on `split`, cached in `<model_dir>/compare_<metric>_<split>.json`."""
+    size = args.dev_examples if split == "dev" else args.test_examples
+    cache = model_dir / f"compare_{args.metric}_{split}.json"
+    if cache.exists() and not args.rerun:
+        cached = json.loads(cache.read_text())
+        if cached["examples"] == size and cached["dataset_seed"] == args.dataset_seed:
+            return cached
+    scores, weights = _score(args, model_dir, split, size)
+    result = {"examples": size, "dataset_seed": args.dataset_seed, "scores": scores, "weights": weights}
+    cache.write_text(json.dumps(result) + "\n")
+    return result
+
+
+def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tuple[list[float], list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    from ..training.common import load_tokenizer
+    from ..training.data import load_stage_dataset
+    from ..training.evaluation import document_losses, generate_answers
+    from ..training.rewards import exact_match_reward
+
+    tokenizer = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if args.metric == "perplexity":
+        texts = load_stage_dataset("pretrain", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
+        losses, counts = document_losses(model, tokenizer, list(texts))
+        return losses, [float(c) for c in counts]
+    rows = load_stage_dataset("evaluation", sizes={split: size}, seed=args.dataset_seed)[split]
+    completions = generate_answers(model, tokenizer, list(rows["prompt"]), args.max_new_tokens)
+    return exact_match_reward(completions, answer=[str(a) for a in rows["answer"]]), [1.0] * len(completions)
+
+
+def statistic(scores: dict) -> float:
+    return sum(scores["scores"]) / sum(scores["weights"])
+
+
+def summarize(args: CompareArguments, results: dict[str, dict[int, dict[str, dict]]]) -> dict:
+    """Per variant: dev mean (selection), test mean ± CI over seeds; the dev-selected best variant against each
+    other on test, Holm-corrected. `results[variant][seed][split]` holds `example_scores` outputs."""
+    metric = METRICS[args.metric]
+    sign = 1 if metric.higher_is_better else -1
+    rows = {}
+    for name, by_seed in results.items():
+        dev = [statistic(by_seed[s]["dev"]) for s in args.seeds]
+        test = [statistic(by_seed[s]["test"]) for s in args.seeds]
+        shown = [metric.report(value) for value in test]
+        rows[name] = {
+            "dev": sum(metric.report(value) for value in dev) / len(dev),
+            "dev_statistic": sum(dev) / len(dev),
+            "test": mean_interval(shown).to_dict(),
+            "test_per_seed": dict(zip(args.seeds, shown, strict=True)),
+        }
+    best = max(rows, key=lambda name: sign * rows[name]["dev_statistic"])
+    tests = {name: _paired_test(args, results[best], results[name]) for name in rows if name != best}
+    for name, adjusted in holm(tests).items():
+        rows[name]["versus_best"] = {**tests[name].to_dict(), "p_holm": adjusted, "significant": adjusted < args.alpha}
+    return {"metric": metric.name, "higher_is_better": metric.higher_is_better, "best": best, "variants": rows}
+
+
+def _paired_test(args: CompareArguments, best: dict[int, dict], other: dict[int, dict]):
+    """best − other, paired by test example (scores averaged over seeds) or by seed."""
+    if args.significance == "ttest":
+        return paired_t_test([statistic(best[s]["test"]) for s in args.seeds],
+                             [statistic(other[s]["test"]) for s in args.seeds])  # fmt: skip
+    weights = best[args.seeds[0]]["test"]["weights"]
+    for by_seed in (best, other):
+        if any(by_seed[s]["test"]["weights"] != weights for s in args.seeds):
+            raise ValueError("the variants tokenise the test set differently, so per-token losses are not paired; "
+                             "compare with --significance ttest or keep the tokenizer fixed")  # fmt: skip
+
+    def averaged(by_seed):  # (examples,) mean over seeds
+        return [sum(by_seed[s]["test"]["scores"][i] for s in args.seeds) / len(args.seeds) for i in range(len(weights))]
+
+    return paired_bootstrap(averaged(best), averaged(other), weights=weights, samples=args.bootstrap_samples)
+
+
+def holm(tests: dict) -> dict[str, float]:
+    """Holm-Bonferroni adjusted p-values (step-down, made monotone, capped at 1).
+
+    >>> from types import SimpleNamespace as T
+    >>> holm({"a": T(p_value=0.01), "b": T(p_value=0.04), "c": T(p_value=0.03)})
+    {'a': 0.03, 'c': 0.06, 'b': 0.06}
+    """
+    ordered = sorted(tests, key=lambda name: tests[name].p_value)
+    adjusted, running = {}, 0.0
+    for rank, name in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - rank) * tests[name].p_value))
+        adjusted[name] = round(running, 12)
+    return adjusted
+
+
+def table(args: CompareArguments, summary: dict) -> str:
+    metric = summary["metric"]
+    direction = "higher" if summary["higher_is_better"] else "lower"
+    method = ("paired bootstrap over test examples" if args.significance == "bootstrap"
+              else "paired t-test over seeds")  # fmt: skip
+    lines = [
+        f"{metric} ({direction} is better); {len(args.seeds)} seeds {args.seeds}; best selected on dev "
+        f"({args.dev_examples} examples), reported on test ({args.test_examples}); "
+        f"significance: {method}, Holm-corrected, alpha {args.alpha}",
+        "",
+        f"| variant | dev {metric} | test {metric}: mean ± 95% CI | per seed | difference vs best [95% CI] | p (Holm) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["variants"].items():
+        test = row["test"]
+        spread = "" if math.isnan(test["low"]) else f" ± {(test['high'] - test['low']) / 2:.3f}"
+        seeds = ", ".join(f"{value:.3f}" for value in row["test_per_seed"].values())
+        if name == summary["best"]:
+            versus, p_value, label = "— (selected on dev)", "—", f"**{name}**"
+        else:
+            v = row["versus_best"]
+            versus = f"{v['difference']:+.4f} [{v['low']:+.4f}, {v['high']:+.4f}]"
+            p_value, label = f"{v['p_holm']:.3g}" + (" *" if v["significant"] else ""), name
+        lines.append(f"| {label} | {row['dev']:.3f} | {test['mean']:.3f}{spread} | {seeds} | {versus} | {p_value} |")
+    lines.append("")
+    unit = "per-token loss (nats), best − other" if metric == "perplexity" else "exact match, best − other"
+    lines.append(f"difference: {unit}; * = significant after Holm correction")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Mean and 95% CI per variant (seeds as dots), the selected variant highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["variants"])
+    figure, axis = plt.subplots(figsize=(9, 1.6 + 0.6 * len(names)))
+    for row_index, name in enumerate(names):
+        row = summary["variants"][name]
+        test, color = row["test"], ("tab:red" if name == summary["best"] else "tab:blue")
+        seeds = list(row["test_per_seed"].values())
+        axis.scatter(seeds, [row_index] * len(seeds), color="grey", s=12, alpha=0.6, zorder=2)
+        error = None if math.isnan(test["low"]) else [[test["mean"] - test["low"]], [test["high"] - test["mean"]]]
+        axis.errorbar(test["mean"], row_index, xerr=error, fmt="o", color=color, capsize=4, zorder=3)
+        if "versus_best" in row and row["versus_best"]["significant"]:
+            axis.annotate("*", (test["mean"], row_index), textcoords="offset points", xytext=(0, 6), ha="center")
+    axis.set_yticks(range(len(names)), [name.replace(",", "\n") for name in names], fontsize=8)
+    axis.invert_yaxis()
+    direction = "higher" if summary["higher_is_better"] else "lower"
+    axis.set_xlabel(f"test {summary['metric']} ({direction} is better)")
+    axis.set_title("mean and 95% CI over seeds (grey dots: seeds); red: selected on dev; *: significantly different",
+                   fontsize=9)  # fmt: skip
+    axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def run(args: CompareArguments) -> dict:
+    grid = variants(parse_grid(args.grid))
+    plans = {variant_name(variant): run_plan(args, variant) for variant in grid}  # validates before training
+    results = {}
+    for name, (directory, options) in plans.items():
+        results[name] = {}
+        for seed in args.seeds:
+            model_dir = train_run(args, directory, options, seed)
+            results[name][seed] = {split: example_scores(args, model_dir, split) for split in ("dev", "test")}
+    summary = summarize(args, results)
+    summary["runs"] = {name: str(directory) for name, (directory, _) in plans.items()}
+    output = Path(args.output_dir)
+    text = table(args, summary)
+    (output / "results.md").write_text(text + "\n")
+    (output / "results.json").write_text(
+        json.dumps({"arguments": dataclasses.asdict(args), **summary}, indent=2) + "\n"
+    )
+    plot(summary, output / "results.png")
+    print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
+    return summary
+
+
+def main(argv: list[str]) -> dict:
+    from ..arguments import parse_arguments
+
+    return run(parse_arguments(CompareArguments, argv, prog="plugformer compare"))
