@@ -55,6 +55,11 @@ class PositionScheme(nn.Module):
     def validate_config(cls, config: PlugformerConfig) -> None:
         """Raises a `ValueError` naming the field if `config` cannot use this scheme."""
 
+    @classmethod
+    def max_length(cls, config: PlugformerConfig) -> int | None:
+        """The longest sequence this scheme can encode, or `None` when any length works."""
+        return None
+
     def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 
@@ -114,6 +119,10 @@ class LearnedPositions(PositionScheme):
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    @classmethod
+    def max_length(cls, config):
+        return config.max_position_embeddings
 
     def embed(self, position_ids, dtype):
         limit = self.embed_positions.num_embeddings

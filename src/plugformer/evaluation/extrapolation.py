@@ -1,0 +1,223 @@
+"""`plugformer extrapolate`: perplexity as a function of evaluation length for several position schemes trained
+on the same data at one length — the setup of the ALiBi paper's Figure 1 (Press et al. 2022).
+
+    plugformer extrapolate --config configs/extrapolation/tiny.yaml
+
+Every scheme is pretrained by the pipeline's `pretrain` stage on contiguous text (positions 0..L-1 across each
+block, `document_positions=false`) with `block_size = max_position_embeddings = train_length`. Each model then
+reads the same test-token stream cut into non-overlapping windows of each evaluation length (0.5x..8x L by
+default); the perplexity is over every token that has a preceding token in its window. A scheme that cannot encode
+a length (learned absolute positions past `max_position_embeddings`) is reported as "not supported beyond N" —
+asked of the scheme (`PositionScheme.max_length`), not found out by crashing. Training reuses finished runs
+exactly as `plugformer compare` does (same run directories and settings hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .compare import CompareArguments, run_plan, train_run
+from .stats import mean_interval
+
+
+@dataclass
+class ExtrapolationArguments:
+    output_dir: str = field(default="outputs/extrapolation", metadata={"help": "runs, table, JSON and plot"})
+    position_schemes: list[str] = field(
+        default_factory=lambda: ["sinusoidal", "learned", "rope", "alibi", "t5_bias"],
+        metadata={"help": "schemes trained and evaluated"},
+    )
+    train_length: int = field(default=64, metadata={"help": "training sequence length L (= max_position_embeddings)"})
+    factors: list[float] = field(
+        default_factory=lambda: [0.5, 1.0, 2.0, 4.0, 8.0], metadata={"help": "evaluation lengths as multiples of L"}
+    )
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "training seeds per scheme"})
+    stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "the pretrain stage's YAML"})
+    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE pretrain options for every scheme"})
+    eval_windows: int = field(default=8, metadata={"help": "windows of the longest length scored (sets the tokens)"})
+    test_examples: int = field(default=2000, metadata={"help": "test documents concatenated into the stream"})
+    dataset_seed: int = 0
+    batch_size: int = 8
+    rerun: bool = field(default=False, metadata={"help": "retrain schemes that already finished"})
+
+    def __post_init__(self):
+        if self.train_length < 2:
+            raise ValueError(f"train_length={self.train_length}: expected at least 2 tokens")
+        if not self.factors or any(f <= 0 for f in self.factors):
+            raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
+        if self.eval_windows < 1:
+            raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")
+
+    def lengths(self) -> list[int]:
+        """Evaluation lengths in tokens (at least 2: one to condition on, one to predict)."""
+        return sorted({max(2, round(factor * self.train_length)) for factor in self.factors})
+
+
+def training_plan(args: ExtrapolationArguments) -> CompareArguments:
+    """The pretraining runs, as a `compare` grid over `position_scheme` (so runs are shared and reused alike)."""
+    length = args.train_length
+    fixed = [f"block_size={length}", f"max_position_embeddings={length}", "document_positions=false"]
+    return CompareArguments(
+        output_dir=args.output_dir,
+        grid=[f"position_scheme={','.join(args.position_schemes)}"],
+        seeds=args.seeds,
+        stages=["pretrain"],
+        stage_configs=args.stage_configs,
+        set=[*fixed, *args.set],
+        dataset_seed=args.dataset_seed,
+        rerun=args.rerun,
+    )
+
+
+def token_stream(tokenizer, texts: list[str], length: int) -> torch.Tensor:
+    """The first `length` tokens of the `<bos> text <eos>` documents concatenated."""
+    documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in texts], add_special_tokens=False)
+    tokens = [token for document in documents["input_ids"] for token in document]
+    if len(tokens) < length:
+        raise ValueError(f"test_examples: the test documents hold {len(tokens)} tokens, {length} are needed; "
+                         "raise test_examples or lower eval_windows")  # fmt: skip
+    return torch.tensor(tokens[:length])
+
+
+@torch.no_grad()
+def window_perplexity(model, stream: torch.Tensor, length: int, batch_size: int = 8) -> float:
+    """Perplexity of `stream` cut into non-overlapping windows of `length` tokens (positions 0..length-1 each)."""
+    model.eval()
+    windows = stream[: stream.numel() // length * length].view(-1, length)  # (W, length)
+    total, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size]  # (B, length)
+        logits = model(input_ids=batch).logits[:, :-1].float()  # (B, length-1, V): predictions of tokens 1..
+        total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | None, dict[int, float | None]]:
+    """The scheme's longest encodable length (None: any) and the perplexity per evaluation length (None past that
+    length), cached in the run directory."""
+    from transformers import AutoModelForCausalLM
+
+    from ..positions import POSITION_SCHEMES
+    from ..training.common import load_tokenizer
+    from ..training.data import load_stage_dataset
+
+    lengths = args.lengths()
+    cache = model_dir / "extrapolation.json"
+    key = {"lengths": lengths, "tokens": max(lengths) * args.eval_windows, "test_examples": args.test_examples,
+           "dataset_seed": args.dataset_seed}  # fmt: skip
+    if cache.exists() and not args.rerun:
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key:
+            return cached["limit"], {int(length): value for length, value in cached["perplexity"].items()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(str(model_dir))
+    texts = load_stage_dataset("pretrain", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
+    stream = token_stream(tokenizer, list(texts), key["tokens"])
+    limit = POSITION_SCHEMES.get(model.config.position_scheme).max_length(model.config)
+    results = {
+        length: None if limit is not None and length > limit else window_perplexity(model, stream, length,
+                                                                                     args.batch_size)
+        for length in lengths
+    }  # fmt: skip
+    cache.write_text(json.dumps({"key": key, "limit": limit, "perplexity": results}, indent=2) + "\n")
+    return limit, results
+
+
+def run(args: ExtrapolationArguments) -> dict:
+    plan = training_plan(args)
+    summary = {"train_length": args.train_length, "lengths": args.lengths(), "schemes": {}}
+    for scheme in args.position_schemes:
+        directory, options = run_plan(plan, {"position_scheme": scheme})
+        evaluated = [evaluate_run(args, train_run(plan, directory, options, seed)) for seed in args.seeds]
+        summary["schemes"][scheme] = {
+            "run": str(directory),
+            "max_length": evaluated[0][0],
+            "perplexity": _combine([results for _, results in evaluated], args.lengths()),
+        }
+    output = Path(args.output_dir)
+    text = table(summary, args.seeds)
+    (output / "results.md").write_text(text + "\n")
+    (output / "results.json").write_text(
+        json.dumps({"arguments": dataclasses.asdict(args), **summary}, indent=2) + "\n"
+    )
+    plot(summary, output / "results.png")
+    print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
+    return summary
+
+
+def _combine(per_seed: list[dict[int, float | None]], lengths: list[int]) -> dict[int, dict | None]:
+    """Mean and 95% interval over seeds per length; None where the scheme cannot encode it."""
+    combined = {}
+    for length in lengths:
+        values = [result[length] for result in per_seed]
+        combined[length] = None if values[0] is None else mean_interval(values).to_dict()
+    return combined
+
+
+def table(summary: dict, seeds: list[int]) -> str:
+    train_length, lengths = summary["train_length"], summary["lengths"]
+    header = " | ".join(f"{length} ({length / train_length:g}x)" for length in lengths)
+    spread = f"mean ± 95% CI over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    lines = [
+        f"test perplexity by evaluation length (trained at {train_length} tokens; {spread}); "
+        "non-overlapping windows of the same token stream",
+        "",
+        f"| position scheme | {header} |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for scheme, result in summary["schemes"].items():
+        cells = []
+        for length in lengths:
+            value = result["perplexity"][length]
+            if value is None:
+                cells.append(f"not supported beyond {result['max_length']}")
+            elif math.isnan(value["low"]):
+                cells.append(f"{value['mean']:.2f}")
+            else:
+                cells.append(f"{value['mean']:.2f} ± {(value['high'] - value['low']) / 2:.2f}")
+        lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Perplexity vs evaluation length (log-log), one line per scheme; the training length dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for scheme, result in summary["schemes"].items():
+        points = [(length, value) for length, value in result["perplexity"].items() if value is not None]
+        lengths, values = [p[0] for p in points], [p[1]["mean"] for p in points]
+        (line,) = axis.plot(lengths, values, marker="o", label=scheme)
+        if len(points) < len(result["perplexity"]):
+            axis.plot(lengths[-1:], values[-1:], marker="x", markersize=12, color=line.get_color(), linestyle="")
+            axis.annotate(f"{scheme}: not supported\nbeyond {result['max_length']}", (lengths[-1], values[-1]),
+                          textcoords="offset points", xytext=(8, 8), fontsize=8, color=line.get_color())  # fmt: skip
+    axis.axvline(
+        summary["train_length"], color="grey", linestyle="--", label=f"training length {summary['train_length']}"
+    )
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("evaluation length (tokens)")
+    axis.set_ylabel("test perplexity")
+    axis.set_title("length extrapolation (ALiBi paper, Figure 1 setup)")
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3, which="both")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: list[str]) -> dict:
+    from ..arguments import parse_arguments
+
+    return run(parse_arguments(ExtrapolationArguments, argv, prog="plugformer extrapolate"))
