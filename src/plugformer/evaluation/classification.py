@@ -1,0 +1,71 @@
+"""Scoring a sequence classifier: accuracy with a Wilson 95% interval and macro F1, and the same scores as a
+`Trainer(compute_metrics=...)` callback. The scores come from the offline metric `load_metric("classification")`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..cards import wilson_interval
+from ..metrics import load_metric
+
+
+@torch.no_grad()
+def predict_labels(model, tokenizer, texts: Sequence[str], batch_size: int = 64) -> list[int]:
+    """The class id each text's logits rank first, in padded batches with the model in eval mode (restored after)."""
+    was_training = model.training
+    model.eval()
+    predictions = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(
+                list(texts[start : start + batch_size]), padding=True, truncation=True, return_tensors="pt"
+            )
+            predictions += model(**batch.to(model.device)).logits.argmax(-1).tolist()  # (B, num_labels) -> (B,)
+    finally:
+        model.train(was_training)
+    return predictions
+
+
+def evaluate_classifier(model, tokenizer, texts: Sequence[str], labels: Sequence[int], batch_size: int = 64) -> dict:
+    """Scores a sequence classifier (e.g. [`PlugformerForSequenceClassification`]) on labelled texts.
+
+    Args:
+        model (`PreTrainedModel`): Returns `logits` of shape `(batch_size, num_labels)`.
+        tokenizer (`PreTrainedTokenizerBase`): With a pad token.
+        texts (`Sequence[str]`): The inputs.
+        labels (`Sequence[int]`): Their true class ids.
+        batch_size (`int`, *optional*, defaults to 64): Texts per forward pass.
+
+    Returns:
+        `dict`: `accuracy`, `macro_f1`, `f1_per_class` and `support` (see `load_metric("classification")`),
+        `accuracy_ci95` (the 95% Wilson interval of the accuracy, `[low, high]`) and `examples` (their count).
+    """
+    if len(texts) != len(labels):
+        raise ValueError(f"evaluate_classifier: {len(texts)} texts but {len(labels)} labels")
+    if len(texts) == 0:
+        raise ValueError("evaluate_classifier: no examples to score")
+    predictions = predict_labels(model, tokenizer, texts, batch_size)
+    references = [int(label) for label in labels]
+    scores = load_metric("classification").compute(predictions=predictions, references=references)
+    correct = sum(p == r for p, r in zip(predictions, references, strict=True))
+    return {**scores, "accuracy_ci95": list(wilson_interval(correct, len(references))), "examples": len(references)}
+
+
+def compute_metrics(eval_prediction) -> dict:
+    """`Trainer(compute_metrics=compute_metrics)`: accuracy and macro F1 of the argmax of the logits.
+
+    >>> from transformers import EvalPrediction
+    >>> logits = np.array([[2.0, -1.0], [0.5, 1.5], [0.0, 3.0]])
+    >>> compute_metrics(EvalPrediction(predictions=logits, label_ids=np.array([0, 1, 0])))
+    {'accuracy': 0.6666666666666666, 'macro_f1': 0.6666666666666666}
+    """
+    logits = eval_prediction.predictions
+    if isinstance(logits, tuple):  # models that also return hidden states or attentions put the logits first
+        logits = logits[0]
+    scores = load_metric("classification").compute(
+        predictions=np.asarray(logits).argmax(-1), references=eval_prediction.label_ids
+    )
+    return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"]}
