@@ -1,5 +1,5 @@
-"""Fine-tune a bidirectional plugformer encoder for sentiment with transformers' `Trainer`, offline, in about a
-minute on two CPU cores.
+"""Fine-tune a bidirectional plugformer encoder for sentiment with transformers' `Trainer`, offline, in under a
+minute on two CPU cores (about 15 s at the defaults).
 
 The data is plugformer's sentiment grammar ("the food was not really good" -> NEGATIVE): "not" flips the
 adjective's polarity, so a bag of words scores about 60%. Train, dev and test splits are drawn with different seeds,
