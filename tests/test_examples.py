@@ -1,0 +1,44 @@
+"""The example scripts run (in their quick settings) and produce what their docstrings promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_attention_variants_example(tmp_path):
+    summary = load_example("compare_attention_variants").main(
+        ["--quick", "--output_dir", str(tmp_path), "--seeds", "0", "1", "--scores", "dot", "additive"]
+    )
+    assert set(summary["variants"]) == {"attention_score=dot,position_scheme=rope",
+                                        "attention_score=additive,position_scheme=rope"}  # fmt: skip
+    assert summary["best"] in summary["variants"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.md", "results.json", "results.png", "runs"}
+
+
+def test_length_extrapolation_example(tmp_path):
+    summary = load_example("length_extrapolation").main(
+        ["--quick", "--output_dir", str(tmp_path), "--schemes", "learned", "rope"]
+    )
+    assert summary["schemes"]["learned"]["perplexity"][128] is None  # 8x the quick training length of 16
+    assert summary["schemes"]["rope"]["perplexity"][128]["mean"] > 1
+    assert json.loads((tmp_path / "results.json").read_text())["train_length"] == 16
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_every_example_documents_how_to_run_it(name):
+    text = (EXAMPLES / f"{name}.py").read_text()
+    assert text.startswith('"""') and f"python examples/{name}.py" in text
