@@ -170,3 +170,11 @@ def test_compare_identical_variants_are_not_significant(tmp_path):
     other = next(row for name, row in summary["variants"].items() if name != summary["best"])
     assert other["versus_best"]["p_value"] == 1.0 and not other["versus_best"]["significant"]
     assert other["test"]["mean"] == summary["variants"][summary["best"]]["test"]["mean"]
+
+
+def test_command_line_options_are_not_abbreviated():
+    from plugformer.arguments import parse_arguments
+
+    with pytest.raises(ValueError, match=r"unknown arguments \['--seed'"):  # not silently read as --seeds
+        parse_arguments(CompareArguments, ["--seed", "3"], prog="plugformer compare")
+    assert parse_arguments(CompareArguments, ["--seeds", "3"], prog="plugformer compare").seeds == [3]

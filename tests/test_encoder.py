@@ -149,3 +149,13 @@ def test_causal_and_encoder_weights_are_interchangeable(tokens):
     # with one token there is nothing to the left or right: both directions must compute the same logits
     with torch.no_grad():
         torch.testing.assert_close(masked(tokens[:, :1]).logits, causal.eval()(tokens[:, :1]).logits)
+
+
+def test_encoder_heads_ignore_use_cache():
+    """Generic loops pass `use_cache`; an encoder keeps no cache and must not fail on a duplicate keyword."""
+    from plugformer import PlugformerForMaskedLM
+
+    torch.manual_seed(0)
+    model = PlugformerForMaskedLM(PlugformerConfig.from_preset("tiny", is_causal=False)).eval()
+    ids = torch.randint(3, 100, (1, 6))
+    torch.testing.assert_close(model(ids, use_cache=True).logits, model(ids).logits)

@@ -172,3 +172,21 @@ def test_learns_to_reverse_sequences():
     ]
     # learned absolute positions reach 99% here in 300 steps (rope 85%, t5_bias 53%, alibi 5% at this budget)
     assert sum(correct) / 200 > 0.9, sum(correct) / 200
+
+
+@pytest.mark.parametrize("encoder_layers,decoder_layers", [(2, 3), (3, 1)])
+def test_decoder_depth_differs_from_encoder_depth(encoder_layers, decoder_layers, source):
+    """Caches are sized by the decoder's own depth (`num_decoder_layers`), in forward and in `generate`."""
+    model = seq2seq(num_hidden_layers=encoder_layers, num_decoder_layers=decoder_layers, decoder_start_token_id=PAD)
+    assert (len(model.encoder.layers), len(model.decoder.layers)) == (encoder_layers, decoder_layers)
+    generated = model.generate(source, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    target = torch.full((2, 1), PAD)
+    for _ in range(5):  # greedy without a cache
+        logits = decoder_logits(model, source, target)[:, -1]
+        logits[:, EOS] = float("-inf")  # as min_new_tokens does
+        target = torch.cat([target, logits.argmax(-1, keepdim=True)], dim=1)
+    assert generated.tolist() == target.tolist()
+    with torch.no_grad():
+        cached = model(source, decoder_input_ids=target, use_cache=True)
+    assert len(cached.cache.self_attention_cache.layers) == decoder_layers
+    torch.testing.assert_close(cached.logits, decoder_logits(model, source, target), atol=ATOL, rtol=0)

@@ -30,7 +30,7 @@ def load_yaml(path: str | Path, allowed: set[str]) -> dict:
 
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     """Parses `argv` into `cls`, with `--config file.yaml` supplying defaults that the command line overrides."""
-    parser = HfArgumentParser(cls, prog=prog)
+    parser = HfArgumentParser(cls, prog=prog, allow_abbrev=False)  # `--layer` must not silently mean `--layers`
     parser.add_argument("--config", type=str, default=None, help="YAML file of option: value pairs")
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:

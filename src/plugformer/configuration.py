@@ -271,6 +271,14 @@ class PlugformerConfig(PreTrainedConfig):
                 if token_id is not None and not 0 <= token_id < self.vocab_size:
                     raise ValueError(f"{name}={value!r} is outside the vocabulary [0, {self.vocab_size})")
 
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """transformers' view of one end of the model; a seq2seq decoder's has `num_decoder_layers` layers, so
+        caches built from it (`DynamicCache(config=...)`, also inside `generate`) get one slot per decoder block."""
+        text_config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder and self.is_encoder_decoder and text_config is not self:  # a copy: safe to edit
+            text_config.num_hidden_layers = self.num_decoder_layers
+        return text_config
+
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> PlugformerConfig:
         """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""

@@ -309,7 +309,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
 
     def _new_cache(self) -> Cache:
         if self.cross_attention:  # self-attention keys grow per step; the encoder's are computed once
-            return EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+            decoder = self.config.get_text_config(decoder=True)  # sized by num_decoder_layers
+            return EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
         return DynamicCache(config=self.config)
 
     def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
@@ -502,6 +503,7 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
                 (the original id at masked positions for a masked LM; a tag id), -100 where there is none. No shift:
                 every position predicts its own label.
         """
+        kwargs.pop("use_cache", None)  # an encoder keeps no cache (callers such as generic loops may still pass it)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .plots import pyplot
 from .stats import mean_interval, paired_bootstrap, paired_t_test
 
 
@@ -324,11 +325,7 @@ def table(args: CompareArguments, summary: dict) -> str:
 
 def plot(summary: dict, path: Path) -> None:
     """Mean and 95% CI per variant (seeds as dots), the selected variant highlighted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(summary["variants"])
     figure, axis = plt.subplots(figsize=(9, 1.6 + 0.6 * len(names)))
     for row_index, name in enumerate(names):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .compare import CompareArguments, run_plan, train_run
+from .plots import pyplot
 from .stats import mean_interval
 
 
@@ -188,11 +189,7 @@ def table(summary: dict, seeds: list[int]) -> str:
 
 def plot(summary: dict, path: Path) -> None:
     """Perplexity vs evaluation length (log-log), one line per scheme; the training length dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for scheme, result in summary["schemes"].items():
         points = [(length, value) for length, value in result["perplexity"].items() if value is not None]

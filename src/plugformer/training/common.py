@@ -132,6 +132,7 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
     if trainer.is_world_process_zero():
         info["dev_exact_match"] = dev_exact_match(trainer, script_args, tokenizer)
         Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        trainer.state.save_to_json(str(Path(args.output_dir, "trainer_state.json")))  # the whole log history
         write_card(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
