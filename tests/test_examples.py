@@ -42,3 +42,10 @@ def test_length_extrapolation_example(tmp_path):
 def test_every_example_documents_how_to_run_it(name):
     text = (EXAMPLES / f"{name}.py").read_text()
     assert text.startswith('"""') and f"python examples/{name}.py" in text
+
+
+def test_full_pipeline_example(tmp_path):
+    results = load_example("full_pipeline").main(["--quick", "--output_dir", str(tmp_path)])
+    assert list(results) == ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]
+    for name in ("results.md", "training_curves.png", "attention_final_model.png", "attention_final_model.safetensors"):
+        assert (tmp_path / name).stat().st_size > 0, name
