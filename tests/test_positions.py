@@ -43,6 +43,20 @@ def test_sinusoidal_matches_vaswani_formula():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_sinusoidal_model_scales_token_embeddings_as_vaswani():
+    """Block input = embedding · sqrt(d) + PE (§3.4); embeddings the caller passes are not rescaled (Marian)."""
+    model = build(tiny_config(scheme="sinusoidal"))
+    ids = torch.tensor([[5, 9, 9, 2]])
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    model(ids)
+    d = model.config.hidden_size
+    expected = model.model.embed_tokens.weight[ids[0]] * math.sqrt(d) + sinusoidal_table(torch.arange(4)[None], d)[0]
+    torch.testing.assert_close(seen[0][0], expected)
+    model(inputs_embeds=model.model.embed_tokens(ids))
+    torch.testing.assert_close(seen[1][0], expected - model.model.embed_tokens.weight[ids[0]] * (math.sqrt(d) - 1))
+
+
 def test_learned_positions_look_up_rows_and_refuse_positions_past_the_table():
     positions = scheme("learned")
     ids = torch.tensor([[0, 3, 63]])

@@ -371,7 +371,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         if encoder_hidden_states is not None and not self.cross_attention:
             raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids) * self.positions.token_scale
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
             cache = self._new_cache()
         refuse_flex_with_static_cache(self.config, cache)

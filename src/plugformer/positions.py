@@ -41,9 +41,14 @@ class PositionScheme(nn.Module):
     Class attributes:
         has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
             refuse such schemes).
+
+    Attributes:
+        token_scale (`float`): multiplies the token embeddings looked up from `input_ids` (not `inputs_embeds`
+            passed by the caller, as in transformers' Marian), before `embed()` is added.
     """
 
     has_bias = False
+    token_scale = 1.0
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__()
@@ -97,11 +102,17 @@ def sinusoidal_table(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
 
 @POSITION_SCHEMES.register("sinusoidal")
 class SinusoidalPositions(PositionScheme):
-    """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works."""
+    """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works.
+
+    The token embeddings are multiplied by sqrt(hidden_size) (Vaswani et al. 2017, §3.4; transformers' Marian
+    `embed_scale`): each sinusoid pair has norm 1, so the table's norm is sqrt(hidden_size / 2), while embeddings
+    initialised with std 0.02 have norm 0.02·sqrt(hidden_size) — unscaled, the positions drown the tokens.
+    """
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
         self.dim = config.hidden_size
+        self.token_scale = math.sqrt(config.hidden_size)
 
     @classmethod
     def validate_config(cls, config):

@@ -195,6 +195,9 @@ def plot(summary: dict, path: Path) -> None:
         points = [(length, value) for length, value in result["perplexity"].items() if value is not None]
         lengths, values = [p[0] for p in points], [p[1]["mean"] for p in points]
         (line,) = axis.plot(lengths, values, marker="o", label=scheme)
+        lows, highs = [p[1]["low"] for p in points], [p[1]["high"] for p in points]
+        if not any(math.isnan(v) for v in lows):  # several seeds: their 95% interval as a band
+            axis.fill_between(lengths, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
         if len(points) < len(result["perplexity"]):
             axis.plot(lengths[-1:], values[-1:], marker="x", markersize=12, color=line.get_color(), linestyle="")
             axis.annotate(f"{scheme}: not supported\nbeyond {result['max_length']}", (lengths[-1], values[-1]),
@@ -204,8 +207,11 @@ def plot(summary: dict, path: Path) -> None:
     )
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
+    axis.set_xticks(summary["lengths"], [str(length) for length in summary["lengths"]])
+    axis.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    axis.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
     axis.set_xlabel("evaluation length (tokens)")
-    axis.set_ylabel("test perplexity")
+    axis.set_ylabel("test perplexity (log scale)")
     axis.set_title("length extrapolation (ALiBi paper, Figure 1 setup)")
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3, which="both")
