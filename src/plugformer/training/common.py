@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..tokenization import generation_eos_token_ids
+from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
 from .evaluation import exact_match
 
@@ -71,14 +71,20 @@ def stage_data(stage: str, script_args):
 
 
 def resume_checkpoint(training_args) -> str | None:
-    """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest checkpoint in the output directory."""
+    """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest intact checkpoint in the output directory
+    (a damaged newer one is skipped with a warning). An explicit PATH that fails its manifest is refused."""
     value = training_args.resume_from_checkpoint
-    if value is None or str(value).lower() not in ("last", "true"):
+    if value is None:
+        return None
+    if str(value).lower() not in ("last", "true"):
+        problem = verify_checkpoint(value) if Path(value).is_dir() else f"{value} is not a directory"
+        if problem is not None:
+            raise ValueError(f"--resume_from_checkpoint {value}: {problem}")
         return value
-    last = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+    last = last_good_checkpoint(training_args.output_dir)
     if last is None:
         logger.warning(
-            "--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", value, training_args.output_dir
+            "--resume_from_checkpoint %s: no intact checkpoint in %s, starting fresh", value, training_args.output_dir
         )
     return last
 
@@ -161,7 +167,7 @@ def run_trainer(
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
     data = stage_data(stage, script_args)
-    trainer = trainer_class(
+    trainer = atomic_checkpoints(trainer_class)(
         model=model,
         args=training_args,
         train_dataset=data["train"],

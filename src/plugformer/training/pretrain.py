@@ -18,6 +18,7 @@ from transformers import (
 from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..tokenization import train_tokenizer
+from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
 
 
@@ -97,7 +98,7 @@ def train(script_args, model_args, training_args) -> dict:
         if causal
         else DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=script_args.mlm_probability)
     )
-    trainer = Trainer(
+    trainer = atomic_checkpoints(Trainer)(
         model=model,
         args=training_args,
         train_dataset=blocks["train"],

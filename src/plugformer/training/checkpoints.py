@@ -1,0 +1,170 @@
+"""Training checkpoints that a kill at any moment cannot corrupt, and resumption that skips a damaged one.
+
+transformers' `Trainer` writes `checkpoint-N` in place, file by file: a run killed mid-save leaves a directory that
+looks like the newest checkpoint but is not whole, and `resume_from_checkpoint` then fails or, worse, loads it.
+Every stage's trainer is wrapped by `atomic_checkpoints`: the Trainer writes into `<output_dir>/.staging/`, a
+manifest (size and sha256 of every file) is added, the files are flushed to disk, and one `os.replace` publishes
+`checkpoint-N` (a rename within a file system is atomic). Only then are old checkpoints rotated away.
+
+`last_good_checkpoint` walks the checkpoints from the newest and returns the first whose files match its manifest,
+warning about each one it skips (truncated, edited, missing files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from functools import cache
+from pathlib import Path
+
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "checkpoint_manifest.json"
+STAGING = ".staging"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+class AtomicCheckpointMixin:
+    """Mixed into a `Trainer` (or TRL trainer) class: `checkpoint-N` appears whole, or not at all."""
+
+    def _save_checkpoint(self, model, trial) -> None:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        run_dir = Path(self._get_output_dir(trial=trial))
+        staging = run_dir / STAGING
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # the remains of a save that was killed
+        self.accelerator.wait_for_everyone()
+        self._get_output_dir = lambda trial=None: str(staging)  # every rank writes its part into the staging area
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self._repoint_best_checkpoint(run_dir, staging / name)
+            publish(staging / name, run_dir / name)
+            self._rotate(run_dir)
+        self.accelerator.wait_for_everyone()
+
+    def _repoint_best_checkpoint(self, run_dir: Path, staged: Path) -> None:
+        """The Trainer looked for the best checkpoint in the staging area; point it at the published one."""
+        best_step = self.state.best_global_step
+        if not best_step:
+            return
+        best = run_dir / f"checkpoint-{best_step}"
+        if best.is_dir() or staged.name == best.name:
+            self.state.best_model_checkpoint = str(best)
+            self.state.save_to_json(str(staged / "trainer_state.json"))
+
+    def _rotate(self, run_dir: Path) -> None:
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(
+            output_dir=str(run_dir),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+
+@cache
+def atomic_checkpoints(trainer_class: type) -> type:
+    """`trainer_class` with atomic checkpoints (the same class object for the same input)."""
+    return type(f"Atomic{trainer_class.__name__}", (AtomicCheckpointMixin, trainer_class), {})
+
+
+def publish(staged: Path, final: Path) -> None:
+    """Writes the manifest, flushes every file, renames `staged` to `final` and flushes the parent directory."""
+    files = sorted(path for path in staged.rglob("*") if path.is_file())
+    manifest = {
+        str(path.relative_to(staged)): {"bytes": path.stat().st_size, "sha256": _sha256(path)} for path in files
+    }
+    (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for path in [*files, staged / MANIFEST]:
+        _fsync(path)
+    if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced as a whole
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _fsync(final.parent)
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, or `None` if every file matches its manifest.
+
+    A checkpoint without a manifest was written by a plain `Trainer` (plugformer publishes a checkpoint only after
+    its manifest): it passes if its trainer state parses and its safetensors headers read.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return _check_unmanifested(path)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return f"{MANIFEST} is unreadable ({error})"
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def _check_unmanifested(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        json.loads((path / "trainer_state.json").read_text())
+        for weights in path.glob("*.safetensors"):
+            with safe_open(str(weights), framework="pt") as handle:
+                for key in handle.keys():  # reading each tensor detects a file cut short
+                    handle.get_slice(key)
+    except Exception as error:  # json, OS and safetensors' own error types alike mean "do not resume from it"
+        return f"unreadable without a manifest ({type(error).__name__}: {error})"
+    logger.warning("%s has no %s (written by a plain Trainer): checked its state and weights only", path, MANIFEST)
+    return None
+
+
+def last_good_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest `checkpoint-N` in `output_dir` that passes `verify_checkpoint`, warning about each skipped one."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    steps = {int(m.group(1)): p for p in output_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))}
+    for step in sorted(steps, reverse=True):
+        problem = verify_checkpoint(steps[step])
+        if problem is None:
+            return str(steps[step])
+        logger.warning("skipping %s: %s; trying the previous checkpoint", steps[step], problem)
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file, or a directory entry, to disk (directories cannot be opened for writing on every OS)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:  # e.g. directories on Windows
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
