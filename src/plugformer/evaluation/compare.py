@@ -360,15 +360,20 @@ def run(args: CompareArguments) -> dict:
             results[name][seed] = {split: example_scores(args, model_dir, split) for split in ("dev", "test")}
     summary = summarize(args, results)
     summary["runs"] = {name: str(directory) for name, (directory, _) in plans.items()}
+    write_results(args, summary, table(args, summary), plot)
+    return summary
+
+
+def write_results(args, summary: dict, text: str, plot_summary) -> None:
+    """`results.md` (the table), `results.json` (arguments and summary) and `results.png` in `args.output_dir`."""
     output = Path(args.output_dir)
-    text = table(args, summary)
+    output.mkdir(parents=True, exist_ok=True)
     (output / "results.md").write_text(text + "\n")
     (output / "results.json").write_text(
         json.dumps({"arguments": dataclasses.asdict(args), **summary}, indent=2) + "\n"
     )
-    plot(summary, output / "results.png")
+    plot_summary(summary, output / "results.png")
     print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
-    return summary
 
 
 def main(argv: list[str]) -> dict:

@@ -14,7 +14,6 @@ exactly as `plugformer compare` does (same run directories and settings hash).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .compare import CompareArguments, run_plan, train_run
+from .compare import CompareArguments, run_plan, train_run, write_results
 from .plots import pyplot
 from .stats import mean_interval
 
@@ -142,14 +141,7 @@ def run(args: ExtrapolationArguments) -> dict:
             "max_length": evaluated[0][0],
             "perplexity": _combine([results for _, results in evaluated], args.lengths()),
         }
-    output = Path(args.output_dir)
-    text = table(summary, args.seeds)
-    (output / "results.md").write_text(text + "\n")
-    (output / "results.json").write_text(
-        json.dumps({"arguments": dataclasses.asdict(args), **summary}, indent=2) + "\n"
-    )
-    plot(summary, output / "results.png")
-    print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
+    write_results(args, summary, table(summary, args.seeds), plot)
     return summary
 
 
