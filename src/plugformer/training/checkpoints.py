@@ -64,14 +64,21 @@ class AtomicCheckpointMixin:
             self.state.save_to_json(str(staged / "trainer_state.json"))
 
     def _rotate(self, run_dir: Path) -> None:
-        from transformers.trainer_utils import rotate_checkpoints
+        """Keeps `save_total_limit` checkpoints (the newest and the best always), as the Trainer does, but retires
+        each by renaming it out of sight before deleting it: a kill mid-deletion leaves no half-deleted
+        `checkpoint-N` behind."""
+        from transformers.trainer_utils import sort_checkpoints
 
-        rotate_checkpoints(
-            output_dir=str(run_dir),
-            save_total_limit=self.args.save_total_limit,
-            best_model_checkpoint=self.state.best_model_checkpoint,
-            use_mtime=True,
-        )
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sort_checkpoints(str(run_dir))  # oldest step first
+        protected = {checkpoints[-1]}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        surplus = len(checkpoints) - max(limit, len(protected))
+        for checkpoint in [c for c in checkpoints if c not in protected][: max(surplus, 0)]:
+            retire(Path(checkpoint))
 
 
 @cache
@@ -90,9 +97,19 @@ def publish(staged: Path, final: Path) -> None:
     for path in [*files, staged / MANIFEST]:
         _fsync(path)
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced as a whole
-        shutil.rmtree(final)
+        retire(final)
     os.replace(staged, final)
     _fsync(final.parent)
+
+
+def retire(checkpoint: Path) -> None:
+    """Deletes a checkpoint directory after renaming it into the staging area, so it vanishes in one step."""
+    trash = checkpoint.parent / STAGING / f"retired-{checkpoint.name}"
+    trash.parent.mkdir(exist_ok=True)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(checkpoint, trash)
+    _fsync(checkpoint.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def verify_checkpoint(path: str | Path) -> str | None:
