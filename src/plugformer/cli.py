@@ -85,6 +85,12 @@ def _plot(argv: list[str]) -> None:
     main(argv)
 
 
+def _bench(argv: list[str]) -> None:
+    from .bench import main
+
+    main(argv)
+
+
 def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
@@ -104,6 +110,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "extrapolate": (_extrapolate, "perplexity vs evaluation length (0.5x-8x training length) per position scheme"),
     "attention-map": (_attention_map, "heatmaps of attention weights (self and cross) for a text, as PNG"),
     "plot": (_plot, "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves"),
+    "bench": (_bench, "plugformer vs transformers Llama/GPT-2 (A/B: train, decode, memory, MFU) and every variant"),
     "info": (_info, "list which kernels run each attention_score x position_scheme"),
 }
 

@@ -1,0 +1,36 @@
+"""`plugformer bench`: plugformer against transformers' reference models, and the plugformer variants, in one run.
+
+    plugformer bench --quick --output_dir outputs/bench              # CI: everything on tiny sizes, < 1 min
+    plugformer bench --sizes tiny small --seq_lens 512 2048 --dtypes fp32 bf16 --sections train decode variants
+    python -m plugformer.bench --sections variants --seq_lens 512 2048 4096 --repeats 7
+
+Sections:
+
+- `train` / `decode`, the A/B pairs: plugformer `scaled_dot + rope` with GQA against `LlamaForCausalLM`, and
+  `scaled_dot + learned` against `GPT2LMHeadModel`, both on sdpa. The reference is built from a transformers config
+  (random init, no download), saved and converted with `plugformer.convert`; logits must agree to 1e-4 before
+  anything is timed. `train` times forward + backward + AdamW and measures peak memory and MFU; `decode` times
+  greedy `generate` with the KV cache, split into prefill and decode.
+- `variants`: every score function x position scheme on the kernel the model resolves (sdpa where plugformer's
+  capabilities allow, else eager), each interleaved with scaled_dot + none on sdpa at the same size, dtype and
+  length; the kernel that actually ran is read from the profiler (e.g. `sdpa:math` when a learned bias needs grad).
+
+Every comparison alternates its two models each repeat (A, B, A, B), so a shared machine's drift hits both; the
+report gives ratios first (with the range of per-repeat paired ratios), then absolute medians, then the machine.
+How each number is measured is in `bench.md`'s Method section and in `measure.py`.
+"""
+
+from .arguments import BenchArguments
+from .runner import run
+
+
+__all__ = ["BenchArguments", "main", "run"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import sys
+
+    from ..arguments import parse_arguments
+
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse_arguments(BenchArguments, argv, prog="plugformer bench"))

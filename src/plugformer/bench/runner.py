@@ -1,0 +1,177 @@
+"""The sections of `plugformer bench`: A/B pairs (train, decode) and plugformer variant rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+
+from ..capabilities import supported_kernels
+from ..positions import POSITION_SCHEMES
+from .arguments import BenchArguments
+from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
+from .models import build_pair, build_variant, matmul_parameters
+from .report import compare, machine, throughput, train_flops, utilisation, write
+
+
+def kernel_label(model, profile: Profile) -> str:
+    """The kernel that actually ran: the model's resolved implementation, with the SDPA backend seen (`sdpa:math`)."""
+    implementation = model.config._attn_implementation
+    return f"{implementation}:{'+'.join(profile.sdpa_backends)}" if profile.sdpa_backends else implementation
+
+
+def train_measurement(model, samples: list[dict], profile: Profile, tokens: int, flops: int, peak: float) -> dict:
+    seconds = [sample["seconds"] for sample in samples]
+    return {
+        "class": type(model).__name__,
+        "attn_implementation": model.config._attn_implementation,
+        "sdpa_backends": profile.sdpa_backends,
+        "kernel": kernel_label(model, profile),
+        "seconds": seconds,
+        "tokens_per_s": throughput(tokens, seconds),
+        "peak_memory_bytes": profile.peak_bytes,
+        "flops_per_step": flops,
+        **utilisation(flops, seconds, peak),
+    }
+
+
+def measure_training(
+    args: BenchArguments, models: dict, config, seq_len: int, dtype: str, peak: float
+) -> dict[str, dict]:
+    """Interleaved timed training steps of `models` (name -> model, all of `config`'s shape) on one batch, then one
+    profiled step each."""
+    batch = random_tokens(args.batch_size, seq_len, config.vocab_size, args.seed, args.device)
+    steps = {name: TrainStep(model, batch, dtype, args.device) for name, model in models.items()}
+    samples = run_interleaved(steps, args.repeats, args.warmup)
+    results = {}
+    for name, model in models.items():
+        profile = profile_call(steps[name].step, args.device, steps[name].live_bytes())
+        parameters = matmul_parameters(model)
+        flops = train_flops(parameters, config.num_hidden_layers, config.num_attention_heads, config.head_dim,
+                            args.batch_size, seq_len)  # fmt: skip
+        results[name] = train_measurement(model, samples[name], profile, batch.numel(), flops, peak)
+        results[name]["matmul_parameters"] = parameters
+    return results
+
+
+def train_row(args: BenchArguments, spec: str, pair: str, models: dict, seq_len: int, dtype: str, peak: float) -> dict:
+    measured = measure_training(args, models, models["plugformer"].config, seq_len, dtype, peak)
+    mine, reference = measured["plugformer"], measured["reference"]
+    return {
+        "pair": pair, "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size,
+        "ratio_tokens_per_s": compare(args.batch_size * seq_len, mine["seconds"], reference["seconds"]),
+        "ratio_peak_memory": mine["peak_memory_bytes"] / reference["peak_memory_bytes"],
+        "models": measured,
+    }  # fmt: skip
+
+
+def decode_row(args: BenchArguments, spec: str, pair: str, models: dict, prompt_len: int, dtype: str) -> dict:
+    prompts = random_tokens(args.batch_size, prompt_len, models["plugformer"].config.vocab_size, args.seed, args.device)
+    runs = {name: GenerateRun(model, prompts, args.new_tokens, dtype, args.device) for name, model in models.items()}
+    samples = run_interleaved(runs, args.repeats, args.warmup)
+    prefill_tokens, decode_tokens = prompts.numel(), args.batch_size * (args.new_tokens - 1)
+    measured = {}
+    for name, model in models.items():
+        prefill = [sample["prefill_seconds"] for sample in samples[name]]
+        decode = [sample["decode_seconds"] for sample in samples[name]]
+        measured[name] = {
+            "class": type(model).__name__,
+            "kernel": kernel_label(model, profile_call(runs[name].generate, args.device)),
+            "prefill_seconds": prefill,
+            "decode_seconds": decode,
+            "prefill_tokens_per_s": throughput(prefill_tokens, prefill),
+            "decode_tokens_per_s": throughput(decode_tokens, decode),
+        }
+    mine, reference = measured["plugformer"], measured["reference"]
+    return {
+        "pair": pair, "size": spec, "dtype": dtype, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
+        "batch_size": args.batch_size,
+        "same_tokens": bool((runs["plugformer"].sequences == runs["reference"].sequences).all()),
+        "ratio_prefill": compare(prefill_tokens, mine["prefill_seconds"], reference["prefill_seconds"]),
+        "ratio_decode": compare(decode_tokens, mine["decode_seconds"], reference["decode_seconds"]),
+        "models": measured,
+    }  # fmt: skip
+
+
+def pair_rows(args: BenchArguments, spec: str, pair: str, peaks: dict) -> tuple[list[dict], list[dict], float]:
+    """Decode rows first (the weights are still the converted ones, so greedy tokens should agree), then train rows."""
+    config = args.model_config(spec)
+    twin, reference, difference = build_pair(pair, config, args.seed, args.device, max(args.seq_lens))
+    models = {"plugformer": twin, "reference": reference}
+    decode, train = [], []
+    for dtype in args.dtypes if "decode" in args.sections else []:
+        for seq_len in args.seq_lens:
+            decode.append(decode_row(args, spec, pair, models, seq_len, dtype) | {"max_abs_logit_diff": difference})
+    for dtype in args.dtypes if "train" in args.sections else []:
+        for seq_len in args.seq_lens:
+            row = train_row(args, spec, pair, models, seq_len, dtype, peaks[dtype]["flops_per_s"])
+            train.append(row | {"max_abs_logit_diff": difference})
+    return train, decode, difference
+
+
+def variant_note(model, sdpa_backends: list[str]) -> str:
+    """Why the kernel is not fused SDPA, from plugformer's capabilities and the model's parameters."""
+    config = model.config
+    if config._attn_implementation != "sdpa" and "sdpa" not in supported_kernels(config):
+        return "capabilities: no sdpa"
+    if "math" in sdpa_backends:
+        scheme = POSITION_SCHEMES.get(config.position_scheme)
+        learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
+        return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
+    return ""
+
+
+def variant_row(
+    args: BenchArguments, spec: str, baseline, score: str, scheme: str, seq_len: int, dtype: str, peak: float
+) -> dict:
+    """One score x scheme, interleaved with `baseline` (scaled_dot + none on sdpa)."""
+    config = args.model_config(spec, attention_score=score, position_scheme=scheme)
+    variant = build_variant(config, args.seed + 1, args.device)
+    measured = measure_training(args, {"variant": variant, "baseline": baseline}, variant.config, seq_len, dtype, peak)
+    mine, base = measured["variant"], measured["baseline"]
+    return {
+        "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size, "attention_score": score,
+        "position_scheme": scheme, "kernel": mine["kernel"], "supported_kernels": supported_kernels(variant.config),
+        "note": variant_note(variant, mine["sdpa_backends"]),
+        "ratio_tokens_per_s": compare(args.batch_size * seq_len, mine["seconds"], base["seconds"]),
+        "ratio_peak_memory": mine["peak_memory_bytes"] / base["peak_memory_bytes"],
+        **measured,
+    }  # fmt: skip
+
+
+def variant_rows(args: BenchArguments, spec: str, peaks: dict) -> list[dict]:
+    """Every requested score x position scheme against scaled_dot + none on sdpa, per dtype and length."""
+    rows = []
+    for dtype in args.dtypes:
+        for seq_len in args.seq_lens:
+            baseline = build_variant(args.model_config(spec, position_scheme="none"), args.seed, args.device, "sdpa")
+            peak = peaks[dtype]["flops_per_s"]
+            for score in args.attention_scores:
+                for scheme in args.position_schemes:
+                    rows.append(variant_row(args, spec, baseline, score, scheme, seq_len, dtype, peak))
+            gc.collect()  # a full collection costs ~0.3 s: once per group, for anything a reference cycle kept alive
+    return rows
+
+
+def run(args: BenchArguments) -> dict:
+    """Runs the requested sections, writes `bench.md` and `bench.json` into `args.output_dir`, returns the results."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # weight-loading bars of every conversion would bury the output
+    results = {"arguments": dataclasses.asdict(args), "matmul_peak": {}, "train": [], "decode": [], "variants": []}
+    for dtype in args.dtypes:
+        results["matmul_peak"][dtype] = matmul_peak(dtype, args.device, args.matmul_size, args.repeats, args.warmup)
+    for spec in args.sizes:
+        for pair in args.pairs if {"train", "decode"} & set(args.sections) else []:
+            train, decode, difference = pair_rows(args, spec, pair, results["matmul_peak"])
+            print(f"{spec} {pair}: max |logit difference| {difference:.2g}; timed", flush=True)
+            results["train"] += train
+            results["decode"] += decode
+            gc.collect()
+        if "variants" in args.sections:
+            results["variants"] += variant_rows(args, spec, results["matmul_peak"])
+            print(f"{spec}: variants timed", flush=True)
+    results["machine"] = machine(args.device)
+    path = write(results, args.output_dir)
+    print("\n" + path.read_text() + f"\nwritten: {path}, {Path(args.output_dir) / 'bench.json'}")
+    return results

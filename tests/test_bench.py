@@ -1,0 +1,203 @@
+"""`plugformer bench`: correctness of what it compares and computes (no timing assertions: timings are noise here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plugformer import ATTENTION_SCORES, POSITION_SCHEMES, PlugformerConfig, PlugformerForCausalLM
+from plugformer.arguments import parse_arguments
+from plugformer.bench import BenchArguments
+from plugformer.bench.measure import (
+    GenerateRun,
+    interleave,
+    matmul_flops,
+    peak_allocation,
+    profile_call,
+    run_interleaved,
+)
+from plugformer.bench.models import (
+    PARITY_TOLERANCE,
+    build_pair,
+    check_parity,
+    gqa_key_value_heads,
+    logit_difference,
+    matmul_parameters,
+)
+from plugformer.bench.report import compare, throughput, train_flops, utilisation
+from plugformer.cli import main as cli_main
+
+
+@pytest.mark.parametrize("pair", ["llama", "gpt2"])
+def test_pairs_have_identical_logits_before_timing(pair, tokens):
+    config = BenchArguments(sizes=["tiny"], seq_lens=[24], new_tokens=4, device="cpu").model_config("tiny")
+    twin, reference, difference = build_pair(pair, config, seed=0, device="cpu", parity_length=24)
+    assert difference <= PARITY_TOLERANCE
+    assert logit_difference(twin, reference, tokens) <= PARITY_TOLERANCE  # another batch than the built-in check
+    assert twin.config._attn_implementation == reference.config._attn_implementation == "sdpa"
+    assert matmul_parameters(twin) == matmul_parameters(reference)  # same FLOPs on both sides of the ratio
+    if pair == "llama":
+        assert (twin.config.num_key_value_heads, reference.config.num_key_value_heads) == (2, 2)  # GQA: 4 over 2
+        assert twin.config.position_scheme == "rope"
+    else:
+        assert type(reference).__name__ == "GPT2LMHeadModel" and twin.config.position_scheme == "learned"
+
+
+def test_parity_check_refuses_models_that_differ(tokens):
+    config = BenchArguments(sizes=["tiny"], seq_lens=[12], device="cpu").model_config("tiny")
+    twin, reference, _ = build_pair("llama", config, seed=0, device="cpu", parity_length=12)
+    with torch.no_grad():
+        twin.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
+    with pytest.raises(RuntimeError, match=r"logits differ by .* before timing"):
+        check_parity(twin, reference, tokens, "llama")
+
+
+def test_grouped_query_heads_for_sizes_without_them():
+    assert gqa_key_value_heads(PlugformerConfig.from_preset("small")) == 3  # 6 heads -> groups of 2
+    assert gqa_key_value_heads(PlugformerConfig.from_preset("tiny")) == 2  # already grouped: kept
+    assert gqa_key_value_heads(PlugformerConfig(hidden_size=64, num_attention_heads=8)) == 4
+    assert gqa_key_value_heads(PlugformerConfig(hidden_size=64, num_attention_heads=1)) == 1
+
+
+def test_interleaving_alternates_the_models_every_repeat():
+    assert interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+    calls = []
+
+    def subject(name):
+        def call():
+            calls.append(name)
+            return {"seconds": float(len(calls))}
+
+        return call
+
+    samples = run_interleaved({"A": subject("A"), "B": subject("B")}, repeats=3, warmup=2)
+    assert calls == ["A", "B"] * 5  # warm-up interleaved too
+    assert samples == {"A": [{"seconds": 5.0}, {"seconds": 7.0}, {"seconds": 9.0}],
+                       "B": [{"seconds": 6.0}, {"seconds": 8.0}, {"seconds": 10.0}]}  # fmt: skip
+
+
+def test_ratio_and_mfu_arithmetic_on_fake_timings():
+    # A takes 2, 1, 4 s for 1000 tokens (median 2 s: 500 tokens/s), B 1 s each (1000 tokens/s)
+    assert throughput(1000, [2.0, 1.0, 4.0]) == 500.0
+    assert compare(1000, [2.0, 1.0, 4.0], [1.0, 1.0, 1.0]) == {"ratio": 0.5, "paired_min": 0.25, "paired_max": 1.0}
+    # 2 x 16 tokens, N = 1000, 2 layers of 4 heads of 8: 32 · (6·1000 + 12·2·4·8·16) = 32 · 18288
+    assert train_flops(1000, 2, 4, 8, batch_size=2, seq_len=16) == 585_216
+    result = utilisation(585_216, [1.0, 2.0, 3.0], peak_flops_per_s=1e6)
+    assert result["achieved_flops_per_s"] == pytest.approx(292_608.0)
+    assert result["mfu"] == pytest.approx(0.292608)
+    assert matmul_flops(1000) == 2_000_000_000
+
+
+def test_generate_runs_exactly_new_tokens_even_when_eos_comes_first(tokens):
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny")).eval()
+    prompts = tokens[:1, :6]
+    first = model.generate(prompts, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1].item()
+    model.generation_config.eos_token_id = first
+    assert model.generate(prompts, max_new_tokens=5, do_sample=False, pad_token_id=0).shape == (1, 6 + 1)  # stops
+    run = GenerateRun(model, prompts, new_tokens=5, dtype="fp32", device="cpu")
+    timings = run()
+    assert run.sequences.shape == (1, 6 + 5)
+    assert timings["prefill_seconds"] > 0 and timings["decode_seconds"] > 0  # 4 cached steps after the prefill
+
+
+def test_matmul_parameters_count_weight_matrices_and_the_head():
+    # tiny: per layer q 32·32 + k 32·16 + v 32·16 + o 32·32 + gate, up 32·64 each + down 64·32 = 9216; head 128·32
+    model = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny"))
+    assert matmul_parameters(model) == 2 * 9216 + 128 * 32
+
+
+def test_cpu_peak_memory_is_the_high_water_mark_of_live_tensors():
+    assert peak_allocation([(3, -5), (1, 10), (2, 7)]) == 17  # sorted by time: 10, 17, 12
+
+    def allocations():
+        first = torch.empty(2**20, dtype=torch.uint8)
+        second = torch.empty(2**21, dtype=torch.uint8)  # 3 MiB live here
+        del first
+        third = torch.empty(2**19, dtype=torch.uint8)
+        del second, third
+
+    assert profile_call(allocations, "cpu", live_bytes=100).peak_bytes == 100 + 3 * 2**20
+
+
+def test_profiler_reports_the_sdpa_backend_that_ran():
+    query = torch.randn(1, 2, 16, 8, requires_grad=True)
+    bias = torch.randn(1, 2, 16, 16)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    assert profile_call(lambda: attend(query, query, query, is_causal=True), "cpu").sdpa_backends == ["flash"]
+    learned = bias.clone().requires_grad_()  # a float mask that needs grad: CPU SDPA takes its math path
+    assert profile_call(lambda: attend(query, query, query, attn_mask=learned), "cpu").sdpa_backends == ["math"]
+
+
+def test_quick_run_writes_one_row_per_pair_variant_and_dtype(tmp_path, capsys):
+    cli_main(["bench", "--quick", "--output_dir", str(tmp_path)])
+    results = json.loads((tmp_path / "bench.json").read_text())
+    markdown = (tmp_path / "bench.md").read_text()
+    dtypes = ["fp32", "bf16"]
+    assert results["arguments"]["dtypes"] == dtypes and results["arguments"]["seq_lens"] == [64]
+    for section in ("train", "decode"):
+        assert [(r["pair"], r["dtype"]) for r in results[section]] == [
+            (pair, dtype) for pair in ("llama", "gpt2") for dtype in dtypes
+        ]
+    for row in results["train"] + results["decode"]:
+        assert row["max_abs_logit_diff"] <= PARITY_TOLERANCE
+        assert all(m["kernel"] == "sdpa:flash" for m in row["models"].values())
+    assert all(row["same_tokens"] for row in results["decode"] if row["dtype"] == "fp32")
+    expected = [(d, s, p) for d in dtypes for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
+    assert [(r["dtype"], r["attention_score"], r["position_scheme"]) for r in results["variants"]] == expected
+    for row in results["variants"]:
+        if row["attention_score"] == "additive":
+            kernel = "eager"  # not a dot product: capabilities allow eager only
+        elif row["position_scheme"] in ("t5_bias", "clamped_bias"):
+            kernel = "sdpa:math"  # a learned bias requires grad
+        else:
+            kernel = "sdpa:flash"
+        assert row["kernel"] == kernel
+        assert row["baseline"]["kernel"] == "sdpa:flash"
+        assert f"| tiny | {row['dtype']} | 64 | {row['attention_score']} | {row['position_scheme']} | {kernel} |" in (
+            markdown
+        )
+    assert markdown.index("## Ratios") < markdown.index("## Absolute numbers") < markdown.index("## Machine")
+    assert set(results["matmul_peak"]) == set(dtypes) and "torch_threads" in results["machine"]
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--sections", "train", "bogus"], "sections"),
+        (["--seq_lens", "1"], "seq_lens"),
+        (["--dtypes", "int8"], "dtypes"),
+        (["--sizes", "huge"], "sizes"),
+        (["--sizes", "tiny,hidden_size=x"], "sizes"),
+        (["--sizes", "tiny,rope_theta=5"], "sizes"),
+        (["--sizes", "hidden_size=30,num_attention_heads=4"], "sizes"),
+        (["--sizes", "tiny,head_dim=16"], "sizes"),  # the gpt2 pair needs head_dim · heads = hidden_size
+        (["--pairs", "bert"], "pairs"),
+        (["--attention_scores", "cosine"], "attention_scores"),
+        (["--position_schemes", "xpos"], "position_schemes"),
+        (["--batch_size", "0"], "batch_size"),
+        (["--repeats", "0"], "repeats"),
+        (["--warmup", "-1"], "warmup"),
+        (["--new_tokens", "1"], "new_tokens"),
+        (["--matmul_size", "8"], "matmul_size"),
+        (["--device", "tpu"], "device"),
+        (["--bogus", "1"], "--bogus"),
+    ],
+)
+def test_invalid_options_raise_a_value_error_naming_the_option(argv, option):
+    with pytest.raises(ValueError, match=option):
+        parse_arguments(BenchArguments, argv, prog="plugformer bench")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 autocast is refused on CPU only")
+def test_fp16_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="dtypes: 'fp16'"):
+        BenchArguments(dtypes=["fp16"])
+
+
+def test_quick_keeps_the_options_the_user_changed():
+    args = BenchArguments(quick=True, seq_lens=[32], device="cpu")
+    assert args.seq_lens == [32] and args.sizes == ["tiny"] and args.repeats == 3
+    assert BenchArguments(device="cpu").model_config("small,num_hidden_layers=2").num_hidden_layers == 2
