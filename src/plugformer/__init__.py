@@ -13,7 +13,6 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
-    PreTrainedTokenizerFast,
 )
 
 from .capabilities import KERNELS, combination_matrix, supported_kernels
@@ -32,7 +31,7 @@ from .modeling import (
 from .positions import POSITION_SCHEMES
 from .registry import Registry
 from .scores import ATTENTION_SCORES
-from .tokenization import train_tokenizer
+from .tokenization import PlugformerTokenizer, train_tokenizer
 
 
 __version__ = "0.1.0"
@@ -53,7 +52,7 @@ PlugformerConfig.register_for_auto_class()
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _auto_class.register(PlugformerConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
-AutoTokenizer.register(PlugformerConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+AutoTokenizer.register(PlugformerConfig, fast_tokenizer_class=PlugformerTokenizer, exist_ok=True)
 
 AutoConfig.register(DecomposableAttentionConfig.model_type, DecomposableAttentionConfig, exist_ok=True)
 DecomposableAttentionConfig.register_for_auto_class()
@@ -61,7 +60,7 @@ AutoModelForSequenceClassification.register(
     DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification, exist_ok=True
 )
 DecomposableAttentionForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PlugformerTokenizer, exist_ok=True)
 
 # PEFT picks default LoRA targets by model_type: a bare `LoraConfig()` then adapts plugformer's projections
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -87,6 +86,7 @@ __all__ = [
     "PlugformerForTokenClassification",
     "PlugformerModel",
     "PlugformerPreTrainedModel",
+    "PlugformerTokenizer",
     "Registry",
     "combination_matrix",
     "supported_kernels",

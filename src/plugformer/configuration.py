@@ -1,6 +1,8 @@
-"""`PlugformerConfig`: transformers' field names, one string field per variant axis, presets as small diffs."""
+"""`PlugformerConfig`: transformers' field names, one string field per variant axis, presets as small diffs.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: huggingface_hub's `@strict` checks each field against its annotation
+only when the annotation is a type; a string (what that import turns every annotation into) is skipped silently.
+"""
 
 import copy
 from typing import Any
@@ -89,7 +91,7 @@ def _choice(field: str, value: Any, choices: list[str]) -> None:
         raise ValueError(f"{field}={value!r} is not one of {choices}")
 
 
-def _positive(config: PlugformerConfig, *fields: str) -> None:
+def _positive(config: "PlugformerConfig", *fields: str) -> None:
     for field in fields:
         value = getattr(config, field)
         if value is None:
@@ -100,7 +102,7 @@ def _positive(config: PlugformerConfig, *fields: str) -> None:
             raise ValueError(f"{field}={value!r} must be a positive integer")
 
 
-def _in_range(config: PlugformerConfig, field: str, low: float, high: float, closed_high: bool = False) -> None:
+def _in_range(config: "PlugformerConfig", field: str, low: float, high: float, closed_high: bool = False) -> None:
     value = getattr(config, field)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{field}={value!r} must be a number")
@@ -199,19 +201,20 @@ class PlugformerConfig(PreTrainedConfig):
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
     additive_chunk_size: int | None = None
-    rms_norm_eps: float = 1e-6
-    layer_norm_eps: float = 1e-5
+    rms_norm_eps: float | int = 1e-6
+    layer_norm_eps: float | int = 1e-5
     attention_dropout: float | int = 0.0
     hidden_dropout: float | int = 0.0
     attention_bias: bool = False
     mlp_bias: bool = False
-    initializer_range: float = 0.02
+    initializer_range: float | int = 0.02
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     decoder_start_token_id: int | None = None
+    is_encoder_decoder: bool = False  # declared again (transformers' own annotation is a string): type-checked
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -263,6 +266,17 @@ class PlugformerConfig(PreTrainedConfig):
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
 
+    def validate_rope(self):
+        """transformers' check of `rope_parameters`, run only where they are used (transformers fills them in for
+        every config, and would refuse e.g. an odd head_dim under `position_scheme="none"`); its `KeyError` for a
+        missing key becomes a `ValueError` naming the field."""
+        if self.position_scheme != "rope":
+            return
+        try:
+            super().validate_rope()
+        except KeyError as error:
+            raise ValueError(f"rope_parameters={self.rope_parameters!r}: {error.args[0]}") from error
+
     def validate_token_ids(self):
         """Special token ids must be valid rows of the embedding (transformers only warns)."""
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
@@ -280,7 +294,7 @@ class PlugformerConfig(PreTrainedConfig):
         return text_config
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> PlugformerConfig:
+    def from_preset(cls, name: str, **overrides: Any) -> "PlugformerConfig":
         """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""
         _choice("preset", name, list(PRESETS))
         return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})

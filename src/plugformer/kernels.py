@@ -29,12 +29,43 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _add_bias_and_mask(
     scores: torch.Tensor, attention_mask: torch.Tensor | None, position_bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Adds the position bias and the additive float mask (eager masks are 0 / dtype-min) to fp32 scores."""
+    """Adds the position bias and the additive float mask (eager masks are 0 / dtype-min) to fp32 scores.
+
+    Blocked entries (the mask's dtype minimum) are set to the fp32 minimum instead of adding the mask: an fp16 mask
+    blocks with -65504, which fp32 scores above 65504 would outweigh, letting future or padding keys through.
+    """
     if position_bias is not None:
         scores = scores + position_bias.float()
     if attention_mask is not None:
-        scores = scores + attention_mask[..., : scores.shape[-1]].float()
+        mask = attention_mask[..., : scores.shape[-1]]
+        if mask.dtype == torch.bool:
+            blocked = ~mask
+        else:
+            blocked = mask == torch.finfo(mask.dtype).min
+            scores = scores + mask.float()
+        scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
     return scores
+
+
+def fold_bias_into_mask(
+    position_bias: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
+    """The float mask `(B, H, Q, K)` SDPA gets for a score bias: the bias where attention is allowed, -inf elsewhere.
+
+    transformers' sdpa folds the bias into its mask itself, but blocks with the dtype's minimum; in fp16 that is
+    -65504, which SDPA's fp32 scores above 65504 outweigh (masked keys leak). Used for fp16 only. Without a mask,
+    a causal multi-token query block starts at key slot 0 (as transformers assumes there: no cache, or an empty
+    static one), so query i sees keys 0..i.
+    """
+    query_length, key_length = position_bias.shape[-2:]
+    if attention_mask is None:
+        if not is_causal or query_length == 1:
+            return position_bias
+        device = position_bias.device
+        attention_mask = torch.arange(query_length, device=device)[:, None] >= torch.arange(key_length, device=device)
+    if attention_mask.dtype != torch.bool:  # an additive float mask: blocked where it holds the dtype minimum
+        attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min
+    return position_bias.masked_fill(~attention_mask, float("-inf"))
 
 
 def _softmax_dropout_values(
@@ -87,7 +118,10 @@ def _additive_chunk(
     dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # e_ij = vᵀ tanh(W1 q_i + W2 k_j): the projections were applied by the score function, so here the
-    # (B, H, c, K, A) tanh tensor exists for one query chunk only.
+    # (B, H, c, K, A) tanh tensor exists for one query chunk only. fp16 is scored in fp32 (as in the eager kernel):
+    # vᵀ tanh(.) reaches sum |v|, which overflows 65504 when the energies are large; bf16/fp32 keep their dtype.
+    compute_dtype = torch.float32 if query_chunk.dtype == torch.float16 else query_chunk.dtype
+    query_chunk, key, energy = query_chunk.to(compute_dtype), key.to(compute_dtype), energy.to(compute_dtype)
     hidden = torch.tanh(query_chunk[:, :, :, None, :] + key[:, :, None, :, :])  # (B, H, c, K, A)
     scores = torch.einsum("bhqka,ha->bhqk", hidden, energy).float()  # (B, H, c, K)
     scores = _add_bias_and_mask(scores, mask_chunk, bias_chunk)
@@ -118,7 +152,8 @@ def additive_attention_forward(
     value = repeat_kv(value, module.num_key_value_groups)  # (B, H, K, D)
     batch, heads, q_len, attn_dim = query.shape
     if chunk_size is None:
-        per_query = batch * heads * key.shape[2] * attn_dim * query.element_size()
+        element_size = 4 if query.dtype == torch.float16 else query.element_size()  # fp16 is scored in fp32
+        per_query = batch * heads * key.shape[2] * attn_dim * element_size
         chunk_size = max(1, ADDITIVE_CHUNK_BYTES // per_query)
     recompute = module.training and torch.is_grad_enabled()
     outputs, weights = [], []

@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
 from .configuration import PlugformerConfig
+from .kernels import fold_bias_into_mask
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES, PositionScheme, apply_rotary
 from .scores import ATTENTION_SCORES, AttentionScore
@@ -69,6 +70,9 @@ class PlugformerAttention(nn.Module):
         if position_bias is not None:
             # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
             position_bias = position_bias.expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
+            if query.dtype == torch.float16 and self.config._attn_implementation == "sdpa":
+                # transformers' sdpa would block masked keys with -65504 only: fold with -inf here instead
+                attention_mask, position_bias = fold_bias_into_mask(position_bias, attention_mask, self.is_causal), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self.score.eager_kernel
         )
@@ -244,6 +248,124 @@ class PlugformerPreTrainedModel(PreTrainedModel):
         return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check=is_init_check)
 
 
+ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` indexes with
+
+
+def _require_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _check_token_inputs(prefix: str, input_ids, inputs_embeds, hidden_size: int) -> tuple[int, int]:
+    """Dtype and shape of `input_ids` (B, T) or `inputs_embeds` (B, T, hidden_size); returns (B, T)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds")
+    if input_ids is not None:
+        name, value = f"{prefix}input_ids", input_ids
+        _require_tensor(name, value)
+        if value.dtype not in ID_DTYPES:
+            raise TypeError(f"{name} must hold integer token ids (torch.long or torch.int), got dtype {value.dtype}")
+        expected = "(batch_size, sequence_length)"
+        if value.ndim != 2:
+            raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)}")
+    else:
+        name, value = f"{prefix}inputs_embeds", inputs_embeds
+        _require_tensor(name, value)
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+        expected = f"(batch_size, sequence_length, hidden_size={hidden_size})"
+        if value.ndim != 3 or value.shape[-1] != hidden_size:
+            raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)}")
+    if 0 in value.shape[:2]:
+        raise ValueError(f"{name} is empty (shape {tuple(value.shape)}): it needs at least one token in each row")
+    return value.shape[0], value.shape[1]
+
+
+def _check_mask(name: str, mask, expected: tuple[int, int], described: str, exact: bool = True) -> None:
+    """A 2-D padding mask of shape `expected` (bool, integer, or float 0/1 values, checked later); 4-D masks (a
+    model-ready mask, transformers' convention) pass through. `exact=False` only requires the length to reach it."""
+    _require_tensor(name, mask)
+    if mask.ndim == 4:
+        return
+    if mask.is_complex() or mask.ndim != 2:
+        raise ValueError(
+            f"{name} must be a 2-D (batch_size, length) mask of 1 (attend) and 0 (padding), got dtype {mask.dtype} "
+            f"and shape {tuple(mask.shape)}"
+        )
+    if mask.shape[0] != expected[0] or (mask.shape[1] != expected[1] if exact else mask.shape[1] < expected[1]):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}, but {described}: expected {expected}")
+
+
+def _check_positions(name: str, position_ids, batch: int, length: int, described: str) -> None:
+    _require_tensor(name, position_ids)
+    if position_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"{name} must hold integer positions (torch.long or torch.int), got dtype {position_ids.dtype}")
+    if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise ValueError(f"{name} has shape {tuple(position_ids.shape)}, but {described}")
+
+
+def _value_checks(prefix: str, given: str, vocab_size: int, input_ids, inputs_embeds, masks, position_ids) -> list:
+    """(bad, error) pairs: a boolean tensor that is true for a malformed value, and the error to raise then."""
+    checks = []
+    if input_ids is not None:
+        low, high = torch.aminmax(input_ids)
+        checks.append(((low < 0) | (high >= vocab_size), lambda: ValueError(
+            f"{given} contains id {int(low) if low < 0 else int(high)}, outside the vocabulary of "
+            f"vocab_size={vocab_size} (ids 0 to {vocab_size - 1})"
+        )))  # fmt: skip
+    if inputs_embeds is not None:
+        checks.append((~torch.isfinite(inputs_embeds).all(), lambda: ValueError(f"{given} contains NaN or infinity")))
+    for name, mask in masks:
+        if mask is not None and mask.ndim == 2 and mask.dtype != torch.bool:
+            other = (mask != 0) & (mask != 1)
+            checks.append((other.any(), lambda name=name, mask=mask, other=other: ValueError(
+                f"{name} must hold 1 (attend) and 0 (padding), got other values such as {mask[other][0].item()} "
+                "(an additive 0 / -inf mask is not a padding mask)"
+            )))  # fmt: skip
+    if position_ids is not None:
+        checks.append(((position_ids < 0).any(), lambda: ValueError(
+            f"{prefix}position_ids contains negative positions, e.g. {int(position_ids.min())}"
+        )))  # fmt: skip
+    return checks
+
+
+def _raise_first(checks: list) -> None:
+    """Raises the error of the first check whose flag is true; one device sync for all of them."""
+    if checks:
+        flags = torch.stack([bad.to(checks[0][0].device) for bad, _ in checks]).tolist()
+        for flag, (_, error) in zip(flags, checks, strict=True):
+            if flag:
+                raise error()
+
+
+def check_inputs(stack: PlugformerModel, input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                 encoder_hidden_states, encoder_attention_mask) -> None:  # fmt: skip
+    """Refuses malformed inputs of `stack.forward` before any work, with a `ValueError` / `TypeError` naming the
+    argument (a seq2seq decoder's are its model's `decoder_*` arguments). Types and shapes are checked always; the
+    values (ids in the vocabulary, finite embeddings, 0/1 masks, non-negative positions) cost one device sync and
+    are skipped while torch.compile traces, as `LearnedPositions.embed` does."""
+    prefix = "decoder_" if stack.cross_attention else ""
+    batch, length = _check_token_inputs(prefix, input_ids, inputs_embeds, stack.embed_tokens.embedding_dim)
+    given = f"{prefix}input_ids" if input_ids is not None else f"{prefix}inputs_embeds"
+    described = f"{given} has shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}"
+    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    past = self_cache.get_seq_length() if self_cache is not None else 0
+    if attention_mask is not None:  # it covers the cached tokens too; a static cache's length (a tensor) is not read
+        exact = isinstance(past, int)
+        expected = (batch, length + past if exact else length)
+        after = f" after {past} cached tokens" if exact and past else ""
+        _check_mask(f"{prefix}attention_mask", attention_mask, expected, described + after, exact)
+    if encoder_attention_mask is not None and encoder_hidden_states is not None:
+        source = tuple(encoder_hidden_states.shape[:2])
+        _check_mask("attention_mask", encoder_attention_mask, source, f"the encoder output covers {source} tokens")
+    if position_ids is not None:
+        _check_positions(f"{prefix}position_ids", position_ids, batch, length, described)
+    if not torch.compiler.is_compiling():
+        masks = [(f"{prefix}attention_mask", attention_mask), ("attention_mask", encoder_attention_mask)]
+        vocab_size = stack.embed_tokens.num_embeddings
+        _raise_first(_value_checks(prefix, given, vocab_size, input_ids, inputs_embeds, masks, position_ids))
+
+
 def position_ids_from_mask(
     attention_mask: torch.Tensor | None, past_length: int | torch.Tensor, query_length: int, device: torch.device
 ) -> torch.Tensor:
@@ -365,11 +487,18 @@ class PlugformerModel(PlugformerPreTrainedModel):
                 *optional*): The encoder output cross-attention reads (stacks built with `cross_attention=True`).
             encoder_attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*): Padding
                 mask of the encoder output.
+
+        Raises:
+            `ValueError` / `TypeError` naming the argument, before any work, for malformed inputs (see
+            `check_inputs`): ids outside the vocabulary, empty inputs, masks or positions of another shape, masks
+            with values other than 0 and 1, non-integer ids or positions, NaN or infinite `inputs_embeds`.
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if encoder_hidden_states is not None and not self.cross_attention:
             raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
+        check_inputs(
+            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
+            encoder_attention_mask,
+        )  # fmt: skip
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.positions.token_scale
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
@@ -411,6 +540,32 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
+def require_single_stack(config: PlugformerConfig, head: str) -> None:
+    if config.is_encoder_decoder:
+        raise ValueError(
+            f"{head} is a single stack, but is_encoder_decoder=True (which makes generate() and trainers look for an "
+            "encoder): use PlugformerForConditionalGeneration, or build the config with is_encoder_decoder=False"
+        )
+
+
+def require_decoder(config: PlugformerConfig, head: str) -> None:
+    require_single_stack(config, head)
+    if not config.is_causal:
+        raise ValueError(
+            f"{head} predicts each next token, but is_causal=False lets every position attend to the tokens it "
+            "predicts: use PlugformerForMaskedLM for a bidirectional encoder, or build the config with is_causal=True"
+        )
+
+
+def require_encoder(config: PlugformerConfig, head: str) -> None:
+    require_single_stack(config, head)
+    if config.is_causal:
+        raise ValueError(
+            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
+            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
+        )
+
+
 class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
     """The stack with a language-modelling head (tied to the input embedding when `tie_word_embeddings`)."""
 
@@ -418,6 +573,7 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: PlugformerConfig):
+        require_decoder(config, type(self).__name__)
         super().__init__(config)
         self.model = PlugformerModel(config)
         self.vocab_size = config.vocab_size
@@ -467,14 +623,6 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-        )
-
-
-def require_encoder(config: PlugformerConfig, head: str) -> None:
-    if config.is_causal:
-        raise ValueError(
-            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
-            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
         )
 
 

@@ -167,19 +167,60 @@ class RotaryPositions(PositionScheme):
 
     @classmethod
     def validate_config(cls, config):
-        rope_type = config.rope_parameters["rope_type"]
+        # transformers checks the keys each rope type requires (raising) and the values (only logging): the values
+        # this scheme reads are checked here, so a bad one fails now rather than as NaNs or a shape error later.
+        rope = config.rope_parameters
+        rope_type = rope["rope_type"]
         choices = ["default", *ROPE_INIT_FUNCTIONS]
         if rope_type not in choices:
             raise ValueError(f"rope_parameters['rope_type']={rope_type!r} is not one of {choices}")
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        if int(config.head_dim * factor) % 2:
+        _check_rope_number(rope, "rope_theta", "a positive number (the frequency base)", lambda v: 0 < v < math.inf)
+        _check_rope_number(
+            rope, "partial_rotary_factor", "in (0, 1] (the rotated share of head_dim)", lambda v: 0 < v <= 1
+        )
+        _check_rope_number(rope, "factor", "a number >= 1 (the context-extension factor)", lambda v: 1 <= v < math.inf)
+        fraction = rope.get("partial_rotary_factor", 1.0)
+        rotary = int(config.head_dim * fraction)
+        if rotary < 2 or rotary % 2:
             raise ValueError(
-                f"position_scheme='rope' rotates pairs of dimensions: head_dim={config.head_dim} "
-                f"(× partial_rotary_factor={factor}) must be even"
+                f"position_scheme='rope' rotates pairs of dimensions: head_dim={config.head_dim} (× "
+                f"partial_rotary_factor={fraction}) gives {rotary} rotated dimensions, which must be even and at least 2"
+            )
+        for key in ("short_factor", "long_factor"):  # longrope: one rescaling factor per rotated pair
+            if key in rope and (not isinstance(rope[key], list) or len(rope[key]) != rotary // 2):
+                raise ValueError(
+                    f"rope_parameters['{key}']={rope[key]!r} must be a list of {rotary // 2} numbers, one per pair of "
+                    f"rotated dimensions (head_dim={config.head_dim} × partial_rotary_factor={fraction})"
+                )
+        cls._check_frequencies(config, rotary)
+
+    @classmethod
+    def _check_frequencies(cls, config: PlugformerConfig, rotary: int) -> None:
+        """Computes the frequencies once: the other parameters of transformers' rope types have rules of their own
+        that it only logs or does not check (dynamic NTK raises the base to d/(d-2), undefined for 2 rotated
+        dimensions; longrope's attention factor divides by log(original_max_position_embeddings))."""
+        config.validate_rope()  # first transformers' check of the required keys, with its clearer message
+        try:
+            inv_freq, scaling = cls.frequency_function(config.rope_parameters["rope_type"])(config)
+        except (ArithmeticError, RuntimeError, TypeError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"rope_parameters={config.rope_parameters!r} give no rotation frequencies for head_dim="
+                f"{config.head_dim}, max_position_embeddings={config.max_position_embeddings}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if inv_freq.shape != (rotary // 2,) or not torch.isfinite(inv_freq).all() or not math.isfinite(scaling):
+            raise ValueError(
+                f"rope_parameters={config.rope_parameters!r} give {tuple(inv_freq.shape)} frequencies (expected "
+                f"{rotary // 2}, finite) and attention scaling {scaling} for head_dim={config.head_dim}"
             )
 
+    @classmethod
+    def frequency_function(cls, rope_type: str) -> Callable:
+        """The function `(config, device=None, seq_len=None) -> (inv_freq, attention_scaling)` of `rope_type`."""
+        return cls.default_inv_freq if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+
     def _init_fn(self) -> Callable:
-        return self.default_inv_freq if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        return self.frequency_function(self.rope_type)
 
     @staticmethod
     def default_inv_freq(config: PlugformerConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
@@ -205,6 +246,17 @@ class RotaryPositions(PositionScheme):
         init.copy_(self.original_inv_freq, inv_freq)
 
 
+def _check_rope_number(rope: dict, key: str, allowed: str, accepts: Callable[[float], bool]) -> None:
+    """`rope[key]`, when present, must be a number that `accepts` (NaN never is)."""
+    if key not in rope:
+        return
+    value = rope[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"rope_parameters['{key}']={value!r} must be {allowed}")
+    if not accepts(value):
+        raise ValueError(f"rope_parameters['{key}']={value!r} must be {allowed}")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -219,6 +271,10 @@ def apply_rotary(
     rot = cos.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        if rot == x.shape[-1]:
+            # no pass-through part: a `cat` would copy into a new (B, H, T, D)-contiguous tensor, which makes the
+            # kernel's transpose back to (B, T, H, D) a real copy kept alive for backward (Llama avoids it too)
+            return x * cos + rotate_half(x) * sin
         x_rot, x_pass = x[..., :rot], x[..., rot:]
         return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -32,6 +34,38 @@ CHAT_TEMPLATE = (
 )
 
 
+class PlugformerTokenizer(PreTrainedTokenizerFast):
+    """transformers' fast tokenizer, except that decoding refuses ids it does not have.
+
+    The `tokenizers` backend drops unknown ids silently (`decode([10**6]) == ""`, `convert_ids_to_tokens` gives
+    `None`) and overflows on negative ones (`OverflowError`); generated ids past the vocabulary (a model whose
+    `vocab_size` exceeds `len(tokenizer)`) would vanish from the text. Saved, it is an ordinary fast tokenizer: its
+    files name this class, and `AutoTokenizer` falls back to `TokenizersBackend` wherever the class is not known.
+    """
+
+    def _check_ids(self, token_ids) -> None:
+        with contextlib.suppress(TypeError):  # one id (an int, a numpy or 0-d tensor integer) rather than a sequence
+            token_ids = [operator.index(token_ids)]
+        size = len(self)
+        for token_id in token_ids:
+            try:
+                token_id = operator.index(token_id)
+            except TypeError:
+                raise TypeError(f"token_ids must be integers, got {token_id!r}") from None
+            if not 0 <= token_id < size:
+                raise ValueError(
+                    f"token_ids contains {token_id}, which this tokenizer does not have (ids 0 to {size - 1})"
+                )
+
+    def _decode(self, token_ids, *args, **kwargs) -> str:
+        self._check_ids(token_ids["input_ids"] if isinstance(token_ids, dict) else token_ids)
+        return super()._decode(token_ids, *args, **kwargs)
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
+        self._check_ids(ids)
+        return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int = 8192,
@@ -52,8 +86,9 @@ def train_tokenizer(
             does), so numbers are read digit by digit instead of as arbitrary merged chunks — arithmetic needs it.
 
     Returns:
-        [`PreTrainedTokenizerFast`]: pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`, mask `<|mask|>`, sep
-        `<|sep|>` between the texts of a pair, a ChatML chat template; `save_pretrained(dir)` then `AutoTokenizer.from_pretrained(dir)` reproduces it.
+        [`PlugformerTokenizer`] (a `PreTrainedTokenizerFast`): pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`,
+        mask `<|mask|>`, sep `<|sep|>` between the texts of a pair, a ChatML chat template; `save_pretrained(dir)`
+        then `AutoTokenizer.from_pretrained(dir)` reproduces it.
     """
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
     if not isinstance(vocab_size, int) or vocab_size < minimum:
@@ -82,7 +117,7 @@ def train_tokenizer(
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(single="$A", pair=f"$A {SEP_TOKEN} $B:1", special_tokens=[separator]),
     ])  # fmt: skip
-    wrapped = PreTrainedTokenizerFast(
+    wrapped = PlugformerTokenizer(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
