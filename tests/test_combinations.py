@@ -168,3 +168,13 @@ def test_packed_documents_match_each_document_alone(score, scheme, kernel, token
     logits = full_logits(model, packed, position_ids=position_ids)
     torch.testing.assert_close(logits[:, :7], full_logits(model, first[None]), atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[:, 7:], full_logits(model, second[None]), atol=ATOL, rtol=0)
+
+
+def test_residual_dropout_acts_in_training_only():
+    """Residual dropout (a plain function in the block, no module) drops in training and is the identity in eval."""
+    ids = torch.tensor([[5, 9, 2, 7]])
+    model = build(tiny_config(scheme="none", hidden_dropout=0.5)).train()
+    without = build(tiny_config(scheme="none", hidden_dropout=0.0))  # same seed: same weights
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # a fresh mask per pass
+    model.eval()
+    torch.testing.assert_close(model(ids).logits, without(ids).logits, rtol=0, atol=0)
