@@ -31,19 +31,18 @@ def _add_bias_and_mask(
 ) -> torch.Tensor:
     """Adds the position bias and the additive float mask (eager masks are 0 / dtype-min) to fp32 scores.
 
-    Blocked entries (the mask's dtype minimum) are set to the fp32 minimum instead of adding the mask: an fp16 mask
-    blocks with -65504, which fp32 scores above 65504 would outweigh, letting future or padding keys through.
+    An fp16 mask blocks with -65504, which fp32 scores above 65504 would outweigh (future or padding keys would leak),
+    so its blocked entries are set to the fp32 minimum; bool masks block with it directly.
     """
     if position_bias is not None:
         scores = scores + position_bias.float()
     if attention_mask is not None:
         mask = attention_mask[..., : scores.shape[-1]]
         if mask.dtype == torch.bool:
-            blocked = ~mask
-        else:
-            blocked = mask == torch.finfo(mask.dtype).min
-            scores = scores + mask.float()
-        scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+            return scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        scores = scores + mask.float()
+        if mask.dtype == torch.float16:  # bf16/fp32 minima already outweigh any fp32 score; fp16's -65504 does not
+            scores = scores.masked_fill(mask == torch.finfo(torch.float16).min, torch.finfo(torch.float32).min)
     return scores
 
 

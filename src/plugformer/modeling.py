@@ -507,7 +507,9 @@ class PlugformerModel(PlugformerPreTrainedModel):
             encoder_attention_mask,
         )  # fmt: skip
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids) * self.positions.token_scale
+            inputs_embeds = self.embed_tokens(input_ids)
+            if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
+                inputs_embeds = inputs_embeds * self.positions.token_scale
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
             cache = self._new_cache()
         refuse_flex_with_static_cache(self.config, cache)

@@ -36,7 +36,6 @@ class Metric:
 
     name: str
     higher_is_better: bool
-    needs: str  # what the final stage's model must be
 
     def report(self, statistic: float) -> float:
         """The number shown: perplexity is exp of the per-token loss; exact match is the mean itself."""
@@ -44,10 +43,8 @@ class Metric:
 
 
 METRICS = {
-    "perplexity": Metric("perplexity", higher_is_better=False, needs="a causal language model"),
-    "exact_match": Metric(
-        "exact_match", higher_is_better=True, needs="a model that answers chat prompts (sft or later)"
-    ),
+    "perplexity": Metric("perplexity", higher_is_better=False),
+    "exact_match": Metric("exact_match", higher_is_better=True),
 }
 SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
 
