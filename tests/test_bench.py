@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +30,9 @@ from plugformer.bench.models import (
     logit_difference,
     matmul_parameters,
 )
-from plugformer.bench.report import compare, throughput, train_flops, utilisation
+from plugformer.bench.readme import check_markers, command_line, readme_section, update_readme
+from plugformer.bench.readme import main as readme_main
+from plugformer.bench.report import _ratio, compare, throughput, train_flops, utilisation
 from plugformer.cli import main as cli_main
 
 
@@ -131,10 +137,21 @@ def test_profiler_reports_the_sdpa_backend_that_ran():
     assert profile_call(lambda: attend(query, query, query, attn_mask=learned), "cpu").sdpa_backends == ["math"]
 
 
-def test_quick_run_writes_one_row_per_pair_variant_and_dtype(tmp_path, capsys):
-    cli_main(["bench", "--quick", "--output_dir", str(tmp_path)])
-    results = json.loads((tmp_path / "bench.json").read_text())
-    markdown = (tmp_path / "bench.md").read_text()
+README_TEXT = "# Project\n\nProse – before.\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\nProse after.\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    """The one `--quick` run of this module (it also regenerates a README's block), its output directory."""
+    directory = tmp_path_factory.mktemp("bench")
+    (directory / "README.md").write_text(README_TEXT, encoding="utf-8")
+    cli_main(["bench", "--quick", "--output_dir", str(directory), "--readme", str(directory / "README.md")])
+    return directory
+
+
+def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
+    results = json.loads((quick_run / "bench.json").read_text())
+    markdown = (quick_run / "bench.md").read_text()
     dtypes = ["fp32", "bf16"]
     assert results["arguments"]["dtypes"] == dtypes and results["arguments"]["seq_lens"] == [64]
     for section in ("train", "decode"):
@@ -150,8 +167,8 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(tmp_path, capsys):
     for row in results["variants"]:
         if row["attention_score"] == "additive":
             kernel = "eager"  # not a dot product: capabilities allow eager only
-        elif row["position_scheme"] in ("t5_bias", "clamped_bias"):
-            kernel = "sdpa:math"  # a learned bias requires grad
+        elif row["position_scheme"] in ("alibi", "t5_bias", "clamped_bias"):
+            kernel = "sdpa:blockwise-bias+flash"  # plugformer's blockwise kernel for a score bias, fused SDPA inside
         else:
             kernel = "sdpa:flash"
         assert row["kernel"] == kernel
@@ -183,6 +200,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(tmp_path, capsys):
         (["--new_tokens", "1"], "new_tokens"),
         (["--matmul_size", "8"], "matmul_size"),
         (["--device", "tpu"], "device"),
+        (["--readme", "no/such/README.md"], "readme"),
         (["--bogus", "1"], "--bogus"),
     ],
 )
@@ -201,3 +219,108 @@ def test_quick_keeps_the_options_the_user_changed():
     args = BenchArguments(quick=True, seq_lens=[32], device="cpu")
     assert args.seq_lens == [32] and args.sizes == ["tiny"] and args.repeats == 3
     assert BenchArguments(device="cpu").model_config("small,num_hidden_layers=2").num_hidden_layers == 2
+
+
+def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
+    results = json.loads((quick_run / "bench.json").read_text())
+    section = readme_section([results])
+    assert "`plugformer bench --device cpu --quick`" in section
+    assert results["machine"]["cpu"] in section
+    assert f"torch {results['machine']['torch']}, transformers {results['machine']['transformers']}" in section
+    decode = {(r["pair"], r["dtype"]): r for r in results["decode"]}
+    for row in results["train"]:
+        mine, other = row["models"]["plugformer"], decode[row["pair"], row["dtype"]]
+        assert (
+            f"| {row['pair']} vs {row['models']['reference']['class']} | tiny | {row['dtype']} | 64 | "
+            f"{_ratio(row['ratio_tokens_per_s'])} | {_ratio(row['ratio_peak_memory'])} | "
+            f"{other['ratio_prefill']['ratio']:.2f} | {_ratio(other['ratio_decode'])} | sdpa:flash / sdpa:flash | "
+            f"{mine['mfu']:.1%} |"
+        ) in section
+    for row in results["variants"]:
+        cells = [row["attention_score"], row["position_scheme"], _ratio(row["ratio_tokens_per_s"]),
+                 _ratio(row["ratio_peak_memory"]), row["kernel"], row["note"] or "-"]  # fmt: skip
+        assert "| " + " | ".join(cells) + " |" in section
+    for dtype in ("fp32", "bf16"):  # one variants table per dtype, its columns per length
+        assert f"Variants, tiny, {dtype}:" in section
+    assert "| attention_score | position_scheme | tokens/s, seq 64 | peak memory, seq 64 | kernel | note |" in section
+    speed = {(r["pair"], r["dtype"]): r["models"]["plugformer"]["tokens_per_s"] for r in results["train"]}
+    for pair in ("llama", "gpt2"):
+        assert f"| {pair} | tiny | 64 | {speed[pair, 'bf16'] / speed[pair, 'fp32']:.2f} |" in section
+    assert f"fp32 {results['matmul_peak']['fp32']['flops_per_s'] / 1e9:,.1f} GFLOP/s" in section
+
+
+def test_readme_section_gives_each_run_its_command(quick_run):
+    results = json.loads((quick_run / "bench.json").read_text())
+    pairs = results | {"variants": [], "arguments": results["arguments"] | {"sections": ["train", "decode"]}}
+    variants = results | {"train": [], "decode": [], "arguments": results["arguments"] | {"sections": ["variants"]}}
+    section = readme_section([pairs, variants])
+    first = section.index("`plugformer bench --sections train decode --device cpu --quick`")
+    second = section.index("`plugformer bench --sections variants --device cpu --quick`")
+    assert first < section.index("| pair | size | dtype |") < section.index("bf16 / fp32") < second
+    assert second < section.index("Variants, tiny, fp32") and section.count("| attention_score |") == 2
+    assert section.count("| pair | size | dtype |") == 1 and "new tokens" not in section[second:]
+
+
+def test_command_line_gives_the_options_that_differ_and_parses_back():
+    cases = [
+        BenchArguments(sizes=["small"], seq_lens=[512], sections=["train", "decode"], device="cpu"),
+        BenchArguments(quick=True, repeats=7, dtypes=["bf16"], device="cpu", output_dir="x", seed=3),
+        BenchArguments(sizes=["small,num_hidden_layers=2"], attention_scores=["additive"], device="cpu"),
+    ]
+    assert command_line(dataclasses.asdict(cases[0])) == (
+        "plugformer bench --sizes small --seq_lens 512 --sections train decode --device cpu"
+    )
+    assert command_line(dataclasses.asdict(cases[1])) == (
+        "plugformer bench --repeats 7 --dtypes bf16 --device cpu --seed 3 --quick"
+    )
+    for arguments in cases:
+        words = shlex.split(command_line(dataclasses.asdict(arguments)))
+        parsed = parse_arguments(BenchArguments, words[2:], prog="plugformer bench")
+        assert dataclasses.replace(parsed, output_dir=arguments.output_dir) == arguments
+
+
+def test_update_readme_replaces_only_the_marked_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_bytes(README_TEXT.encode("utf-8"))
+    os.chmod(readme, 0o644)
+    before, after = README_TEXT.split("old table\n")
+    update_readme(readme, "\nnew | table\n\n")
+    assert readme.read_bytes() == (before + "new | table\n" + after).encode("utf-8")
+    update_readme(readme, "new | table\n")  # the same block again: the same bytes
+    assert readme.read_bytes() == (before + "new | table\n" + after).encode("utf-8")
+    assert os.stat(readme).st_mode & 0o777 == 0o644 and [p.name for p in tmp_path.iterdir()] == ["README.md"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("# no markers\n", "found 0 and 0"),
+        ("<!-- bench:end -->\nx\n<!-- bench:begin -->\n", "comes before"),
+        ("<!-- bench:begin -->\n<!-- bench:begin -->\n<!-- bench:end -->\n", "found 2 and 1"),
+    ],
+)
+def test_update_readme_refuses_a_file_without_its_markers(tmp_path, text, message):
+    readme = tmp_path / "NOTES.md"
+    readme.write_text(text)
+    with pytest.raises(ValueError, match=rf"NOTES\.md: .*{message}"):
+        update_readme(readme, "table\n")
+    assert readme.read_text() == text
+    with pytest.raises(ValueError, match=r"readme: .*NOTES\.md"):
+        BenchArguments(readme=str(readme), device="cpu")
+
+
+def test_bench_readme_option_and_module_cli_write_the_same_block(quick_run, tmp_path, capsys):
+    results = json.loads((quick_run / "bench.json").read_text())
+    section = readme_section([results])
+    assert (quick_run / "README.md").read_text() == README_TEXT.replace("old table\n", section)  # by `--readme`
+    capsys.readouterr()
+    readme_main([str(quick_run / "bench.json"), "--print"])
+    assert capsys.readouterr().out == section
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    readme_main([str(quick_run / "bench.json"), "--readme", str(readme)])
+    assert capsys.readouterr().out == "" and readme.read_text() == (quick_run / "README.md").read_text()
+
+
+def test_the_project_readme_has_one_generated_performance_block():
+    check_markers(Path(__file__).resolve().parents[1] / "README.md")

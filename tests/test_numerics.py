@@ -186,7 +186,7 @@ def test_masked_keys_stay_masked_when_scores_exceed_the_fp16_range(score, scheme
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("score,kernel", [("dot", "sdpa"), ("scaled_dot", "eager"), ("additive", "eager")])
 def test_a_half_precision_training_step_with_a_learned_bias_is_finite(score, kernel, dtype):
-    """With gradients on, the t5 bias requires grad, so SDPA runs its math path rather than the fused one."""
+    """With gradients on, the t5 bias requires grad: sdpa runs the blockwise kernel with its hand-written backward."""
     model = additive_model("t5_bias") if score == "additive" else dot_product_model(score, "t5_bias", kernel)
     ids = distinct_tokens()
     reference = model.train()(ids, labels=ids).loss

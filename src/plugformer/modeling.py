@@ -32,9 +32,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
 from .configuration import PlugformerConfig
-from .kernels import fold_bias_into_mask
+from .kernels import RELATIVE_BIAS_KERNELS, sdpa_relative_bias_forward
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
-from .positions import POSITION_SCHEMES, PositionScheme, apply_rotary
+from .positions import POSITION_SCHEMES, PositionScheme, RelativeBias, apply_rotary
 from .scores import ATTENTION_SCORES, AttentionScore
 
 
@@ -67,15 +67,19 @@ class PlugformerAttention(nn.Module):
         self, query, key, value, attention_mask, position_bias, kwargs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the configured kernel and the output projection; `query` (B, H, Q, ·) is already prepared."""
+        implementation = self.config._attn_implementation
+        if position_bias is not None and implementation == "sdpa":
+            attention_interface = sdpa_relative_bias_forward  # blockwise: no (B, H, Q, K) bias (see `kernels`)
+        else:
+            # (transformers' `set_attn_implementation` greps the modeling module for this very call)
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.score.eager_kernel)
         if position_bias is not None:
-            # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
-            position_bias = position_bias.expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
-            if query.dtype == torch.float16 and self.config._attn_implementation == "sdpa":
-                # transformers' sdpa would block masked keys with -65504 only: fold with -inf here instead
-                attention_mask, position_bias = fold_bias_into_mask(position_bias, attention_mask, self.is_causal), None
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, self.score.eager_kernel
-        )
+            # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
+            # sees it as an input.
+            position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
+            if attention_interface not in RELATIVE_BIAS_KERNELS:
+                # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
+                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
         attn_output, attn_weights = attention_interface(
             self,
             query,
@@ -451,16 +455,16 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
 
     def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-        """The score bias `(1, H, Q, K)` over the cache slots the kernel will see (same sizes as the mask)."""
+        """The values `(H, Q + K − 1)` of the score bias over the cache slots the kernel will see (same sizes as the
+        mask): a `RelativeBias` kept per distance, shared by the layers."""
         if not self.positions.has_bias:
             return None
         if cache is None:
             query_offset, (kv_length, kv_offset) = 0, (query_length, 0)
         else:
             query_offset, (kv_length, kv_offset) = cache.get_query_offset(0), cache.get_mask_sizes(query_length, 0)
-        query_slots = torch.arange(query_length, device=device) + query_offset
-        key_slots = torch.arange(kv_length, device=device) + kv_offset
-        return self.positions.bias(query_slots, key_slots).to(dtype)
+        values = self.positions.bias_by_distance(query_offset, query_length, kv_offset, kv_length, device)
+        return values.to(dtype)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults

@@ -7,7 +7,10 @@ model runs one code path:
 
 - `embed(position_ids, dtype)` -> `(B, T, hidden)` added to the token embeddings, or `None`;
 - `rotary(hidden_states, position_ids)` -> `(cos, sin)` each `(B, T, head_dim)`, or `None`;
-- `bias(query_slots, key_slots)` -> float `(1, H, Q, K)` added to the scores, or `None`.
+- `distance_bias(distances)` -> float `(H, M)`: the score bias for keys `distances` slots after the query, or
+  `None`. Every bias scheme here depends on key slot − query slot only, so the model hands the kernels a
+  `RelativeBias`: (H, Q + K − 1) numbers standing for the (1, H, Q, K) bias, which a kernel expands one block of
+  query rows at a time (`bias(query_slots, key_slots)` gives the dense tensor).
 
 Relative biases are indexed by cache *slots* (query slot = tokens already cached + offset in the chunk, key
 slot = index in the cache). With left padding the padding is masked, so slot differences are the true relative
@@ -73,8 +76,26 @@ class PositionScheme(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
-    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
+    def distance_bias(self, distances: torch.Tensor) -> torch.Tensor | None:
+        """(M,) key slot − query slot -> the float score bias `(H, M)` at those distances, or `None`."""
         return None
+
+    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
+        """The dense score bias `(1, H, Q, K)` of queries at `query_slots` (Q,) over keys at `key_slots` (K,)."""
+        if not self.has_bias:
+            return None
+        distance = relative_distances(query_slots, key_slots)  # (Q, K)
+        return self.distance_bias(distance.flatten()).view(-1, *distance.shape)[None]  # (1, H, Q, K)
+
+    def bias_by_distance(
+        self, query_offset: int, query_length: int, key_offset: int, key_length: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The values `(H, Q + K − 1)` of the `RelativeBias` of queries at slots `query_offset + i` (i < Q) over keys at
+        `key_offset + j` (j < K), or `None`."""
+        if not self.has_bias:
+            return None
+        lowest = key_offset - (query_offset + query_length - 1)  # the last query's distance to the first key
+        return self.distance_bias(torch.arange(query_length + key_length - 1, device=device) + lowest)
 
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses
@@ -286,6 +307,63 @@ def relative_distances(query_slots: torch.Tensor, key_slots: torch.Tensor) -> to
     return key_slots[None, :] - query_slots[:, None]
 
 
+class RelativeBias:
+    """A score bias that depends on key slot − query slot only (a Toeplitz matrix per head), stored per distance.
+
+    `values[h, j − i + Q − 1]` is the bias of query i on key j: (H, Q + K − 1) numbers stand for the (1, H, Q, K)
+    tensor. Kernels expand the query rows they work on (`rows`), so a blockwise kernel never holds the whole matrix
+    and the gradient of a learned bias flows back through `values` to the small table it was looked up from.
+
+    Args:
+        values (`torch.Tensor` of shape `(H, Q + K - 1)`): the bias at distances from 1 − Q (the last query to the
+            first key) to K − 1 (the first query to the last key), relative to the slot offsets.
+        query_length (`int`): Q.
+        key_length (`int`): K.
+    """
+
+    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
+        if values.shape[-1] != query_length + key_length - 1:
+            raise ValueError(f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
+                             f"{key_length} keys (expected {query_length + key_length - 1} distances)")  # fmt: skip
+        self.values = values
+        self.query_length = query_length
+        self.key_length = key_length
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (1, self.values.shape[0], self.query_length, self.key_length)
+
+    def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
+        """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
+        default)."""
+        keys = self.key_length if keys is None else keys
+        # Window m of length `keys` starts at distance index m; query i's row is window Q − 1 − i, so the block's
+        # rows are windows Q − stop .. Q − 1 − start in reverse (unfold is a view; the flip copies just the block).
+        windows = self.values.unfold(-1, keys, 1)  # (H, Q + K − keys, keys)
+        block = windows[:, self.query_length - stop : self.query_length - start].flip(1)  # (H, r, keys)
+        return block[None]  # (1, H, r, keys)
+
+    def fold_rows(self, grad: torch.Tensor, start: int) -> torch.Tensor:
+        """The adjoint of `rows`: a gradient `(H, r, keys)` of query rows `start..` summed along its diagonals into
+        the `(H, Q + K − 1)` values (each diagonal is one distance), without the (H, r, keys) index that autograd's
+        unfold backward would scatter through.
+        """
+        heads, rows, keys = grad.shape
+        # Left-pad each row by r and re-read the rows with one more column: row i shifts left by i, so the entry of
+        # (i, j) lands in column j − i + r, one distance per column (the skew trick of Transformer-XL's shift).
+        skewed = nn.functional.pad(grad, (rows, 0)).flatten(1)  # (H, r·(keys + r))
+        skewed = nn.functional.pad(skewed, (0, rows)).view(heads, rows, keys + rows + 1)  # (H, r, keys + r + 1)
+        sums = skewed.sum(dim=1)[:, 1:]  # (H, keys + r): distances j − i from 1 − r to keys − 1
+        folded = grad.new_zeros(self.values.shape)
+        first = self.query_length - start - rows  # value index of distance 1 − r for rows starting at `start`
+        folded[:, first : first + keys + rows - 1] = sums[:, : keys + rows - 1]
+        return folded
+
+    def dense(self) -> torch.Tensor:
+        """The whole `(1, H, Q, K)` bias."""
+        return self.rows(0, self.query_length)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The geometric head slopes of ALiBi (Press et al. 2022, §3): for n a power of two, 2^(-8i/n), i = 1..n.
 
@@ -307,9 +385,8 @@ class AlibiPositions(PositionScheme):
         super().__init__(config, bidirectional)
         self.slopes = nn.Buffer(alibi_slopes(self.num_heads), persistent=False)
 
-    def bias(self, query_slots, key_slots):
-        distance = relative_distances(query_slots, key_slots).abs().float()  # (Q, K)
-        return (-self.slopes[:, None, None] * distance)[None]  # (1, H, Q, K)
+    def distance_bias(self, distances):
+        return -self.slopes[:, None] * distances.abs().float()  # (H, M)
 
     def reset_parameters(self, config):
         init.copy_(self.slopes, alibi_slopes(self.num_heads))
@@ -363,10 +440,9 @@ class T5BucketBias(PositionScheme):
                 "each direction of an encoder)"
             )
 
-    def bias(self, query_slots, key_slots):
-        distance = relative_distances(query_slots, key_slots)
-        buckets = t5_relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # (Q, K, H) -> (1, H, Q, K)
+    def distance_bias(self, distances):
+        buckets = t5_relative_position_bucket(distances, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets).T  # (M, H) -> (H, M)
 
 
 @POSITION_SCHEMES.register("clamped_bias")
@@ -384,11 +460,10 @@ class ClampedDistanceBias(PositionScheme):
         num_distances = 2 * self.max_distance + 1 if self.bidirectional else self.max_distance + 1
         self.relative_attention_bias = nn.Embedding(num_distances, self.num_heads)
 
-    def bias(self, query_slots, key_slots):
-        distance = relative_distances(query_slots, key_slots)  # key − query
+    def distance_bias(self, distances):  # key − query
         if self.bidirectional:
-            index = distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+            index = distances.clamp(-self.max_distance, self.max_distance) + self.max_distance
         else:
             # How far back the key lies; future keys are masked, clamping them to 0 just keeps indices valid.
-            index = (-distance).clamp(0, self.max_distance)
-        return self.relative_attention_bias(index).permute(2, 0, 1)[None]  # (Q, K, H) -> (1, H, Q, K)
+            index = (-distances).clamp(0, self.max_distance)
+        return self.relative_attention_bias(index).T  # (M, H) -> (H, M)

@@ -72,6 +72,9 @@ class BenchArguments:
     output_dir: str = field(default="outputs/bench", metadata={"help": "bench.md and bench.json go here"})
     quick: bool = field(default=False, metadata={"help": f"CI preset, in well under a minute: {QUICK} for the "
                         "options left at their defaults"})  # fmt: skip
+    readme: str | None = field(default=None, metadata={"help": "after the run, regenerate the block between "
+                               "<!-- bench:begin --> and <!-- bench:end --> in this file (e.g. README.md) from it; "
+                               "the markers are checked before anything runs"})  # fmt: skip
 
     def __post_init__(self):
         if self.quick:
@@ -98,6 +101,13 @@ class BenchArguments:
             raise ValueError(f"seq_lens={self.seq_lens!r}: expected lengths of at least 2 tokens")
         if not self.sizes:
             raise ValueError("sizes: expected at least one size")
+        if self.readme is not None:
+            from .readme import check_markers  # imports this module
+
+            try:
+                check_markers(self.readme)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"readme: {error}") from error
         for spec in self.sizes:
             try:
                 config = self.model_config(spec)

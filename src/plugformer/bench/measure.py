@@ -31,6 +31,7 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
     "aten::_scaled_dot_product_attention_math": "math",
+    "plugformer::sdpa_relative_bias": "blockwise-bias",  # kernels.PROFILER_NAME: SDPA per block of query rows
 }
 
 

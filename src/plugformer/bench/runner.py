@@ -110,14 +110,16 @@ def pair_rows(args: BenchArguments, spec: str, pair: str, peaks: dict) -> tuple[
 
 
 def variant_note(model, sdpa_backends: list[str]) -> str:
-    """Why the kernel is not fused SDPA, from plugformer's capabilities and the model's parameters."""
+    """Why the kernel is not plain fused SDPA, from plugformer's capabilities and the model's parameters."""
     config = model.config
     if config._attn_implementation != "sdpa" and "sdpa" not in supported_kernels(config):
         return "capabilities: no sdpa"
+    scheme = POSITION_SCHEMES.get(config.position_scheme)
+    learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
     if "math" in sdpa_backends:
-        scheme = POSITION_SCHEMES.get(config.position_scheme)
-        learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
+    if "blockwise-bias" in sdpa_backends:
+        return "blockwise bias, backward by hand" if learned else "blockwise bias, masks kept"
     return ""
 
 
@@ -154,7 +156,8 @@ def variant_rows(args: BenchArguments, spec: str, peaks: dict) -> list[dict]:
 
 
 def run(args: BenchArguments) -> dict:
-    """Runs the requested sections, writes `bench.md` and `bench.json` into `args.output_dir`, returns the results."""
+    """Runs the requested sections, writes `bench.md` and `bench.json` into `args.output_dir` (and the generated
+    block of `args.readme` when given), returns the results."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # weight-loading bars of every conversion would bury the output
@@ -174,4 +177,9 @@ def run(args: BenchArguments) -> dict:
     results["machine"] = machine(args.device)
     path = write(results, args.output_dir)
     print("\n" + path.read_text() + f"\nwritten: {path}, {Path(args.output_dir) / 'bench.json'}")
+    if args.readme is not None:
+        from .readme import readme_section, update_readme  # here: `python -m plugformer.bench.readme` runs it fresh
+
+        update_readme(args.readme, readme_section([results]))
+        print(f"updated the generated block of {args.readme}")
     return results

@@ -1,0 +1,218 @@
+"""The README's performance block, generated from `bench.json` files: ratios of the run(s), with their commands.
+
+    python -m plugformer.bench.readme outputs/bench/bench.json --readme README.md
+    python -m plugformer.bench.readme pairs/bench.json variants/bench.json --print
+
+`update_readme` rewrites only the text between the lines `<!-- bench:begin -->` and `<!-- bench:end -->`;
+`plugformer bench --readme README.md` does the same right after a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import stat
+import tempfile
+from pathlib import Path
+
+from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
+from .report import _ratio, _table
+
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+NOT_IN_COMMAND = ("output_dir", "readme")  # where the files go, not what is measured
+
+
+def command_line(arguments: dict) -> str:
+    """The `plugformer bench` command that measures what `arguments` (a bench.json's) records: the options that differ
+    from the defaults (from `--quick`'s values when it was given). `--device` is always shown, as the recorded device
+    is the one `auto` resolved to."""
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default
+                for f in dataclasses.fields(BenchArguments)}  # fmt: skip
+    if arguments.get("quick"):
+        defaults |= QUICK
+    defaults["dtypes"] = DEFAULT_DTYPES.get(arguments.get("device"), defaults["dtypes"])
+    words = ["plugformer", "bench"]
+    for name, default in defaults.items():
+        if name in NOT_IN_COMMAND or name not in arguments:
+            continue
+        value = arguments[name]
+        if name == "quick":
+            words += ["--quick"] if value else []
+        elif name == "device" or value != default:
+            words += [f"--{name}", *(str(item) for item in (value if isinstance(value, list) else [value]))]
+    return shlex.join(words)
+
+
+def machine_line(results: dict) -> str:
+    info, arguments = results["machine"], results["arguments"]
+    device = f"GPU {info['gpu']}, " if info.get("gpu") else ""
+    decode = f", {arguments['new_tokens']} new tokens" if results.get("decode") else ""
+    threads = f"{info['torch_threads']} torch thread{'' if info['torch_threads'] == 1 else 's'}"
+    return (f"{device}{info['cpu']} ({info['usable_cores']} usable cores, {threads}), "
+            f"torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
+            f"{info['date'][:10]}; batch {arguments['batch_size']}, {arguments['repeats']} repeats after "
+            f"{arguments['warmup']} warm-up{decode}.")  # fmt: skip
+
+
+def _kernels(row: dict) -> str:
+    return f"{row['models']['plugformer']['kernel']} / {row['models']['reference']['kernel']}"
+
+
+def pairs_table(results: dict) -> list[str]:
+    """One row per (pair, size, dtype, length): the train row and the decode row of the same prompt length."""
+    rows: dict[tuple, dict] = {}
+    for section, length in (("train", "seq_len"), ("decode", "prompt_len")):
+        for row in results.get(section, []):
+            rows.setdefault((row["pair"], row["size"], row["dtype"], row[length]), {})[section] = row
+    if not rows:
+        return []
+    lines = ["plugformer / transformers reference, ratio of medians [range of the interleaved per-repeat ratios]; "
+             "throughput > 1: plugformer faster, memory < 1: plugformer smaller.", ""]  # fmt: skip
+    cells = []
+    for (pair, size, dtype, length), row in rows.items():
+        train, decode = row.get("train"), row.get("decode")
+        either = train or decode
+        cells.append([
+            f"{pair} vs {either['models']['reference']['class']}", size, dtype, length,
+            _ratio(train["ratio_tokens_per_s"]) if train else "-",
+            _ratio(train["ratio_peak_memory"]) if train else "-",
+            _ratio(decode["ratio_prefill"]["ratio"]) if decode else "-",
+            _ratio(decode["ratio_decode"]) if decode else "-",
+            _kernels(either),
+            f"{train['models']['plugformer']['mfu']:.1%}" if train else "-",
+        ])  # fmt: skip
+    headers = ["pair", "size", "dtype", "seq", "train tokens/s", "train peak memory", "prefill tokens/s",
+               "decode tokens/s", "kernel (plugformer / reference)", "plugformer MFU"]  # fmt: skip
+    return [*lines, *_table(headers, cells)]
+
+
+def _joined(values) -> str:
+    return " / ".join(dict.fromkeys(str(value) for value in values if value)) or "-"
+
+
+def variants_tables(results: dict) -> list[str]:
+    """One table per (size, dtype): a row per score x scheme, tokens/s and peak memory ratios per length."""
+    groups: dict[tuple, dict] = {}
+    for row in results.get("variants", []):
+        group = groups.setdefault((row["size"], row["dtype"]), {})
+        group.setdefault((row["attention_score"], row["position_scheme"]), {})[row["seq_len"]] = row
+    lines = []
+    for (size, dtype), variants in groups.items():
+        lengths = list(dict.fromkeys(length for by_length in variants.values() for length in by_length))
+        lines += [f"Variants, {size}, {dtype}: training step against scaled_dot + none on sdpa, same length "
+                  "(tokens/s ratio [range]; scaled_dot + none against its twin is an A/A run: the noise floor).",
+                  ""]  # fmt: skip
+        headers = ["attention_score", "position_scheme"]
+        for length in lengths:
+            headers += [f"tokens/s, seq {length}", f"peak memory, seq {length}"]
+        cells = []
+        for (score, scheme), by_length in variants.items():
+            cell = [score, scheme]
+            for length in lengths:
+                row = by_length.get(length)
+                cell += [_ratio(row["ratio_tokens_per_s"]), _ratio(row["ratio_peak_memory"])] if row else ["-", "-"]
+            rows = by_length.values()
+            cells.append([*cell, _joined(row["kernel"] for row in rows), _joined(row["note"] for row in rows)])
+        lines += _table([*headers, "kernel", "note"], cells)
+    return lines
+
+
+def dtype_lines(results: dict) -> list[str]:
+    """Low-precision autocast over fp32 (plugformer's training tokens/s, same pair, size and length), and the
+    measured matmul peaks."""
+    speed = {(r["pair"], r["size"], r["seq_len"], r["dtype"]): r["models"]["plugformer"]["tokens_per_s"]
+             for r in results.get("train", [])}  # fmt: skip
+    lower = [dtype for dtype in ("bf16", "fp16") if dtype in results["arguments"]["dtypes"]]
+    keys = list(dict.fromkeys(key[:3] for key in speed if (*key[:3], "fp32") in speed))
+    lines = []
+    if lower and keys:
+        lines += ["Autocast over fp32, plugformer training tokens/s (ratio of medians of separate, not interleaved, "
+                  "loops):", ""]  # fmt: skip
+        lines += _table(
+            ["pair", "size", "seq", *(f"{dtype} / fp32" for dtype in lower)],
+            [[pair, size, length, *(_ratio(speed[pair, size, length, dtype] / speed[pair, size, length, "fp32"])
+                                    if (pair, size, length, dtype) in speed else "-" for dtype in lower)]
+             for pair, size, length in keys],
+        )  # fmt: skip
+    peaks = results.get("matmul_peak", {})
+    if peaks:
+        sizes = _joined(peak["size"] for peak in peaks.values())
+        values = ", ".join(f"{dtype} {peak['flops_per_s'] / 1e9:,.1f} GFLOP/s" for dtype, peak in peaks.items())
+        over = "".join(f"; {dtype} / fp32 {_ratio(peaks[dtype]['flops_per_s'] / peaks['fp32']['flops_per_s'])}"
+                       for dtype in peaks if dtype != "fp32" and "fp32" in peaks)  # fmt: skip
+        lines += [f"Measured matmul peak (`torch.mm`, n = {sizes}; the MFU denominator): {values}{over}.", ""]
+    return lines
+
+
+def readme_section(results_list: list[dict]) -> str:
+    """Markdown for the README from one or more `bench.json` results: per run, its command and machine, then the
+    A/B pairs table, the autocast speed-ups and matmul peaks, then the variants tables, as far as the run has them."""
+    lines = ["<!-- generated from bench.json by `python -m plugformer.bench.readme`; edit outside the markers -->", ""]
+    for results in results_list:
+        lines += [f"`{command_line(results['arguments'])}`", "", machine_line(results), ""]
+        lines += [*pairs_table(results), *dtype_lines(results), *variants_tables(results)]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _block(text: str, path: str | Path) -> tuple[int, int]:
+    """Where the generated block lies in `text`: after the begin marker, up to the end marker."""
+    counts = {marker: text.count(marker) for marker in (BEGIN, END)}
+    if counts != {BEGIN: 1, END: 1}:
+        raise ValueError(f"{path}: expected one line {BEGIN} and one line {END}, found {counts[BEGIN]} and "
+                         f"{counts[END]}")  # fmt: skip
+    begin, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    if end < begin:
+        raise ValueError(f"{path}: {END} comes before {BEGIN}")
+    return begin, end
+
+
+def check_markers(readme_path: str | Path) -> None:
+    """Raises a ValueError naming `readme_path` unless it has the markers in order (before a long run, not after)."""
+    _block(Path(readme_path).read_text(encoding="utf-8"), readme_path)
+
+
+def update_readme(readme_path: str | Path, section: str) -> None:
+    """Replaces what lies between the marker lines of `readme_path` with `section`, keeping the markers and every
+    other byte; written to a temporary file beside it, then moved over it (a reader never sees half a file)."""
+    path = Path(readme_path)
+    text = path.read_bytes().decode("utf-8")
+    begin, end = _block(text, path)
+    if BEGIN in section or END in section:
+        raise ValueError(f"{path}: the section must not contain the markers {BEGIN} / {END}")
+    updated = text[:begin] + "\n" + section.strip("\n") + "\n" + text[end:]
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as output:
+            output.write(updated.encode("utf-8"))
+            output.flush()
+            os.fsync(output.fileno())
+        os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))  # mkstemp creates 0600
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(
+        prog="python -m plugformer.bench.readme", allow_abbrev=False,
+        description="The README's performance block from bench.json files written by `plugformer bench`.",
+    )  # fmt: skip
+    parser.add_argument("bench_json", nargs="+", help="bench.json files, one block per run, in this order")
+    parser.add_argument("--readme", default=None, help=f"file whose {BEGIN} ... {END} block is replaced")
+    parser.add_argument("--print", action="store_true", help="print the block (also the default without --readme)")
+    args = parser.parse_args(argv)
+    section = readme_section([json.loads(Path(path).read_text(encoding="utf-8")) for path in args.bench_json])
+    if args.readme is not None:
+        update_readme(args.readme, section)
+    if args.print or args.readme is None:
+        print(section, end="")
+    return section
+
+
+if __name__ == "__main__":
+    main()

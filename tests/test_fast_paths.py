@@ -1,0 +1,248 @@
+"""The fast paths equal the eager reference: outputs *and gradients*, for every position scheme, with and without a
+cache, in blocks small enough that every multi-block branch runs; and they keep no (B, H, N, N) tensor.
+
+The blockwise SDPA kernel for score biases (`kernels.sdpa_relative_bias_forward`) is forced to 16-row blocks by
+`BIAS_BLOCK_BYTES = 1`; the additive kernel to 8-query chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import SCHEMES, tiny_config
+from transformers import DynamicCache
+
+import plugformer.kernels as kernels
+from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, PlugformerForSequenceClassification
+from plugformer.positions import POSITION_SCHEMES, RelativeBias
+
+
+BIAS_SCHEMES = [name for name in SCHEMES if POSITION_SCHEMES.get(name).has_bias]
+LENGTH = 40  # three 16-row blocks, the last one short
+ATOL = 2e-5
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(kernels, "BIAS_BLOCK_BYTES", 1)
+
+
+def model_pair(head, config, seed: int = 0):
+    """The same weights on eager and on sdpa, in training mode (dropout 0 in the tiny preset)."""
+    models = {}
+    for kernel in ("eager", "sdpa"):
+        torch.manual_seed(seed)
+        variant = copy.deepcopy(config)
+        variant._attn_implementation = kernel
+        models[kernel] = head(variant).train()
+    return models
+
+
+def loss_and_grads(model, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    out = model(**inputs)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training_step(models, **inputs):
+    logits_eager, grads_eager = loss_and_grads(models["eager"], **inputs)
+    logits_sdpa, grads_sdpa = loss_and_grads(models["sdpa"], **inputs)
+    # padding queries see no key: eager averages the masked keys, sdpa returns zeros
+    real = inputs["attention_mask"].bool()
+    if logits_eager.dim() == 3:
+        logits_eager, logits_sdpa = logits_eager[real], logits_sdpa[real]
+    torch.testing.assert_close(logits_sdpa, logits_eager, atol=ATOL, rtol=0)
+    assert grads_sdpa.keys() == grads_eager.keys()
+    for name, grad in grads_eager.items():
+        torch.testing.assert_close(grads_sdpa[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+
+
+def batch(length: int = LENGTH, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (2, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0  # left padding in the second row
+    labels = ids.masked_fill(mask == 0, -100)
+    # a causal LM predicts the first real token from the last padding position, whose query sees no key: eager
+    # averages the masked keys there, sdpa returns zeros (neither is meaningful), so it is not scored
+    labels[1, : pad + 1 if pad else 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("pad", [0, 7], ids=["no-padding", "left-padding"])
+def test_causal_training_step_equals_eager(score, scheme, pad, small_blocks):
+    """Logits and every parameter's gradient (the bias table included) of sdpa equal eager's."""
+    models = model_pair(PlugformerForCausalLM, tiny_config(score, scheme))
+    assert_same_training_step(models, **batch(pad=pad))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_encoder_training_step_equals_eager(scheme, small_blocks):
+    """Bidirectional: every block sees keys on both sides, with padding."""
+    config = tiny_config("scaled_dot", scheme, is_causal=False)
+    models = model_pair(PlugformerForMaskedLM, config)
+    inputs = batch(pad=5)
+    inputs["labels"] = inputs["labels"].masked_fill(torch.rand(inputs["labels"].shape) < 0.5, -100)
+    assert_same_training_step(models, **inputs)
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+def test_classification_with_padding_equals_eager(scheme, small_blocks):
+    config = tiny_config("dot", scheme, num_labels=3, pad_token_id=0)
+    models = model_pair(PlugformerForSequenceClassification, config)
+    inputs = batch(pad=9)
+    inputs["input_ids"][1, :9] = 0
+    inputs["labels"] = torch.tensor([0, 2])
+    assert_same_training_step(models, **inputs)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "chunks", [[LENGTH], [20, 1, 19], [3, 34, 1, 1, 1]], ids=["full", "prefill-step-chunk", "steps"]
+)
+def test_cached_chunks_equal_full_forward(scheme, chunks, small_blocks):
+    """A cache makes the kernel see a mask and key slots offset from the query slots: multi-block chunks after a
+    prefill must still equal the full forward (and eager)."""
+    models = model_pair(PlugformerForCausalLM, tiny_config("scaled_dot", scheme))
+    ids = batch()["input_ids"]
+    with torch.no_grad():
+        reference = models["eager"].eval()(ids).logits
+        cache, logits, start = DynamicCache(config=models["sdpa"].config), [], 0
+        for size in chunks:
+            logits.append(models["sdpa"].eval()(ids[:, start : start + size], cache=cache, use_cache=True).logits)
+            start += size
+    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=ATOL, rtol=0)
+
+
+def relative_errors(result, reference) -> tuple[float, float]:
+    """Relative L2 error of the logits, and the largest one over the parameters' gradients."""
+    (logits, grads), (ref_logits, ref_grads) = result, reference
+    logits_error = (logits.float() - ref_logits).norm() / ref_logits.norm()
+    grads_error = max((grads[n].float() - ref).norm() / ref.norm() for n, ref in ref_grads.items())
+    return float(logits_error), float(grads_error)
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+def test_bf16_autocast_training_step_as_accurate_as_eager(scheme, small_blocks):
+    """Under bf16 autocast the blockwise kernel (bf16 fused forward, fp32 softmax backward) is as close to the fp32
+    reference as eager in bf16 is (measured: both about 0.3% on the logits, 0.8% on the gradients)."""
+    models = model_pair(PlugformerForCausalLM, tiny_config("scaled_dot", scheme))
+    reference = loss_and_grads(models["eager"], **batch())
+    errors = {}
+    for kernel, model in models.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            errors[kernel] = relative_errors(loss_and_grads(model, **batch()), reference)
+    (eager_logits, eager_grads), (sdpa_logits, sdpa_grads) = errors["eager"], errors["sdpa"]
+    assert sdpa_logits < 2 * eager_logits + 1e-3, errors
+    assert sdpa_grads < 2 * eager_grads + 1e-3, errors
+
+
+def saved_shapes(model, **inputs) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves for backward during one training step."""
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**inputs).loss.backward()
+    return shapes
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "clamped_bias"])
+def test_learned_bias_keeps_no_score_sized_tensor(scheme, small_blocks):
+    """The issue's requirement: sdpa keeps no (B, H, N, N) bias requiring grad (nor any other (·, N, N) tensor) for
+    backward; eager, the reference, keeps several."""
+    models = model_pair(PlugformerForCausalLM, tiny_config("scaled_dot", scheme))
+    length = 48  # no other dimension of the tiny preset is 48
+
+    def score_like(shapes, rows):  # (B or 1, H, > rows, N)
+        return [shape for shape in shapes if len(shape) == 4 and shape[2] > rows and shape[3] == length]
+
+    assert score_like(saved_shapes(models["eager"], **batch(length)), rows=length - 1)
+    assert not score_like(saved_shapes(models["sdpa"], **batch(length)), rows=16)
+
+
+def test_alibi_keeps_only_mask_blocks(small_blocks):
+    """ALiBi's fixed mask is kept for the fused backward in (1, H, 16, keys) blocks, none (·, N, N)."""
+    config = tiny_config("scaled_dot", "alibi")
+    models = model_pair(PlugformerForCausalLM, config)
+    shapes = [shape for shape in saved_shapes(models["sdpa"], **batch(length=48)) if len(shape) == 4]
+    masks = [shape for shape in shapes if shape[-1] != config.head_dim]  # the rest: query, key, value, output blocks
+    assert masks == [(1, config.num_attention_heads, 16, keys) for keys in (16, 32, 48)] * config.num_hidden_layers
+
+
+def test_attention_dropout_blocks_are_recomputed_exactly(monkeypatch, small_blocks):
+    """With attention dropout a learned-bias block is checkpointed; the recomputed block must replay the same
+    dropout mask: gradients equal those of the same blocks kept in memory (checkpointing disabled)."""
+    config = tiny_config("scaled_dot", "t5_bias", attention_dropout=0.3)
+    model = model_pair(PlugformerForCausalLM, config)["sdpa"]
+    inputs = batch(pad=4)
+    torch.manual_seed(7)
+    _, checkpointed = loss_and_grads(model, **inputs)
+    monkeypatch.setattr(kernels, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    torch.manual_seed(7)
+    _, kept = loss_and_grads(model, **inputs)
+    for name, grad in kept.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert checkpointed["model.positions.relative_attention_bias.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+def test_additive_chunks_with_bias_equal_one_chunk(scheme, monkeypatch):
+    """The additive kernel takes the `RelativeBias` per chunk, inside the checkpoint: 8-query chunks give the
+    gradients of one chunk."""
+    config = tiny_config("additive", scheme)
+    results = {}
+    for chunk in (None, 8):
+        torch.manual_seed(0)
+        model = PlugformerForCausalLM(copy.deepcopy(config)).train()
+        for layer in model.model.layers:
+            layer.self_attn.score.chunk_size = chunk
+        results[chunk] = loss_and_grads(model, **batch(pad=5))
+    torch.testing.assert_close(results[8][0], results[None][0], atol=1e-6, rtol=0)
+    for name, grad in results[None][1].items():
+        torch.testing.assert_close(results[8][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+@pytest.mark.parametrize(
+    "query_offset,query_length,key_offset,key_length", [(0, 7, 0, 7), (5, 3, 0, 8), (0, 1, 0, 9), (2, 4, 1, 10)]
+)
+def test_relative_bias_rows_equal_the_dense_bias(scheme, query_offset, query_length, key_offset, key_length):
+    positions = POSITION_SCHEMES.get(scheme)(tiny_config("scaled_dot", scheme))
+    values = positions.bias_by_distance(query_offset, query_length, key_offset, key_length, torch.device("cpu"))
+    bias = RelativeBias(values, query_length, key_length)
+    query_slots = torch.arange(query_length) + query_offset
+    key_slots = torch.arange(key_length) + key_offset
+    dense = positions.bias(query_slots, key_slots)
+    torch.testing.assert_close(bias.dense(), dense, atol=0, rtol=0)
+    stop = query_length
+    start = min(1, stop - 1)
+    torch.testing.assert_close(bias.rows(start, stop, key_length - 1), dense[:, :, start:stop, : key_length - 1])
+
+
+@pytest.mark.parametrize(
+    "query_length,key_length,start,stop,keys", [(5, 5, 0, 5, 5), (7, 9, 2, 5, 9), (6, 6, 1, 4, 4), (1, 8, 0, 1, 8)]
+)
+def test_fold_rows_is_the_adjoint_of_rows(query_length, key_length, start, stop, keys):
+    """`fold_rows` (the hand-written bias gradient) equals autograd's gradient of `rows`."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3, query_length + key_length - 1, dtype=torch.float64, generator=generator)
+    values.requires_grad_(True)
+    bias = RelativeBias(values, query_length, key_length)
+    rows = bias.rows(start, stop, keys)[0]
+    grad = torch.randn(rows.shape, dtype=torch.float64, generator=generator)
+    rows.backward(grad)
+    torch.testing.assert_close(bias.fold_rows(grad, start), values.grad, atol=1e-12, rtol=0)
+
+
+def test_relative_bias_refuses_values_of_another_length():
+    with pytest.raises(ValueError, match="expected 9 distances"):
+        RelativeBias(torch.zeros(2, 8), 4, 6)
