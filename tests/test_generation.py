@@ -126,6 +126,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(scheme, use_reentrant, 
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_gradient_checkpointing_in_training_turns_the_cache_off(tokens):
+    model = build(tiny_config("scaled_dot", "rope"), "sdpa").train()
+    model.gradient_checkpointing_enable()
+    assert model(tokens, use_cache=True).cache is None  # recomputed layers would update a cache twice
+    with torch.no_grad():  # nothing is recomputed without gradients
+        assert model(tokens, use_cache=True).cache.get_seq_length() == tokens.shape[1]
+
+
+@pytest.mark.parametrize("head", ["PlugformerForCausalLM", "PlugformerForConditionalGeneration"])
+def test_stored_forward_signature_is_the_undecorated_one(head):
+    """generate() inspects the forward's signature every step for custom-code models; the stored one must say what
+    the decorated forward accepts."""
+    import inspect
+
+    import plugformer
+
+    forward = getattr(plugformer, head).forward
+    assert forward.__signature__ == inspect.signature(inspect.unwrap(forward))
+    assert "cache" in forward.__signature__.parameters and "use_cache" in forward.__signature__.parameters
+
+
 def test_tied_and_untied_embeddings(tmp_path, tokens):
     tied = build(tiny_config())
     assert tied.lm_head.weight is tied.model.embed_tokens.weight

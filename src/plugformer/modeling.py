@@ -8,6 +8,8 @@ Module and parameter names follow transformers' Llama (`model.layers.N.self_attn
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
@@ -25,9 +27,8 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
@@ -36,6 +37,9 @@ from .kernels import RELATIVE_BIAS_KERNELS, sdpa_relative_bias_forward
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES, PositionScheme, RelativeBias, apply_rotary
 from .scores import ATTENTION_SCORES, AttentionScore
+
+
+logger = logging.get_logger(__name__)
 
 
 class PlugformerAttention(nn.Module):
@@ -90,9 +94,9 @@ class PlugformerAttention(nn.Module):
             scaling=self.score.scaling,
             position_bias=position_bias,
             **self.score.kernel_kwargs(),
-            # `merge_with_config_defaults` puts config.is_causal in the kwargs and sdpa obeys it over the module's
-            # flag; each attention's direction is fixed when built (a seq2seq encoder and its cross-attention share
-            # the decoder's config).
+            # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
+            # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
+            # cross-attention share the decoder's config).
             **{**kwargs, "is_causal": self.is_causal},
         )
         attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()  # (B, Q, H, D) -> (B, Q, H·D)
@@ -234,6 +238,14 @@ class PlugformerPreTrainedModel(PreTrainedModel):
         "cross_attentions": OutputRecorder(PlugformerCrossAttention, index=1, layer_name="cross_attn"),
     }
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            # generate() reads `inspect.signature(self.forward)` every step for custom-code models (these are, being
+            # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers
+            forward.__signature__ = inspect.signature(forward)
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):
@@ -316,37 +328,51 @@ def _check_positions(name: str, position_ids, batch: int, length: int, described
 
 
 def _value_checks(prefix: str, given: str, vocab_size: int, input_ids, inputs_embeds, masks, position_ids) -> list:
-    """(bad, error) pairs: a boolean tensor that is true for a malformed value, and the error to raise then."""
+    """`(statistics, is_bad, error)` per check: 0-d integer tensors (fetched together, in one device sync), a
+    predicate on their values, and the error to raise then. Few ops: a decoding step runs these every token."""
     checks = []
     if input_ids is not None:
-        low, high = torch.aminmax(input_ids)
-        checks.append(((low < 0) | (high >= vocab_size), lambda: ValueError(
-            f"{given} contains id {int(low) if low < 0 else int(high)}, outside the vocabulary of "
-            f"vocab_size={vocab_size} (ids 0 to {vocab_size - 1})"
+        checks.append((torch.aminmax(input_ids), lambda low, high: low < 0 or high >= vocab_size, lambda low, high: (
+            ValueError(f"{given} contains id {low if low < 0 else high}, outside the vocabulary of "
+                       f"vocab_size={vocab_size} (ids 0 to {vocab_size - 1})")
         )))  # fmt: skip
     if inputs_embeds is not None:
-        checks.append((~torch.isfinite(inputs_embeds).all(), lambda: ValueError(f"{given} contains NaN or infinity")))
+        finite = torch.isfinite(inputs_embeds).all().long()
+        checks.append(((finite,), lambda ok: not ok, lambda ok: ValueError(f"{given} contains NaN or infinity")))
     for name, mask in masks:
-        if mask is not None and mask.ndim == 2 and mask.dtype != torch.bool:
-            other = (mask != 0) & (mask != 1)
-            checks.append((other.any(), lambda name=name, mask=mask, other=other: ValueError(
-                f"{name} must hold 1 (attend) and 0 (padding), got other values such as {mask[other][0].item()} "
-                "(an additive 0 / -inf mask is not a padding mask)"
-            )))  # fmt: skip
+        if mask is None or mask.ndim != 2 or mask.dtype == torch.bool:
+            continue
+        if mask.is_floating_point():  # 0.5 lies between 0 and 1: count the values that are neither
+            other = ((mask != 0) & (mask != 1)).sum()
+            statistics, is_bad = (other,), lambda count: count > 0
+            example = lambda count, mask=mask: mask[(mask != 0) & (mask != 1)][0].item()  # noqa: E731
+        else:  # integers: the extremes say it all
+            statistics, is_bad = torch.aminmax(mask), lambda low, high: low < 0 or high > 1
+            example = lambda low, high: low if low < 0 else high  # noqa: E731
+        checks.append((statistics, is_bad, lambda *values, name=name, example=example: ValueError(
+            f"{name} must hold 1 (attend) and 0 (padding), got other values such as {example(*values)} "
+            "(an additive 0 / -inf mask is not a padding mask)"
+        )))  # fmt: skip
     if position_ids is not None:
-        checks.append(((position_ids < 0).any(), lambda: ValueError(
-            f"{prefix}position_ids contains negative positions, e.g. {int(position_ids.min())}"
+        checks.append(((position_ids.min(),), lambda low: low < 0, lambda low: ValueError(
+            f"{prefix}position_ids contains negative positions, e.g. {low}"
         )))  # fmt: skip
     return checks
 
 
 def _raise_first(checks: list) -> None:
-    """Raises the error of the first check whose flag is true; one device sync for all of them."""
-    if checks:
-        flags = torch.stack([bad.to(checks[0][0].device) for bad, _ in checks]).tolist()
-        for flag, (_, error) in zip(flags, checks, strict=True):
-            if flag:
-                raise error()
+    """Raises the error of the first check whose statistics are bad; one device sync for all of them."""
+    if not checks:
+        return
+    statistics = [value for values, _, _ in checks for value in values]
+    if statistics[0].device.type == "cpu":  # reading a CPU scalar costs no sync: skip the stack
+        fetched = iter([value.item() for value in statistics])
+    else:
+        fetched = iter(torch.stack([value.long().to(statistics[0].device) for value in statistics]).tolist())
+    for values, is_bad, error in checks:
+        numbers = [next(fetched) for _ in values]
+        if is_bad(*numbers):
+            raise error(*numbers)
 
 
 def check_inputs(stack: PlugformerModel, input_ids, inputs_embeds, attention_mask, position_ids, cache,
@@ -446,13 +472,34 @@ class PlugformerModel(PlugformerPreTrainedModel):
             return EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
         return DynamicCache(config=self.config)
 
+    def _use_cache(self, use_cache: bool | None) -> bool:
+        """`use_cache`, by default `config.use_cache`; off while gradient checkpointing trains (as transformers'
+        `merge_with_config_defaults` decides, which is not used here: with `is_causal` a config field, it would set
+        the config attribute twice per forward, a measurable share of a decoding step)."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            logger.warning_once(
+                "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
+            )
+            return False
+        return bool(use_cache)
+
     def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
-        if self.is_causal:
-            return create_causal_mask(
-                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                position_ids=position_ids,
-            )  # fmt: skip
-        return create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        if not self.is_causal:
+            return create_bidirectional_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+            )
+        arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                         position_ids=position_ids)  # fmt: skip
+        if self.config.is_causal:
+            return create_causal_mask(**arguments)
+        # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
+        # bidirectional when config.is_causal is False: pin it for the call.
+        self.config.is_causal = True
+        try:
+            return create_causal_mask(**arguments)
+        finally:
+            self.config.is_causal = False
 
     def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
         """The values `(H, Q + K − 1)` of the score bias over the cache slots the kernel will see (same sizes as the
@@ -467,7 +514,6 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return values.to(dtype)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    @merge_with_config_defaults
     @capture_outputs
     def forward(
         self,
@@ -514,6 +560,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
             if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
                 inputs_embeds = inputs_embeds * self.positions.token_scale
+        use_cache = self._use_cache(use_cache)
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
             cache = self._new_cache()
         refuse_flex_with_static_cache(self.config, cache)
@@ -867,11 +914,10 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, GenerationMi
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
-        # is_causal=True: the decoder's causal mask reads config.is_causal, which this call pins for its duration
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
             cache=cache, use_cache=use_cache, encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask, **{**kwargs, "is_causal": True},
+            encoder_attention_mask=attention_mask, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
         loss = None

@@ -288,18 +288,18 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates (B, H, T, D) queries and keys by (B, T, D') angles; with a partial rotary factor only the first D'
     dimensions rotate and the rest pass through."""
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D')
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D')
+    if cos.shape[-1] == query.shape[-1]:
+        # no pass-through part: a `cat` would copy into a new (B, H, T, D)-contiguous tensor, which makes the
+        # kernel's transpose back to (B, T, H, D) a real copy kept alive for backward (Llama avoids it too)
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+    return _rotate_partially(query, cos, sin), _rotate_partially(key, cos, sin)
+
+
+def _rotate_partially(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        if rot == x.shape[-1]:
-            # no pass-through part: a `cat` would copy into a new (B, H, T, D)-contiguous tensor, which makes the
-            # kernel's transpose back to (B, T, H, D) a real copy kept alive for backward (Llama avoids it too)
-            return x * cos + rotate_half(x) * sin
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-    return rotate(query), rotate(key)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 def relative_distances(query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
