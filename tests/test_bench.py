@@ -32,7 +32,7 @@ from plugformer.bench.models import (
 )
 from plugformer.bench.readme import check_markers, command_line, readme_section, update_readme
 from plugformer.bench.readme import main as readme_main
-from plugformer.bench.report import _ratio, compare, throughput, train_flops, utilisation
+from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
 from plugformer.cli import main as cli_main
 
 
@@ -232,13 +232,13 @@ def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
         mine, other = row["models"]["plugformer"], decode[row["pair"], row["dtype"]]
         assert (
             f"| {row['pair']} vs {row['models']['reference']['class']} | tiny | {row['dtype']} | 64 | "
-            f"{_ratio(row['ratio_tokens_per_s'])} | {_ratio(row['ratio_peak_memory'])} | "
-            f"{other['ratio_prefill']['ratio']:.2f} | {_ratio(other['ratio_decode'])} | sdpa:flash / sdpa:flash | "
+            f"{ratio_cell(row['ratio_tokens_per_s'])} | {ratio_cell(row['ratio_peak_memory'])} | "
+            f"{other['ratio_prefill']['ratio']:.2f} | {ratio_cell(other['ratio_decode'])} | sdpa:flash / sdpa:flash | "
             f"{mine['mfu']:.1%} |"
         ) in section
     for row in results["variants"]:
-        cells = [row["attention_score"], row["position_scheme"], _ratio(row["ratio_tokens_per_s"]),
-                 _ratio(row["ratio_peak_memory"]), row["kernel"], row["note"] or "-"]  # fmt: skip
+        cells = [row["attention_score"], row["position_scheme"], ratio_cell(row["ratio_tokens_per_s"]),
+                 ratio_cell(row["ratio_peak_memory"]), row["kernel"], row["note"] or "-"]  # fmt: skip
         assert "| " + " | ".join(cells) + " |" in section
     for dtype in ("fp32", "bf16"):  # one variants table per dtype, its columns per length
         assert f"Variants, tiny, {dtype}:" in section

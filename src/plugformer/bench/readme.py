@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
-from .report import _ratio, _table
+from .report import markdown_table, ratio_cell
 
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -78,16 +78,16 @@ def pairs_table(results: dict) -> list[str]:
         either = train or decode
         cells.append([
             f"{pair} vs {either['models']['reference']['class']}", size, dtype, length,
-            _ratio(train["ratio_tokens_per_s"]) if train else "-",
-            _ratio(train["ratio_peak_memory"]) if train else "-",
-            _ratio(decode["ratio_prefill"]["ratio"]) if decode else "-",
-            _ratio(decode["ratio_decode"]) if decode else "-",
+            ratio_cell(train["ratio_tokens_per_s"]) if train else "-",
+            ratio_cell(train["ratio_peak_memory"]) if train else "-",
+            ratio_cell(decode["ratio_prefill"]["ratio"]) if decode else "-",
+            ratio_cell(decode["ratio_decode"]) if decode else "-",
             _kernels(either),
             f"{train['models']['plugformer']['mfu']:.1%}" if train else "-",
         ])  # fmt: skip
     headers = ["pair", "size", "dtype", "seq", "train tokens/s", "train peak memory", "prefill tokens/s",
                "decode tokens/s", "kernel (plugformer / reference)", "plugformer MFU"]  # fmt: skip
-    return [*lines, *_table(headers, cells)]
+    return [*lines, *markdown_table(headers, cells)]
 
 
 def _joined(values) -> str:
@@ -114,10 +114,12 @@ def variants_tables(results: dict) -> list[str]:
             cell = [score, scheme]
             for length in lengths:
                 row = by_length.get(length)
-                cell += [_ratio(row["ratio_tokens_per_s"]), _ratio(row["ratio_peak_memory"])] if row else ["-", "-"]
+                cell += (
+                    [ratio_cell(row["ratio_tokens_per_s"]), ratio_cell(row["ratio_peak_memory"])] if row else ["-", "-"]
+                )
             rows = by_length.values()
             cells.append([*cell, _joined(row["kernel"] for row in rows), _joined(row["note"] for row in rows)])
-        lines += _table([*headers, "kernel", "note"], cells)
+        lines += markdown_table([*headers, "kernel", "note"], cells)
     return lines
 
 
@@ -132,9 +134,9 @@ def dtype_lines(results: dict) -> list[str]:
     if lower and keys:
         lines += ["Autocast over fp32, plugformer training tokens/s (ratio of medians of separate, not interleaved, "
                   "loops):", ""]  # fmt: skip
-        lines += _table(
+        lines += markdown_table(
             ["pair", "size", "seq", *(f"{dtype} / fp32" for dtype in lower)],
-            [[pair, size, length, *(_ratio(speed[pair, size, length, dtype] / speed[pair, size, length, "fp32"])
+            [[pair, size, length, *(ratio_cell(speed[pair, size, length, dtype] / speed[pair, size, length, "fp32"])
                                     if (pair, size, length, dtype) in speed else "-" for dtype in lower)]
              for pair, size, length in keys],
         )  # fmt: skip
@@ -142,7 +144,7 @@ def dtype_lines(results: dict) -> list[str]:
     if peaks:
         sizes = _joined(peak["size"] for peak in peaks.values())
         values = ", ".join(f"{dtype} {peak['flops_per_s'] / 1e9:,.1f} GFLOP/s" for dtype, peak in peaks.items())
-        over = "".join(f"; {dtype} / fp32 {_ratio(peaks[dtype]['flops_per_s'] / peaks['fp32']['flops_per_s'])}"
+        over = "".join(f"; {dtype} / fp32 {ratio_cell(peaks[dtype]['flops_per_s'] / peaks['fp32']['flops_per_s'])}"
                        for dtype in peaks if dtype != "fp32" and "fp32" in peaks)  # fmt: skip
         lines += [f"Measured matmul peak (`torch.mm`, n = {sizes}; the MFU denominator): {values}{over}.", ""]
     return lines

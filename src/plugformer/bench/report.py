@@ -81,7 +81,7 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:,.1f}"
 
 
-def _ratio(value: dict[str, float] | float | None) -> str:
+def ratio_cell(value: dict[str, float] | float | None) -> str:
     if value is None:
         return "-"
     if isinstance(value, dict):
@@ -89,7 +89,7 @@ def _ratio(value: dict[str, float] | float | None) -> str:
     return f"{value:.2f}"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return [*lines, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows), ""]
 
@@ -99,30 +99,30 @@ def ratio_tables(results: dict) -> list[str]:
              "Each cell: ratio of the medians [range of the per-repeat ratios of interleaved pairs].", ""]  # fmt: skip
     if results["train"]:
         lines += ["### Training step, plugformer / transformers reference", ""]
-        lines += _table(
+        lines += markdown_table(
             ["pair", "size", "dtype", "seq", "kernel (plugformer / reference)", "tokens/s", "peak memory"],
             [[r["pair"], r["size"], r["dtype"], r["seq_len"],
               f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
-              _ratio(r["ratio_tokens_per_s"]), _ratio(r["ratio_peak_memory"])] for r in results["train"]],
+              ratio_cell(r["ratio_tokens_per_s"]), ratio_cell(r["ratio_peak_memory"])] for r in results["train"]],
         )  # fmt: skip
     if results["decode"]:
         lines += ["### Generation with KV cache, plugformer / transformers reference", ""]
-        lines += _table(
+        lines += markdown_table(
             ["pair", "size", "dtype", "prompt", "new", "kernel (plugformer / reference)", "prefill tokens/s",
              "decode tokens/s", "same tokens"],
             [[r["pair"], r["size"], r["dtype"], r["prompt_len"], r["new_tokens"],
               f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
-              _ratio(r["ratio_prefill"]), _ratio(r["ratio_decode"]), "yes" if r["same_tokens"] else "no"]
+              ratio_cell(r["ratio_prefill"]), ratio_cell(r["ratio_decode"]), "yes" if r["same_tokens"] else "no"]
              for r in results["decode"]],
         )  # fmt: skip
     if results["variants"]:
         lines += ["### Variants, training step relative to scaled_dot + none on sdpa (same size, dtype, length)", "",
                   "scaled_dot + none against its own twin is an A/A run: its spread is the noise floor.", ""]  # fmt: skip
-        lines += _table(
+        lines += markdown_table(
             ["size", "dtype", "seq", "attention_score", "position_scheme", "kernel", "tokens/s", "peak memory",
              "note"],
             [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"], r["kernel"],
-              _ratio(r["ratio_tokens_per_s"]), _ratio(r["ratio_peak_memory"]), r["note"]]
+              ratio_cell(r["ratio_tokens_per_s"]), ratio_cell(r["ratio_peak_memory"]), r["note"]]
              for r in results["variants"]],
         )  # fmt: skip
     return lines
@@ -131,11 +131,11 @@ def ratio_tables(results: dict) -> list[str]:
 def absolute_tables(results: dict) -> list[str]:
     lines = ["## Absolute numbers (medians)", ""]
     lines += ["### Measured matmul peak", ""]
-    lines += _table(["dtype", "n", "GFLOP/s"], [[dtype, peak["size"], f"{peak['flops_per_s'] / 1e9:,.1f}"]
+    lines += markdown_table(["dtype", "n", "GFLOP/s"], [[dtype, peak["size"], f"{peak['flops_per_s'] / 1e9:,.1f}"]
                                                  for dtype, peak in results["matmul_peak"].items()])  # fmt: skip
     if results["train"]:
         lines += ["### Training step", ""]
-        lines += _table(
+        lines += markdown_table(
             ["pair", "size", "dtype", "seq", "model", "kernel", "tokens/s", "peak MiB", "MFU"],
             [[r["pair"], r["size"], r["dtype"], r["seq_len"], m["class"], m["kernel"], _rate(m["tokens_per_s"]),
               _mib(m["peak_memory_bytes"]), f"{m['mfu']:.1%}"]
@@ -143,7 +143,7 @@ def absolute_tables(results: dict) -> list[str]:
         )  # fmt: skip
     if results["decode"]:
         lines += ["### Generation", ""]
-        lines += _table(
+        lines += markdown_table(
             ["pair", "size", "dtype", "prompt", "new", "model", "kernel", "prefill tokens/s", "decode tokens/s"],
             [[r["pair"], r["size"], r["dtype"], r["prompt_len"], r["new_tokens"], m["class"], m["kernel"],
               _rate(m["prefill_tokens_per_s"]), _rate(m["decode_tokens_per_s"])]
@@ -151,7 +151,7 @@ def absolute_tables(results: dict) -> list[str]:
         )  # fmt: skip
     if results["variants"]:
         lines += ["### Variants (training step)", ""]
-        lines += _table(
+        lines += markdown_table(
             ["size", "dtype", "seq", "attention_score", "position_scheme", "kernel", "capabilities", "tokens/s",
              "peak MiB", "MFU", "baseline tokens/s", "baseline MiB"],
             [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"], r["kernel"],
