@@ -96,7 +96,7 @@ def eager_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    position_bias: torch.Tensor | None = None,
+    position_bias: RelativeBias | torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scaling · Q Kᵀ + bias + mask) V with materialised weights (Vaswani et al. 2017, eq. 1).
@@ -145,7 +145,7 @@ def additive_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float = 1.0,
     dropout: float = 0.0,
-    position_bias: torch.Tensor | None = None,
+    position_bias: RelativeBias | torch.Tensor | None = None,
     energy: torch.Tensor | None = None,
     chunk_size: int | None = None,
     **kwargs,
