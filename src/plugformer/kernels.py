@@ -9,13 +9,13 @@ transformers' kernels get the dense tensor.
 
 Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 
-| `attn_implementation` | kernel | bias memory |
+| `attn_implementation` | kernel | kept for backward |
 |---|---|---|
-| `sdpa` | `sdpa_relative_bias_forward`: torch SDPA (fused flash on CPU and CUDA when no gradient flows into the
-  mask) per block of query rows, each block checkpointed in training so its backward recomputes it | O(B·H·block·K)
-  transient; nothing (B, H, N, N) is kept |
-| `eager` | `eager_attention_forward` (materialises the scores anyway) | (1, H, Q, K) |
-| `flex_attention` | transformers' flex, the bias read in `score_mod` (no backward on CPU) | (B, H, Q, K) view |
+| `sdpa` | `sdpa_relative_bias_forward`: fused torch SDPA per block of query rows, the block's bias as its mask (a mask
+  that never requires grad) | learned bias: no score-sized tensor (`LearnedBiasAttention` recomputes the block's
+  weights in its backward); fixed bias (ALiBi): each block's mask, H·N²/2 numbers per causal layer |
+| `eager` | `eager_attention_forward` (materialises the scores anyway) | the scores; the bias (1, H, Q, K) |
+| `flex_attention` | transformers' flex, the bias read in `score_mod` (no backward on CPU) | (1, H, Q, K), expanded |
 """
 
 from __future__ import annotations
@@ -256,10 +256,8 @@ class LearnedBiasAttention(torch.autograd.Function):
         mask = _bias_mask(bias, allowed, *ctx.rows, key.shape[2], torch.float32)  # (B or 1, H, r, K)
         scores = torch.matmul(query, key_heads.transpose(2, 3)).float() * ctx.scaling + mask  # (B, H, r, K)
         weights = torch.softmax(scores, dim=-1)
-        if allowed is not None:
-            blocked_rows = ~allowed.any(dim=-1, keepdim=True)  # every key masked: NaN weights, zero output
-            if blocked_rows.any():
-                weights = weights.masked_fill(blocked_rows, 0.0)
+        if allowed is not None:  # a row with every key masked has NaN weights and zero output (no branch: compile)
+            weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
         d_weights = torch.matmul(grad_output, value_heads.transpose(2, 3)).float()  # (B, H, r, K)
         delta = (grad_output.float() * output.float()).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
         d_scores = weights * (d_weights - delta)  # (B, H, r, K)
