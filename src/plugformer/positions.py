@@ -329,10 +329,6 @@ class RelativeBias:
         self.query_length = query_length
         self.key_length = key_length
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (1, self.values.shape[0], self.query_length, self.key_length)
-
     def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
         """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
         default)."""
