@@ -44,14 +44,12 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states.reshape(batch, num_kv_heads * n_rep, seq_len, head_dim)  # (B, H, S, D)
 
 
-def bias_rows(position_bias: RelativeBias | torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    """The `(1 or B, H, r, K)` bias of the query rows `rows`, from a `RelativeBias` or a dense tensor."""
+def bias_rows(position_bias: RelativeBias | None, rows: slice) -> torch.Tensor | None:
+    """The `(1, H, r, K)` bias of the query rows `rows`, or `None`."""
     if position_bias is None:
         return None
-    if isinstance(position_bias, RelativeBias):
-        start, stop, _ = rows.indices(position_bias.query_length)
-        return position_bias.rows(start, stop)
-    return position_bias[:, :, rows]
+    start, stop, _ = rows.indices(position_bias.query_length)
+    return position_bias.rows(start, stop)
 
 
 def _add_bias_and_mask(
@@ -96,13 +94,12 @@ def eager_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    position_bias: RelativeBias | torch.Tensor | None = None,
+    position_bias: RelativeBias | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scaling · Q Kᵀ + bias + mask) V with materialised weights (Vaswani et al. 2017, eq. 1).
 
-    `position_bias` is a `RelativeBias` or a float `(1 or B, H, Q, K)` score bias (ALiBi, T5 buckets, clamped
-    distances).
+    `position_bias` is the `RelativeBias` of a score-bias scheme (ALiBi, T5 buckets, clamped distances).
     """
     key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, D)
     value = repeat_kv(value, module.num_key_value_groups)
@@ -121,7 +118,7 @@ def _additive_chunk(
     value: torch.Tensor,
     energy: torch.Tensor,
     mask_chunk: torch.Tensor | None,
-    position_bias: RelativeBias | torch.Tensor | None,
+    position_bias: RelativeBias | None,
     rows: slice,
     dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +142,7 @@ def additive_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float = 1.0,
     dropout: float = 0.0,
-    position_bias: RelativeBias | torch.Tensor | None = None,
+    position_bias: RelativeBias | None = None,
     energy: torch.Tensor | None = None,
     chunk_size: int | None = None,
     **kwargs,
