@@ -16,6 +16,7 @@ from plugformer import (
     PlugformerForSequenceClassification,
     train_tokenizer,
 )
+from plugformer import inputs as checks
 
 
 VOCAB, HIDDEN = 128, 32  # the tiny preset's
@@ -70,6 +71,27 @@ def test_ids_outside_the_vocabulary(kind, bad_id):
     bad[1, 3] = bad_id
     pattern = rf"input_ids contains id {bad_id}, outside the vocabulary of vocab_size={VOCAB}"
     assert_refused(model, ValueError, pattern, dict(input_ids=tokens), input_ids=bad)
+
+
+@pytest.mark.parametrize("bad_id", [VOCAB, -1])
+def test_ids_are_checked_up_front_off_the_cpu(bad_id):
+    """On an accelerator (no device here: the check itself) the ids are reduced before any work, as an
+    out-of-range embedding index there is a device-side assert; on the CPU the embedding's IndexError is
+    translated (`test_ids_outside_the_vocabulary`)."""
+    bad = ids(2, 6)
+    bad[1, 3] = bad_id
+    with pytest.raises(ValueError, match=rf"input_ids contains id {bad_id}, outside the vocabulary of vocab_size"):
+        checks._raise_first(checks._value_checks("", VOCAB, bad, None, [], None))
+    checks._raise_first(checks._value_checks("", VOCAB, ids(2, 6), None, [], None))  # in range: no error
+
+
+def test_an_index_error_with_ids_in_range_is_not_renamed():
+    class Broken(torch.nn.Embedding):
+        def forward(self, input):
+            raise IndexError("something else")
+
+    with pytest.raises(IndexError, match="something else"):
+        checks.embed_ids(Broken(VOCAB, 4), ids(1, 3), "input_ids")
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -162,6 +184,13 @@ def test_learned_positions_refuse_sequences_past_max_position_embeddings():
     model = build(tiny_config("scaled_dot", "learned", max_position_embeddings=16), "sdpa")
     pattern = r"max_position_embeddings=16 positions, but position 16 was requested"
     assert_refused(model, ValueError, pattern, dict(input_ids=ids(1, 16)), input_ids=ids(1, 17))
+
+
+def test_learned_positions_past_the_table_are_refused_before_the_lookup_off_the_cpu():
+    positions = build(tiny_config("scaled_dot", "learned", max_position_embeddings=16), "sdpa").model.positions
+    with pytest.raises(ValueError, match="max_position_embeddings=16 positions, but position 16 was requested"):
+        positions._refuse_past_the_table(16)
+    positions._refuse_past_the_table(15)
 
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5_bias", "clamped_bias", "none", "sinusoidal"])

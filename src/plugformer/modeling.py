@@ -33,6 +33,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
 from .configuration import PlugformerConfig
+from .inputs import check_inputs, embed_ids
 from .kernels import RELATIVE_BIAS_KERNELS, sdpa_relative_bias_forward
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES, PositionScheme, RelativeBias, apply_rotary
@@ -153,6 +154,14 @@ class PlugformerCrossAttention(PlugformerAttention):
         return self.attend(query, key, value, attention_mask, None, kwargs)
 
 
+def dropout_if_active(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout as a plain function, skipped when it cannot change anything: an `nn.Dropout` module call per sublayer
+    is a measurable share of a small model's decoding step."""
+    if p and training:
+        return nn.functional.dropout(hidden_states, p, training=True)
+    return hidden_states
+
+
 class PlugformerDecoderLayer(GradientCheckpointingLayer):
     """Self-attention (and, in a seq2seq decoder, cross-attention) and a feed-forward block, each wrapped by the
     configured norm placement (pre or post)."""
@@ -169,13 +178,6 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
             self.cross_attn_layernorm = norm(config)
         self.placement = NORM_PLACEMENTS.get(config.norm_placement)
         self.hidden_dropout = config.hidden_dropout
-
-    def dropout(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Residual dropout; a plain function, skipped when it cannot change anything (an `nn.Dropout` module call per
-        sublayer is a measurable share of a small model's decoding step)."""
-        if self.hidden_dropout and self.training:
-            return nn.functional.dropout(hidden_states, self.hidden_dropout, training=True)
-        return hidden_states
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -205,19 +207,21 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
                 use_cache=use_cache,
                 **kwargs,
             )
-            return self.dropout(out)
+            return dropout_if_active(out, self.hidden_dropout, self.training)
 
         def attend_to_encoder(x: torch.Tensor) -> torch.Tensor:
             out, _ = self.cross_attn(
                 x, encoder_hidden_states, attention_mask=encoder_attention_mask, cache=cross_cache, **kwargs
             )
-            return self.dropout(out)
+            return dropout_if_active(out, self.hidden_dropout, self.training)
 
         hidden_states = self.placement.residual(hidden_states, attend, self.input_layernorm)
         if encoder_hidden_states is not None:
             hidden_states = self.placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
         return self.placement.residual(
-            hidden_states, lambda x: self.dropout(self.mlp(x)), self.post_attention_layernorm
+            hidden_states,
+            lambda x: dropout_if_active(self.mlp(x), self.hidden_dropout, self.training),
+            self.post_attention_layernorm,
         )
 
 
@@ -269,138 +273,6 @@ class PlugformerPreTrainedModel(PreTrainedModel):
     def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
         self._refuse_unsupported(f"flash_attention_{flash_attn_version}")
         return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check=is_init_check)
-
-
-ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` indexes with
-
-
-def _require_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _check_token_inputs(prefix: str, input_ids, inputs_embeds, hidden_size: int) -> tuple[int, int]:
-    """Dtype and shape of `input_ids` (B, T) or `inputs_embeds` (B, T, hidden_size); returns (B, T)."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError(f"Pass exactly one of {prefix}input_ids or {prefix}inputs_embeds")
-    if input_ids is not None:
-        name, value = f"{prefix}input_ids", input_ids
-        _require_tensor(name, value)
-        if value.dtype not in ID_DTYPES:
-            raise TypeError(f"{name} must hold integer token ids (torch.long or torch.int), got dtype {value.dtype}")
-        expected = "(batch_size, sequence_length)"
-        if value.ndim != 2:
-            raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)}")
-    else:
-        name, value = f"{prefix}inputs_embeds", inputs_embeds
-        _require_tensor(name, value)
-        if not value.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-        expected = f"(batch_size, sequence_length, hidden_size={hidden_size})"
-        if value.ndim != 3 or value.shape[-1] != hidden_size:
-            raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)}")
-    if 0 in value.shape[:2]:
-        raise ValueError(f"{name} is empty (shape {tuple(value.shape)}): it needs at least one token in each row")
-    return value.shape[0], value.shape[1]
-
-
-def _check_mask(name: str, mask, expected: tuple[int, int], described: str, exact: bool = True) -> None:
-    """A 2-D padding mask of shape `expected` (bool, integer, or float 0/1 values, checked later); 4-D masks (a
-    model-ready mask, transformers' convention) pass through. `exact=False` only requires the length to reach it."""
-    _require_tensor(name, mask)
-    if mask.ndim == 4:
-        return
-    if mask.is_complex() or mask.ndim != 2:
-        raise ValueError(
-            f"{name} must be a 2-D (batch_size, length) mask of 1 (attend) and 0 (padding), got dtype {mask.dtype} "
-            f"and shape {tuple(mask.shape)}"
-        )
-    if mask.shape[0] != expected[0] or (mask.shape[1] != expected[1] if exact else mask.shape[1] < expected[1]):
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}, but {described}: expected {expected}")
-
-
-def _check_positions(name: str, position_ids, batch: int, length: int, described: str) -> None:
-    _require_tensor(name, position_ids)
-    if position_ids.dtype not in ID_DTYPES:
-        raise TypeError(f"{name} must hold integer positions (torch.long or torch.int), got dtype {position_ids.dtype}")
-    if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
-        raise ValueError(f"{name} has shape {tuple(position_ids.shape)}, but {described}")
-
-
-def _value_checks(prefix: str, given: str, vocab_size: int, input_ids, inputs_embeds, masks, position_ids) -> list:
-    """`(statistics, is_bad, error)` per check: 0-d integer tensors (fetched together, in one device sync), a
-    predicate on their values, and the error to raise then. Few ops: a decoding step runs these every token."""
-    checks = []
-    if input_ids is not None:
-        checks.append((torch.aminmax(input_ids), lambda low, high: low < 0 or high >= vocab_size, lambda low, high: (
-            ValueError(f"{given} contains id {low if low < 0 else high}, outside the vocabulary of "
-                       f"vocab_size={vocab_size} (ids 0 to {vocab_size - 1})")
-        )))  # fmt: skip
-    if inputs_embeds is not None:
-        finite = torch.isfinite(inputs_embeds).all().long()
-        checks.append(((finite,), lambda ok: not ok, lambda ok: ValueError(f"{given} contains NaN or infinity")))
-    for name, mask in masks:
-        if mask is None or mask.ndim != 2 or mask.dtype == torch.bool:
-            continue
-        if mask.is_floating_point():  # 0.5 lies between 0 and 1: count the values that are neither
-            other = ((mask != 0) & (mask != 1)).sum()
-            statistics, is_bad = (other,), lambda count: count > 0
-            example = lambda count, mask=mask: mask[(mask != 0) & (mask != 1)][0].item()  # noqa: E731
-        else:  # integers: the extremes say it all
-            statistics, is_bad = torch.aminmax(mask), lambda low, high: low < 0 or high > 1
-            example = lambda low, high: low if low < 0 else high  # noqa: E731
-        checks.append((statistics, is_bad, lambda *values, name=name, example=example: ValueError(
-            f"{name} must hold 1 (attend) and 0 (padding), got other values such as {example(*values)} "
-            "(an additive 0 / -inf mask is not a padding mask)"
-        )))  # fmt: skip
-    if position_ids is not None:
-        checks.append(((position_ids.min(),), lambda low: low < 0, lambda low: ValueError(
-            f"{prefix}position_ids contains negative positions, e.g. {low}"
-        )))  # fmt: skip
-    return checks
-
-
-def _raise_first(checks: list) -> None:
-    """Raises the error of the first check whose statistics are bad; one device sync for all of them."""
-    if not checks:
-        return
-    statistics = [value for values, _, _ in checks for value in values]
-    if statistics[0].device.type == "cpu":  # reading a CPU scalar costs no sync: skip the stack
-        fetched = iter([value.item() for value in statistics])
-    else:
-        fetched = iter(torch.stack([value.long().to(statistics[0].device) for value in statistics]).tolist())
-    for values, is_bad, error in checks:
-        numbers = [next(fetched) for _ in values]
-        if is_bad(*numbers):
-            raise error(*numbers)
-
-
-def check_inputs(stack: PlugformerModel, input_ids, inputs_embeds, attention_mask, position_ids, cache,
-                 encoder_hidden_states, encoder_attention_mask) -> None:  # fmt: skip
-    """Refuses malformed inputs of `stack.forward` before any work, with a `ValueError` / `TypeError` naming the
-    argument (a seq2seq decoder's are its model's `decoder_*` arguments). Types and shapes are checked always; the
-    values (ids in the vocabulary, finite embeddings, 0/1 masks, non-negative positions) cost one device sync and
-    are skipped while torch.compile traces, as `LearnedPositions.embed` does."""
-    prefix = "decoder_" if stack.cross_attention else ""
-    batch, length = _check_token_inputs(prefix, input_ids, inputs_embeds, stack.embed_tokens.embedding_dim)
-    given = f"{prefix}input_ids" if input_ids is not None else f"{prefix}inputs_embeds"
-    described = f"{given} has shape {tuple((input_ids if input_ids is not None else inputs_embeds).shape)}"
-    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-    past = self_cache.get_seq_length() if self_cache is not None else 0
-    if attention_mask is not None:  # it covers the cached tokens too; a static cache's length (a tensor) is not read
-        exact = isinstance(past, int)
-        expected = (batch, length + past if exact else length)
-        after = f" after {past} cached tokens" if exact and past else ""
-        _check_mask(f"{prefix}attention_mask", attention_mask, expected, described + after, exact)
-    if encoder_attention_mask is not None and encoder_hidden_states is not None:
-        source = tuple(encoder_hidden_states.shape[:2])
-        _check_mask("attention_mask", encoder_attention_mask, source, f"the encoder output covers {source} tokens")
-    if position_ids is not None:
-        _check_positions(f"{prefix}position_ids", position_ids, batch, length, described)
-    if not torch.compiler.is_compiling():
-        masks = [(f"{prefix}attention_mask", attention_mask), ("attention_mask", encoder_attention_mask)]
-        vocab_size = stack.embed_tokens.num_embeddings
-        _raise_first(_value_checks(prefix, given, vocab_size, input_ids, inputs_embeds, masks, position_ids))
 
 
 def position_ids_from_mask(
@@ -456,7 +328,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         self.cross_attention = cross_attention
         self.embed_tokens = embed_tokens or nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.hidden_dropout = config.hidden_dropout
         num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(
             PlugformerDecoderLayer(config, i, self.is_causal, cross_attention) for i in range(num_layers)
@@ -557,7 +429,9 @@ class PlugformerModel(PlugformerPreTrainedModel):
             encoder_attention_mask,
         )  # fmt: skip
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = embed_ids(
+                self.embed_tokens, input_ids, "decoder_input_ids" if self.cross_attention else "input_ids"
+            )
             if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
                 inputs_embeds = inputs_embeds * self.positions.token_scale
         use_cache = self._use_cache(use_cache)
@@ -581,7 +455,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         absolute = self.positions.embed(position_ids, inputs_embeds.dtype)
         if absolute is not None:
             hidden_states = hidden_states + absolute
-        hidden_states = self.dropout(hidden_states)
+        hidden_states = dropout_if_active(hidden_states, self.hidden_dropout, self.training)
         rotary = self.positions.rotary(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(

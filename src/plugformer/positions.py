@@ -157,15 +157,24 @@ class LearnedPositions(PositionScheme):
         return config.max_position_embeddings
 
     def embed(self, position_ids, dtype):
+        # On an accelerator an index past the table is a device-side assert: check first (a data-dependent branch,
+        # skipped while torch.compile traces). On the CPU the embedding's own bounds check raises: translate it.
+        if position_ids.device.type != "cpu" and not torch.compiler.is_compiling() and position_ids.numel():
+            self._refuse_past_the_table(int(position_ids.max()))
+        try:
+            return self.embed_positions(position_ids).to(dtype)
+        except IndexError:
+            self._refuse_past_the_table(int(position_ids.max()))
+            raise
+
+    def _refuse_past_the_table(self, position: int) -> None:
         limit = self.embed_positions.num_embeddings
-        # A data-dependent check; skipped under torch.compile, where it would break the graph.
-        if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= limit:
+        if position >= limit:
             raise ValueError(
-                f"position_scheme='learned' has max_position_embeddings={limit} positions, but position "
-                f"{int(position_ids.max())} was requested; use a relative scheme (rope, alibi, t5_bias, "
-                "clamped_bias) to go past it, or shorten the input"
-            )
-        return self.embed_positions(position_ids).to(dtype)
+                f"position_scheme='learned' has max_position_embeddings={limit} positions, but position {position} "
+                "was requested; use a relative scheme (rope, alibi, t5_bias, clamped_bias) to go past it, or shorten "
+                "the input"
+            ) from None
 
 
 @POSITION_SCHEMES.register("rope")
@@ -250,7 +259,7 @@ class RotaryPositions(PositionScheme):
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)), 1.0
 
-    @torch.no_grad()
+    # (no `torch.no_grad()`: nothing here requires grad, and the context manager is a share of a decoding step)
     @dynamic_rope_update  # grows the frequencies for "dynamic"/"longrope" types past the trained length
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(hidden_states.device)  # (B, T, d/2)
