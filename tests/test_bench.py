@@ -67,8 +67,8 @@ def test_grouped_query_heads_for_sizes_without_them():
     assert gqa_key_value_heads(PlugformerConfig(hidden_size=64, num_attention_heads=1)) == 1
 
 
-def test_interleaving_alternates_the_models_every_repeat():
-    assert interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+def test_interleaving_runs_both_models_every_repeat_in_alternating_order():
+    assert interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
     calls = []
 
     def subject(name):
@@ -79,9 +79,9 @@ def test_interleaving_alternates_the_models_every_repeat():
         return call
 
     samples = run_interleaved({"A": subject("A"), "B": subject("B")}, repeats=3, warmup=2)
-    assert calls == ["A", "B"] * 5  # warm-up interleaved too
-    assert samples == {"A": [{"seconds": 5.0}, {"seconds": 7.0}, {"seconds": 9.0}],
-                       "B": [{"seconds": 6.0}, {"seconds": 8.0}, {"seconds": 10.0}]}  # fmt: skip
+    assert calls == ["A", "B", "B", "A", "A", "B", "B", "A", "A", "B"]  # 2 warm-up repeats, then 3 timed
+    assert samples == {"A": [{"seconds": 5.0}, {"seconds": 8.0}, {"seconds": 9.0}],
+                       "B": [{"seconds": 6.0}, {"seconds": 7.0}, {"seconds": 10.0}]}  # fmt: skip
 
 
 def test_ratio_and_mfu_arithmetic_on_fake_timings():

@@ -16,8 +16,9 @@ Sections:
   capabilities allow, else eager), each interleaved with scaled_dot + none on sdpa at the same size, dtype and
   length; the kernel that actually ran is read from the profiler (e.g. `sdpa:math` when a learned bias needs grad).
 
-Every comparison alternates its two models each repeat (A, B, A, B), so a shared machine's drift hits both; the
-report gives ratios first (with the range of per-repeat paired ratios), then absolute medians, then the machine.
+Every comparison runs its two models once per repeat in alternating order (A, B, B, A), so a shared machine's drift
+hits both and neither always follows the other; the report gives ratios first (with the range of per-repeat paired
+ratios), then absolute medians, then the machine.
 How each number is measured is in `bench.md`'s Method section and in `measure.py`. The README's performance block
 is generated from `bench.json` by `readme.py` (`python -m plugformer.bench.readme BENCH_JSON ... --readme README.md`).
 """

@@ -1,7 +1,8 @@
 """Timing, memory and kernel probes. Nothing here knows about plugformer: subjects are callables.
 
-- `run_interleaved` alternates the subjects each repeat (A, B, A, B, ...), warm-up included, so drift of a shared
-  machine (other jobs, thermal or frequency changes) hits every subject alike.
+- `run_interleaved` runs every subject once per repeat, warm-up included, so drift of a shared machine (other jobs,
+  thermal or frequency changes) hits every subject alike; the order flips each repeat (A, B, B, A, ...), so neither
+  subject always runs in the allocator and cache state the other leaves behind.
 - `TrainStep` times one forward + backward + AdamW step; `GenerateRun` one greedy `generate`, split into prefill and
   decode by timestamps a logits processor takes as each token's scores arrive.
 - `profile_call` runs one extra, untimed call under `torch.profiler`: its op names say which SDPA backend actually
@@ -36,8 +37,11 @@ SDPA_OPS = {
 
 
 def interleave(subjects: Sequence[str], repeats: int) -> list[tuple[int, str]]:
-    """The schedule `[(0, A), (0, B), (1, A), (1, B), ...]`: every subject once per repeat, in a fixed order."""
-    return [(repeat, subject) for repeat in range(repeats) for subject in subjects]
+    """The schedule `[(0, A), (0, B), (1, B), (1, A), (2, A), ...]`: every subject once per repeat, the order
+    reversed on odd repeats (counterbalanced)."""
+    return [
+        (repeat, subject) for repeat in range(repeats) for subject in (subjects if repeat % 2 == 0 else subjects[::-1])
+    ]
 
 
 def run_interleaved(

@@ -165,7 +165,8 @@ def absolute_tables(results: dict) -> list[str]:
 
 METHOD = """## Method
 
-- A/B: the two models run alternately, A, B, A, B, for the warm-up and the timed repeats; medians are reported.
+- A/B: both models run once per repeat, in alternating order (A, B, B, A, ...), for the warm-up and the timed
+  repeats; medians are reported.
   Pairs: a randomly initialised transformers model (no download) is saved and converted by `plugformer.convert`;
   max |logit difference| ≤ 1e-4 (fp32) is asserted before any timing.
 - Training step: forward + backward (loss over all positions, labels = inputs) + AdamW step, gradients freed;
