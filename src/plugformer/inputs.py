@@ -133,36 +133,22 @@ def _check_positions(name: str, position_ids, batch: int, length: int, described
 
 
 def _value_checks(prefix: str, vocab_size: int, input_ids, inputs_embeds, masks, position_ids) -> list:
-    """`(statistics, is_bad, error)` per check: 0-d integer tensors (fetched together, in one device sync), a
-    predicate on their values, and the error to raise then."""
+    """`(statistics, problem, context)` per check: 0-d integer tensors (fetched together, in one device sync) and a
+    module-level function `problem(context, *values)` returning the error to raise, or None."""
     checks = []
     if input_ids is not None:
-        checks.append((torch.aminmax(input_ids), lambda low, high: low < 0 or high >= vocab_size, lambda low, high: (
-            _out_of_vocabulary(f"{prefix}input_ids", low, high, vocab_size)
-        )))  # fmt: skip
+        checks.append((torch.aminmax(input_ids), _ids_problem, (f"{prefix}input_ids", vocab_size)))
     if inputs_embeds is not None:
-        finite = torch.isfinite(inputs_embeds).all().long()
-        checks.append(
-            ((finite,), lambda ok: not ok, lambda ok: ValueError(f"{prefix}inputs_embeds contains NaN or infinity"))
-        )
+        checks.append(((torch.isfinite(inputs_embeds).all().long(),), _embeds_problem, f"{prefix}inputs_embeds"))
     for name, mask in masks:
         if mask is None or mask.ndim != 2 or mask.dtype == torch.bool:
             continue
         if mask.is_floating_point():  # 0.5 lies between 0 and 1: count the values that are neither
-            other = ((mask != 0) & (mask != 1)).sum()
-            statistics, is_bad = (other,), lambda count: count > 0
-            example = lambda count, mask=mask: mask[(mask != 0) & (mask != 1)][0].item()  # noqa: E731
+            checks.append(((((mask != 0) & (mask != 1)).sum(),), _float_mask_problem, (name, mask)))
         else:  # integers: the extremes say it all
-            statistics, is_bad = torch.aminmax(mask), lambda low, high: low < 0 or high > 1
-            example = lambda low, high: low if low < 0 else high  # noqa: E731
-        checks.append((statistics, is_bad, lambda *values, name=name, example=example: ValueError(
-            f"{name} must hold 1 (attend) and 0 (padding), got other values such as {example(*values)} "
-            "(an additive 0 / -inf mask is not a padding mask)"
-        )))  # fmt: skip
+            checks.append((torch.aminmax(mask), _integer_mask_problem, name))
     if position_ids is not None:
-        checks.append(((position_ids.min(),), lambda low: low < 0, lambda low: ValueError(
-            f"{prefix}position_ids contains negative positions, e.g. {low}"
-        )))  # fmt: skip
+        checks.append(((position_ids.min(),), _positions_problem, f"{prefix}position_ids"))
     return checks
 
 
@@ -175,7 +161,36 @@ def _raise_first(checks: list) -> None:
         fetched = iter([value.item() for value in statistics])
     else:
         fetched = iter(torch.stack([value.long().to(statistics[0].device) for value in statistics]).tolist())
-    for values, is_bad, error in checks:
-        numbers = [next(fetched) for _ in values]
-        if is_bad(*numbers):
-            raise error(*numbers)
+    for values, problem, context in checks:
+        error = problem(context, *[next(fetched) for _ in values])
+        if error is not None:
+            raise error
+
+
+def _ids_problem(context: tuple[str, int], low: int, high: int) -> ValueError | None:
+    name, vocab_size = context
+    return _out_of_vocabulary(name, low, high, vocab_size) if low < 0 or high >= vocab_size else None
+
+
+def _embeds_problem(name: str, finite: int) -> ValueError | None:
+    return None if finite else ValueError(f"{name} contains NaN or infinity")
+
+
+def _mask_values_error(name: str, example) -> ValueError:
+    return ValueError(
+        f"{name} must hold 1 (attend) and 0 (padding), got other values such as {example} (an additive 0 / -inf "
+        "mask is not a padding mask)"
+    )
+
+
+def _float_mask_problem(context: tuple[str, torch.Tensor], count: int) -> ValueError | None:
+    name, mask = context
+    return _mask_values_error(name, mask[(mask != 0) & (mask != 1)][0].item()) if count else None
+
+
+def _integer_mask_problem(name: str, low: int, high: int) -> ValueError | None:
+    return _mask_values_error(name, low if low < 0 else high) if low < 0 or high > 1 else None
+
+
+def _positions_problem(name: str, low: int) -> ValueError | None:
+    return ValueError(f"{name} contains negative positions, e.g. {low}") if low < 0 else None
