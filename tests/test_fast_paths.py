@@ -8,6 +8,7 @@ The blockwise SDPA kernel for score biases (`kernels.sdpa_relative_bias_forward`
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -178,20 +179,74 @@ def test_alibi_keeps_only_mask_blocks(small_blocks):
     assert masks == [(1, config.num_attention_heads, 16, keys) for keys in (16, 32, 48)] * config.num_hidden_layers
 
 
-def test_attention_dropout_blocks_are_recomputed_exactly(monkeypatch, small_blocks):
-    """With attention dropout a learned-bias block is checkpointed; the recomputed block must replay the same
-    dropout mask: gradients equal those of the same blocks kept in memory (checkpointing disabled)."""
-    config = tiny_config("scaled_dot", "t5_bias", attention_dropout=0.3)
-    model = model_pair(PlugformerForCausalLM, config)["sdpa"]
-    inputs = batch(pad=4)
-    torch.manual_seed(7)
-    _, checkpointed = loss_and_grads(model, **inputs)
-    monkeypatch.setattr(kernels, "checkpoint", lambda function, *args, **kwargs: function(*args))
-    torch.manual_seed(7)
-    _, kept = loss_and_grads(model, **inputs)
-    for name, grad in kept.items():
-        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
-    assert checkpointed["model.positions.relative_attention_bias.weight"].abs().sum() > 0
+def kernel_inputs(dtype=torch.float64, length: int = 20, padded: bool = False, seed: int = 0):
+    """GQA query/key/value (2 query heads on 1 key/value head), bias values and a mask for one causal layer."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True)
+               for shape in [(2, 2, length, 4), (2, 1, length, 4), (2, 1, length, 4), (2, 2 * length - 1)]]  # fmt: skip
+    mask = None
+    if padded:  # left padding in the second row, causal
+        allowed = torch.ones(length, length).tril().bool()[None, None].repeat(2, 1, 1, 1)
+        allowed[1, :, :, :3] = False
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return tensors, mask
+
+
+def relative_bias_attention(query, key, value, values, mask, dropout, seed=3):
+    """`sdpa_relative_bias_forward` in training (a learned bias), the global RNG seeded first: a deterministic
+    function of its inputs even with dropout."""
+    torch.manual_seed(seed)
+    module = types.SimpleNamespace(is_causal=True)
+    bias = RelativeBias(values, query.shape[2], key.shape[2])
+    output, _ = kernels.sdpa_relative_bias_forward(module, query, key, value, mask, scaling=0.5, dropout=dropout,
+                                                   position_bias=bias)  # fmt: skip
+    return output
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])
+def test_learned_bias_backward_is_the_gradient_of_its_forward(dropout, padded, small_blocks):
+    """fp64 gradcheck of the hand-written backward (two 16-row blocks, GQA): query, key, value and bias values."""
+    (query, key, value, values), mask = kernel_inputs(padded=padded)
+    assert torch.autograd.gradcheck(
+        lambda *tensors: relative_bias_attention(*tensors, mask, dropout), (query, key, value, values)
+    )
+
+
+def test_learned_bias_dropout_forward_equals_the_formula_with_its_masks(small_blocks):
+    """O = (softmax(s·QKᵀ + bias) ⊙ Z / (1 − p)) V per block, Z the keep mask of the seed each block draws."""
+    (query, key, value, values), _ = kernel_inputs(dtype=torch.float32)
+    output = relative_bias_attention(query, key, value, values, None, dropout=0.3)  # (B, Q, H, D)
+    torch.manual_seed(3)  # the blocks draw their seeds in order from here
+    expected = []
+    for start, stop in [(0, 16), (16, 20)]:
+        seed = int(torch.randint(2**62, (), device="cpu"))
+        bias = RelativeBias(values, 20, 20).dense()[:, :, start:stop, :stop]  # (1, H, r, keys)
+        scores = query[:, :, start:stop] @ key[:, :, :stop].repeat_interleave(2, dim=1).transpose(2, 3) * 0.5 + bias
+        causal = torch.arange(start, stop)[:, None] >= torch.arange(stop)
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        keep = kernels._kept_scale(weights, 0.3, seed)
+        torch.testing.assert_close(keep.unique(), torch.tensor([0.0, 1 / 0.7]))
+        expected.append((weights * keep) @ value[:, :, :stop].repeat_interleave(2, dim=1))
+    torch.testing.assert_close(output, torch.cat(expected, dim=2).transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_attention_dropout_with_a_learned_bias_trains_on_the_hand_written_path(monkeypatch, small_blocks):
+    """Nothing is checkpointed; a seed repeats the step exactly; the masks are drawn (not the dropout-free step);
+    the bias table gets its gradient."""
+    monkeypatch.setattr(kernels, "checkpoint", None)  # any checkpointed block would fail
+    results = {}
+    for dropout, seed in [(0.3, 7), (0.3, 7), (0.0, 7)]:
+        config = tiny_config("scaled_dot", "t5_bias", attention_dropout=dropout)
+        model = model_pair(PlugformerForCausalLM, config)["sdpa"]
+        torch.manual_seed(seed)
+        results.setdefault(dropout, []).append(loss_and_grads(model, **batch(pad=4)))
+    (logits, grads), (logits_again, grads_again) = results[0.3]
+    torch.testing.assert_close(logits_again, logits, atol=0, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_again[name], grad, atol=0, rtol=0, msg=name)
+    assert not torch.allclose(logits, results[0.0][0][0])
+    assert grads["model.positions.relative_attention_bias.weight"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("scheme", BIAS_SCHEMES)

@@ -220,55 +220,91 @@ def _sdpa_bias_block(query, key, value, position_bias, allowed, start, stop, sca
 
 
 class LearnedBiasAttention(torch.autograd.Function):
-    """SDPA over one block of query rows with a score bias that requires grad.
+    """Attention over one block of query rows with a score bias that requires grad.
 
-    Forward: the fused kernel with the bias folded into a mask that does not require grad (torch's CPU SDPA would
-    take its math path for one that does). Backward, by hand from the weights P recomputed for this block only:
-    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)) (the softmax backward), dQ = s·dS K, dK = s·dSᵀ Q,
-    and the bias gradient dS summed over the batch and folded along the diagonals into the bias values.
+    Forward without dropout: the fused kernel with the bias folded into a mask that does not require grad (torch's
+    CPU SDPA would take its math path for one that does). With attention dropout: the weights P of the block, a
+    keep mask Z drawn from a generator seeded per block (the seed is drawn from torch's default generator, so
+    `torch.manual_seed` makes runs repeat), O = (P ⊙ Z / (1 − p)) V.
+
+    Backward, by hand from P recomputed for this block only (and Z regenerated from its seed):
+    dV = (P ⊙ Z')ᵀ dO, dP = (dO Vᵀ) ⊙ Z', dS = P ⊙ (dP − rowsum(dO ⊙ O)) (the softmax backward; Z' = Z / (1 − p),
+    or 1 without dropout), dQ = s·dS K, dK = s·dSᵀ Q, and the bias gradient dS summed over the batch and folded
+    along the diagonals into the bias values.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, values, lengths, allowed, start, stop, scaling):
+    def forward(ctx, query, key, value, values, lengths, allowed, start, stop, scaling, dropout):
         bias = RelativeBias(values, *lengths)
+        seed = None
         with torch.no_grad():
-            output = _sdpa_bias_block(query, key, value, bias, allowed, start, stop, scaling, 0.0)
+            if dropout == 0.0:
+                output = _sdpa_bias_block(query, key, value, bias, allowed, start, stop, scaling, 0.0)
+            else:
+                seed = int(torch.randint(2**62, (), device="cpu"))
+                block = _BlockWeights(query, key, value, bias, allowed, (start, stop), scaling)
+                kept = block.weights * _kept_scale(block.weights, dropout, seed)  # (B, H, r, K)
+                output = torch.matmul(kept.to(block.compute), block.value_heads).to(query.dtype)  # (B, H, r, D)
         ctx.save_for_backward(query, key, value, values, output, allowed)
-        ctx.lengths, ctx.rows, ctx.scaling = lengths, (start, stop), scaling
+        ctx.lengths, ctx.rows, ctx.scaling, ctx.dropout, ctx.seed = lengths, (start, stop), scaling, dropout, seed
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, values, output, allowed = ctx.saved_tensors
-        dtype = query.dtype
-        # fp16 products of long unscaled vectors overflow (65504): compute in fp32 there, as the eager kernel does
-        compute = torch.float32 if dtype == torch.float16 else dtype
-        query, grad_output = query.to(compute), grad_output.to(compute)
-        groups = query.shape[1] // key.shape[1]
-        key_heads, value_heads = (
-            repeat_kv(key.to(compute), groups),
-            repeat_kv(value.to(compute), groups),
-        )  # (B, H, K, D)
-        bias = RelativeBias(values, *ctx.lengths)
-        mask = _bias_mask(bias, allowed, *ctx.rows, key.shape[2], torch.float32)  # (B or 1, H, r, K)
-        scores = torch.matmul(query, key_heads.transpose(2, 3)).float() * ctx.scaling + mask  # (B, H, r, K)
-        weights = torch.softmax(scores, dim=-1)
-        if allowed is not None:  # a row with every key masked has NaN weights and zero output (no branch: compile)
-            weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
-        d_weights = torch.matmul(grad_output, value_heads.transpose(2, 3)).float()  # (B, H, r, K)
-        delta = (grad_output.float() * output.float()).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
+        block = _BlockWeights(query, key, value, RelativeBias(values, *ctx.lengths), allowed, ctx.rows, ctx.scaling)
+        weights, compute = block.weights, block.compute  # (B, H, r, K) in fp32 (fp64 for fp64 inputs)
+        grad_output = grad_output.to(compute)
+        d_weights = torch.matmul(grad_output, block.value_heads.transpose(2, 3)).to(weights.dtype)  # (B, H, r, K)
+        kept = weights
+        if ctx.dropout:
+            scale = _kept_scale(weights, ctx.dropout, ctx.seed)  # the forward's mask, regenerated
+            kept, d_weights = weights * scale, d_weights * scale
+        delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
         d_scores = weights * (d_weights - delta)  # (B, H, r, K)
-        grad_value = torch.matmul(weights.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
+        grad_value = torch.matmul(kept.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
         d_scores_cast = d_scores.to(compute)
-        grad_query = torch.matmul(d_scores_cast, key_heads) * ctx.scaling  # (B, H, r, D)
-        grad_key = torch.matmul(d_scores_cast.transpose(2, 3), query) * ctx.scaling  # (B, H, K, D)
+        grad_query = torch.matmul(d_scores_cast, block.key_heads) * ctx.scaling  # (B, H, r, D)
+        grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query) * ctx.scaling  # (B, H, K, D)
+        groups = query.shape[1] // key.shape[1]
         if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
             grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, K, D)
             grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
         # the bias is shared by the batch; blocked entries have zero weight, so zero d_scores
-        grad_values = bias.fold_rows(d_scores.sum(dim=0), ctx.rows[0])
+        grad_values = block.bias.fold_rows(d_scores.sum(dim=0), ctx.rows[0])
+        dtype = query.dtype
         grads = (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), grad_values.to(values.dtype))
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
+
+
+class _BlockWeights:
+    """The softmax weights P (B, H, r, K) of one block of query rows, with the operands the products need.
+
+    Matmuls run in `compute` (fp32 for fp16, whose products of long unscaled vectors overflow 65504, as in the
+    eager kernel; else the input dtype); scores and weights in fp32 (fp64 for fp64 inputs).
+    """
+
+    def __init__(self, query, key, value, bias: RelativeBias, allowed, rows: tuple[int, int], scaling: float):
+        self.compute = torch.float32 if query.dtype == torch.float16 else query.dtype
+        accumulate = torch.promote_types(query.dtype, torch.float32)
+        groups = query.shape[1] // key.shape[1]
+        self.bias, self.query = bias, query.to(self.compute)
+        self.key_heads = repeat_kv(key.to(self.compute), groups)  # (B, H, K, D)
+        self.value_heads = repeat_kv(value.to(self.compute), groups)  # (B, H, K, D)
+        mask = _bias_mask(bias, allowed, *rows, key.shape[2], accumulate)  # (B or 1, H, r, K)
+        scores = torch.matmul(self.query, self.key_heads.transpose(2, 3)).to(accumulate) * scaling + mask
+        weights = torch.softmax(scores, dim=-1)  # (B, H, r, K)
+        if allowed is not None:  # a row with every key masked has NaN weights and zero output (no branch: compile)
+            weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+        self.weights = weights
+
+
+def _kept_scale(weights: torch.Tensor, dropout: float, seed: int) -> torch.Tensor:
+    """Z / (1 − p) for a (B, H, r, K) block: 0 with probability p, else 1 / (1 − p); the same tensor for the same
+    seed (the forward draws it, the backward redraws it)."""
+    generator = torch.Generator(device=weights.device).manual_seed(seed)
+    keep = torch.empty_like(weights).bernoulli_(1.0 - dropout, generator=generator)
+    return keep / (1.0 - dropout)
 
 
 def bias_block_rows(batch: int, heads: int, keys: int, element_size: int) -> int:
@@ -295,9 +331,9 @@ def sdpa_relative_bias_forward(
     (B or 1, H, block, K) is built from the (H, Q + K − 1) `RelativeBias`, and a causal block without a mask
     (training, prefill) skips the keys after its last query. Per block:
 
-    - bias requiring grad (`t5_bias`, `clamped_bias` in training): `LearnedBiasAttention`, fused forward and a
-      backward that recomputes the block's weights and reduces the bias gradient into the bias values; with
-      attention dropout, the block is checkpointed instead (math path twice, the RNG state replayed);
+    - bias requiring grad (`t5_bias`, `clamped_bias` in training): `LearnedBiasAttention`, a fused forward (with
+      attention dropout, the block's weights and a seeded keep mask) and a backward that recomputes the block's
+      weights (and mask) and reduces the bias gradient into the bias values;
     - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training autograd keeps each block's mask
       for the fused backward (H·N²/2 numbers per layer for a causal N-token sequence — recomputing them instead
       measured 1.85× SDPA-without-bias time against 1.36× at N=2048 on CPU).
@@ -330,12 +366,11 @@ def _bias_block_forward(
     keys = stop if attention_mask is None and is_causal and query_length > 1 else key_length
     allowed = _allowed_keys(attention_mask, is_causal, query_length, start, stop, keys, query.device)
     block_args = (query[:, :, start:stop], key[:, :, :keys], value[:, :, :keys])
-    if learned and dropout == 0.0:
-        lengths = (position_bias.query_length, position_bias.key_length)
-        return LearnedBiasAttention.apply(*block_args, position_bias.values, lengths, allowed, start, stop, scaling)
     if learned:
-        args = (*block_args, position_bias, allowed, start, stop, scaling, dropout)
-        return checkpoint(_sdpa_bias_block, *args, use_reentrant=False)
+        lengths = (position_bias.query_length, position_bias.key_length)
+        return LearnedBiasAttention.apply(
+            *block_args, position_bias.values, lengths, allowed, start, stop, scaling, dropout
+        )
     return _sdpa_bias_block(*block_args, position_bias, allowed, start, stop, scaling, dropout)
 
 
