@@ -170,13 +170,50 @@ def test_learned_bias_keeps_no_score_sized_tensor(scheme, small_blocks):
     assert not score_like(saved_shapes(models["sdpa"], **batch(length)), rows=16)
 
 
-def test_alibi_keeps_only_mask_blocks(small_blocks):
-    """ALiBi's fixed mask is kept for the fused backward in (1, H, 16, keys) blocks, none (·, N, N)."""
+@pytest.mark.parametrize("pad", [0, 5], ids=["no-mask", "padding-mask"])
+def test_alibi_keeps_only_mask_blocks(pad, small_blocks):
+    """ALiBi's fixed mask is kept for the fused backward in (B or 1, H, 16, keys) blocks, none (·, N, N); a causal
+    block sees only the keys up to its last query, with a padding mask too."""
     config = tiny_config("scaled_dot", "alibi")
     models = model_pair(PlugformerForCausalLM, config)
-    shapes = [shape for shape in saved_shapes(models["sdpa"], **batch(length=48)) if len(shape) == 4]
+    shapes = [shape for shape in saved_shapes(models["sdpa"], **batch(length=48, pad=pad)) if len(shape) == 4]
     masks = [shape for shape in shapes if shape[-1] != config.head_dim]  # the rest: query, key, value, output blocks
-    assert masks == [(1, config.num_attention_heads, 16, keys) for keys in (16, 32, 48)] * config.num_hidden_layers
+    rows = 2 if pad else 1  # a padding mask differs per sequence
+    expected = [(rows, config.num_attention_heads, 16, keys) for keys in (16, 32, 48)]
+    assert masks == expected * config.num_hidden_layers
+
+
+def prefix_lm_mask(length: int, prefix: int) -> torch.Tensor:
+    """A custom additive 4-D mask (2, 1, N, N): the first `prefix` tokens see each other, the rest is causal."""
+    allowed = torch.ones(length, length).tril().bool()
+    allowed[:prefix, :prefix] = True
+    return torch.zeros(2, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+def test_a_custom_mask_that_shows_later_keys_is_honoured(scheme, small_blocks):
+    """Causal blocks skip later keys only when the mask provably blocks them (`mask_blocks_the_future`): with a
+    prefix-LM 4-D mask sdpa equals eager, outputs and gradients."""
+    models = model_pair(PlugformerForCausalLM, tiny_config("scaled_dot", scheme))
+    inputs = {"input_ids": batch()["input_ids"], "attention_mask": prefix_lm_mask(LENGTH, prefix=20)}
+    (logits_eager, grads_eager), (logits_sdpa, grads_sdpa) = (loss_and_grads(models[k], **inputs, labels=inputs[
+        "input_ids"]) for k in ("eager", "sdpa"))  # fmt: skip
+    torch.testing.assert_close(logits_sdpa, logits_eager, atol=ATOL, rtol=0)
+    for name, grad in grads_eager.items():
+        torch.testing.assert_close(grads_sdpa[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+
+
+def test_mask_blocks_the_future():
+    causal = torch.ones(6, 6).tril().bool()[None, None]  # (1, 1, Q, K)
+    assert kernels.mask_blocks_the_future(causal, 6, 6)
+    padded = causal.repeat(2, 1, 1, 1)
+    padded[1, :, :, :2] = False
+    assert kernels.mask_blocks_the_future(padded, 6, 6)
+    assert kernels.mask_blocks_the_future(causal[:, :, 3:], 3, 6)  # 3 new queries after 3 cached keys
+    static = torch.cat([causal[:, :, 3:], torch.zeros(1, 1, 3, 4, dtype=torch.bool)], dim=-1)  # 4 empty slots
+    assert kernels.mask_blocks_the_future(static, 3, 10)
+    assert not kernels.mask_blocks_the_future(prefix_lm_mask(6, prefix=3), 6, 6)
+    assert kernels.mask_blocks_the_future(prefix_lm_mask(6, prefix=1), 6, 6)  # additive float, causal
 
 
 def kernel_inputs(dtype=torch.float64, length: int = 20, padded: bool = False, seed: int = 0):
@@ -261,9 +298,40 @@ def test_additive_chunks_with_bias_equal_one_chunk(scheme, monkeypatch):
         for layer in model.model.layers:
             layer.self_attn.score.chunk_size = chunk
         results[chunk] = loss_and_grads(model, **batch(pad=5))
-    torch.testing.assert_close(results[8][0], results[None][0], atol=1e-6, rtol=0)
+    # padding queries see no key; eager averages whichever keys a chunk scores there (meaningless either way)
+    real = batch(pad=5)["attention_mask"].bool()
+    torch.testing.assert_close(results[8][0][real], results[None][0][real], atol=1e-6, rtol=0)
     for name, grad in results[None][1].items():
         torch.testing.assert_close(results[8][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_additive_causal_chunks_score_only_the_keys_up_to_their_last_query(monkeypatch):
+    """With a padding mask (the eager path always has one), chunk c of 8 queries scores keys 0..8c+7 only; under a
+    prefix-LM mask every chunk scores all keys and 8-query chunks still equal one chunk."""
+    seen = []
+    original = kernels._additive_chunk
+
+    def spy(module, query_chunk, key, *args):
+        seen.append((query_chunk.shape[2], key.shape[2]))
+        return original(module, query_chunk, key, *args)
+
+    monkeypatch.setattr(kernels, "_additive_chunk", spy)
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(copy.deepcopy(tiny_config("additive", "t5_bias"))).train()
+    for layer in model.model.layers:
+        layer.self_attn.score.chunk_size = 8
+    model(**batch(pad=5)).loss.backward()
+    assert sorted(set(seen)) == [(8, 8), (8, 16), (8, 24), (8, 32), (8, 40)]
+    seen.clear()
+    inputs = {"input_ids": batch()["input_ids"], "attention_mask": prefix_lm_mask(LENGTH, prefix=12)}
+    chunked = loss_and_grads(model, **inputs, labels=inputs["input_ids"])
+    assert sorted(set(seen)) == [(8, 40)]
+    for layer in model.model.layers:
+        layer.self_attn.score.chunk_size = None
+    whole = loss_and_grads(model, **inputs, labels=inputs["input_ids"])
+    torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=0)
+    for name, grad in whole[1].items():
+        torch.testing.assert_close(chunked[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("scheme", BIAS_SCHEMES)

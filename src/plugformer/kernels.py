@@ -44,12 +44,33 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states.reshape(batch, num_kv_heads * n_rep, seq_len, head_dim)  # (B, H, S, D)
 
 
-def bias_rows(position_bias: RelativeBias | None, rows: slice) -> torch.Tensor | None:
-    """The `(1, H, r, K)` bias of the query rows `rows`, or `None`."""
+def bias_rows(position_bias: RelativeBias | None, rows: slice, keys: int | None = None) -> torch.Tensor | None:
+    """The `(1, H, r, keys)` bias of the query rows `rows` over the first `keys` keys (all by default), or `None`."""
     if position_bias is None:
         return None
     start, stop, _ = rows.indices(position_bias.query_length)
-    return position_bias.rows(start, stop)
+    return position_bias.rows(start, stop, keys)
+
+
+def causal_keys(query_length: int, key_length: int, stop: int) -> int:
+    """Keys a causal block of query rows `..stop-1` can see at most: the queries are the last `query_length` of
+    `key_length` slots (a dynamic cache; a static cache's extra empty slots lie beyond them), so every key after
+    slot `key_length − query_length + stop − 1` is in the block's future."""
+    return min(key_length, key_length - query_length + stop)
+
+
+def mask_blocks_the_future(attention_mask: torch.Tensor, query_length: int, key_length: int) -> bool:
+    """Whether a 4-D mask blocks every key after each query's slot (the queries the last `query_length` of
+    `key_length` slots), so `causal_keys` may drop those keys. The causal masks transformers builds always do; a
+    custom 4-D mask passed to the model may not (a prefix-LM pattern). One reduction over the mask; `False` while
+    torch.compile traces (a data-dependent branch): all keys are then scored, which is exact, only slower."""
+    if torch.compiler.is_compiling():
+        return False
+    mask = attention_mask[..., :key_length]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    future = torch.ones(query_length, key_length, dtype=torch.bool, device=mask.device)
+    future = future.triu(key_length - query_length + 1)  # (Q, K): key slot after the query's slot
+    return not bool((allowed & future).any())
 
 
 def _add_bias_and_mask(
@@ -130,7 +151,7 @@ def _additive_chunk(
     hidden = torch.tanh(query_chunk[:, :, :, None, :] + key[:, :, None, :, :])  # (B, H, c, K, A)
     scores = torch.einsum("bhqka,ha->bhqk", hidden, energy).float()  # (B, H, c, K)
     # the chunk's bias rows are made here, inside the checkpoint: recomputed in the backward, not kept
-    scores = _add_bias_and_mask(scores, mask_chunk, bias_rows(position_bias, rows))
+    scores = _add_bias_and_mask(scores, mask_chunk, bias_rows(position_bias, rows, key.shape[2]))
     return _softmax_dropout_values(module, scores, value, dropout)
 
 
@@ -151,7 +172,8 @@ def additive_attention_forward(
 
     `query` and `key` arrive already projected (`W1 q`, `W2 k`, last dim A); `energy` is the per-head vector v
     `(H, A)`. Each chunk holds a `(B, H, chunk, K, A)` tanh tensor of at most `ADDITIVE_CHUNK_BYTES`; in training
-    each chunk is checkpointed so the backward recomputes it instead of storing every chunk's activations.
+    each chunk is checkpointed so the backward recomputes it instead of storing every chunk's activations. A causal
+    chunk scores only the keys up to its last query (`causal_keys`): about half the work of a causal sequence.
     `scaling` is ignored: the score has no dot product to scale.
     """
     key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, A)
@@ -162,18 +184,24 @@ def additive_attention_forward(
         per_query = batch * heads * key.shape[2] * attn_dim * element_size
         chunk_size = max(1, ADDITIVE_CHUNK_BYTES // per_query)
     recompute = module.training and torch.is_grad_enabled()
+    key_length = key.shape[2]
+    # the mask holds the causal pattern within a chunk; the keys dropped after it are blocked for every row
+    causal = attention_mask is not None and q_len > 1 and kwargs.get("is_causal", getattr(module, "is_causal", False))
+    causal = causal and mask_blocks_the_future(attention_mask, q_len, key_length)
     outputs, weights = [], []
     for start in range(0, q_len, chunk_size):
         rows = slice(start, start + chunk_size)
-        mask_chunk = None if attention_mask is None else attention_mask[:, :, rows]
-        args = (module, query[:, :, rows], key, value, energy, mask_chunk, position_bias, rows, dropout)
+        keys = causal_keys(q_len, key_length, rows.stop) if causal else key_length
+        mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
+        args = (module, query[:, :, rows], key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias,
+                rows, dropout)  # fmt: skip
         if recompute:
             out, w = checkpoint(_additive_chunk, *args, use_reentrant=False)
         else:
             out, w = _additive_chunk(*args)
         outputs.append(out)
         if _wants_weights(module, kwargs):
-            weights.append(w)
+            weights.append(nn.functional.pad(w, (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
     output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (B, Q, H, D)
     return output, (torch.cat(weights, dim=2) if weights else None)
 
@@ -328,8 +356,8 @@ def sdpa_relative_bias_forward(
 
     torch's SDPA takes a bias only as a float mask, and on CPU falls back to its math path (every score and weight
     kept for backward) when that mask requires grad, as a learned bias does. Here each block's mask
-    (B or 1, H, block, K) is built from the (H, Q + K − 1) `RelativeBias`, and a causal block without a mask
-    (training, prefill) skips the keys after its last query. Per block:
+    (B or 1, H, block, K) is built from the (H, Q + K − 1) `RelativeBias`, and a causal block skips the keys after
+    its last query (`causal_keys`; with a mask, when `mask_blocks_the_future`). Per block:
 
     - bias requiring grad (`t5_bias`, `clamped_bias` in training): `LearnedBiasAttention`, a fused forward (with
       attention dropout, the block's weights and a seeded keep mask) and a backward that recomputes the block's
@@ -346,11 +374,16 @@ def sdpa_relative_bias_forward(
     key_length = key.shape[2]
     block = bias_block_rows(batch, heads, key_length, max(query.element_size(), 4))
     learned = torch.is_grad_enabled() and position_bias.values.requires_grad
+    # a causal block skips the keys after its last query; without a mask the queries start at key slot 0
+    skip_future = is_causal and query_length > 1
+    skip_future = skip_future and (
+        attention_mask is None or mask_blocks_the_future(attention_mask, query_length, key_length)
+    )
     outputs = []
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
         for start in range(0, query_length, block):
             outputs.append(
-                _bias_block_forward(query, key, value, attention_mask, position_bias, is_causal, start,
+                _bias_block_forward(query, key, value, attention_mask, position_bias, is_causal, skip_future, start,
                                     min(start + block, query_length), scaling, dropout, learned)
             )  # fmt: skip
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (B, H, Q, D)
@@ -358,12 +391,11 @@ def sdpa_relative_bias_forward(
 
 
 def _bias_block_forward(
-    query, key, value, attention_mask, position_bias, is_causal, start, stop, scaling, dropout, learned
+    query, key, value, attention_mask, position_bias, is_causal, skip_future, start, stop, scaling, dropout, learned
 ) -> torch.Tensor:
     """Output rows `start..stop-1` (B, H, r, D) of `sdpa_relative_bias_forward` on the path its docstring lists."""
     query_length, key_length = query.shape[2], key.shape[2]
-    # with no mask, a causal block's keys after `stop` are all in its future
-    keys = stop if attention_mask is None and is_causal and query_length > 1 else key_length
+    keys = causal_keys(query_length, key_length, stop) if skip_future else key_length
     allowed = _allowed_keys(attention_mask, is_causal, query_length, start, stop, keys, query.device)
     block_args = (query[:, :, start:stop], key[:, :, :keys], value[:, :, :keys])
     if learned:
