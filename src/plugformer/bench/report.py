@@ -183,7 +183,8 @@ METHOD = """## Method
   tokens. Timestamps come from a logits processor.
 - MFU = (batch · seq · (6·N + 12·L·H·d_head·seq)) / median step time / measured matmul peak; N = weight-matrix
   parameters (LM head counted, embedding lookups, biases and norms not); the peak is `torch.mm` on n × n operands
-  in the same dtype, timed in this run.
+  in the same dtype, timed in this run. The attention term counts every query-key pair (PaLM's convention); a
+  causal kernel computes about half of them, so at long sequences the MFU overstates and can pass 100%.
 """
 
 
