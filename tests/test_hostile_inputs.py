@@ -186,7 +186,10 @@ def test_learned_positions_refuse_sequences_past_max_position_embeddings():
     assert_refused(model, ValueError, pattern, dict(input_ids=ids(1, 16)), input_ids=ids(1, 17))
 
 
-def test_learned_positions_past_the_table_are_refused_before_the_lookup_off_the_cpu():
+def test_the_check_learned_positions_run_before_the_lookup_off_the_cpu():
+    """Off the CPU (no device here: the check itself) the largest position is checked before the lookup, as an
+    out-of-range index there is a device-side assert; on the CPU the lookup's IndexError is translated
+    (`test_learned_positions_refuse_sequences_past_max_position_embeddings`)."""
     positions = build(tiny_config("scaled_dot", "learned", max_position_embeddings=16), "sdpa").model.positions
     with pytest.raises(ValueError, match="max_position_embeddings=16 positions, but position 16 was requested"):
         positions._refuse_past_the_table(16)
