@@ -17,6 +17,7 @@ from plugformer import (
     train_tokenizer,
 )
 from plugformer import inputs as checks
+from plugformer import modeling
 
 
 VOCAB, HIDDEN = 128, 32  # the tiny preset's
@@ -370,3 +371,30 @@ def test_tokenizer_refuses_ids_that_are_not_integers_and_accepts_tensors(tokeniz
         tokenizer.decode([*good, 1.5])
     assert tokenizer.decode(torch.tensor(good)) == tokenizer.decode(good) == "the lazy dog"
     assert tokenizer.convert_ids_to_tokens(torch.tensor(good)) == tokenizer.convert_ids_to_tokens(good)
+
+
+@pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+def test_generate_checks_the_inputs_it_was_given_not_those_it_built(kind, monkeypatch):
+    """The first step (and a seq2seq encoder) runs the checks; later steps feed back generate's own ids, masks and
+    positions, built from checked inputs, with `validate_inputs=False`."""
+    model = causal() if kind == "causal" else seq2seq()
+    prompt = ids(2, 5)
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    checked = []
+    original = modeling.check_inputs
+    monkeypatch.setattr(modeling, "check_inputs", lambda *args: checked.append(args[1]) or original(*args))
+    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, expected)
+    assert torch.equal(checked[0], prompt)  # the prompt's ids (for seq2seq, in the encoder)
+    if kind == "causal":
+        assert len(checked) == 1
+    else:  # and the decoder's first step: the start token
+        assert len(checked) == 2 and checked[1].tolist() == [[model.generation_config.decoder_start_token_id]] * 2
+
+
+def test_validate_inputs_false_skips_the_checks():
+    model, tokens = causal(), ids(2, 6)
+    half = torch.full((2, 6), 0.5)
+    with pytest.raises(ValueError, match="attention_mask must hold 1"):
+        model(tokens, attention_mask=half)
+    model(tokens, attention_mask=half, validate_inputs=False)  # the caller vouches for its inputs

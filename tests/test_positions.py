@@ -190,3 +190,37 @@ def test_clamped_bias_for_an_encoder_covers_both_directions():
     table = clamped.relative_attention_bias.weight
     for column, distance in enumerate([-8, -1, 0, 1, 8]):
         torch.testing.assert_close(bias[:, column], table[distance + 8])
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32},
+    ],
+    ids=["default", "yarn"],
+)
+def test_rope_angle_table_gives_the_computed_angles_bit_for_bit(rope_parameters):
+    """On the CPU the angles are gathered from a table of `cos_sin(arange(N))`, grown past its end on demand."""
+    rope = scheme("rope", rope_parameters=rope_parameters)
+    hidden = torch.zeros(2, 3, 32)
+    for positions in (torch.tensor([[0, 5, 63], [7, 8, 9]]), torch.tensor([[64, 200, 3], [1, 2, 1000]])):
+        cos, sin = rope.rotary(hidden, positions)
+        expected_cos, expected_sin = rope.cos_sin(positions)
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+    assert rope._table[0].shape == (1024, 8)  # grown to the power of two past 1000
+    cos, sin = rope.rotary(hidden, torch.tensor([[-3, 0, 2]]))  # not a gather index: computed
+    torch.testing.assert_close(cos[0, 0], torch.cos(-3.0 * torch.cat([rope.inv_freq] * 2)) * rope.attention_scaling)
+
+
+def test_rope_angle_table_follows_the_frequencies():
+    rope = scheme("rope")
+    positions = torch.tensor([[4, 70]])
+    rope.rotary(torch.zeros(1, 2, 32), positions)
+    rope.to(torch.float64)  # the frequencies change dtype: the table is built again from them
+    assert rope._table is None
+    cos, _ = rope.rotary(torch.zeros(1, 2, 32, dtype=torch.float64), positions)
+    assert cos.dtype == torch.float64 and torch.equal(cos, rope.cos_sin(positions)[0].double())
+    dynamic = scheme("rope", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    dynamic.rotary(torch.zeros(1, 2, 32), positions)
+    assert not dynamic.tabulated and dynamic._table is None  # its frequencies change with the length seen

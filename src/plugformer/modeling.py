@@ -13,7 +13,6 @@ import inspect
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -33,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .capabilities import unsupported_reason
 from .configuration import PlugformerConfig
+from .generation import PlugformerGenerationMixin
 from .inputs import check_inputs, embed_ids
 from .kernels import RELATIVE_BIAS_KERNELS, sdpa_relative_bias_forward
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
@@ -397,6 +397,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         use_cache: bool | None = None,
         encoder_hidden_states: torch.FloatTensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        validate_inputs: bool = True,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         r"""
@@ -416,6 +417,9 @@ class PlugformerModel(PlugformerPreTrainedModel):
                 *optional*): The encoder output cross-attention reads (stacks built with `cross_attention=True`).
             encoder_attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*): Padding
                 mask of the encoder output.
+            validate_inputs (`bool`, *optional*, defaults to `True`): Run the input checks below. `generate()`
+                turns them off after its first step, whose outputs make the next step's inputs (see
+                `PlugformerGenerationMixin`).
 
         Raises:
             `ValueError` / `TypeError` naming the argument, before any work, for malformed inputs (see
@@ -424,10 +428,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
         """
         if encoder_hidden_states is not None and not self.cross_attention:
             raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
-        check_inputs(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
-            encoder_attention_mask,
-        )  # fmt: skip
+        if validate_inputs:
+            check_inputs(
+                self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
+                encoder_attention_mask,
+            )  # fmt: skip
         if inputs_embeds is None:
             inputs_embeds = embed_ids(
                 self.embed_tokens, input_ids, "decoder_input_ids" if self.cross_attention else "input_ids"
@@ -500,7 +505,7 @@ def require_encoder(config: PlugformerConfig, head: str) -> None:
         )
 
 
-class PlugformerForCausalLM(PlugformerPreTrainedModel, GenerationMixin):
+class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin):
     """The stack with a language-modelling head (tied to the input embedding when `tie_word_embeddings`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -712,7 +717,7 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, GenerationMixin):
+class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGenerationMixin):
     """Encoder-decoder transformer (Vaswani et al. 2017): a bidirectional encoder, a causal decoder whose blocks add
     cross-attention to the encoder output, one embedding shared by both and the LM head.
 

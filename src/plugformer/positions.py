@@ -194,6 +194,9 @@ class RotaryPositions(PositionScheme):
         inv_freq, self.attention_scaling = self._init_fn()(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+        # "dynamic" and "longrope" change their frequencies with the length seen: no table of fixed angles for them
+        self.tabulated = "dynamic" not in self.rope_type and self.rope_type != "longrope"
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of positions 0 .. N − 1, fp32
 
     @classmethod
     def validate_config(cls, config):
@@ -259,13 +262,42 @@ class RotaryPositions(PositionScheme):
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)), 1.0
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integer positions `(...)` -> fp32 `(cos, sin)`, each `(..., d)`, of the rotation angles (times the rope
+        type's attention scaling)."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (..., d/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (..., d)
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
     # (no `torch.no_grad()`: nothing here requires grad, and the context manager is a share of a decoding step)
     @dynamic_rope_update  # grows the frequencies for "dynamic"/"longrope" types past the trained length
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(hidden_states.device)  # (B, T, d/2)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, d)
-        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
-        return cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        # On the CPU a decoding step's angles are mostly op overhead (7 small ops): a gather from a table of the same
+        # values is a fifth of it. Elsewhere the read of the largest position would be a device sync, and under
+        # torch.compile a data-dependent branch, so the angles are computed.
+        if self.tabulated and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling():
+            cos, sin = self._look_up(position_ids)  # (B, T, d)
+        else:
+            cos, sin = self.cos_sin(position_ids)  # (B, T, d)
+        if cos.dtype != hidden_states.dtype:
+            cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        return cos, sin
+
+    def _look_up(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin(position_ids)` gathered from a table of `cos_sin(arange(N))`, grown to the next power of two
+        when a position passes its end (the same elementwise values: the tests compare them bit for bit)."""
+        low, high = (int(value) for value in torch.aminmax(position_ids))
+        if low < 0:  # not a gather index; the angles are defined all the same
+            return self.cos_sin(position_ids)
+        if self._table is None or high >= self._table[0].shape[0]:
+            length = max(64, 1 << high.bit_length())  # > high
+            self._table = self.cos_sin(torch.arange(length, device=position_ids.device))  # each (N, d)
+        cos, sin = self._table
+        return cos[position_ids], sin[position_ids]
+
+    def _apply(self, fn, recurse=True):
+        self._table = None  # built again from the frequencies on their new device / in their new dtype
+        return super()._apply(fn, recurse)
 
     def rotary(self, hidden_states, position_ids):
         return self(hidden_states, position_ids)
@@ -274,6 +306,7 @@ class RotaryPositions(PositionScheme):
         inv_freq, self.attention_scaling = self._init_fn()(config, device=self.inv_freq.device)
         init.copy_(self.inv_freq, inv_freq)
         init.copy_(self.original_inv_freq, inv_freq)
+        self._table = None
 
 
 def _check_rope_number(rope: dict, key: str, allowed: str, accepts: Callable[[float], bool]) -> None:
