@@ -14,10 +14,10 @@ from plugformer import (
     PlugformerForConditionalGeneration,
     PlugformerForMaskedLM,
     PlugformerForSequenceClassification,
+    modeling,
     train_tokenizer,
 )
 from plugformer import inputs as checks
-from plugformer import modeling
 
 
 VOCAB, HIDDEN = 128, 32  # the tiny preset's
