@@ -392,6 +392,12 @@ def test_generate_checks_the_inputs_it_was_given_not_those_it_built(kind, monkey
         assert len(checked) == 2 and checked[1].tolist() == [[model.generation_config.decoder_start_token_id]] * 2
 
 
+def test_generate_still_names_a_misspelt_argument():
+    model = causal()
+    with pytest.raises(ValueError, match=r"model_kwargs` are not used by the model: \['args'\]"):
+        model.generate(ids(1, 4), max_new_tokens=2, args=1)
+
+
 def test_validate_inputs_false_skips_the_checks():
     model, tokens = causal(), ids(2, 6)
     half = torch.full((2, 6), 0.5)

@@ -273,7 +273,7 @@ class RotaryPositions(PositionScheme):
     @dynamic_rope_update  # grows the frequencies for "dynamic"/"longrope" types past the trained length
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # On the CPU a decoding step's angles are mostly op overhead (7 small ops): a gather from a table of the same
-        # values is a fifth of it. Elsewhere the read of the largest position would be a device sync, and under
+        # values takes half the time. Elsewhere the read of the largest position would be a device sync, and under
         # torch.compile a data-dependent branch, so the angles are computed.
         if self.tabulated and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling():
             cos, sin = self._look_up(position_ids)  # (B, T, d)
