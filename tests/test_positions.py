@@ -224,3 +224,12 @@ def test_rope_angle_table_follows_the_frequencies():
     dynamic = scheme("rope", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     dynamic.rotary(torch.zeros(1, 2, 32), positions)
     assert not dynamic.tabulated and dynamic._table is None  # its frequencies change with the length seen
+
+
+def test_a_traced_rope_computes_its_angles():
+    """jit tracing records the computed angles: a table lookup would bake its data-dependent branch into the graph."""
+    rope = scheme("rope")
+    hidden = torch.zeros(1, 2, 32)
+    traced = torch.jit.trace(rope, (hidden, torch.tensor([[1, 2]])))
+    positions = torch.tensor([[500, 9000]])  # past any table the trace could have captured
+    assert torch.equal(traced(hidden, positions)[0], rope.cos_sin(positions)[0])

@@ -274,8 +274,9 @@ class RotaryPositions(PositionScheme):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # On the CPU a decoding step's angles are mostly op overhead (7 small ops): a gather from a table of the same
         # values takes half the time. Elsewhere the read of the largest position would be a device sync, and under
-        # torch.compile a data-dependent branch, so the angles are computed.
-        if self.tabulated and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling():
+        # torch.compile or jit tracing a data-dependent branch, so the angles are computed.
+        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
+        if self.tabulated and hidden_states.device.type == "cpu" and not traced:
             cos, sin = self._look_up(position_ids)  # (B, T, d)
         else:
             cos, sin = self.cos_sin(position_ids)  # (B, T, d)
