@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
-from .report import markdown_table, ratio_cell
+from .report import markdown_table, plural, ratio_cell
 
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -51,10 +51,10 @@ def machine_line(results: dict) -> str:
     info, arguments = results["machine"], results["arguments"]
     device = f"GPU {info['gpu']}, " if info.get("gpu") else ""
     decode = f", {arguments['new_tokens']} new tokens" if results.get("decode") else ""
-    threads = f"{info['torch_threads']} torch thread{'' if info['torch_threads'] == 1 else 's'}"
+    threads = plural(info["torch_threads"], "torch thread")
     return (f"{device}{info['cpu']} ({info['usable_cores']} usable cores, {threads}), "
             f"torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
-            f"{info['date'][:10]}; batch {arguments['batch_size']}, {arguments['repeats']} repeats after "
+            f"{info['date'][:10]}; batch {arguments['batch_size']}, {plural(arguments['repeats'], 'repeat')} after "
             f"{arguments['warmup']} warm-up{decode}.")  # fmt: skip
 
 

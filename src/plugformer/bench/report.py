@@ -89,6 +89,11 @@ def ratio_cell(value: dict[str, float] | float | None) -> str:
     return f"{value:.2f}"
 
 
+def plural(count: int, noun: str) -> str:
+    """`1 repeat`, `5 repeats`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return [*lines, *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows), ""]
@@ -203,7 +208,7 @@ def markdown(results: dict) -> str:
     header = [
         "# plugformer bench", "",
         f"sizes {arguments['sizes']}, seq {arguments['seq_lens']}, batch {arguments['batch_size']}, "
-        f"{arguments['repeats']} repeats after {arguments['warmup']} warm-up, dtypes {arguments['dtypes']}, "
+        f"{plural(arguments['repeats'], 'repeat')} after {arguments['warmup']} warm-up, dtypes {arguments['dtypes']}, "
         f"device {arguments['device']}. Absolute times drift on a shared machine; the ratios, measured interleaved "
         "within this run, are the numbers to compare.", "",
     ]  # fmt: skip
