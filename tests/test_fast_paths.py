@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from conftest import SCHEMES, tiny_config
+from conftest import SCHEMES, build, tiny_config
 from transformers import DynamicCache
 
 import plugformer.kernels as kernels
@@ -349,6 +349,11 @@ def test_relative_bias_rows_equal_the_dense_bias(scheme, query_offset, query_len
     stop = query_length
     start = min(1, stop - 1)
     torch.testing.assert_close(bias.rows(start, stop, key_length - 1), dense[:, :, start:stop, : key_length - 1])
+    # flex attention's score_mod reads bias[b, h, i, j] with index tensors (here: all of them at once)
+    heads, queries, keys = torch.meshgrid(
+        torch.arange(values.shape[0]), torch.arange(query_length), torch.arange(key_length), indexing="ij"
+    )
+    torch.testing.assert_close(bias[0, heads, queries, keys], dense[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -364,6 +369,17 @@ def test_fold_rows_is_the_adjoint_of_rows(query_length, key_length, start, stop,
     grad = torch.randn(rows.shape, dtype=torch.float64, generator=generator)
     rows.backward(grad)
     torch.testing.assert_close(bias.fold_rows(grad, start), values.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", BIAS_SCHEMES)
+def test_flex_attention_reads_the_bias_per_distance(scheme, monkeypatch, tokens):
+    """transformers' flex gets the `RelativeBias` itself: no (B, H, Q, K) bias is built, and logits equal eager's."""
+    model = build(tiny_config("scaled_dot", scheme), "eager")
+    with torch.no_grad():
+        expected = model(tokens).logits
+        monkeypatch.setattr(RelativeBias, "dense", lambda self: pytest.fail("a dense bias was built"))
+        model.set_attn_implementation("flex_attention")
+        torch.testing.assert_close(model(tokens).logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_relative_bias_refuses_values_of_another_length():

@@ -4,8 +4,9 @@ and the blockwise SDPA kernel for relative score biases.
 All follow transformers' attention-function signature, `(module, query, key, value, attention_mask, *, scaling,
 dropout, position_bias, **kwargs) -> (output (B, Q, H, D), weights (B, H, Q, K) | None)`, so they are
 interchangeable with the sdpa / flex functions in `transformers.ALL_ATTENTION_FUNCTIONS`. They take the
-`position_bias` as a `positions.RelativeBias` (H, Q + K − 1) and expand only the query rows they work on;
-transformers' kernels get the dense tensor.
+`position_bias` as a `positions.RelativeBias` (H, Q + K − 1) and expand only the query rows they work on.
+transformers' flex attention gets the `RelativeBias` too (it reads `position_bias[b, h, i, j]`, which the bias
+answers from its values); any other kernel gets the dense tensor.
 
 Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 
@@ -15,7 +16,8 @@ Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
   that never requires grad) | learned bias: no score-sized tensor (`LearnedBiasAttention` recomputes the block's
   weights in its backward); fixed bias (ALiBi): each block's mask, H·N²/2 numbers per causal layer |
 | `eager` | `eager_attention_forward` (materialises the scores anyway) | the scores; the bias (1, H, Q, K) |
-| `flex_attention` | transformers' flex, the bias read in `score_mod` (no backward on CPU) | (1, H, Q, K), expanded |
+| `flex_attention` | transformers' flex; `score_mod` reads the bias per distance from the (H, Q + K − 1) values | no
+  score-sized tensor (no backward on CPU) |
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.integrations.flex_attention import flex_attention_forward
 
 from .positions import RelativeBias
 
@@ -406,5 +409,8 @@ def _bias_block_forward(
     return _sdpa_bias_block(*block_args, position_bias, allowed, start, stop, scaling, dropout)
 
 
-# plugformer's kernels take a `RelativeBias` as it is; transformers' get the dense (B, H, Q, K) tensor.
-RELATIVE_BIAS_KERNELS = (eager_attention_forward, additive_attention_forward, sdpa_relative_bias_forward)
+# Kernels that take a `RelativeBias` as it is: plugformer's, and transformers' flex, which indexes it in `score_mod`.
+# Any other kernel gets the dense (B, H, Q, K) tensor.
+RELATIVE_BIAS_KERNELS = (
+    eager_attention_forward, additive_attention_forward, sdpa_relative_bias_forward, flex_attention_forward
+)  # fmt: skip

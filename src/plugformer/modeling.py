@@ -82,8 +82,7 @@ class PlugformerAttention(nn.Module):
             # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
             # sees it as an input.
             position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
-            if attention_interface not in RELATIVE_BIAS_KERNELS:
-                # flex's score_mod indexes bias[b, h, q, k]: a broadcast batch dim must be real (a view, no copy).
+            if attention_interface not in RELATIVE_BIAS_KERNELS:  # a kernel registered elsewhere: the plain tensor
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
         attn_output, attn_weights = attention_interface(
             self,

@@ -402,6 +402,12 @@ class RelativeBias:
         """The whole `(1, H, Q, K)` bias."""
         return self.rows(0, self.query_length)
 
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        """`bias[b, h, i, j]`, the bias of query i on key j in head h (any batch b): how transformers' flex attention
+        reads `position_bias` in its `score_mod`, one score at a time, so no `(H, Q, K)` tensor is ever built."""
+        _, head, query, key = index
+        return self.values[head, key - query + self.query_length - 1]
+
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The geometric head slopes of ALiBi (Press et al. 2022, §3): for n a power of two, 2^(-8i/n), i = 1..n.
