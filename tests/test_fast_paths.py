@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 import plugformer.kernels as kernels
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, PlugformerForSequenceClassification
-from plugformer.positions import POSITION_SCHEMES, RelativeBias
+from plugformer.biases import RelativeBias
+from plugformer.positions import POSITION_SCHEMES
 
 
 BIAS_SCHEMES = [name for name in SCHEMES if POSITION_SCHEMES.get(name).has_bias]

@@ -15,7 +15,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from .capabilities import KERNELS, combination_matrix, supported_kernels
+from .capabilities import KERNELS, KernelSpec, combination_matrix, register_attention_kernel, supported_kernels
 from .configuration import PRESETS, PlugformerConfig
 from .decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
@@ -78,6 +78,7 @@ __all__ = [
     "PRESETS",
     "DecomposableAttentionConfig",
     "DecomposableAttentionForSequenceClassification",
+    "KernelSpec",
     "PlugformerConfig",
     "PlugformerForCausalLM",
     "PlugformerForConditionalGeneration",
@@ -89,6 +90,7 @@ __all__ = [
     "PlugformerTokenizer",
     "Registry",
     "combination_matrix",
+    "register_attention_kernel",
     "supported_kernels",
     "train_tokenizer",
 ]

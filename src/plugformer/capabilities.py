@@ -1,16 +1,40 @@
-"""Which kernels can run which (attention_score, position_scheme) combination, in one place.
+"""The kernel axis as a table: what each attention kernel can compute, and the rule that refuses the rest.
 
-`eager` (plugformer's own kernels) runs everything and returns attention weights. The fused kernels compute
-softmax(scaling · q·k + bias + mask) v: they serve every score that is a dot product of the prepared query and key
-(`dot`, `scaled_dot`, `multiplicative` with W folded into the query) and take position biases as an additive float
-term (sdpa folds it into its mask, flex adds it in `score_mod`). Flash kernels take no bias. `additive` scoring
-is not a dot product and runs on eager only.
+A kernel is a registered `KernelSpec` record. Its fields say which scores it computes (any score, or a dot product
+of the prepared query and key only), which score bias it takes (a `biases.RelativeBias` it expands itself, a dense
+`(B, H, Q, K)` tensor, or none), whether it returns attention weights and whether it exists on this machine. The
+model asks the table, never a kernel's name:
+
+| `attn_implementation` | scores | bias | function |
+|---|---|---|---|
+| `eager` | any | relative | the score's own kernel (`AttentionScore.eager_kernel`) |
+| `sdpa` | dot product | relative | `kernels.sdpa_attention_forward` (blockwise with a bias) |
+| `flex_attention` | dot product | relative | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
+| `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
+
+A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
+an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
+product without a bias. Configurations it cannot compute are refused with a `ValueError`, at
+`from_pretrained`/`set_attn_implementation` and again at the first forward with it, never run with the bias or the
+score silently dropped. `register_attention_kernel` adds a record (and the function to transformers' interface).
+
+`ALL_ATTENTION_FUNCTIONS` here is plugformer's own `AttentionInterface` instance (transformers' documented way to
+override a kernel for one model): `sdpa` maps to plugformer's, every other name to transformers' global table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+from transformers.integrations.flex_attention import flex_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
+
+from .kernels import sdpa_attention_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 
@@ -19,40 +43,153 @@ if TYPE_CHECKING:
     from .configuration import PlugformerConfig
 
 
-KERNELS = ("eager", "sdpa", "flex_attention")
+SCORE_SUPPORT = ("any", "dot_product")
+BIAS_SUPPORT = ("relative", "dense", "none")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What one attention kernel can compute.
+
+    Args:
+        name (`str`): The `attn_implementation` value.
+        scores (`str`): `"any"` (the kernel runs the score's own math: eager) or `"dot_product"` (softmax of
+            scaling · q·k: every score whose `dot_product` is true).
+        bias (`str`): `"relative"` (takes a `RelativeBias` as `position_bias`), `"dense"` (takes the `(B, H, Q, K)`
+            tensor as `position_bias` and adds it to the scores) or `"none"` (no score bias: bias schemes refused).
+        function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
+        attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
+        available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
+    """
+
+    name: str
+    scores: str
+    bias: str
+    function: Callable | None = None
+    attention_weights: bool = False
+    available: Callable[[], bool] = field(default=lambda: True)
+
+    def __post_init__(self):
+        if self.scores not in SCORE_SUPPORT:
+            raise ValueError(f"KernelSpec {self.name!r}: scores={self.scores!r} is not one of {list(SCORE_SUPPORT)}")
+        if self.bias not in BIAS_SUPPORT:
+            raise ValueError(f"KernelSpec {self.name!r}: bias={self.bias!r} is not one of {list(BIAS_SUPPORT)}")
+
+    def unsupported_reason(self, config: PlugformerConfig) -> str | None:
+        """Why this kernel cannot compute `config`'s attention exactly, or `None` if it can."""
+        if self.scores == "dot_product" and not ATTENTION_SCORES.get(config.attention_score).dot_product:
+            return (
+                f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
+                f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
+                "automatically when no implementation is requested)"
+            )
+        if self.bias == "none" and POSITION_SCHEMES.get(config.position_scheme).has_bias:
+            return (
+                f"attn_implementation={self.name!r} takes no additive score bias, which "
+                f"position_scheme={config.position_scheme!r} needs; use one of {KERNELS.taking_a_bias()}"
+            )
+        return None
+
+
+class KernelTable:
+    """The registered kernels by name; a name without a record gets the conservative record of a foreign kernel."""
+
+    axis = "attn_implementation"
+
+    def __init__(self):
+        self._table: dict[str, KernelSpec] = {}
+
+    def register(self, spec: KernelSpec) -> KernelSpec:
+        if spec.name in self._table:
+            raise ValueError(f"{self.axis}={spec.name!r} is already registered")
+        self._table[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> KernelSpec:
+        """The record of `name`; for an unregistered kernel, a dot product without a bias (what every kernel in
+        transformers' interface computes)."""
+        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none")
+
+    def names(self) -> list[str]:
+        return list(self._table)
+
+    def taking_a_bias(self) -> list[str]:
+        return [name for name, spec in self._table.items() if spec.bias != "none"]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+
+KERNELS = KernelTable()
+ALL_ATTENTION_FUNCTIONS = AttentionInterface()
+
+KERNELS.register(KernelSpec("eager", scores="any", bias="relative", attention_weights=True))
+KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_attention_forward))
+KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward))
+for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
+                             (4, is_flash_attn_4_available)):  # fmt: skip
+    KERNELS.register(KernelSpec(
+        f"flash_attention_{_version}", scores="dot_product", bias="none",
+        available=lambda check=_available: torch.cuda.is_available() and check(),
+    ))  # fmt: skip
+ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+
+
+def register_attention_kernel(
+    name: str,
+    function: Callable,
+    *,
+    scores: str = "dot_product",
+    bias: str = "none",
+    attention_weights: bool = False,
+    mask: str | None = "sdpa",
+) -> KernelSpec:
+    """Registers an attention function under `name` with what it can compute, for plugformer and transformers.
+
+    Args:
+        name (`str`): The `attn_implementation` value it is chosen by.
+        function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
+            scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
+            `"dense"` it also gets `position_bias`.
+        scores, bias, attention_weights: As in [`KernelSpec`].
+        mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
+            `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
+            mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one.
+
+    Returns:
+        `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
+    """
+    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function,
+                                       attention_weights=attention_weights))  # fmt: skip
+    AttentionInterface.register(name, function)
+    if mask is not None:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
+    return spec
 
 
 def unsupported_reason(config: PlugformerConfig, kernel: str) -> str | None:
     """Why `kernel` cannot compute `config`'s attention exactly, or `None` if it can."""
-    if kernel == "eager":
-        return None
-    score = ATTENTION_SCORES.get(config.attention_score)
-    if not score.dot_product:
-        return (
-            f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
-            f"attn_implementation={kernel!r} cannot compute it; use attn_implementation='eager' (chosen "
-            "automatically when no implementation is requested)"
-        )
-    if "flash" in kernel and POSITION_SCHEMES.get(config.position_scheme).has_bias:
-        return (
-            f"attn_implementation={kernel!r} takes no additive score bias, which "
-            f"position_scheme={config.position_scheme!r} needs; use 'sdpa', 'flex_attention' or 'eager'"
-        )
-    return None
+    return KERNELS.get(kernel).unsupported_reason(config)
 
 
-def supported_kernels(config: PlugformerConfig) -> list[str]:
-    """The kernels among `KERNELS` that compute `config`'s attention exactly."""
-    return [kernel for kernel in KERNELS if unsupported_reason(config, kernel) is None]
+def supported_kernels(config: PlugformerConfig, available_only: bool = True) -> list[str]:
+    """The registered kernels that compute `config`'s attention exactly (by default only those that run here)."""
+    return [
+        name for name in KERNELS
+        if unsupported_reason(config, name) is None and (not available_only or KERNELS.get(name).available())
+    ]  # fmt: skip
 
 
 def combination_matrix() -> list[tuple[str, str, list[str]]]:
-    """Every (attention_score, position_scheme) pair with the kernels that run it."""
+    """Every (attention_score, position_scheme) pair with the registered kernels that compute it (anywhere)."""
     from .configuration import PlugformerConfig
 
     rows = []
     for score in ATTENTION_SCORES:
         for scheme in POSITION_SCHEMES:
             config = PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme)
-            rows.append((score, scheme, supported_kernels(config)))
+            rows.append((score, scheme, supported_kernels(config, available_only=False)))
     return rows

@@ -4,9 +4,9 @@ and the blockwise SDPA kernel for relative score biases.
 All follow transformers' attention-function signature, `(module, query, key, value, attention_mask, *, scaling,
 dropout, position_bias, **kwargs) -> (output (B, Q, H, D), weights (B, H, Q, K) | None)`, so they are
 interchangeable with the sdpa / flex functions in `transformers.ALL_ATTENTION_FUNCTIONS`. They take the
-`position_bias` as a `positions.RelativeBias` (H, Q + K − 1) and expand only the query rows they work on.
+`position_bias` as a `biases.RelativeBias` (H, Q + K − 1) and expand only the query rows they work on.
 transformers' flex attention gets the `RelativeBias` too (it reads `position_bias[b, h, i, j]`, which the bias
-answers from its values); any other kernel gets the dense tensor.
+answers from its values). Which kernel takes what is declared in `capabilities.KERNELS`.
 
 Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.integrations.flex_attention import flex_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
-from .positions import RelativeBias
+from .biases import RelativeBias
 
 
 # Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once.
@@ -409,8 +409,21 @@ def _bias_block_forward(
     return _sdpa_bias_block(*block_args, position_bias, allowed, start, stop, scaling, dropout)
 
 
-# Kernels that take a `RelativeBias` as it is: plugformer's, and transformers' flex, which indexes it in `score_mod`.
-# Any other kernel gets the dense (B, H, Q, K) tensor.
-RELATIVE_BIAS_KERNELS = (
-    eager_attention_forward, additive_attention_forward, sdpa_relative_bias_forward, flex_attention_forward
-)  # fmt: skip
+def sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_bias: RelativeBias | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """plugformer's `sdpa`: transformers' SDPA function without a bias; with a `RelativeBias`, the blockwise
+    `sdpa_relative_bias_forward` (transformers' would build the (B, H, Q, K) bias as its mask)."""
+    if position_bias is None:
+        return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa_relative_bias_forward(
+        module, query, key, value, attention_mask, scaling, dropout, position_bias=position_bias, **kwargs
+    )

@@ -25,18 +25,18 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .capabilities import unsupported_reason
+from .biases import RelativeBias
+from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, unsupported_reason
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_inputs, embed_ids
-from .kernels import RELATIVE_BIAS_KERNELS, sdpa_relative_bias_forward
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
-from .positions import POSITION_SCHEMES, PositionScheme, RelativeBias, apply_rotary
+from .positions import POSITION_SCHEMES, PositionScheme, apply_rotary
 from .scores import ATTENTION_SCORES, AttentionScore
 
 
@@ -64,6 +64,7 @@ class PlugformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+        self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
 
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
@@ -73,17 +74,17 @@ class PlugformerAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the configured kernel and the output projection; `query` (B, H, Q, ·) is already prepared."""
         implementation = self.config._attn_implementation
-        if position_bias is not None and implementation == "sdpa":
-            attention_interface = sdpa_relative_bias_forward  # blockwise: no (B, H, Q, K) bias (see `kernels`)
-        else:
-            # (transformers' `set_attn_implementation` greps the modeling module for this very call)
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.score.eager_kernel)
+        if implementation != self._checked_implementation and not torch.compiler.is_compiling():
+            self._check_kernel(implementation)
+        # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
+        # transformers backend look for this very call in the modeling source
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.score.eager_kernel)
         if position_bias is not None:
             # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
             # sees it as an input.
             position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
-            if attention_interface not in RELATIVE_BIAS_KERNELS:  # a kernel registered elsewhere: the plain tensor
-                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)  # (B, H, Q, K)
+            if self._kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
+                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
         attn_output, attn_weights = attention_interface(
             self,
             query,
@@ -101,6 +102,15 @@ class PlugformerAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()  # (B, Q, H, D) -> (B, Q, H·D)
         return self.o_proj(attn_output), attn_weights
+
+    def _check_kernel(self, implementation: str) -> None:
+        """Refuses a kernel whose record cannot compute this attention (one set by hand on the config, or by an
+        engine such as vLLM, skips `from_pretrained`'s check); checked once per implementation."""
+        kernel = KERNELS.get(implementation)
+        reason = kernel.unsupported_reason(self.config)
+        if reason is not None:
+            raise ValueError(reason)
+        self._kernel, self._checked_implementation = kernel, implementation
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -232,7 +242,7 @@ class PlugformerPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["PlugformerDecoderLayer"]
     _supports_sdpa = True
     _supports_flex_attn = True
-    _supports_flash_attn = True  # where `capabilities` allows: dot-product scores without a score bias
+    _supports_flash_attn = True  # where `capabilities.KERNELS` allows: dot-product scores without a score bias
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {
@@ -255,7 +265,7 @@ class PlugformerPreTrainedModel(PreTrainedModel):
             module.reset_parameters(self.config)
 
     # transformers asks these hooks whether a kernel can run this model; when no kernel was requested, a refusal of
-    # sdpa falls back to eager, an explicit request raises.
+    # sdpa falls back to eager, an explicit request of any kernel the table says cannot compute it raises.
     def _refuse_unsupported(self, kernel: str) -> None:
         reason = unsupported_reason(self.config, kernel)
         if reason is not None:
@@ -265,13 +275,10 @@ class PlugformerPreTrainedModel(PreTrainedModel):
         self._refuse_unsupported("sdpa")
         return super()._sdpa_can_dispatch(is_init_check)
 
-    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
-        self._refuse_unsupported("flex_attention")
-        return super()._flex_attn_can_dispatch(is_init_check)
-
-    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
-        self._refuse_unsupported(f"flash_attention_{flash_attn_version}")
-        return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check=is_init_check)
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
+        self._refuse_unsupported(implementation)
+        return implementation
 
 
 def position_ids_from_mask(

@@ -350,65 +350,6 @@ def relative_distances(query_slots: torch.Tensor, key_slots: torch.Tensor) -> to
     return key_slots[None, :] - query_slots[:, None]
 
 
-class RelativeBias:
-    """A score bias that depends on key slot − query slot only (a Toeplitz matrix per head), stored per distance.
-
-    `values[h, j − i + Q − 1]` is the bias of query i on key j: (H, Q + K − 1) numbers stand for the (1, H, Q, K)
-    tensor. Kernels expand the query rows they work on (`rows`), so a blockwise kernel never holds the whole matrix
-    and the gradient of a learned bias flows back through `values` to the small table it was looked up from.
-
-    Args:
-        values (`torch.Tensor` of shape `(H, Q + K - 1)`): the bias at distances from 1 − Q (the last query to the
-            first key) to K − 1 (the first query to the last key), relative to the slot offsets.
-        query_length (`int`): Q.
-        key_length (`int`): K.
-    """
-
-    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
-        if values.shape[-1] != query_length + key_length - 1:
-            raise ValueError(f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
-                             f"{key_length} keys (expected {query_length + key_length - 1} distances)")  # fmt: skip
-        self.values = values
-        self.query_length = query_length
-        self.key_length = key_length
-
-    def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
-        """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
-        default)."""
-        keys = self.key_length if keys is None else keys
-        # Window m of length `keys` starts at distance index m; query i's row is window Q − 1 − i, so the block's
-        # rows are windows Q − stop .. Q − 1 − start in reverse (unfold is a view; the flip copies just the block).
-        windows = self.values.unfold(-1, keys, 1)  # (H, Q + K − keys, keys)
-        block = windows[:, self.query_length - stop : self.query_length - start].flip(1)  # (H, r, keys)
-        return block[None]  # (1, H, r, keys)
-
-    def fold_rows(self, grad: torch.Tensor, start: int) -> torch.Tensor:
-        """The adjoint of `rows`: a gradient `(H, r, keys)` of query rows `start..` summed along its diagonals into
-        the `(H, Q + K − 1)` values (each diagonal is one distance), without the (H, r, keys) index that autograd's
-        unfold backward would scatter through.
-        """
-        heads, rows, keys = grad.shape
-        # Left-pad each row by r and re-read the rows with one more column: row i shifts left by i, so the entry of
-        # (i, j) lands in column j − i + r, one distance per column (the skew trick of Transformer-XL's shift).
-        skewed = nn.functional.pad(grad, (rows, 0)).flatten(1)  # (H, r·(keys + r))
-        skewed = nn.functional.pad(skewed, (0, rows)).view(heads, rows, keys + rows + 1)  # (H, r, keys + r + 1)
-        sums = skewed.sum(dim=1)[:, 1:]  # (H, keys + r): distances j − i from 1 − r to keys − 1
-        folded = grad.new_zeros(self.values.shape)
-        first = self.query_length - start - rows  # value index of distance 1 − r for rows starting at `start`
-        folded[:, first : first + keys + rows - 1] = sums[:, : keys + rows - 1]
-        return folded
-
-    def dense(self) -> torch.Tensor:
-        """The whole `(1, H, Q, K)` bias."""
-        return self.rows(0, self.query_length)
-
-    def __getitem__(self, index: tuple) -> torch.Tensor:
-        """`bias[b, h, i, j]`, the bias of query i on key j in head h (any batch b): how transformers' flex attention
-        reads `position_bias` in its `score_mod`, one score at a time, so no `(H, Q, K)` tensor is ever built."""
-        _, head, query, key = index
-        return self.values[head, key - query + self.query_length - 1]
-
-
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The geometric head slopes of ALiBi (Press et al. 2022, §3): for n a power of two, 2^(-8i/n), i = 1..n.
 

@@ -1,0 +1,153 @@
+"""The kernel table: each kernel's record says what it computes, and a kernel is refused for what it does not declare
+— registered kernels, kernels registered with transformers behind plugformer's back, and names set on a config by
+an engine (vLLM sets its own) alike. Before the table, a kernel registered with `AttentionInterface.register` ran
+additive scoring and bias schemes with the score and the bias silently dropped (max |Δlogit| 2.4 to 5.8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SCHEMES, SCORES, build, tiny_config
+from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from plugformer import KERNELS, combination_matrix, register_attention_kernel, supported_kernels
+from plugformer.capabilities import KernelSpec
+from plugformer.positions import POSITION_SCHEMES
+from plugformer.scores import ATTENTION_SCORES
+
+
+def dot_product(score: str) -> bool:
+    return ATTENTION_SCORES.get(score).dot_product
+
+
+def biased(scheme: str) -> bool:
+    return POSITION_SCHEMES.get(scheme).has_bias
+
+
+@pytest.fixture
+def kernel_name(request):
+    """A fresh kernel name, removed from both plugformer's and transformers' tables afterwards."""
+    name = f"test_kernel_{request.node.name.split('[')[0][-20:]}_{id(request)}"
+    yield name
+    KERNELS._table.pop(name, None)
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def saved(tmp_path, score: str, scheme: str):
+    model = build(tiny_config(score, scheme))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_the_table_lists_what_each_kernel_computes():
+    assert {"eager", "sdpa", "flex_attention", "flash_attention_2"} <= set(KERNELS)
+    assert KERNELS.get("eager").scores == "any" and KERNELS.get("eager").attention_weights
+    for name in ("sdpa", "flex_attention"):
+        assert (KERNELS.get(name).scores, KERNELS.get(name).bias) == ("dot_product", "relative")
+    assert KERNELS.get("flash_attention_3").bias == "none"
+    # a name without a record: what every function in transformers' interface computes, no more
+    assert (KERNELS.get("vllm").scores, KERNELS.get("vllm").bias) == ("dot_product", "none")
+
+
+def test_the_combination_matrix_is_read_from_the_records():
+    rows = {(score, scheme): kernels for score, scheme, kernels in combination_matrix()}
+    assert len(rows) == len(SCORES) * len(SCHEMES)
+    for (score, scheme), kernels in rows.items():
+        expected = [
+            name for name in KERNELS
+            if (KERNELS.get(name).scores == "any" or dot_product(score))
+            and (KERNELS.get(name).bias != "none" or not biased(scheme))
+        ]  # fmt: skip
+        assert kernels == expected, (score, scheme)
+    # on this machine (no CUDA) no flash kernel runs: the suite's kernels are the available ones
+    if not torch.cuda.is_available():
+        assert not any(k.startswith("flash") for k in supported_kernels(tiny_config("dot", "none")))
+
+
+def test_records_refuse_unknown_capabilities_and_duplicates():
+    with pytest.raises(ValueError, match="scores='bilinear' is not one of"):
+        KernelSpec("x", scores="bilinear", bias="none")
+    with pytest.raises(ValueError, match="bias='per_query' is not one of"):
+        KernelSpec("x", scores="any", bias="per_query")
+    with pytest.raises(ValueError, match="'sdpa' is already registered"):
+        KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="none"))
+
+
+FOREIGN_REFUSED = [
+    (score, scheme) for score in SCORES for scheme in SCHEMES if not dot_product(score) or biased(scheme)
+]
+
+
+@pytest.mark.parametrize("score,scheme", [("additive", "none"), ("dot", "alibi"), ("additive", "t5_bias"),
+                                          ("multiplicative", "clamped_bias")])  # fmt: skip
+def test_a_kernel_registered_only_with_transformers_is_refused_where_it_would_drop_something(
+    score, scheme, kernel_name, tmp_path
+):
+    assert (score, scheme) in FOREIGN_REFUSED
+    AttentionInterface.register(kernel_name, sdpa_attention_forward)  # computes softmax(s·q·k + mask) v, no more
+    saved(tmp_path, score, scheme)
+    with pytest.raises(ValueError, match=f"attn_implementation='{kernel_name}'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel_name)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    with pytest.raises(ValueError, match=f"attn_implementation='{kernel_name}'"):
+        model.set_attn_implementation(kernel_name)
+    # an engine setting the name on the config by hand (as vLLM's transformers backend does) meets the same refusal
+    model.config._attn_implementation = kernel_name
+    with pytest.raises(ValueError, match=f"attn_implementation='{kernel_name}'"):
+        model(torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if not biased(s)])
+def test_a_kernel_registered_only_with_transformers_runs_what_it_can_compute(scheme, kernel_name, tmp_path):
+    calls = []
+
+    def counting_sdpa(*args, **kwargs):
+        calls.append(kwargs.get("position_bias"))
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register(kernel_name, counting_sdpa)
+    reference = saved(tmp_path, "scaled_dot", scheme)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel_name).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    assert calls and all(bias is None for bias in calls)
+
+
+def test_a_registered_kernel_declaring_a_dense_bias_gets_one_and_matches_eager(kernel_name, tmp_path):
+    shapes = []
+
+    def dense_bias_sdpa(module, query, key, value, attention_mask, position_bias=None, **kwargs):
+        shapes.append(tuple(position_bias.shape))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, position_bias=position_bias,
+                                      **kwargs)  # fmt: skip
+
+    register_attention_kernel(kernel_name, dense_bias_sdpa, bias="dense")
+    reference = saved(tmp_path, "multiplicative", "t5_bias")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel_name).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        got, expected = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
+    real = mask.bool()  # a padding query attends to nothing: its output is the kernel's own choice
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    heads = reference.config.num_attention_heads
+    assert shapes and all(shape == (2, heads, 6, 6) for shape in shapes)
+    # what it did not declare is still refused: a score that is not a dot product
+    saved(tmp_path / "additive", "additive", "t5_bias")
+    with pytest.raises(ValueError, match="is not a dot product"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "additive", attn_implementation=kernel_name)
+
+
+def test_register_attention_kernel_reaches_transformers_and_checks_its_record(kernel_name):
+    spec = register_attention_kernel(kernel_name, sdpa_attention_forward, scores="dot_product", bias="none")
+    assert KERNELS.get(kernel_name) is spec and kernel_name in AttentionInterface._global_mapping
+    assert kernel_name in AttentionMaskInterface._global_mapping  # else transformers would build it no mask
+    assert kernel_name in supported_kernels(tiny_config("dot", "rope"))
+    assert kernel_name not in supported_kernels(tiny_config("dot", "alibi"))
+    with pytest.raises(ValueError, match="already registered"):
+        register_attention_kernel(kernel_name, sdpa_attention_forward)
