@@ -259,6 +259,33 @@ class PlugformerPreTrainedModel(PreTrainedModel):
             # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers
             forward.__signature__ = inspect.signature(forward)
 
+    def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
+        """transformers' `save_pretrained`, also for a model whose class a wrapper replaced.
+
+        FSDP2's `fully_shard` swaps the class for `FSDP<Name>`, defined in torch's `_fsdp_init`; transformers copies
+        the code of `type(model).__module__` and names that class in `auto_map`, so the checkpoint would carry torch's
+        files and load nowhere without plugformer. Here the checkpoint is written as plugformer's own class (the full
+        `state_dict` gathered first if none is given: a collective, every rank calls it).
+        """
+        code_class = next(cls for cls in type(self).__mro__ if cls.__module__ == __name__)
+        if type(self) is code_class:
+            return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        if state_dict is None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(self, options=options)  # rank 0 gets it, the others {}
+            kwargs["is_main_process"] = torch.distributed.get_rank() == 0
+        # a gathered state dict holds tied copies (`lm_head.weight`) that a plain save leaves out
+        state_dict = {key: value for key, value in state_dict.items() if key not in self.all_tied_weights_keys}
+        if not kwargs.get("is_main_process", True):  # nothing to write; an empty state dict must not overwrite
+            return None
+        wrapper_class, self.__class__ = self.__class__, code_class
+        try:
+            return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        finally:
+            self.__class__ = wrapper_class
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):

@@ -90,11 +90,19 @@ def resume_checkpoint(training_args) -> str | None:
 
 
 def parameter_digest(model: torch.nn.Module) -> int:
-    """A 63-bit digest of every parameter's bytes (equal digests: identical weights)."""
+    """A 63-bit digest of every parameter's bytes (equal digests: identical weights).
+
+    A sharded parameter (FSDP2's and tensor parallelism's `DTensor`) is digested whole: `full_tensor()` gathers it,
+    a collective that every rank reaches here, in the same (sorted) order. The bytes are read from a clone: a view
+    of an FSDP2 parameter's storage breaks its later resharding.
+    """
     digest = hashlib.sha256()
     for name, parameter in sorted(model.named_parameters()):
+        tensor = parameter.detach()
+        if hasattr(tensor, "full_tensor"):  # a DTensor
+            tensor = tensor.full_tensor()
         digest.update(name.encode())
-        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.cpu().clone().contiguous().view(torch.uint8).numpy().tobytes())
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
