@@ -73,6 +73,28 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Tensor parallelism splits the attention heads over the ranks (Megatron-LM's layout, as transformers' Llama): q, k, v
+# by output columns, o by input rows, so each rank attends with whole heads and one all-reduce follows o_proj (and
+# down_proj). Keys are relative to one stack; a seq2seq head adds its decoder's cross-attention, and transformers adds
+# `embed_tokens` (vocabulary-parallel). Every rank must hold whole key/value heads: `PlugformerAttention` refuses a
+# `num_key_value_heads` the TP size does not divide.
+STACK_TP_PLAN: dict[str, str] = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    # Every parameter of a score function is per head, head dimension first (see `AttentionScore`): a module entry
+    # gives each of them this style, which shards dim 0 whatever the rank of the tensor. ("colwise" would split dim
+    # ndim − 2, i.e. d_k of a (H, D, D) weight, as it does the output dim of (experts, out, in) weights; "rowwise" the
+    # last.) Its forward hook never runs (attention calls the score's `prepare_*` methods, which read the local
+    # shards), and a score without parameters matches the entry all the same.
+    "layers.*.self_attn.score": "embedding_rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
 # Written into every config so a saved checkpoint loads with `trust_remote_code=True` without plugformer installed;
 # must match `plugformer.AUTO_CLASSES` (a test checks). Module names are those of the files saved next to the weights.
 DEFAULT_AUTO_MAP = {
@@ -170,15 +192,14 @@ class PlugformerConfig(PreTrainedConfig):
 
     model_type = "plugformer"
     keys_to_ignore_at_inference = ["cache"]
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`) of one stack
+        ([`PlugformerModel`]): `STACK_TP_PLAN` and the entries the position scheme declares for its own parameters
+        (`PositionScheme.tp_plan`, keyed relative to the stack's `positions`). A property: the scheme is a field."""
+        scheme = POSITION_SCHEMES.get(self.position_scheme)
+        return {**STACK_TP_PLAN, **{f"positions.{name}": style for name, style in scheme.tp_plan.items()}}
 
     vocab_size: int = 32000
     hidden_size: int = 512

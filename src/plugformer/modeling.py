@@ -58,6 +58,17 @@ class PlugformerAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
         self.is_causal = is_causal
+        tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)  # set by from_pretrained(tp_plan=)
+        if config.num_key_value_heads % tp_size:
+            # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
+            # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
+            # instead would change the group arithmetic of every kernel and the cache layout. The query heads, a
+            # multiple of the key/value heads, split whenever these do.
+            raise ValueError(
+                f"num_key_value_heads={config.num_key_value_heads} cannot be split over tp_size={tp_size} tensor-"
+                f"parallel ranks: each rank must hold whole key/value heads; use a tp_size that divides "
+                f"{config.num_key_value_heads}, or a model with more key/value heads"
+            )
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
@@ -130,6 +141,12 @@ class PlugformerAttention(nn.Module):
         query, key = self.score.prepare_query(query), self.score.prepare_key(key)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+        if position_bias is not None and position_bias.shape[0] != query.shape[1]:
+            # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
+            # rank holds the query heads [rank·H_local, (rank + 1)·H_local) that the column-parallel q_proj left it.
+            local_heads = query.shape[1]
+            first = self.q_proj.weight.device_mesh.get_local_rank() * local_heads
+            position_bias = position_bias[first : first + local_heads]  # (H, Q + K − 1) -> (H_local, Q + K − 1)
         return self.attend(query, key, value, attention_mask, position_bias, kwargs)
 
 
@@ -763,7 +780,16 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGe
         "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
         "lm_head.weight": "encoder.embed_tokens.weight",
     }
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    # Each stack brings the config's plan for its own layers; the decoder's cross-attention, which only this head has,
+    # splits its heads the same way.
+    _tp_plan = {
+        "lm_head": "colwise_gather_output",
+        "decoder.layers.*.cross_attn.q_proj": "colwise",
+        "decoder.layers.*.cross_attn.k_proj": "colwise",
+        "decoder.layers.*.cross_attn.v_proj": "colwise",
+        "decoder.layers.*.cross_attn.o_proj": "rowwise",
+        "decoder.layers.*.cross_attn.score": "embedding_rowwise",
+    }
 
     def __init__(self, config: PlugformerConfig):
         if not config.is_encoder_decoder or config.pad_token_id is None:

@@ -44,6 +44,10 @@ class PositionScheme(nn.Module):
     Class attributes:
         has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
             refuse such schemes).
+        tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
+            to the scheme (the config's `base_model_tp_plan` adds them under `positions.`). A learned per-head table
+            is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
+            computed for all heads (ALiBi's fixed slopes, a buffer no plan reaches) is sliced by each attention layer.
 
     Attributes:
         token_scale (`float`): multiplies the token embeddings looked up from `input_ids` (not `inputs_embeds`
@@ -51,6 +55,7 @@ class PositionScheme(nn.Module):
     """
 
     has_bias = False
+    tp_plan: dict[str, str] = {}
     token_scale = 1.0
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
@@ -400,11 +405,21 @@ def t5_relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
+# A learned (distances or buckets, H) table under tensor parallelism: split by columns, i.e. by head ("embedding_colwise"
+# shards dim 1), and looked up in this rank's shard ("local_params" runs the embedding's forward on local tensors),
+# which gives the bias of exactly the heads whose queries the column-parallel q_proj left on this rank.
+HEAD_TABLE_TP_PLAN = {
+    "relative_attention_bias.weight": "embedding_colwise",
+    "relative_attention_bias": "local_params",
+}
+
+
 @POSITION_SCHEMES.register("t5_bias")
 class T5BucketBias(PositionScheme):
     """A learned scalar per head per T5 distance bucket, shared by all layers (as in T5)."""
 
     has_bias = True
+    tp_plan = HEAD_TABLE_TP_PLAN
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
@@ -439,6 +454,7 @@ class ClampedDistanceBias(PositionScheme):
     """
 
     has_bias = True
+    tp_plan = HEAD_TABLE_TP_PLAN
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)

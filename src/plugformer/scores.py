@@ -29,12 +29,21 @@ from .registry import Registry
 if TYPE_CHECKING:
     from .configuration import PlugformerConfig
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch build without torch.distributed: no parameter is ever a DTensor
+    DTensor = ()
+
 
 ATTENTION_SCORES: Registry[AttentionScore] = Registry("attention_score")
 
 
 class AttentionScore(nn.Module):
     """Base class of the score functions.
+
+    Parameters are per head, head dimension first: `(H, ...)` for those of the query heads, `(H_kv, ...)` for those of
+    the key/value heads. Tensor parallelism relies on it: the plan shards every score parameter on dim 0
+    (`configuration.STACK_TP_PLAN`), and the methods read them through `local`.
 
     Class attributes:
         dot_product (`bool`): the score is a (scaled) dot product of the prepared query and key, so transformers'
@@ -54,6 +63,13 @@ class AttentionScore(nn.Module):
     @property
     def scaling(self) -> float:
         return 1.0
+
+    @staticmethod
+    def local(parameter: torch.Tensor) -> torch.Tensor:
+        """`parameter` as this process computes with it: itself, or, under tensor parallelism (where the plan made it a
+        `DTensor` split on its head dimension), this rank's heads, the same heads as the local queries and keys that
+        the column-parallel q/k projections return. A view in autograd: the gradient reaches the shard."""
+        return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
     def prepare_query(self, query: torch.Tensor) -> torch.Tensor:
         """(B, H, Q, D) -> the query the kernel consumes."""
@@ -100,7 +116,7 @@ class MultiplicativeScore(AttentionScore):
 
     def prepare_query(self, query):
         # (W_hᵀ q)_e = sum_d q_d W_h[d, e]
-        return torch.einsum("bhqd,hde->bhqe", query, self.weight.to(query.dtype))
+        return torch.einsum("bhqd,hde->bhqe", query, self.local(self.weight).to(query.dtype))
 
     def reset_parameters(self, config):
         eye = torch.eye(self.head_dim, device=self.weight.device, dtype=self.weight.dtype)
@@ -127,13 +143,13 @@ class AdditiveScore(AttentionScore):
         self.chunk_size = config.additive_chunk_size
 
     def prepare_query(self, query):
-        return torch.einsum("bhqd,hda->bhqa", query, self.query_weight.to(query.dtype))  # (B, H, Q, A)
+        return torch.einsum("bhqd,hda->bhqa", query, self.local(self.query_weight).to(query.dtype))  # (B, H, Q, A)
 
     def prepare_key(self, key):
-        return torch.einsum("bhkd,hda->bhka", key, self.key_weight.to(key.dtype))  # (B, H_kv, K, A)
+        return torch.einsum("bhkd,hda->bhka", key, self.local(self.key_weight).to(key.dtype))  # (B, H_kv, K, A)
 
     def kernel_kwargs(self):
-        return {"energy": self.energy, "chunk_size": self.chunk_size}
+        return {"energy": self.local(self.energy), "chunk_size": self.chunk_size}
 
     def reset_parameters(self, config):
         # Unit-variance pre-activations for unit-variance q, k: tanh starts in its responsive range.

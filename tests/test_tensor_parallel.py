@@ -1,0 +1,243 @@
+"""Tensor parallelism: `from_pretrained(..., tp_plan="auto")` across 2 CPU processes equals the one-process model, for
+every attention score, every position scheme and every head class.
+
+One `torchrun --nproc_per_node 2` launch (gloo, one thread per rank) runs every case in `tests/tp_worker.py`, which
+loads each checkpoint saved here both ways and records logits, greedy tokens, losses, gradients and the shapes of the
+sharded parameters; the tests below assert on those records. The plan and hook contracts are checked in-process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+import plugformer
+from plugformer import ATTENTION_SCORES, POSITION_SCHEMES, PlugformerConfig
+
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+ATOL = 1e-5  # fp32; measured differences are ~1e-7 (the all-reduce sums the heads' partial outputs in another order)
+TP_SIZE = 2
+SCORES, SCHEMES = ATTENTION_SCORES.names(), POSITION_SCHEMES.names()
+# Every score and every position scheme at least once, for the head classes that do not run the full product
+PAIRS = [(SCORES[i % len(SCORES)], SCHEMES[i % len(SCHEMES)]) for i in range(max(len(SCORES), len(SCHEMES)))]
+EAGER_PAIRS = [(score, scheme) for score, scheme in PAIRS if POSITION_SCHEMES.get(scheme).has_bias]
+SEQ2SEQ = {"is_encoder_decoder": True, "pad_token_id": 0, "eos_token_id": 1}
+HEAD_CONFIGS = {  # head class -> config overrides
+    "PlugformerForCausalLM": {},
+    "PlugformerForMaskedLM": {"is_causal": False},
+    "PlugformerForSequenceClassification": {},
+    "PlugformerForTokenClassification": {"is_causal": False},
+    "PlugformerForConditionalGeneration": SEQ2SEQ,
+}
+GENERATES = {"PlugformerForCausalLM", "PlugformerForConditionalGeneration"}
+
+
+def tiny(score: str = "scaled_dot", scheme: str = "rope", **overrides) -> PlugformerConfig:
+    """hidden 32, 2 layers, 4 query heads over 2 key/value heads (GQA: one key/value head per rank)."""
+    return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **overrides)
+
+
+def case(name, head, config, kernel=None, generate=False, train=False) -> dict:
+    return {"name": name, "head": head, "config": config, "kernel": kernel, "generate": generate, "train": train}
+
+
+def cases() -> list[dict]:
+    causal = "PlugformerForCausalLM"
+    every = [case(f"{causal}-{s}-{p}", causal, tiny(s, p), generate=True) for s in SCORES for p in SCHEMES]
+    for entry in every:  # gradients too, where each score and scheme appears once
+        entry["train"] = (entry["config"].attention_score, entry["config"].position_scheme) in PAIRS
+    heads = [  # (their own layers are replicated: only the seq2seq one adds sharded layers to train through)
+        case(f"{head}-{s}-{p}", head, tiny(s, p, **overrides), generate=head in GENERATES, train=head in GENERATES)
+        for head, overrides in HEAD_CONFIGS.items()
+        if head != causal
+        for s, p in PAIRS
+    ]
+    # The default kernel is sdpa for the dot-product scores; plugformer's eager kernel adds a bias its own way
+    eager = [case(f"eager-{s}-{p}", causal, tiny(s, p), kernel="eager") for s, p in EAGER_PAIRS]
+    multi_head = [case("multi-head-additive-t5_bias", causal, tiny("additive", "t5_bias", num_key_value_heads=4),
+                       train=True)]  # fmt: skip
+    refused = [case("mqa", causal, tiny(num_key_value_heads=1))]
+    return every + heads + eager + multi_head + refused
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
+    """`name -> (case, [rank 0 record, rank 1 record])`, from one torchrun launch over every case."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    manifest = []
+    for entry in cases():
+        torch.manual_seed(0)
+        model = getattr(plugformer, entry["head"])(copy.deepcopy(entry["config"]))
+        path = root / entry["name"]
+        model.save_pretrained(path)
+        entry["parameters"] = {name: list(param.shape) for name, param in model.named_parameters()}
+        manifest.append({**{k: v for k, v in entry.items() if k != "config"}, "path": str(path)})
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={TP_SIZE}", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(Path(__file__).with_name("tp_worker.py")), str(root / "manifest.json"),
+        str(root),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(TP_SIZE)]
+    return {entry["name"]: (entry, [records[entry["name"]] for records in ranks]) for entry in manifest}
+
+
+def sharded_dim(name: str) -> int | None:
+    """The dim the plan splits into heads, for the parameters this feature added to the plan."""
+    if ".score." in name:  # every score parameter is (H or H_kv, ...)
+        return 0
+    if "positions.relative_attention_bias" in name:  # (distances or buckets, H)
+        return 1
+    if ".cross_attn." in name:
+        return 1 if ".o_proj." in name else 0
+    return None
+
+
+def assert_equal_to_one_process(entry: dict, records: list[dict]) -> None:
+    for rank, record in enumerate(records):
+        where = f"{entry['name']} on rank {rank}"
+        assert "error" not in record, f"{where}: {record.get('traceback')}"
+        assert record["logits_shape"][0] == record["logits_shape"][1], where
+        assert record["max_abs_diff"] <= ATOL, (where, record["max_abs_diff"])
+        if entry["generate"]:
+            assert record["generated"] == record["generated_reference"], where
+        if entry["train"]:
+            assert record["loss_diff"] <= ATOL, (where, record["loss_diff"])
+            worst = max(record["grad_diff"].items(), key=lambda item: item[1])
+            assert worst[1] <= ATOL, (where, worst)
+        for name, full_shape in entry["parameters"].items():
+            dim = sharded_dim(name)
+            if dim is not None:
+                local_shape = list(full_shape)
+                local_shape[dim] //= TP_SIZE
+                assert record["sharded"].get(name) == [local_shape, full_shape], (where, name)
+
+
+def test_every_score_and_position_scheme_matches_one_process(measured):
+    """Causal LM, every score × scheme: logits and greedy tokens equal the one-process model's; the per-head score
+    parameters and bias tables hold this rank's heads only."""
+    names = [f"PlugformerForCausalLM-{score}-{scheme}" for score in SCORES for scheme in SCHEMES]
+    for name in names:
+        assert_equal_to_one_process(*measured[name])
+    sharded = measured["PlugformerForCausalLM-multiplicative-t5_bias"][1][0]["sharded"]
+    assert sharded["model.layers.0.self_attn.score.weight"] == [[2, 8, 8], [4, 8, 8]]
+    assert sharded["model.positions.relative_attention_bias.weight"] == [[8, 2], [8, 4]]
+
+
+def test_every_head_class_matches_one_process(measured):
+    """Masked LM, sequence and token classification, seq2seq (cross-attention sharded too; greedy tokens equal):
+    each score and each scheme at least once."""
+    for head in HEAD_CONFIGS:
+        for score, scheme in PAIRS:
+            assert_equal_to_one_process(*measured[f"{head}-{score}-{scheme}"])
+    seq2seq = measured[f"PlugformerForConditionalGeneration-{PAIRS[0][0]}-{PAIRS[0][1]}"][1][0]["sharded"]
+    assert seq2seq["decoder.layers.0.cross_attn.k_proj.weight"] == [[8, 32], [16, 32]]
+
+
+def test_eager_kernel_and_multi_head_attention_match_one_process(measured):
+    for score, scheme in EAGER_PAIRS:
+        assert_equal_to_one_process(*measured[f"eager-{score}-{scheme}"])
+    entry, records = measured["multi-head-additive-t5_bias"]
+    assert_equal_to_one_process(entry, records)
+    assert records[0]["sharded"]["model.layers.0.self_attn.score.key_weight"][0][0] == 2  # 4 key/value heads over 2
+
+
+def test_fewer_key_value_heads_than_ranks_is_refused(measured):
+    """One key/value head (MQA) cannot be split over 2 ranks: `from_pretrained` raises a ValueError naming the field,
+    its value and the TP size, before any weight is loaded."""
+    for record in measured["mqa"][1]:
+        assert record["error"] == "ValueError", record
+        assert "num_key_value_heads=1" in record["message"] and "tp_size=2" in record["message"], record["message"]
+
+
+def test_refusal_needs_no_process_group():
+    config = tiny(num_key_value_heads=1)
+    config.distributed_config = DistributedConfig(tp_size=TP_SIZE)  # what from_pretrained sets before building
+    with pytest.raises(ValueError, match=r"num_key_value_heads=1 cannot be split over tp_size=2"):
+        plugformer.PlugformerForCausalLM(config)
+    config = tiny()  # 2 key/value heads: one per rank
+    config.distributed_config = DistributedConfig(tp_size=TP_SIZE)
+    plugformer.PlugformerForCausalLM(config)
+
+
+def unmatched_rules(model) -> set[str]:
+    """The rules of the model's TP plan that name no module or parameter (transformers warns and skips them)."""
+    names = {replace_layer_number_by_wildcard(name) for name, _ in (*model.named_modules(), *model.named_parameters())}
+    return set(model.tp_plan) - names
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        *(head for head in HEAD_CONFIGS if head != "PlugformerForConditionalGeneration"),
+        pytest.param(
+            "PlugformerForConditionalGeneration",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the seq2seq head is its own base model (no `model` attribute), so transformers also applies "
+                "the config's stack plan (`layers.*`) at its top level, and adds `decoder.embed_tokens` for the "
+                "shared embedding; harmless (skipped with a warning), but removing them means changing the class "
+                "beyond its `_tp_plan`",
+            ),
+        ),
+    ],
+)
+def test_every_plan_rule_names_a_module_or_parameter(head):
+    for score, scheme in PAIRS:
+        model = getattr(plugformer, head)(tiny(score, scheme, **HEAD_CONFIGS[head]))
+        assert not unmatched_rules(model), (score, scheme, sorted(unmatched_rules(model)))
+
+
+def test_seq2seq_plan_shards_cross_attention_and_both_stacks():
+    model = plugformer.PlugformerForConditionalGeneration(tiny("multiplicative", "t5_bias", **SEQ2SEQ))
+    for rule in ("q_proj", "k_proj", "v_proj", "o_proj", "score"):
+        assert f"decoder.layers.*.cross_attn.{rule}" in model.tp_plan
+    for stack in ("encoder", "decoder"):
+        assert f"{stack}.layers.*.self_attn.score" in model.tp_plan
+        assert f"{stack}.positions.relative_attention_bias.weight" in model.tp_plan
+    assert unmatched_rules(model) <= {*model.config.base_model_tp_plan, "decoder.embed_tokens"}  # see the xfail
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_score_parameters_are_per_head(score):
+    """The contract the plan's `layers.*.self_attn.score` rule relies on: every score parameter is split on dim 0
+    into heads; out of tensor parallelism `local` hands the parameter itself back."""
+    config = tiny(score)
+    module = ATTENTION_SCORES.get(score)(config)
+    for name, param in module.named_parameters():
+        assert param.shape[0] in (config.num_attention_heads, config.num_key_value_heads), (name, param.shape)
+        assert module.local(param) is param
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_position_scheme_plans_name_their_own_parameters(scheme, is_causal):
+    module = POSITION_SCHEMES.get(scheme)(tiny(scheme=scheme, is_causal=is_causal))
+    names = {name for name, _ in (*module.named_modules(), *module.named_parameters())}
+    assert set(module.tp_plan) <= names
+    assert set(tiny(scheme=scheme).base_model_tp_plan) >= {f"positions.{rule}" for rule in module.tp_plan}
