@@ -58,7 +58,11 @@ def run_stage(stage: str, argv: list[str]) -> dict:
     """Parses `argv` and trains `stage`; returns what it wrote to `run_info.json`."""
     from transformers import set_seed
 
+    from .sharding import enable_fsdp2_on_cpu, refuse_unshardable_request
+
+    enable_fsdp2_on_cpu()  # before any AcceleratorState exists: an FSDP2 launch on CPU shards instead of becoming DDP
     script_args, model_args, training_args = parse_stage_arguments(stage, argv)
+    refuse_unshardable_request(training_args)
     # before any model is built: new weights (a fresh model, a reward head) are part of the seeded run
     set_seed(training_args.seed)
     module = importlib.import_module(f".{stage}", __name__)

@@ -17,6 +17,7 @@ from ..tokenization import generation_eos_token_ids
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
 from .evaluation import exact_match
+from .sharding import is_sharded, refuse_unsharded_fallback
 
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
 def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | None = None) -> dict:
     """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`."""
     args = trainer.args
+    refuse_unsharded_fallback(trainer)
     started = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
     seconds = time.perf_counter() - started
@@ -139,6 +141,7 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
         "stage": stage,
         "train_seconds": round(seconds, 1),
         "world_size": trainer.accelerator.num_processes,
+        "distributed_type": trainer.accelerator.distributed_type.value,  # FSDP, DEEPSPEED, MULTI_CPU (DDP), NO, ...
         "parameter_digests": digests,
         "metrics": metrics,
         **(extra or {}),
@@ -198,8 +201,14 @@ def write_card(trainer, info: dict, script_args) -> None:
 
 
 def dev_exact_match(trainer, script_args, tokenizer) -> dict | None:
-    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs)."""
+    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs).
+
+    Runs on rank 0 only. A sharded model (FSDP2, ZeRO-3) cannot generate there alone, as every forward gathers
+    parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model.
+    """
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_sharded(model):
+        model = type(model).from_pretrained(trainer.args.output_dir, dtype=model.dtype)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
     if script_args.exact_match_examples <= 0 or not base.can_generate():
         return None

@@ -1,0 +1,101 @@
+"""Sharded data parallelism (FSDP2, DeepSpeed ZeRO) as the stages meet it: asked for, really on, or refused.
+
+accelerate 1.15 turns FSDP on only for GPU-type modes: on a CPU (`use_cpu`, which `plugformer train` sets where no
+GPU exists) an FSDP launch becomes plain DDP without a word (`AcceleratorState` picks `MULTI_CPU` and drops the
+plugin), and DeepSpeed is skipped the same way. Two rules here:
+
+- FSDP2 on CPU is made real: `enable_fsdp2_on_cpu` lets accelerate's own FSDP2 path (`fully_shard` per block named
+  in `_no_split_modules`, then the root; gloo collectives) run where it would have fallen back to DDP. The suite
+  trains with it and compares against one process (tests/test_fsdp.py).
+- Any other request that would run unsharded or not at all (FSDP1 on CPU, DeepSpeed with `use_cpu`) is refused
+  before a model is built (`refuse_unshardable_request`), and any run whose trainer did not end up sharded as asked
+  before training (`refuse_unsharded_fallback`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def requested_sharding(training_args) -> str | None:
+    """`"fsdp"` or `"deepspeed"` when the launch (accelerate's environment) or the arguments ask for it, else None."""
+    if _flag("ACCELERATE_USE_FSDP") or getattr(training_args, "fsdp", None):
+        return "fsdp"
+    if _flag("ACCELERATE_USE_DEEPSPEED") or getattr(training_args, "deepspeed", None):
+        return "deepspeed"
+    return None
+
+
+def enable_fsdp2_on_cpu() -> None:
+    """Makes accelerate's FSDP2 path run on CPU processes (gloo) instead of dropping FSDP for DDP.
+
+    Wraps `AcceleratorState.__init__` once: when it settled on `MULTI_CPU` while the launch asked for FSDP version 2,
+    the state becomes `FSDP` with the plugin accelerate built from the environment. Nothing changes on GPUs, where
+    accelerate enables FSDP itself, nor for FSDP1 (`refuse_unsharded_fallback` refuses that on CPU).
+    """
+    from accelerate import state
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if getattr(state.AcceleratorState.__init__, "_plugformer_cpu_fsdp2", False):
+        return
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        version = fsdp_plugin.fsdp_version if fsdp_plugin is not None else int(os.environ.get("FSDP_VERSION", 1))
+        if self.distributed_type == DistributedType.MULTI_CPU and _flag("ACCELERATE_USE_FSDP") and version == 2:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
+
+    init._plugformer_cpu_fsdp2 = True
+    state.AcceleratorState.__init__ = init
+
+
+def refuse_unshardable_request(training_args) -> None:
+    """Before any model or trainer is built: refuses the sharding requests that cannot shard on this machine (FSDP1
+    on CPU, which accelerate's plugin rejects with a device error; DeepSpeed with `use_cpu`, which accelerate skips)."""
+
+    wanted = requested_sharding(training_args)
+    on_cpu = training_args.use_cpu or not torch.cuda.is_available()
+    if wanted == "fsdp" and on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ValueError(
+            f"the launch asks for FSDP version {os.environ.get('FSDP_VERSION', '1')} on CPU, which accelerate cannot "
+            "run there: on CPU only FSDP version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+        )
+    if wanted == "deepspeed" and training_args.use_cpu:
+        raise ValueError(
+            "the launch asks for DeepSpeed but use_cpu=True, with which accelerate skips DeepSpeed and trains "
+            "unsharded: on a CPU machine set use_cpu false and DS_ACCELERATOR=cpu (see README, Scaling out)"
+        )
+
+
+def refuse_unsharded_fallback(trainer) -> None:
+    """Refuses a run that asked for sharding but would train unsharded (the silent DDP fallback)."""
+    from accelerate.utils import DistributedType
+
+    wanted = requested_sharding(trainer.args)
+    running = trainer.accelerator.distributed_type
+    expected = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}.get(wanted)
+    if expected is None or running == expected:
+        return
+    hint = (
+        "on CPU only FSDP version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+        if wanted == "fsdp"
+        else "DeepSpeed on CPU needs its CPU accelerator: use_cpu false with DS_ACCELERATOR=cpu (see README, Scaling out)"
+    )
+    raise ValueError(
+        f"the launch asks for {wanted} but accelerate would run {running.value} (unsharded, as DDP or one process): "
+        f"refusing rather than training without sharding; {hint}"
+    )
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are split over processes (FSDP2 / tensor parallel DTensors, ZeRO-3), so that a
+    forward on one rank alone would wait for the others forever."""
+    return any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters())
