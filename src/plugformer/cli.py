@@ -95,9 +95,14 @@ def _info(argv: list[str]) -> None:
     """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
     from .capabilities import KERNELS, combination_matrix
 
-    print(f"{'attention_score':16s}{'position_scheme':16s}" + "".join(f"{k:16s}" for k in KERNELS))
+    widths = [max(len(k) + 2, 8) for k in KERNELS]
+    print(
+        f"{'attention_score':16s}{'position_scheme':16s}"
+        + "".join(f"{k:{w}s}" for k, w in zip(KERNELS, widths, strict=True))
+    )
     for score, scheme, kernels in combination_matrix():
-        print(f"{score:16s}{scheme:16s}" + "".join(f"{'yes' if k in kernels else '-':16s}" for k in KERNELS))
+        cells = ("yes" if k in kernels else "-" for k in KERNELS)
+        print(f"{score:16s}{scheme:16s}" + "".join(f"{c:{w}s}" for c, w in zip(cells, widths, strict=True)))
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
