@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from ..tokenization import generation_eos_token_ids
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
+from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .evaluation import exact_match
 from .sharding import is_sharded, refuse_unsharded_fallback
 
@@ -73,21 +74,20 @@ def stage_data(stage: str, script_args):
 
 def resume_checkpoint(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest intact checkpoint in the output directory
-    (a damaged newer one is skipped with a warning). An explicit PATH that fails its manifest is refused."""
+    (a damaged newer one is skipped with a warning). An explicit PATH that fails its manifest is refused. Resolved
+    on every rank, then compared: ranks that would resume from different checkpoints (or some not at all) are
+    refused together, listing each rank's choice."""
     value = training_args.resume_from_checkpoint
-    if value is None:
-        return None
-    if str(value).lower() not in ("last", "true"):
+    checkpoint, problem = None, None
+    if value is not None and str(value).lower() not in ("last", "true"):
         problem = verify_checkpoint(value) if Path(value).is_dir() else f"{value} is not a directory"
-        if problem is not None:
-            raise ValueError(f"--resume_from_checkpoint {value}: {problem}")
-        return value
-    last = last_good_checkpoint(training_args.output_dir)
-    if last is None:
-        logger.warning(
-            "--resume_from_checkpoint %s: no intact checkpoint in %s, starting fresh", value, training_args.output_dir
-        )
-    return last
+        checkpoint = value if problem is None else None
+    elif value is not None:
+        checkpoint = last_good_checkpoint(training_args.output_dir)
+        if checkpoint is None:
+            logger.warning("--resume_from_checkpoint %s: no intact checkpoint in %s, starting fresh", value,
+                           training_args.output_dir)  # fmt: skip
+    return agreed_checkpoint(checkpoint, problem, value)
 
 
 def parameter_digest(model: torch.nn.Module) -> int:
@@ -173,6 +173,7 @@ def run_trainer(
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`."""
+    check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
@@ -187,6 +188,7 @@ def run_trainer(
         peft_config=peft_config(model_args),
         **trainer_kwargs,
     )
+    extra = {**(extra or {}), "effective_batch": log_effective_batch(trainer, stage)}
     return train_and_save(trainer, stage, script_args, tokenizer, extra)
 
 

@@ -20,6 +20,7 @@ from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..tokenization import train_tokenizer
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
+from .distributed import check_launch, log_effective_batch
 
 
 def build_tokenizer(script_args, model_args, texts):
@@ -75,6 +76,7 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
 
 
 def train(script_args, model_args, training_args) -> dict:
+    check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
     data = stage_data("pretrain", script_args)
     tokenizer = build_tokenizer(script_args, model_args, data["train"]["text"])
     model = build_model(script_args, model_args, tokenizer)
@@ -106,4 +108,5 @@ def train(script_args, model_args, training_args) -> dict:
         data_collator=collator,
         processing_class=tokenizer,
     )
-    return train_and_save(trainer, "pretrain", script_args, tokenizer)
+    extra = {"effective_batch": log_effective_batch(trainer, "pretrain")}
+    return train_and_save(trainer, "pretrain", script_args, tokenizer, extra)
