@@ -39,11 +39,10 @@ def build(config: PlugformerConfig, kernel: str = "eager", seed: int = 0) -> Plu
 
 
 # Each compiled flex kernel costs seconds on a cold CPU cache. The causal suite runs flex on every combination; the
-# encoder and seq2seq suites on these, which cover every position scheme and every dot-product score.
-FLEX_REPRESENTATIVES = {
-    ("scaled_dot", "none"), ("dot", "sinusoidal"), ("dot", "learned"), ("scaled_dot", "rope"),
-    ("dot", "alibi"), ("multiplicative", "t5_bias"), ("multiplicative", "clamped_bias"),
-}  # fmt: skip
+# encoder and seq2seq suites on these: every position scheme once, the dot-product scores taken in turn (each of them
+# too while there are at least as many schemes), read from the registries.
+DOT_PRODUCT_SCORES = [name for name in SCORES if plugformer.ATTENTION_SCORES.get(name).dot_product]
+FLEX_REPRESENTATIVES = {(DOT_PRODUCT_SCORES[i % len(DOT_PRODUCT_SCORES)], scheme) for i, scheme in enumerate(SCHEMES)}
 
 
 def combinations(kernels=None, all_flex=True, **overrides) -> list:

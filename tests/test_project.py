@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import plugformer
 from plugformer import demo
 from plugformer.arguments import load_yaml, parse_arguments
 from plugformer.cli import main as cli_main
@@ -52,7 +53,7 @@ def test_command_line_overrides_yaml_and_unknown_keys_fail(tmp_path):
 def test_info_prints_the_kernel_matrix(capsys):
     cli_main(["info"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 + 4 * 7
+    assert len(lines) == 1 + len(plugformer.ATTENTION_SCORES.names()) * len(plugformer.POSITION_SCHEMES.names())
     assert re.match(
         r"additive\s+rope\s+yes\s+-\s+-", next(line for line in lines if line.startswith("additive        rope"))
     )

@@ -19,6 +19,8 @@ from .arguments import parse_arguments
 from .configuration import PlugformerConfig
 from .corpus import arithmetic_sentences
 from .modeling import PlugformerForCausalLM
+from .positions import POSITION_SCHEMES
+from .scores import ATTENTION_SCORES
 from .tokenization import generation_eos_token_ids, train_tokenizer
 
 
@@ -26,10 +28,8 @@ from .tokenization import generation_eos_token_ids, train_tokenizer
 class DemoArguments:
     output_dir: str = field(default="outputs/demo", metadata={"help": "Where the model and tokenizer are saved."})
     preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset the model starts from."})
-    attention_score: str = field(
-        default="scaled_dot", metadata={"help": "dot | scaled_dot | multiplicative | additive"}
-    )
-    position_scheme: str = field(default="alibi", metadata={"help": "none | sinusoidal | learned | rope | alibi | t5_bias | clamped_bias"})  # fmt: skip
+    attention_score: str = field(default="scaled_dot", metadata={"help": ATTENTION_SCORES.choices()})
+    position_scheme: str = field(default="alibi", metadata={"help": POSITION_SCHEMES.choices()})  # fmt: skip
     attn_implementation: str | None = field(default=None, metadata={"help": "eager | sdpa | flex_attention (default: best valid)"})  # fmt: skip
     hidden_size: int = 128
     num_hidden_layers: int = 4

@@ -44,6 +44,10 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return list(self._table)
 
+    def choices(self) -> str:
+        """The registered names as a help string, `"a | b | c"`: option help that a new variant extends by itself."""
+        return " | ".join(self._table)
+
     def __contains__(self, name: object) -> bool:
         return name in self._table
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..positions import POSITION_SCHEMES
+from ..scores import ATTENTION_SCORES
+
 
 @dataclass
 class StageArguments:
@@ -37,10 +40,8 @@ class PretrainArguments(StageArguments):
     """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
 
     preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset; the fields below override it"})
-    attention_score: str = field(
-        default="scaled_dot", metadata={"help": "dot | scaled_dot | multiplicative | additive"}
-    )
-    position_scheme: str = field(default="rope", metadata={"help": "none | sinusoidal | learned | rope | alibi | t5_bias | clamped_bias"})  # fmt: skip
+    attention_score: str = field(default="scaled_dot", metadata={"help": ATTENTION_SCORES.choices()})
+    position_scheme: str = field(default="rope", metadata={"help": POSITION_SCHEMES.choices()})  # fmt: skip
     is_causal: bool = field(default=True, metadata={"help": "False: a BERT-style encoder trained as a masked LM"})
     hidden_size: int | None = None
     intermediate_size: int | None = None
