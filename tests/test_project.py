@@ -11,6 +11,7 @@ import pytest
 import plugformer
 from plugformer import demo
 from plugformer.arguments import load_yaml, parse_arguments
+from plugformer.cli import COMMANDS
 from plugformer.cli import main as cli_main
 
 
@@ -48,6 +49,14 @@ def test_command_line_overrides_yaml_and_unknown_keys_fail(tmp_path):
         parse_arguments(demo.DemoArguments, ["--config", str(config)], prog="t")
     with pytest.raises(ValueError, match="unknown arguments"):
         parse_arguments(demo.DemoArguments, ["--max_stepz", "3"], prog="t")
+
+
+def test_help_keeps_every_command_name_apart_from_its_description(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--help"])
+    assert exit_info.value.code == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  ")]
+    assert [line.split()[0] for line in lines] == list(COMMANDS)  # "extrapolateperplexity" before
 
 
 def test_info_prints_the_kernel_matrix(capsys):

@@ -123,7 +123,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        usage = "\n".join(f"  {name:10s}{description}" for name, (_, description) in COMMANDS.items())
+        width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text
+        usage = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
         print(f"usage: plugformer <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     COMMANDS[argv[0]][0](argv[1:])
