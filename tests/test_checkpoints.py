@@ -45,7 +45,7 @@ def test_checkpoints_are_published_with_a_manifest_and_nothing_left_staged(finis
         manifest = json.loads((finished_run / name / MANIFEST).read_text())
         assert {"model.safetensors", "trainer_state.json", "optimizer.pt"} <= set(manifest)
         assert not list((finished_run / name).glob("pytorch_model*"))  # model weights only as safetensors
-    assert not any((finished_run / STAGING).iterdir()) if (finished_run / STAGING).exists() else True
+    assert not (finished_run / STAGING).exists()  # nothing staged is left, not even the empty folder
 
 
 def test_rotation_keeps_the_limit_and_the_newest(tmp_path):

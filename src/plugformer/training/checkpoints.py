@@ -12,6 +12,7 @@ warning about each one it skips (truncated, edited, missing files).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -51,6 +52,8 @@ class AtomicCheckpointMixin:
             self._repoint_best_checkpoint(run_dir, staging / name)
             publish(staging / name, run_dir / name)
             self._rotate(run_dir)
+            with contextlib.suppress(OSError):  # emptied by the publish: no stray `.staging/` beside the model
+                staging.rmdir()
         self.accelerator.wait_for_everyone()
 
     def _repoint_best_checkpoint(self, run_dir: Path, staged: Path) -> None:
