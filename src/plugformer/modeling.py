@@ -11,27 +11,35 @@ from __future__ import annotations
 import inspect
 
 import torch
+import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPast,
-    BaseModelOutputWithPastAndCrossAttentions,
-    CausalLMOutputWithPast,
     MaskedLMOutput,
-    Seq2SeqLMOutput,
-    SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput, can_return_tuple, logging
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .biases import RelativeBias
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, unsupported_reason
+from .compat import (
+    FLEX_PADDING_VERIFIED,
+    ActivationCheckpointingNames,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithPast,
+    Seq2SeqLMOutput,
+    SequenceClassifierOutputWithPast,
+    create_bidirectional_mask,
+    create_causal_mask,
+    renamed_cache_kwarg,
+    slice_logits_to_keep,
+    tolerate_tp_plan_assignment,
+)
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_inputs, embed_ids
@@ -41,6 +49,7 @@ from .scores import ATTENTION_SCORES, AttentionScore
 
 
 logger = logging.get_logger(__name__)
+tolerate_tp_plan_assignment(PlugformerConfig)  # transformers < 5.21 (see `compat`)
 
 
 class PlugformerAttention(nn.Module):
@@ -80,50 +89,53 @@ class PlugformerAttention(nn.Module):
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
 
-    def attend(
-        self, query, key, value, attention_mask, position_bias, kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the configured kernel and the output projection; `query` (B, H, Q, ·) is already prepared."""
+    @property
+    def scaling(self) -> float:
+        """The score's softmax scale, passed as `scaling=self.scaling`: vLLM's transformers backend reads the scale off
+        the module from that expression in `forward`'s source (a literal or `self.<attr>` only)."""
+        return self.score.scaling
+
+    def checked_kernel(self) -> str:
+        """`config._attn_implementation`, refused by the kernel table if it cannot compute this attention (one set by
+        hand on the config, or by an engine such as vLLM, skips `from_pretrained`'s check); checked once per
+        implementation."""
         implementation = self.config._attn_implementation
         if implementation != self._checked_implementation and not torch.compiler.is_compiling():
             self._check_kernel(implementation)
-        # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
-        # transformers backend look for this very call in the modeling source
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.score.eager_kernel)
-        if position_bias is not None:
-            # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
-            # sees it as an input.
-            position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
-            if self._kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
-                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.score.scaling,
-            position_bias=position_bias,
-            **self.score.kernel_kwargs(),
-            # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
-            # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
-            # cross-attention share the decoder's config).
-            **{**kwargs, "is_causal": self.is_causal},
-        )
-        attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()  # (B, Q, H, D) -> (B, Q, H·D)
-        return self.o_proj(attn_output), attn_weights
+        return implementation
 
     def _check_kernel(self, implementation: str) -> None:
-        """Refuses a kernel whose record cannot compute this attention (one set by hand on the config, or by an
-        engine such as vLLM, skips `from_pretrained`'s check); checked once per implementation."""
         kernel = KERNELS.get(implementation)
         reason = kernel.unsupported_reason(self.config)
         if reason is not None:
             raise ValueError(reason)
         self._kernel, self._checked_implementation = kernel, implementation
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def kernel_kwargs(self, query, key, position_bias, kwargs) -> dict:
+        """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form the kernel takes,
+        the score's own (e.g. the additive energy vector) and the caller's."""
+        if position_bias is not None:
+            # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
+            # sees it as an input.
+            position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
+            if self._kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
+                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
+        return {
+            "dropout": self.attention_dropout if self.training else 0.0,
+            "position_bias": position_bias,
+            **self.score.kernel_kwargs(),
+            # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
+            # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
+            # cross-attention share the decoder's config).
+            **kwargs,
+            "is_causal": self.is_causal,
+        }
+
+    def merge_heads(self, attn_output: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The kernel's output as (B, Q, H·D): transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)."""
+        return attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()
+
+    @renamed_cache_kwarg
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -147,7 +159,14 @@ class PlugformerAttention(nn.Module):
             local_heads = query.shape[1]
             first = self.q_proj.weight.device_mesh.get_local_rank() * local_heads
             position_bias = position_bias[first : first + local_heads]  # (H, Q + K − 1) -> (H_local, Q + K − 1)
-        return self.attend(query, key, value, attention_mask, position_bias, kwargs)
+        # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
+        # transformers backend look for this very lookup, and one call of it with `scaling=self.<attr>`, in `forward`
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, scaling=self.scaling,
+            **self.kernel_kwargs(query, key, position_bias, kwargs),
+        )  # fmt: skip
+        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights
 
 
 class PlugformerCrossAttention(PlugformerAttention):
@@ -177,7 +196,11 @@ class PlugformerCrossAttention(PlugformerAttention):
             if cache is not None:
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True
-        return self.attend(query, key, value, attention_mask, None, kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, scaling=self.scaling, **self.kernel_kwargs(query, key, None, kwargs)
+        )  # fmt: skip
+        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights
 
 
 def dropout_if_active(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -205,7 +228,7 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         self.placement = NORM_PLACEMENTS.get(config.norm_placement)
         self.hidden_dropout = config.hidden_dropout
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @renamed_cache_kwarg
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -251,7 +274,7 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         )
 
 
-class PlugformerPreTrainedModel(PreTrainedModel):
+class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
     config: PlugformerConfig
     config_class = PlugformerConfig
     base_model_prefix = "model"
@@ -351,6 +374,23 @@ def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None)
         )
 
 
+def refuse_flex_with_padding(config: PlugformerConfig, attention_mask: torch.Tensor | None) -> None:
+    """Before transformers 5.24 (`compat.FLEX_PADDING_VERIFIED`), flex attention with a padding mask is refused:
+    5.19's flex block mask masks padded batches wrongly (transformers' own Llama returns NaN there)."""
+    if (
+        not FLEX_PADDING_VERIFIED
+        and config._attn_implementation == "flex_attention"
+        and attention_mask is not None
+        and attention_mask.ndim == 2
+        and not attention_mask.all()
+    ):
+        raise ValueError(
+            f"attn_implementation='flex_attention' with padding (an attention_mask with zeros) computes wrong outputs "
+            f"on transformers {transformers.__version__} (verified right from 5.24); use attn_implementation='sdpa' "
+            "or 'eager', or transformers>=5.24"
+        )
+
+
 class PlugformerModel(PlugformerPreTrainedModel):
     """The bare transformer stack returning `last_hidden_state` (and the cache).
 
@@ -435,7 +475,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         values = self.positions.bias_by_distance(query_offset, query_length, kv_offset, kv_length, device)
         return values.to(dtype)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @renamed_cache_kwarg
     @capture_outputs
     def forward(
         self,
@@ -493,6 +533,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
             cache = self._new_cache()
         refuse_flex_with_static_cache(self.config, cache)
+        if not FLEX_PADDING_VERIFIED:  # transformers < 5.24 only: no check on a decoding step otherwise
+            refuse_flex_with_padding(self.config, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
@@ -569,7 +611,7 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,
@@ -814,7 +856,7 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGe
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.encoder.embed_tokens = self.decoder.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,

@@ -1,0 +1,153 @@
+"""The transformers versions plugformer supports (`>=5.19,<5.25`) differ in the names below; this is the only module
+that knows. Each shim tests for the feature, not the version, and says which release changed it. On 5.24 every name
+is transformers' own object (no wrapper, no per-call work).
+
+- 5.24.0 renamed the KV cache from `past_key_values` to `cache`: the output field (`BaseModelOutputWithPast.cache`),
+  the mask builders' argument (`create_causal_mask(cache=)`) and what `generate()` passes to `forward`. plugformer
+  is written in the new names; before 5.24 its outputs also answer `.cache`, its forwards take `past_key_values`.
+- 5.23.0 renamed `gradient_checkpointing_enable`/`_disable` to `activation_checkpointing_enable`/`_disable`.
+- 5.21.0 added `modeling_utils.slice_logits_to_keep`, and `PreTrainedConfig.__post_init__` stopped assigning
+  `base_model_tp_plan` (before, it added `embed_tokens` to the plan of a config with tied embeddings).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import masking_utils, modeling_outputs, modeling_utils
+from transformers.utils.deprecation import deprecate_kwarg
+
+
+__all__ = [
+    "FLEX_PADDING_VERIFIED",
+    "ActivationCheckpointingNames",
+    "BaseModelOutputWithPastAndCrossAttentions",
+    "CausalLMOutputWithPast",
+    "Seq2SeqLMOutput",
+    "SequenceClassifierOutputWithPast",
+    "create_bidirectional_mask",
+    "create_causal_mask",
+    "renamed_cache_kwarg",
+    "slice_logits_to_keep",
+    "tolerate_tp_plan_assignment",
+]
+
+CACHE_NAMED_CACHE = "cache" in modeling_outputs.BaseModelOutputWithPast.__dataclass_fields__  # 5.24.0 and later
+# transformers' flex attention with a padding mask gives wrong outputs on 5.19 (plugformer's encoder differs by O(1)
+# from the unpadded text; transformers' own LlamaModel returns NaN there) and right ones on 5.24; 5.20-5.23 are not
+# verified. Where it is not verified, plugformer refuses flex with padding (`modeling.refuse_flex_where_wrong`).
+FLEX_PADDING_VERIFIED = Version(transformers.__version__).release >= (5, 24)
+
+
+def _pass_cache_as_past_key_values(builder: Callable) -> Callable:
+    """`builder(cache=...)` for a mask builder that takes `past_key_values` (before 5.24.0)."""
+    if "cache" in inspect.signature(builder).parameters:
+        return builder
+
+    @functools.wraps(builder)
+    def build(*args, cache=None, **kwargs):
+        return builder(*args, past_key_values=cache, **kwargs)
+
+    return build
+
+
+create_causal_mask = _pass_cache_as_past_key_values(masking_utils.create_causal_mask)
+create_bidirectional_mask = _pass_cache_as_past_key_values(masking_utils.create_bidirectional_mask)
+
+
+def _answering_cache(output_class: type) -> type:
+    """`output_class` taking and answering `cache` for an output class whose field is `past_key_values` (before
+    5.24.0); generate() reads and passes on `past_key_values`, plugformer's code and its callers `cache`."""
+    if CACHE_NAMED_CACHE:
+        return output_class
+
+    def __init__(self, *args, cache=None, **kwargs):
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        output_class.__init__(self, *args, **kwargs)
+
+    namespace = {"__init__": __init__, "cache": property(lambda self: self.past_key_values), "__module__": __name__,
+                 "__qualname__": output_class.__qualname__, "__doc__": output_class.__doc__}  # fmt: skip
+    return type(output_class.__name__, (output_class,), namespace)
+
+
+BaseModelOutputWithPastAndCrossAttentions = _answering_cache(modeling_outputs.BaseModelOutputWithPastAndCrossAttentions)
+CausalLMOutputWithPast = _answering_cache(modeling_outputs.CausalLMOutputWithPast)
+Seq2SeqLMOutput = _answering_cache(modeling_outputs.Seq2SeqLMOutput)
+SequenceClassifierOutputWithPast = _answering_cache(modeling_outputs.SequenceClassifierOutputWithPast)
+
+
+class _ActivationCheckpointingNames:
+    """`activation_checkpointing_enable`/`_disable`, the names from 5.23.0, for the releases before (which call them
+    `gradient_checkpointing_enable`/`_disable`, without `every_n_layers` or `offload`)."""
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False):  # fmt: skip
+        if every_n_layers != 1 or offload:
+            raise ValueError(
+                f"every_n_layers={every_n_layers} and offload={offload} need transformers>=5.23 (installed: "
+                f"{transformers.__version__}); use every_n_layers=1, offload=False"
+            )
+        self.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
+
+    def activation_checkpointing_disable(self):
+        self.gradient_checkpointing_disable()
+
+
+class _Nothing:
+    """A base that adds nothing (5.23.0 and later have the names)."""
+
+
+ActivationCheckpointingNames = (
+    _Nothing if hasattr(modeling_utils.PreTrainedModel, "activation_checkpointing_enable")
+    else _ActivationCheckpointingNames
+)  # fmt: skip
+
+
+def renamed_cache_kwarg(forward: Callable) -> Callable:
+    """Lets `forward(cache=...)` also be called with `past_key_values=`: deprecated from 5.24.0 (transformers' own
+    `deprecate_kwarg`, as its models carry it), the name `generate()` and every caller uses before (renamed silently)."""
+    if CACHE_NAMED_CACHE:
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def renamed(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            past_key_values = kwargs.pop("past_key_values")
+            if kwargs.get("cache") is None:
+                kwargs["cache"] = past_key_values
+        return forward(*args, **kwargs)
+
+    return renamed
+
+
+def _slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers 5.24's `slice_logits_to_keep` (added in 5.21.0): the last `n` positions for an int (0 = all), the
+    given positions for a 1-D or `(B, n)` integer tensor, the `True` positions (flattened) for a boolean `(B, T)`."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden_states[:, logits_to_keep, :]
+
+
+slice_logits_to_keep = getattr(modeling_utils, "slice_logits_to_keep", _slice_logits_to_keep)
+
+
+def tolerate_tp_plan_assignment(config_class: type) -> None:
+    """Lets `config_class`, whose `base_model_tp_plan` is a read-only property (derived from its fields), be built by
+    transformers before 5.21.0, whose `PreTrainedConfig.__post_init__` assigns the plan when embeddings are tied (to
+    add `embed_tokens`: "embedding_rowwise"). The assignment is dropped, as 5.21.0 and later do not make it; the tied
+    head's own plan (`_tp_plan`) is unchanged. Nothing changes from 5.21.0 on."""
+    if Version(transformers.__version__).release >= (5, 21):
+        return
+    plan = inspect.getattr_static(config_class, "base_model_tp_plan")
+    if isinstance(plan, property) and plan.fset is None:
+        config_class.base_model_tp_plan = plan.setter(lambda self, value: None)
