@@ -43,11 +43,17 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     """(script arguments, TRL `ModelConfig`, trainer config) from defaults < `--config` YAML < `argv`."""
     from trl import ModelConfig, TrlParser
 
+    from .sharding import DEEPSPEED_ON_CPU_DEFAULTS, deepspeed_on_cpu
+
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
     entry = STAGES[stage]
     parser = TrlParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
-    if not _accelerator_available():
+    if deepspeed_on_cpu():
+        # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate
+        # skip DeepSpeed, no backend would leave each process a world of its own, bf16 is refused without a GPU.
+        parser.set_defaults(**DEEPSPEED_ON_CPU_DEFAULTS)
+    elif not _accelerator_available():
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
@@ -58,8 +64,9 @@ def run_stage(stage: str, argv: list[str]) -> dict:
     """Parses `argv` and trains `stage`; returns what it wrote to `run_info.json`."""
     from transformers import set_seed
 
-    from .sharding import enable_fsdp2_on_cpu, refuse_unshardable_request
+    from .sharding import enable_fsdp2_on_cpu, prepare_deepspeed_on_cpu, refuse_unshardable_request
 
+    prepare_deepspeed_on_cpu()  # before deepspeed is imported: a DeepSpeed launch without CUDA gets its CPU accelerator
     enable_fsdp2_on_cpu()  # before any AcceleratorState exists: an FSDP2 launch on CPU shards instead of becoming DDP
     script_args, model_args, training_args = parse_stage_arguments(stage, argv)
     refuse_unshardable_request(training_args)

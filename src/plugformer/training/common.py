@@ -93,15 +93,22 @@ def resume_checkpoint(training_args) -> str | None:
 def parameter_digest(model: torch.nn.Module) -> int:
     """A 63-bit digest of every parameter's bytes (equal digests: identical weights).
 
-    A sharded parameter (FSDP2's and tensor parallelism's `DTensor`) is digested whole: `full_tensor()` gathers it,
-    a collective that every rank reaches here, in the same (sorted) order. The bytes are read from a clone: a view
-    of an FSDP2 parameter's storage breaks its later resharding.
+    A sharded parameter (FSDP2's and tensor parallelism's `DTensor`, a ZeRO-3 partition) is digested whole:
+    `full_tensor()` or DeepSpeed's `GatheredParameters` gathers it, a collective that every rank reaches here, in the
+    same (sorted) order. The bytes are read from a clone: a view of an FSDP2 parameter's storage breaks its later
+    resharding, and a gathered ZeRO-3 parameter is released again on leaving the context.
     """
     digest = hashlib.sha256()
     for name, parameter in sorted(model.named_parameters()):
-        tensor = parameter.detach()
-        if hasattr(tensor, "full_tensor"):  # a DTensor
-            tensor = tensor.full_tensor()
+        if hasattr(parameter, "ds_id"):  # ZeRO-3: an empty placeholder until gathered
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([parameter]):
+                tensor = parameter.detach().cpu().clone()
+        else:
+            tensor = parameter.detach()
+            if hasattr(tensor, "full_tensor"):  # a DTensor
+                tensor = tensor.full_tensor()
         digest.update(name.encode())
         digest.update(tensor.cpu().clone().contiguous().view(torch.uint8).numpy().tobytes())
     return int.from_bytes(digest.digest()[:8], "little") >> 1
@@ -206,23 +213,31 @@ def dev_exact_match(trainer, script_args, tokenizer) -> dict | None:
     """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs).
 
     Runs on rank 0 only. A sharded model (FSDP2, ZeRO-3) cannot generate there alone, as every forward gathers
-    parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model.
+    parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model,
+    with transformers' ZeRO-3 switch off meanwhile (`alone_on_this_rank`: else `from_pretrained` would partition
+    the copy and `generate` sync with the other ranks, both waiting for them forever).
     """
+    import contextlib
+
+    from .sharding import alone_on_this_rank
+
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if is_sharded(model):
-        model = type(model).from_pretrained(trainer.args.output_dir, dtype=model.dtype)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
-    if script_args.exact_match_examples <= 0 or not base.can_generate():
-        return None
-    try:
-        rows = stage_data("evaluation", script_args).get("dev")
-    except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
-        logger.info("no exact-match evaluation: %s", error)
-        return None
-    if rows is None:
-        return None
-    rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-    return exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
+    sharded = is_sharded(model)
+    with alone_on_this_rank() if sharded else contextlib.nullcontext():
+        if sharded:
+            model = type(model).from_pretrained(trainer.args.output_dir, dtype=model.dtype)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
+        if script_args.exact_match_examples <= 0 or not base.can_generate():
+            return None
+        try:
+            rows = stage_data("evaluation", script_args).get("dev")
+        except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
+            logger.info("no exact-match evaluation: %s", error)
+            return None
+        if rows is None:
+            return None
+        rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
+        return exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
 
 
 def set_generation_eos(model, tokenizer) -> None:

@@ -7,14 +7,20 @@ plugin), and DeepSpeed is skipped the same way. Two rules here:
 - FSDP2 on CPU is made real: `enable_fsdp2_on_cpu` lets accelerate's own FSDP2 path (`fully_shard` per block named
   in `_no_split_modules`, then the root; gloo collectives) run where it would have fallen back to DDP. The suite
   trains with it and compares against one process (tests/test_fsdp.py).
-- Any other request that would run unsharded or not at all (FSDP1 on CPU, DeepSpeed with `use_cpu`) is refused
-  before a model is built (`refuse_unshardable_request`), and any run whose trainer did not end up sharded as asked
-  before training (`refuse_unsharded_fallback`).
+- DeepSpeed on CPU runs on DeepSpeed's own CPU accelerator (`DS_ACCELERATOR=cpu`, gloo): for a DeepSpeed launch
+  without CUDA (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml) `plugformer train` leaves `use_cpu` off, with
+  which accelerate would skip DeepSpeed, and names the gloo backend, without which accelerate 1.15 gives each
+  process a world size of 1 (`deepspeed_on_cpu`, `prepare_deepspeed_on_cpu`; tests/test_deepspeed.py).
+- Any other request that would run unsharded or not at all (FSDP1 on CPU, DeepSpeed with an explicit `use_cpu`) is
+  refused before a model is built (`refuse_unshardable_request`), and any run whose trainer did not end up sharded
+  as asked before training (`refuse_unsharded_fallback`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -30,6 +36,27 @@ def requested_sharding(training_args) -> str | None:
     if _flag("ACCELERATE_USE_DEEPSPEED") or getattr(training_args, "deepspeed", None):
         return "deepspeed"
     return None
+
+
+# `plugformer train`'s defaults for a DeepSpeed launch without CUDA (instead of use_cpu=True): accelerate runs DeepSpeed
+# only without `cpu`; `PartialState` initialises DeepSpeed's process group but, given no backend, counts one process
+# per world (it would train independent copies); transformers refuses bf16 without a GPU unless use_cpu is set.
+DEEPSPEED_ON_CPU_DEFAULTS = {"use_cpu": False, "ddp_backend": "gloo", "bf16": False}
+
+
+def deepspeed_on_cpu() -> bool:
+    """Whether this process was launched for DeepSpeed (`accelerate launch` with `distributed_type: DEEPSPEED`) on a
+    machine without CUDA, where DeepSpeed's CPU accelerator has to run it."""
+    return _flag("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available()
+
+
+def prepare_deepspeed_on_cpu() -> None:
+    """Points DeepSpeed at its CPU accelerator for a DeepSpeed launch without CUDA, unless `DS_ACCELERATOR` is set.
+
+    Must run before `deepspeed` is imported: DeepSpeed picks its accelerator once, at import.
+    """
+    if deepspeed_on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def enable_fsdp2_on_cpu() -> None:
@@ -57,9 +84,17 @@ def enable_fsdp2_on_cpu() -> None:
     state.AcceleratorState.__init__ = init
 
 
+DEEPSPEED_ON_CPU_HINT = (
+    "on a CPU machine launch with configs/accelerate/cpu_zero2.yaml or cpu_zero3.yaml and leave use_cpu unset "
+    "(plugformer then runs DeepSpeed's CPU accelerator on gloo)"
+)
+
+
 def refuse_unshardable_request(training_args) -> None:
     """Before any model or trainer is built: refuses the sharding requests that cannot shard on this machine (FSDP1
-    on CPU, which accelerate's plugin rejects with a device error; DeepSpeed with `use_cpu`, which accelerate skips)."""
+    on CPU, which accelerate's plugin rejects with a device error; DeepSpeed with `use_cpu`, which accelerate skips:
+    `plugformer train` leaves it off for a DeepSpeed launch, so this is an explicit `--use_cpu true`, or a DeepSpeed
+    request outside such a launch)."""
 
     wanted = requested_sharding(training_args)
     on_cpu = training_args.use_cpu or not torch.cuda.is_available()
@@ -71,7 +106,7 @@ def refuse_unshardable_request(training_args) -> None:
     if wanted == "deepspeed" and training_args.use_cpu:
         raise ValueError(
             "the launch asks for DeepSpeed but use_cpu=True, with which accelerate skips DeepSpeed and trains "
-            "unsharded: on a CPU machine set use_cpu false and DS_ACCELERATOR=cpu (see README, Scaling out)"
+            f"unsharded: {DEEPSPEED_ON_CPU_HINT}"
         )
 
 
@@ -87,7 +122,7 @@ def refuse_unsharded_fallback(trainer) -> None:
     hint = (
         "on CPU only FSDP version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
         if wanted == "fsdp"
-        else "DeepSpeed on CPU needs its CPU accelerator: use_cpu false with DS_ACCELERATOR=cpu (see README, Scaling out)"
+        else DEEPSPEED_ON_CPU_HINT
     )
     raise ValueError(
         f"the launch asks for {wanted} but accelerate would run {running.value} (unsharded, as DDP or one process): "
@@ -99,3 +134,18 @@ def is_sharded(model: torch.nn.Module) -> bool:
     """Whether the model's parameters are split over processes (FSDP2 / tensor parallel DTensors, ZeRO-3), so that a
     forward on one rank alone would wait for the others forever."""
     return any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextmanager
+def alone_on_this_rank() -> Iterator[None]:
+    """transformers' ZeRO-3 switch (`is_deepspeed_zero3_enabled`) off in this process meanwhile, for work one rank
+    does alone on a plain model: with it on, `from_pretrained` builds the model partitioned (`zero.Init`) and
+    `generate` defaults to `synced_gpus`, both collectives the other ranks never join. Nothing changes without it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref  # the module global is_deepspeed_zero3_enabled() reads
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
