@@ -136,23 +136,39 @@ def launch(topology: str, stage: str, output: Path, *extra: str, check: bool = T
     return result
 
 
-@pytest.fixture(scope="module")
-def chains(tmp_path_factory) -> dict[str, Path]:
-    """pretrain -> sft -> grpo (generation inside training), sharded and with DDP, 3 steps each."""
-    root = tmp_path_factory.mktemp("stages")
+def train_chain(root: Path, stages: tuple[str, ...]) -> None:
+    """Each stage of `stages`, sharded and with DDP, 3 steps, each from its parent in the same topology."""
     for topology in ("cpu_fsdp2.yaml", "cpu_2proc.yaml"):
-        for stage in ("pretrain", "sft", "grpo"):
+        for stage in stages:
             parent = ["--model_name_or_path", str(root / topology / PARENT[stage])] if stage in PARENT else []
             launch(topology, stage, root / topology / stage, "--max_steps", "3", "--save_strategy", "no", *parent)
-    return {"fsdp": root / "cpu_fsdp2.yaml", "ddp": root / "cpu_2proc.yaml"}
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory) -> dict[str, Path]:
+    """pretrain -> sft, sharded and with DDP."""
+    root = tmp_path_factory.mktemp("stages")
+    train_chain(root, ("pretrain", "sft"))
+    return {"fsdp": root / "cpu_fsdp2.yaml", "ddp": root / "cpu_2proc.yaml", "root": root}
+
+
+@pytest.fixture(scope="module")
+def chains_with_grpo(chains) -> dict[str, Path]:
+    """... -> grpo (generation inside training, every rank generating with the sharded model)."""
+    train_chain(chains["root"], ("grpo",))
+    return chains
 
 
 def run_info(directory: Path) -> dict:
     return json.loads((directory / "run_info.json").read_text())
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft", "grpo"])
-def test_each_stage_trains_sharded_to_the_ddp_weights(chains, stage):
+@pytest.mark.parametrize(
+    "stage",
+    ["pretrain", "sft", pytest.param("grpo", marks=pytest.mark.slow)],  # grpo: 2 more launches, ~35 s
+)
+def test_each_stage_trains_sharded_to_the_ddp_weights(request, stage):
+    chains = request.getfixturevalue("chains_with_grpo" if stage == "grpo" else "chains")
     sharded, ddp = run_info(chains["fsdp"] / stage), run_info(chains["ddp"] / stage)
     assert (sharded["distributed_type"], ddp["distributed_type"]) == ("FSDP", "MULTI_CPU")
     assert sharded["world_size"] == 2 and len(set(sharded["parameter_digests"])) == 1

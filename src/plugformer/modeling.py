@@ -308,16 +308,19 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         `state_dict` gathered first if none is given: a collective, every rank calls it).
         """
         code_class = next(cls for cls in type(self).__mro__ if cls.__module__ == __name__)
-        if type(self) is code_class:
-            return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
-        if state_dict is None:
+        wrapped = type(self) is not code_class
+        if wrapped and state_dict is None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state_dict = get_model_state_dict(self, options=options)  # rank 0 gets it, the others {}
             kwargs["is_main_process"] = torch.distributed.get_rank() == 0
-        # a gathered state dict holds tied copies (`lm_head.weight`) that a plain save leaves out
-        state_dict = {key: value for key, value in state_dict.items() if key not in self.all_tied_weights_keys}
+        if state_dict is not None:
+            # a state dict gathered by a sharding wrapper (FSDP2's, accelerate's for ZeRO) holds the tied copies
+            # (`lm_head.weight`) that a plain save leaves out
+            state_dict = {key: value for key, value in state_dict.items() if key not in self.all_tied_weights_keys}
+        if not wrapped:
+            return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
         if not kwargs.get("is_main_process", True):  # nothing to write; an empty state dict must not overwrite
             return None
         wrapper_class, self.__class__ = self.__class__, code_class
