@@ -141,6 +141,10 @@ def _slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | tor
 slice_logits_to_keep = getattr(modeling_utils, "slice_logits_to_keep", _slice_logits_to_keep)
 
 
+# transformers before 5.21.0 assigns `base_model_tp_plan` in `PreTrainedConfig.__post_init__`
+ASSIGNS_TP_PLAN = Version(transformers.__version__).release < (5, 21)
+
+
 def tolerate_tp_plan_assignment(config_class: type) -> None:
     """Lets `config_class`, whose `base_model_tp_plan` is a read-only property (derived from its fields), be built by
     transformers before 5.21.0, whose `PreTrainedConfig.__post_init__` assigns the plan when embeddings are tied (to

@@ -12,6 +12,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from .compat import ASSIGNS_TP_PLAN
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
@@ -200,6 +201,13 @@ class PlugformerConfig(PreTrainedConfig):
         (`PositionScheme.tp_plan`, keyed relative to the stack's `positions`). A property: the scheme is a field."""
         scheme = POSITION_SCHEMES.get(self.position_scheme)
         return {**STACK_TP_PLAN, **{f"positions.{name}": style for name, style in scheme.tp_plan.items()}}
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, value) -> None:
+        # transformers before 5.21 assigns the plan in `PreTrainedConfig.__post_init__` (adding `embed_tokens` for tied
+        # embeddings; 5.21 and later do not): dropped there, since the plan follows the fields. Refused from 5.21 on.
+        if not ASSIGNS_TP_PLAN:
+            raise AttributeError("base_model_tp_plan is derived from position_scheme; set the fields instead")
 
     vocab_size: int = 32000
     hidden_size: int = 512
