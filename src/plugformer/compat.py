@@ -34,7 +34,6 @@ __all__ = [
     "create_causal_mask",
     "renamed_cache_kwarg",
     "slice_logits_to_keep",
-    "tolerate_tp_plan_assignment",
 ]
 
 CACHE_NAMED_CACHE = "cache" in modeling_outputs.BaseModelOutputWithPast.__dataclass_fields__  # 5.24.0 and later
@@ -143,15 +142,3 @@ slice_logits_to_keep = getattr(modeling_utils, "slice_logits_to_keep", _slice_lo
 
 # transformers before 5.21.0 assigns `base_model_tp_plan` in `PreTrainedConfig.__post_init__`
 ASSIGNS_TP_PLAN = Version(transformers.__version__).release < (5, 21)
-
-
-def tolerate_tp_plan_assignment(config_class: type) -> None:
-    """Lets `config_class`, whose `base_model_tp_plan` is a read-only property (derived from its fields), be built by
-    transformers before 5.21.0, whose `PreTrainedConfig.__post_init__` assigns the plan when embeddings are tied (to
-    add `embed_tokens`: "embedding_rowwise"). The assignment is dropped, as 5.21.0 and later do not make it; the tied
-    head's own plan (`_tp_plan`) is unchanged. Nothing changes from 5.21.0 on."""
-    if Version(transformers.__version__).release >= (5, 21):
-        return
-    plan = inspect.getattr_static(config_class, "base_model_tp_plan")
-    if isinstance(plan, property) and plan.fset is None:
-        config_class.base_model_tp_plan = plan.setter(lambda self, value: None)

@@ -38,7 +38,6 @@ from .compat import (
     create_causal_mask,
     renamed_cache_kwarg,
     slice_logits_to_keep,
-    tolerate_tp_plan_assignment,
 )
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
@@ -49,7 +48,6 @@ from .scores import ATTENTION_SCORES, AttentionScore
 
 
 logger = logging.get_logger(__name__)
-tolerate_tp_plan_assignment(PlugformerConfig)  # transformers < 5.21 (see `compat`)
 
 
 class PlugformerAttention(nn.Module):
