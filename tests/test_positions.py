@@ -50,7 +50,7 @@ def test_sinusoidal_matches_vaswani_formula():
 
 
 def test_sinusoidal_model_scales_token_embeddings_as_vaswani():
-    """Block input = embedding · sqrt(d) + PE (§3.4); embeddings the caller passes are not rescaled (Marian)."""
+    """Block input = embedding · sqrt(d) + PE (§3.4), for embeddings the caller passes too (Marian's decoder)."""
     model = build(tiny_config(scheme="sinusoidal"))
     ids = torch.tensor([[5, 9, 9, 2]])
     seen = []
@@ -60,7 +60,7 @@ def test_sinusoidal_model_scales_token_embeddings_as_vaswani():
     expected = model.model.embed_tokens.weight[ids[0]] * math.sqrt(d) + sinusoidal_table(torch.arange(4)[None], d)[0]
     torch.testing.assert_close(seen[0][0], expected)
     model(inputs_embeds=model.model.embed_tokens(ids))
-    torch.testing.assert_close(seen[1][0], expected - model.model.embed_tokens.weight[ids[0]] * (math.sqrt(d) - 1))
+    torch.testing.assert_close(seen[1][0], expected)
 
 
 def test_learned_positions_look_up_rows_and_refuse_positions_past_the_table():

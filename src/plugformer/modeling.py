@@ -528,8 +528,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
             inputs_embeds = embed_ids(
                 self.embed_tokens, input_ids, "decoder_input_ids" if self.cross_attention else "input_ids"
             )
-            if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
-                inputs_embeds = inputs_embeds * self.positions.token_scale
+        if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
+            # on both paths, as transformers' Marian decoder does ("in case user passes embeds"): the embeddings of
+            # `get_input_embeddings()(ids)` give the same output as the ids, and generate() continued from
+            # `inputs_embeds` (embeddings first, then ids) sees one scale throughout
+            inputs_embeds = inputs_embeds * self.positions.token_scale
         use_cache = self._use_cache(use_cache)
         if use_cache and cache is None and self.is_causal:  # an encoder has nothing to decode
             cache = self._new_cache()

@@ -50,8 +50,8 @@ class PositionScheme(nn.Module):
             computed for all heads (ALiBi's fixed slopes, a buffer no plan reaches) is sliced by each attention layer.
 
     Attributes:
-        token_scale (`float`): multiplies the token embeddings looked up from `input_ids` (not `inputs_embeds`
-            passed by the caller, as in transformers' Marian), before `embed()` is added.
+        token_scale (`float`): multiplies the token embeddings, looked up from `input_ids` or passed as
+            `inputs_embeds` alike (as transformers' Marian decoder does), before `embed()` is added.
     """
 
     has_bias = False

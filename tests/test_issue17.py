@@ -1,0 +1,25 @@
+"""Regressions of issue 17 (transformers' common model tests and outside clients) and issue 18 item 3: each test
+failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SCORES, build, tiny_config
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_sinusoidal_inputs_embeds_equal_input_ids_and_generate_alike(score):
+    """The sqrt(d) token scale applies to `inputs_embeds` too: embeddings of the ids give the ids' logits, and
+    generation continued from `inputs_embeds` picks the tokens generation from the ids picks."""
+    model = build(tiny_config(score, "sinusoidal"))
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_ids = model(input_ids=ids).logits
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+        torch.testing.assert_close(from_embeds, from_ids, atol=1e-6, rtol=0)
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+        continued = model.generate(
+            inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False
+        )  # returns the new tokens only
+    assert torch.equal(continued, generated[:, ids.shape[1] :])
