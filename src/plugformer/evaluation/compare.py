@@ -155,8 +155,32 @@ def parse_settings(entries: list[str]) -> dict[str, str]:
     return settings
 
 
+# Options that `compare` itself sets on every stage of every run (`train_run`). Set again by `--set` or a grid
+# key, they would come after compare's own and win: every seed would then be one run (`--seed 7` after each
+# `--seed N`, a spread of 0 and a "significant" p-value), or every run would share one folder.
+CONTROLLED = {
+    "seed": "--seeds",
+    "output_dir": "--output_dir (runs live in <output_dir>/runs/<variant>-<hash>/seed<N>/<stage>)",
+    "dataset_seed": "--dataset_seed (the same seed also picks the dev and test examples scored)",
+    "model_name_or_path": "--stages (each stage starts from its parent's folder in the same run)",
+    "reward_model_path": "--stages (rlhf uses the run's own reward stage)",
+    "config": "--stage_configs",
+}
+
+
+def refuse_controlled(settings: dict[str, str], source: str) -> None:
+    """Raises `ValueError` for a setting of an option that `compare` sets per run (see `CONTROLLED`)."""
+    for key, value in settings.items():
+        name = key.rpartition(".")[2]
+        if name in CONTROLLED:
+            raise ValueError(f"{source} {key}={value}: compare sets {name!r} itself for every run; use "
+                             f"{CONTROLLED[name]} instead")  # fmt: skip
+
+
 def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dict[str, list[str]]]:
     """The directory of a variant and the per-stage options of its runs (without seed and paths)."""
+    refuse_controlled(parse_settings(args.set), "--set")
+    refuse_controlled(variant, "--grid")
     settings = {**parse_settings(args.set), **variant}
     options = route(settings, args.stages)
     configs = {stage: args.stage_configs.format(stage=stage) for stage in args.stages}
