@@ -23,3 +23,18 @@ def test_sinusoidal_inputs_embeds_equal_input_ids_and_generate_alike(score):
             inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False
         )  # returns the new tokens only
     assert torch.equal(continued, generated[:, ids.shape[1] :])
+
+
+def test_sequence_classification_takes_a_cache_by_its_deprecated_name():
+    """`past_key_values=` is the deprecated alias of `cache` on every head that keeps one (it was ignored here)."""
+    from transformers.cache_utils import DynamicCache
+
+    from plugformer import PlugformerForSequenceClassification
+
+    torch.manual_seed(0)
+    model = PlugformerForSequenceClassification(tiny_config(pad_token_id=0, num_labels=3)).eval()
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        output = model(ids, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 5 and output.cache is cache

@@ -747,6 +747,7 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
 
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,
