@@ -38,3 +38,20 @@ def test_sequence_classification_takes_a_cache_by_its_deprecated_name():
     with torch.no_grad():
         output = model(ids, past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 5 and output.cache is cache
+
+
+@pytest.mark.parametrize("scheme", ["none", "alibi"])
+@pytest.mark.parametrize("training", [False, True])
+def test_additive_attention_weights_stay_in_the_graph(scheme, training):
+    """The weights eager returns for additive scores are those the output is computed from: a gradient reaches them
+    (they were a padded copy cut off from the graph), and the output equals the one without weights."""
+    model = build(tiny_config("additive", scheme, additive_chunk_size=3))
+    model.train(training)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    reference = model(ids).logits
+    output = model(ids, output_attentions=True)
+    torch.testing.assert_close(output.logits, reference, atol=1e-6, rtol=0)
+    attentions = output.attentions[0]
+    attentions.retain_grad()
+    output.logits.sum().backward()
+    assert attentions.grad is not None and attentions.grad.abs().sum() > 0

@@ -145,7 +145,23 @@ def _additive_chunk(
     position_bias: RelativeBias | None,
     rows: slice,
     dropout: float,
+) -> torch.Tensor:
+    """The output rows `(B, H, c, D)` of one query chunk."""
+    return _additive_chunk_weights(module, query_chunk, key, value, energy, mask_chunk, position_bias, rows, dropout)[0]
+
+
+def _additive_chunk_weights(
+    module: nn.Module,
+    query_chunk: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    energy: torch.Tensor,
+    mask_chunk: torch.Tensor | None,
+    position_bias: RelativeBias | None,
+    rows: slice,
+    dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output rows `(B, H, c, D)` and weights `(B, H, c, K)` of one query chunk."""
     # e_ij = vᵀ tanh(W1 q_i + W2 k_j): the projections were applied by the score function, so here the
     # (B, H, c, K, A) tanh tensor exists for one query chunk only. fp16 is scored in fp32 (as in the eager kernel):
     # vᵀ tanh(.) reaches sum |v|, which overflows 65504 when the energies are large; bf16/fp32 keep their dtype.
@@ -191,6 +207,7 @@ def additive_attention_forward(
     # the mask holds the causal pattern within a chunk; the keys dropped after it are blocked for every row
     causal = attention_mask is not None and q_len > 1 and kwargs.get("is_causal", getattr(module, "is_causal", False))
     causal = causal and mask_blocks_the_future(attention_mask, q_len, key_length)
+    wants_weights = _wants_weights(module, kwargs)
     outputs, weights = [], []
     for start in range(0, q_len, chunk_size):
         rows = slice(start, start + chunk_size)
@@ -198,15 +215,19 @@ def additive_attention_forward(
         mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
         args = (module, query[:, :, rows], key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias,
                 rows, dropout)  # fmt: skip
-        if recompute:
-            out, w = checkpoint(_additive_chunk, *args, use_reentrant=False)
+        chunk = _additive_chunk_weights if wants_weights else _additive_chunk
+        result = checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args)
+        if wants_weights:
+            weights.append(nn.functional.pad(result[1], (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
         else:
-            out, w = _additive_chunk(*args)
-        outputs.append(out)
-        if _wants_weights(module, kwargs):
-            weights.append(nn.functional.pad(w, (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
-    output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # (B, Q, H, D)
-    return output, (torch.cat(weights, dim=2) if weights else None)
+            outputs.append(result)
+    if wants_weights:
+        # The output is computed from the very weights returned, so they stay in the autograd graph (as eager's do:
+        # transformers' tests take their gradient); the (B, H, Q, K) weights are materialised anyway.
+        attn_weights = torch.cat(weights, dim=2)  # (B, H, Q, K)
+        output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()  # (B, Q, H, D)
+        return output, attn_weights
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
 
 
 def _allowed_keys(
