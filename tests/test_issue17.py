@@ -55,3 +55,45 @@ def test_additive_attention_weights_stay_in_the_graph(scheme, training):
     attentions.retain_grad()
     output.logits.sum().backward()
     assert attentions.grad is not None and attentions.grad.abs().sum() > 0
+
+
+def test_config_signature_shows_the_fields():
+    """Tools that build a config from `inspect.signature` (transformers' tester) see the fields, not `**kwargs`."""
+    import inspect
+
+    from plugformer import PlugformerConfig
+
+    parameters = inspect.signature(PlugformerConfig.__init__).parameters
+    assert {"attention_score", "position_scheme", "hidden_size", "use_cache"} <= set(parameters)
+    assert parameters["attention_score"].default == "scaled_dot"
+
+
+@pytest.mark.parametrize(("key", "meant"), [("attention_scor", "attention_score"), ("positon_scheme", "position_scheme"),
+                                             ("hiden_size", "hidden_size")])  # fmt: skip
+def test_config_refuses_a_near_miss_of_a_field(key, meant, tmp_path):
+    import json
+
+    from plugformer import PlugformerConfig
+
+    with pytest.raises(ValueError, match=rf"{key}=.*did you mean '{meant}'"):
+        PlugformerConfig(**{key: "additive"})
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved[key] = saved.pop(meant)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=rf"{key}=.*did you mean '{meant}'"):
+        PlugformerConfig.from_pretrained(tmp_path)
+
+
+def test_config_keeps_transformers_bookkeeping_kwargs(tmp_path):
+    """What transformers passes or writes (labels, dtype, legacy names, generation settings, custom attributes)
+    still loads."""
+    from plugformer import PlugformerConfig
+
+    config = tiny_config(num_labels=3, problem_type="single_label_classification", torch_dtype="float32",
+                         output_attentions=True, name_or_path="x", my_own_note="kept")  # fmt: skip
+    config.save_pretrained(tmp_path)
+    loaded = PlugformerConfig.from_pretrained(tmp_path, attn_implementation="eager")
+    assert loaded.num_labels == 3 and loaded.my_own_note == "kept"
+    unnamed = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}  # noqa: E731
+    assert unnamed(loaded) == unnamed(config)

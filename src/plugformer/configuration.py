@@ -5,11 +5,13 @@ only when the annotation is a type; a string (what that import turns every annot
 """
 
 import copy
+import difflib
+import functools
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
-from transformers import PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .compat import ASSIGNS_TP_PLAN
@@ -331,8 +333,34 @@ class PlugformerConfig(PreTrainedConfig):
 
 _strict_init = PlugformerConfig.__init__
 
+# Keyword arguments that are no field of PlugformerConfig but that transformers itself passes or reads back from a
+# config.json (bookkeeping such as `_name_or_path`, `architectures`, `torch_dtype`; legacy RoPE keys it converts;
+# generation settings it drops): never taken for a typo, however close to a field.
+_TRANSFORMERS_KWARGS = frozenset(
+    {*PreTrainedConfig.__dataclass_fields__, *dir(PreTrainedConfig), *GenerationConfig._get_default_generation_params()}
+    | {"name_or_path", "output_attentions", "attn_implementation", "experts_implementation", "per_layer_config",
+       "torch_dtype", "num_labels", "rope_scaling", "rope_theta", "partial_rotary_factor", "use_return_dict"}
+)  # fmt: skip
 
+
+def _refuse_near_miss(kwargs: dict[str, Any]) -> None:
+    """Raises a `ValueError` for a keyword argument that is no field but nearly spells one (`attention_scor`):
+    transformers keeps unknown keys as plain attributes, so the default of the field meant would be used silently."""
+    fields = PlugformerConfig.__dataclass_fields__
+    for key in kwargs:
+        if key in fields or key in _TRANSFORMERS_KWARGS or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(
+                f"PlugformerConfig got {key}={kwargs[key]!r}, which is not a field; did you mean {close[0]!r}? (keys "
+                "of a config.json are read the same way)"
+            )
+
+
+@functools.wraps(_strict_init)  # `inspect.signature` shows the fields: tools that read it build the model asked for
 def _init_with_builtin_errors(self, *args, **kwargs):
+    _refuse_near_miss(kwargs)
     # huggingface_hub's strict dataclasses wrap validation errors in their own exception types; users (and
     # `except ValueError` around config loading) expect the builtin ones, with the message naming the field.
     try:
