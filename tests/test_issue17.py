@@ -97,3 +97,21 @@ def test_config_keeps_transformers_bookkeeping_kwargs(tmp_path):
     assert loaded.num_labels == 3 and loaded.my_own_note == "kept"
     unnamed = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}  # noqa: E731
     assert unnamed(loaded) == unnamed(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])
+def test_an_all_zero_mask_row_is_refused(dtype):
+    """A sequence with nothing to attend to has no defined softmax: refused, naming the argument and the row."""
+    from plugformer import PlugformerForConditionalGeneration
+
+    model = build(tiny_config())
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 5, dtype=dtype)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"attention_mask row 1 is all zeros"):
+        model(ids, attention_mask=mask)
+    seq2seq = PlugformerForConditionalGeneration(tiny_config(is_encoder_decoder=True, pad_token_id=0)).eval()
+    with pytest.raises(ValueError, match=r"^attention_mask row 1 is all zeros"):
+        seq2seq(ids, attention_mask=mask, decoder_input_ids=ids[:, :2])
+    with pytest.raises(ValueError, match=r"decoder_attention_mask row 1 is all zeros"):
+        seq2seq(ids, decoder_input_ids=ids, decoder_attention_mask=mask)

@@ -1,8 +1,9 @@
 """Validation of a stack's inputs: malformed ids, embeddings, masks and positions are refused before any work with a
 `ValueError` / `TypeError` that names the argument (a seq2seq decoder's are its model's `decoder_*` arguments).
 
-Types and shapes are checked always, in Python. Values (ids in the vocabulary, finite embeddings, 0/1 masks,
-non-negative positions) need tensor reductions; a decoding step runs them every token, so they are few and cheap:
+Types and shapes are checked always, in Python. Values (ids in the vocabulary, finite embeddings, 0/1 masks with a 1
+in every row, non-negative positions) need tensor reductions; a decoding step runs them every token, so they are few
+and cheap:
 - their statistics are read in one device sync (on the CPU, scalar reads cost none);
 - ids on the CPU are left to the embedding's own bounds check, whose `IndexError` `embed_ids` turns into the same
   error (on an accelerator an out-of-range index is a device-side assert, so they are checked up front there);
@@ -141,7 +142,11 @@ def _value_checks(prefix: str, vocab_size: int, input_ids, inputs_embeds, masks,
     if inputs_embeds is not None:
         checks.append(((torch.isfinite(inputs_embeds).all().long(),), _embeds_problem, f"{prefix}inputs_embeds"))
     for name, mask in masks:
-        if mask is None or mask.ndim != 2 or mask.dtype == torch.bool:
+        if mask is None or mask.ndim != 2:
+            continue
+        # a row that attends to nothing has no defined softmax (kernels give NaN or zeros, each its own)
+        checks.append(((mask.bool().any(dim=-1).all().long(),), _empty_row_problem, (name, mask)))
+        if mask.dtype == torch.bool:
             continue
         if mask.is_floating_point():  # 0.5 lies between 0 and 1: count the values that are neither
             checks.append(((((mask != 0) & (mask != 1)).sum(),), _float_mask_problem, (name, mask)))
@@ -190,6 +195,17 @@ def _float_mask_problem(context: tuple[str, torch.Tensor], count: int) -> ValueE
 
 def _integer_mask_problem(name: str, low: int, high: int) -> ValueError | None:
     return _mask_values_error(name, low if low < 0 else high) if low < 0 or high > 1 else None
+
+
+def _empty_row_problem(context: tuple[str, torch.Tensor], every_row_attends: int) -> ValueError | None:
+    if every_row_attends:
+        return None
+    name, mask = context
+    row = int((~mask.bool().any(dim=-1)).nonzero()[0, 0])
+    return ValueError(
+        f"{name} row {row} is all zeros: that sequence has no token to attend to; every row needs at least one 1 "
+        "(drop empty sequences from the batch)"
+    )
 
 
 def _positions_problem(name: str, low: int) -> ValueError | None:

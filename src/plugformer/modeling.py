@@ -515,7 +515,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
         Raises:
             `ValueError` / `TypeError` naming the argument, before any work, for malformed inputs (see
             `check_inputs`): ids outside the vocabulary, empty inputs, masks or positions of another shape, masks
-            with values other than 0 and 1, non-integer ids or positions, NaN or infinite `inputs_embeds`.
+            with values other than 0 and 1 or a row of zeros, non-integer ids or positions, NaN or infinite
+            `inputs_embeds`.
         """
         if encoder_hidden_states is not None and not self.cross_attention:
             raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
