@@ -13,7 +13,7 @@ def _demo(argv: list[str]) -> None:
 
 
 def _convert(argv: list[str]) -> None:
-    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...]"""
+    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite]"""
     import argparse
 
     import yaml
@@ -24,6 +24,7 @@ def _convert(argv: list[str]) -> None:
     parser.add_argument("source", help="transformers checkpoint directory (model_type llama or gpt2)")
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override")
+    parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUTPUT_DIR")
     args = parser.parse_args(argv)
     overrides = {}
     for item in args.set:
@@ -31,7 +32,7 @@ def _convert(argv: list[str]) -> None:
         if not separator:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
         overrides[field] = yaml.safe_load(value)
-    model = convert(args.source, args.output_dir, **overrides)
+    model = convert(args.source, args.output_dir, overwrite=args.overwrite, **overrides)
     print(
         f"saved {type(model).__name__} ({model.config.attention_score}, {model.config.position_scheme}) to {args.output_dir}"
     )

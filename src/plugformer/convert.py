@@ -126,24 +126,50 @@ def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
     return {name: tensor.contiguous() for name, tensor in renamed.items()}
 
 
+MODEL_FILES = ("config.json", "*.safetensors", "*.bin", "checkpoint-*")
+
+
+def check_output_dir(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> None:
+    """Raises `ValueError` before anything is loaded if saving to `output_dir` would destroy a model or save nothing:
+    the source itself (or a folder inside it: the source's files would sit beside another model's), an existing
+    file, or, without `overwrite`, a folder already holding a model."""
+    source, output = Path(source).resolve(), Path(output_dir).resolve()
+    if output == source or source in output.parents:
+        raise ValueError(f"output_dir={str(output_dir)!r} is {'the source' if output == source else 'inside the source'} "
+                         f"{str(source)!r}: converting would overwrite or mix with it; choose a folder outside it")  # fmt: skip
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output_dir={str(output_dir)!r} is an existing file, not a folder; choose a new folder")
+    occupied = sorted({p.name for pattern in MODEL_FILES for p in output.glob(pattern)}) if output.is_dir() else []
+    if occupied and not overwrite:
+        raise ValueError(f"output_dir={str(output_dir)!r} already holds a model ({', '.join(occupied[:4])}); choose "
+                         "a new folder, or pass --overwrite to replace it")  # fmt: skip
+
+
 CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
     "llama": (llama_config, llama_weights),
     "gpt2": (gpt2_config, gpt2_weights),
 }
 
 
-def convert(source: str | Path, output_dir: str | Path | None = None, **overrides: Any) -> PlugformerForCausalLM:
+def convert(
+    source: str | Path, output_dir: str | Path | None = None, overwrite: bool = False, **overrides: Any
+) -> PlugformerForCausalLM:
     """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
 
     Args:
         source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama or gpt2).
-        output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code).
+        output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
+            source or a folder inside it, nor an existing file; a folder that already holds a model only with
+            `overwrite`.
+        overwrite (`bool`, *optional*, defaults to `False`): Replace the model already in `output_dir`.
         overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that no longer fit
             are dropped and new parameters initialised; both lists are logged.
 
     Returns:
         [`PlugformerForCausalLM`]: In eval mode; without overrides its logits equal the source model's.
     """
+    if output_dir is not None:
+        check_output_dir(source, output_dir, overwrite)
     source_config = AutoConfig.from_pretrained(source)
     if source_config.model_type not in CONVERTERS:
         raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")

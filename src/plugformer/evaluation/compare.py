@@ -165,6 +165,8 @@ CONTROLLED = {
     "model_name_or_path": "--stages (each stage starts from its parent's folder in the same run)",
     "reward_model_path": "--stages (rlhf uses the run's own reward stage)",
     "config": "--stage_configs",
+    "resume_from_checkpoint": "--rerun false (an interrupted stage resumes from its newest checkpoint by itself)",
+    "overwrite_output_dir": "--rerun true",
 }
 
 
@@ -201,6 +203,7 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
 def train_run(args: CompareArguments, directory: Path, options: dict[str, list[str]], seed: int) -> Path:
     """Trains the stages of one (variant, seed) run, reusing finished stages; returns the last stage's directory."""
     from ..training import run_stage
+    from ..training.outputs import run_files
     from ..training.pipeline import PARENTS
 
     run_dir = directory / f"seed{seed}"
@@ -210,6 +213,12 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
             continue
         argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", str(output)]
         argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed), "--exact_match_examples", "0"]
+        # the folder is this run's own (same settings hash and seed): an interrupted stage resumes from its newest
+        # checkpoint, the remains of one killed before its first checkpoint (or --rerun) are replaced
+        if not args.rerun and any(output.glob("checkpoint-*")):
+            argv += ["--resume_from_checkpoint", "last"]
+        elif run_files(output):
+            argv += ["--overwrite_output_dir", "true"]
         parent = PARENTS[stage]
         if parent is not None:
             if parent not in args.stages:

@@ -30,6 +30,11 @@ class StageArguments:
         default=200, metadata={"help": "dev examples scored by greedy exact match after training (0: skip)"}
     )
     max_new_tokens: int = field(default=32, metadata={"help": "generation budget of the exact-match evaluation"})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "train into an output_dir that holds another run's model/checkpoints (they are removed); "
+                          "without it such a folder is refused unless --resume_from_checkpoint resumes that run"},
+    )  # fmt: skip
 
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}

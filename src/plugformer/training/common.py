@@ -18,6 +18,7 @@ from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkp
 from .data import load_stage_dataset
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .evaluation import exact_match
+from .outputs import claim_output_dir, release_lock
 from .sharding import is_sharded, refuse_unsharded_fallback
 
 
@@ -162,6 +163,7 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
               + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip
     trainer.accelerator.wait_for_everyone()
+    release_lock(args.output_dir)
     return info
 
 
@@ -181,6 +183,7 @@ def run_trainer(
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`."""
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
+    claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
     model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it

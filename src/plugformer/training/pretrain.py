@@ -21,6 +21,7 @@ from ..tokenization import train_tokenizer
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
 from .distributed import check_launch, log_effective_batch
+from .outputs import claim_output_dir
 
 
 def build_tokenizer(script_args, model_args, texts):
@@ -77,6 +78,7 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
 
 def train(script_args, model_args, training_args) -> dict:
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
+    claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
     data = stage_data("pretrain", script_args)
     tokenizer = build_tokenizer(script_args, model_args, data["train"]["text"])
     model = build_model(script_args, model_args, tokenizer)
