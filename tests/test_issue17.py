@@ -115,3 +115,55 @@ def test_an_all_zero_mask_row_is_refused(dtype):
         seq2seq(ids, attention_mask=mask, decoder_input_ids=ids[:, :2])
     with pytest.raises(ValueError, match=r"decoder_attention_mask row 1 is all zeros"):
         seq2seq(ids, decoder_input_ids=ids, decoder_attention_mask=mask)
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("scheme", ["rope", "alibi"])
+def test_capability_flags_follow_the_config(score, scheme):
+    """`_supports_sdpa` / `_supports_flex_attn` / `_supports_flash_attn` answer for the model's config (the kernel
+    table), so transformers and its tests skip what the config cannot run; an explicit request of such a kernel
+    raises, the default resolves to eager; a supported sdpa can be set at run time."""
+    from plugformer import KERNELS, PlugformerForCausalLM
+
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(tiny_config(score, scheme))
+    config = model.config
+    for flag, kernel in (("_supports_sdpa", "sdpa"), ("_supports_flex_attn", "flex_attention"),
+                         ("_supports_flash_attn", "flash_attention_2")):  # fmt: skip
+        assert getattr(model, flag) is (KERNELS.get(kernel).unsupported_reason(config) is None), flag
+    dot_product = score != "additive"
+    assert model.config._attn_implementation == ("sdpa" if dot_product else "eager")
+    if dot_product:
+        model.set_attn_implementation("eager")
+        model.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == "sdpa"
+    else:
+        with pytest.raises(ValueError, match="attention_score='additive'"):
+            model.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == "eager"
+
+
+def test_padding_free_position_ids_equal_separate_sequences():
+    """Packed sequences with restarting `position_ids` and no mask (transformers' padding-free format) attend only
+    within their own sequence, on every kernel each config supports (additive: eager)."""
+    import copy
+
+    from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, supported_kernels
+
+    first, second = torch.randint(3, 128, (2, 1, 5), generator=torch.Generator().manual_seed(0)).unbind(0)
+    second = second[:, :4]
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    for score in SCORES:
+        for scheme in POSITION_SCHEMES.names():
+            config = tiny_config(score, scheme)
+            for kernel in supported_kernels(config):
+                if kernel == "flex_attention":  # compiled per shape: seconds each; covered by test_combinations
+                    continue
+                config = copy.deepcopy(config)
+                config._attn_implementation = kernel
+                torch.manual_seed(0)
+                model = PlugformerForCausalLM(config).eval()
+                with torch.no_grad():
+                    packed = model(torch.cat([first, second], 1), position_ids=position_ids, use_cache=False).logits
+                    torch.testing.assert_close(packed[:, :5], model(first).logits, atol=1e-5, rtol=0)
+                    torch.testing.assert_close(packed[:, 5:], model(second).logits, atol=1e-5, rtol=0)

@@ -278,9 +278,6 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["PlugformerDecoderLayer"]
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _supports_flash_attn = True  # where `capabilities.KERNELS` allows: dot-product scores without a score bias
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {
@@ -331,6 +328,24 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):
             module.reset_parameters(self.config)
+
+    # Capability flags, per config: support depends on the config, not the class (additive scores are no dot product,
+    # flash kernels take no score bias), so transformers, which reads these flags off the model instance, gets each
+    # config's answer from the kernel table. An additive model says `_supports_sdpa=False` as a model without sdpa
+    # does in transformers: no request resolves to eager, an explicit sdpa request (`from_pretrained`,
+    # `set_attn_implementation`) raises. Read off the class, the flags are property objects (truthy): the class runs
+    # sdpa/flex/flash for some configs. (README, "Conformance".)
+    @property
+    def _supports_sdpa(self) -> bool:
+        return unsupported_reason(self.config, "sdpa") is None
+
+    @property
+    def _supports_flex_attn(self) -> bool:
+        return unsupported_reason(self.config, "flex_attention") is None
+
+    @property
+    def _supports_flash_attn(self) -> bool:
+        return unsupported_reason(self.config, "flash_attention_2") is None
 
     # transformers asks these hooks whether a kernel can run this model; when no kernel was requested, a refusal of
     # sdpa falls back to eager, an explicit request of any kernel the table says cannot compute it raises.
