@@ -354,9 +354,18 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         if reason is not None:
             raise ValueError(reason)
 
+    # (first plugformer's reason, which names the field: transformers' own message for a False flag does not)
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         self._refuse_unsupported("sdpa")
         return super()._sdpa_can_dispatch(is_init_check)
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        self._refuse_unsupported("flex_attention")
+        return super()._flex_attn_can_dispatch(is_init_check)
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        self._refuse_unsupported(f"flash_attention_{flash_attn_version}")
+        return super()._flash_attn_can_dispatch(flash_attn_version=flash_attn_version, is_init_check=is_init_check)
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
