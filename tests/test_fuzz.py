@@ -197,6 +197,9 @@ def violations(fields: dict, kernel: str | None) -> tuple[list[set[str]], list[s
         head_dim = head_dim if is_int(head_dim) else None
         max_positions = values["max_position_embeddings"] if fine("max_position_embeddings") else None
         (must if scheme == "rope" else may).extend(rope_violations(rope, head_dim, max_positions))
+        rotary_settings = rope.get("rope_type", "default") != "default" or set(rope) - {"rope_type", "rope_theta"}
+        if scheme != "rope" and rotary_settings:  # RoPE settings a scheme without rotation would ignore
+            must.append({"rope_parameters", "position_scheme"})
     if values["is_encoder_decoder"] is True and values["pad_token_id"] is None:
         must.append({"pad_token_id", "is_encoder_decoder"})
     if kernel not in (None, "eager") and values["attention_score"] == "additive":

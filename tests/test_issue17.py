@@ -167,3 +167,19 @@ def test_padding_free_position_ids_equal_separate_sequences():
                     packed = model(torch.cat([first, second], 1), position_ids=position_ids, use_cache=False).logits
                     torch.testing.assert_close(packed[:, :5], model(first).logits, atol=1e-5, rtol=0)
                     torch.testing.assert_close(packed[:, 5:], model(second).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["none", "sinusoidal", "learned", "alibi", "t5_bias", "clamped_bias"])
+def test_rope_settings_on_a_scheme_without_rotary_positions_are_refused(scheme, tmp_path, caplog):
+    from plugformer import PlugformerConfig
+
+    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=rf"rope_parameters=.*position_scheme='{scheme}' has none"):
+        tiny_config(scheme=scheme, rope_parameters=scaled)
+    with pytest.raises(ValueError, match=r"rope_parameters="):
+        tiny_config(scheme=scheme, rope_scaling={"rope_type": "dynamic", "factor": 2.0})  # the legacy name
+    # what transformers writes into every config (the default fill) loads, and a preset's theta goes with its scheme
+    tiny_config(scheme=scheme).save_pretrained(tmp_path)
+    assert PlugformerConfig.from_pretrained(tmp_path).rope_parameters["rope_type"] == "default"
+    assert PlugformerConfig.from_preset("llama", position_scheme=scheme).rope_parameters["rope_theta"] == 10000.0
+    tiny_config(scheme=scheme, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # warns only

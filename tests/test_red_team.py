@@ -146,7 +146,7 @@ def test_resuming_the_same_run_and_an_explicit_overwrite_still_train(finished, t
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     with caplog.at_level(logging.WARNING, logger="plugformer.training.outputs"):
         pretrain(run, "--overwrite_output_dir", "true", "--save_steps", "1")
-    assert "removing ['checkpoint-2', 'checkpoint-4', 'run_info.json']" in caplog.text
+    assert "removing ['checkpoint-2', 'checkpoint-4', 'last_checkpoint.json', 'run_info.json', 'trainer_state.json']" in caplog.text
     # only the new run's checkpoints: rotation and `last` can never pick the old run's
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 2
@@ -184,3 +184,98 @@ def test_a_live_run_locks_its_folder_and_a_dead_ones_lock_is_taken_over(tmp_path
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "then"}))
     with pytest.raises(ValueError, match=r"locked by pid 1 on host elsewhere .* delete"):
         pretrain(tmp_path / "run", "--resume_from_checkpoint", "last")
+
+
+# --- counts and options that silently meant something else -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--max_steps", "-5"], r"--max_steps -5: expected a positive number of optimizer steps, or -1"),
+        (["--max_steps", "0"], r"--max_steps 0: expected a positive number"),
+        (["--max_steps", "-1", "--num_train_epochs", "0"], r"--num_train_epochs 0.0: expected a positive number"),
+        (["--train_examples", "-3"], r"--train_examples -3: expected an integer >= 1"),
+        (["--dev_examples", "-1"], r"--dev_examples -1: expected an integer >= 0"),
+        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size 0: expected an integer >= 1"),
+        (["--gradient_accumulation_steps", "-2"], r"--gradient_accumulation_steps -2: expected an integer >= 1"),
+        (["--learning_rate", "-0.001"], r"--learning_rate -0.001: expected a value >= 0"),
+        (["--save_total_limit", "-1"], r"--save_total_limit -1: expected an integer >= 0"),
+        (["--block_size", "1"], r"--block_size 1: expected an integer >= 2"),
+        (["--mlm_probability", "1.5"], r"--mlm_probability 1.5: expected a rate between 0 and 1"),
+    ],
+)
+def test_negative_and_zero_counts_are_refused_before_any_work(tmp_path, monkeypatch, flags, pattern):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
+    with pytest.raises(ValueError, match=pattern):
+        pretrain(tmp_path / "run", *flags)
+    assert not (tmp_path / "run").exists()
+
+
+def test_trl_stages_refuse_negative_counts_before_loading_the_model(tmp_path, monkeypatch):
+    from plugformer.training import common, run_stage
+
+    monkeypatch.setattr(common, "load_model", refuse_training)
+    for stage, flags in (("sft", ["--max_steps", "-5"]), ("dpo", ["--max_length", "-1"]), ("grpo", ["--max_completion_length", "-8"])):
+        with pytest.raises(ValueError, match=rf"--{flags[0][2:]} {flags[1]}: expected"):
+            run_stage(stage, ["--output_dir", str(tmp_path / stage), "--model_name_or_path", str(tmp_path), *flags])
+
+
+def test_a_tokenizer_beside_a_model_is_refused_not_ignored(finished, tmp_path, monkeypatch):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
+    with pytest.raises(ValueError, match=r"--tokenizer_name_or_path .*other beside --model_name_or_path .*model's own"):
+        pretrain(tmp_path / "run", "--model_name_or_path", str(finished), "--tokenizer_name_or_path",
+                 str(tmp_path / "other"))  # fmt: skip
+
+
+# --- resuming: older than reached, odd manifests ------------------------------------------------------------------
+
+
+def test_resuming_behind_the_step_reached_warns_naming_both_steps(tmp_path, caplog):
+    import logging
+    import shutil
+
+    run = tmp_path / "run"
+    pretrain(run, "--max_steps", "4")
+    shutil.rmtree(run / "checkpoint-4")  # the newest checkpoint removed by hand
+    with caplog.at_level(logging.WARNING, logger="plugformer.training.checkpoints"):
+        pretrain(run, "--max_steps", "4", "--resume_from_checkpoint", "last")
+    assert "RESUMING FROM AN OLDER STATE: this run had reached step 4" in caplog.text
+    assert "newest intact checkpoint is checkpoint-2" in caplog.text and "steps 3-4 are trained again" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="plugformer.training.checkpoints"):  # back at step 4: nothing to say
+        pretrain(run, "--max_steps", "4", "--resume_from_checkpoint", "last")
+    assert "OLDER STATE" not in caplog.text
+
+
+@pytest.mark.parametrize("manifest", ["[]", "{}", '{"model.safetensors": []}', "null"])
+def test_a_manifest_that_vouches_for_nothing_is_skipped_not_a_crash(finished, tmp_path, caplog, manifest):
+    import logging
+
+    from plugformer.training.checkpoints import MANIFEST, last_good_checkpoint, verify_checkpoint
+
+    run = copy_of(finished, tmp_path)
+    (run / "checkpoint-2" / MANIFEST).write_text(manifest)
+    assert "manifest" in verify_checkpoint(run / "checkpoint-2")
+    with caplog.at_level(logging.WARNING, logger="plugformer.training.checkpoints"):
+        assert last_good_checkpoint(run) is None
+    assert "skipping" in caplog.text and "reached step 2" in caplog.text
+
+
+def test_a_checkpoint_without_a_manifest_is_not_picked_by_last(finished, tmp_path, caplog):
+    import logging
+
+    from plugformer.training.checkpoints import MANIFEST, last_good_checkpoint, verify_checkpoint
+
+    run = copy_of(finished, tmp_path)
+    (run / "checkpoint-2" / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING, logger="plugformer.training.checkpoints"):
+        assert last_good_checkpoint(run) is None
+        assert "no checkpoint_manifest.json" in caplog.text and "pass its path" in caplog.text
+        caplog.clear()
+        assert verify_checkpoint(run / "checkpoint-2") is None  # an explicit path: checked, accepted with a warning
+    assert "not its optimizer, scheduler or random states" in caplog.text

@@ -347,13 +347,15 @@ def test_pretrain_an_encoder_as_a_masked_lm(tmp_path):
 def test_resume_from_checkpoint_last_finds_the_newest(tmp_path):
     from types import SimpleNamespace
 
+    from plugformer.training.checkpoints import publish
     from plugformer.training.common import resume_checkpoint
 
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="last")
     assert resume_checkpoint(args) is None  # nothing yet: a fresh start, with a warning
-    for step in (5, 10):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    for step in (5, 10):  # published as plugformer publishes (with a manifest): `last` takes no other
+        (tmp_path / "staged").mkdir()
+        (tmp_path / "staged" / "trainer_state.json").write_text("{}")
+        publish(tmp_path / "staged", tmp_path / f"checkpoint-{step}")
     assert resume_checkpoint(args) == str(tmp_path / "checkpoint-10")
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-5")
     assert resume_checkpoint(args) == str(tmp_path / "checkpoint-5")

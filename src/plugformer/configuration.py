@@ -13,11 +13,15 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
+from transformers.utils import logging
 
 from .compat import ASSIGNS_TP_PLAN
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
+
+
+logger = logging.get_logger(__name__)
 
 
 # Presets are diffs from the dataclass defaults (litgpt's habit): read the defaults, then the diff.
@@ -300,13 +304,36 @@ class PlugformerConfig(PreTrainedConfig):
     def validate_rope(self):
         """transformers' check of `rope_parameters`, run only where they are used (transformers fills them in for
         every config, and would refuse e.g. an odd head_dim under `position_scheme="none"`); its `KeyError` for a
-        missing key becomes a `ValueError` naming the field."""
-        if self.position_scheme != "rope":
+        missing key becomes a `ValueError` naming the field. A scheme without rotary positions refuses parameters it
+        would ignore (`_refuse_unused_rope`)."""
+        if not POSITION_SCHEMES.get(self.position_scheme).uses_rope_parameters:
+            self._refuse_unused_rope()
             return
         try:
             super().validate_rope()
         except KeyError as error:
             raise ValueError(f"rope_parameters={self.rope_parameters!r}: {error.args[0]}") from error
+
+    def _refuse_unused_rope(self) -> None:
+        """`rope_parameters` on a scheme that does not rotate: a RoPE type or scaling key (`factor`, ...) is refused,
+        since whoever set it expects an effect (a longer context for `learned`, which then fails past
+        `max_position_embeddings`); a bare `rope_theta` other than the default only warns: transformers fills
+        `{"rope_type": "default", "rope_theta": ...}` into every config it writes, and presets carry a theta (`llama`
+        with another `position_scheme`)."""
+        rope = self.rope_parameters
+        if not isinstance(rope, dict):
+            return
+        scaling = sorted(set(rope) - {"rope_type", "rope_theta", "type"})
+        if rope.get("rope_type", rope.get("type", "default")) != "default" or scaling:
+            raise ValueError(
+                f"rope_parameters={rope!r} configure rotary positions, but position_scheme={self.position_scheme!r} "
+                "has none and would ignore them; drop rope_parameters, or use position_scheme='rope'"
+            )
+        if rope.get("rope_theta", self.default_theta) != self.default_theta:
+            logger.warning_once(
+                f"rope_parameters['rope_theta']={rope['rope_theta']} is ignored: position_scheme="
+                f"{self.position_scheme!r} has no rotary positions"
+            )
 
     def validate_token_ids(self):
         """Special token ids must be valid rows of the embedding (transformers only warns)."""
@@ -328,7 +355,11 @@ class PlugformerConfig(PreTrainedConfig):
     def from_preset(cls, name: str, **overrides: Any) -> "PlugformerConfig":
         """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""
         _choice("preset", name, list(PRESETS))
-        return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
+        values = {**copy.deepcopy(PRESETS[name]), **overrides}
+        scheme = values.get("position_scheme", cls.__dataclass_fields__["position_scheme"].default)
+        if "rope_parameters" not in overrides and not POSITION_SCHEMES.get(scheme).uses_rope_parameters:
+            values.pop("rope_parameters", None)  # the preset's RoPE settings, for a scheme the caller swapped in
+        return cls(**values)
 
 
 _strict_init = PlugformerConfig.__init__

@@ -44,6 +44,8 @@ class PositionScheme(nn.Module):
     Class attributes:
         has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
             refuse such schemes).
+        uses_rope_parameters (`bool`): whether the scheme reads `config.rope_parameters` (the config refuses RoPE
+            settings for a scheme that would ignore them).
         tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
             to the scheme (the config's `base_model_tp_plan` adds them under `positions.`). A learned per-head table
             is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
@@ -55,6 +57,7 @@ class PositionScheme(nn.Module):
     """
 
     has_bias = False
+    uses_rope_parameters = False
     tp_plan: dict[str, str] = {}
     token_scale = 1.0
 
@@ -189,6 +192,8 @@ class RotaryPositions(PositionScheme):
     Same layout as transformers' Llama: frequencies repeated over the two halves of the head dimension and
     `rotate_half`, so weights converted from Llama give identical logits.
     """
+
+    uses_rope_parameters = True
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)

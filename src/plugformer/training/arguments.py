@@ -36,6 +36,10 @@ class StageArguments:
                           "without it such a folder is refused unless --resume_from_checkpoint resumes that run"},
     )  # fmt: skip
 
+    def __post_init__(self):
+        check_counts(self, {"train_examples": 1, "dev_examples": 0, "test_examples": 0, "exact_match_examples": 0,
+                            "max_new_tokens": 1})  # fmt: skip
+
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
 
@@ -72,11 +76,71 @@ class PretrainArguments(StageArguments):
                           "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
     )  # fmt: skip
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"vocab_size": 1, "block_size": 2})
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
+
     def architecture(self) -> dict:
         names = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
         fields = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         return {**fields, **parse_overrides(self.config_overrides, "config_overrides")}
+
+
+def check_counts(arguments, minimums: dict[str, int]) -> None:
+    """Raises `ValueError` for a field of `arguments` that is not an integer of at least `minimums[field]` (`None`
+    passes: "not set"). A negative count must never mean something else silently.
+
+    >>> from types import SimpleNamespace
+    >>> check_counts(SimpleNamespace(train_examples=-5), {"train_examples": 1})
+    Traceback (most recent call last):
+    ...
+    ValueError: --train_examples -5: expected an integer >= 1
+    """
+    for name, minimum in minimums.items():
+        value = getattr(arguments, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"--{name} {value!r}: expected an integer >= {minimum}")
+
+
+# trainer options (TrainingArguments and TRL's configs) that count something; None means "not set" where allowed
+TRAINER_COUNTS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "save_total_limit": 0,
+    "max_length": 1,
+    "max_completion_length": 1,
+    "num_generations": 1,
+    "num_iterations": 1,
+}
+
+
+def check_trainer_arguments(training_args) -> None:
+    """Raises `ValueError` for trainer options that transformers/TRL would silently read as something else:
+    `max_steps` other than -1 (train `num_train_epochs`) below 1 (`--max_steps -5` trained the epochs), a
+    non-positive `num_train_epochs` when it counts, negative logging/eval/save intervals, a negative learning rate
+    (gradient ascent) or gradient-clipping norm, and the counts in `TRAINER_COUNTS`."""
+    max_steps = training_args.max_steps
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or (max_steps != -1 and max_steps < 1):
+        raise ValueError(f"--max_steps {max_steps!r}: expected a positive number of optimizer steps, or -1 to train "
+                         f"num_train_epochs ({training_args.num_train_epochs})")  # fmt: skip
+    if max_steps == -1 and not training_args.num_train_epochs > 0:
+        raise ValueError(f"--num_train_epochs {training_args.num_train_epochs!r}: expected a positive number "
+                         "(or a positive --max_steps)")  # fmt: skip
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        value = getattr(training_args, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name} {value!r}: expected a positive interval (steps, or a fraction of training)")
+    for name in ("learning_rate", "max_grad_norm"):
+        value = getattr(training_args, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name} {value!r}: expected a value >= 0")
+    check_counts(training_args, TRAINER_COUNTS)
 
 
 def parse_overrides(text: str | None, name: str) -> dict:

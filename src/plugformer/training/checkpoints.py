@@ -22,10 +22,13 @@ import shutil
 from functools import cache
 from pathlib import Path
 
+from ..files import write_json_atomic
+
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "checkpoint_manifest.json"
+PROGRESS = "last_checkpoint.json"  # in the output folder: the step of the newest checkpoint published
 STAGING = ".staging"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -51,6 +54,8 @@ class AtomicCheckpointMixin:
         if self.args.should_save:
             self._repoint_best_checkpoint(run_dir, staging / name)
             publish(staging / name, run_dir / name)
+            # what this run reached, so that resuming from an older checkpoint (newer ones deleted) is noticed
+            write_json_atomic(run_dir / PROGRESS, {"step": self.state.global_step, "checkpoint": name})
             self._rotate(run_dir)
             with contextlib.suppress(OSError):  # emptied by the publish: no stray `.staging/` beside the model
                 staging.rmdir()
@@ -119,7 +124,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted, or `None` if every file matches its manifest.
 
     A checkpoint without a manifest was written by a plain `Trainer` (plugformer publishes a checkpoint only after
-    its manifest): it passes if its trainer state parses and its safetensors headers read.
+    its manifest): it passes, with a warning, if its trainer state parses and its safetensors read. `last` does not
+    pick such a checkpoint by itself (`last_good_checkpoint`); only an explicit path resumes from one.
     """
     path = Path(path)
     manifest_path = path / MANIFEST
@@ -129,6 +135,15 @@ def verify_checkpoint(path: str | Path) -> str | None:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         return f"{MANIFEST} is unreadable ({error})"
+    # a manifest that lists nothing (`[]`, `{}`) or entries without sizes vouches for nothing
+    entries_ok = isinstance(manifest, dict) and all(
+        isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+        for entry in manifest.values()
+    )
+    if not entries_ok:
+        return f"{MANIFEST} is not a mapping of file name to {{bytes, sha256}} (got {str(manifest)[:60]})"
+    if "trainer_state.json" not in manifest:
+        return f"{MANIFEST} does not list trainer_state.json (listed: {sorted(manifest)[:5]})"
     for name, expected in manifest.items():
         file = path / name
         if not file.is_file():
@@ -151,22 +166,56 @@ def _check_unmanifested(path: Path) -> str | None:
                     handle.get_slice(key)
     except Exception as error:  # json, OS and safetensors' own error types alike mean "do not resume from it"
         return f"unreadable without a manifest ({type(error).__name__}: {error})"
-    logger.warning("%s has no %s (written by a plain Trainer): checked its state and weights only", path, MANIFEST)
+    logger.warning("%s has no %s (not written by plugformer, or edited): checked that its trainer state and weights "
+                   "read, not its optimizer, scheduler or random states", path, MANIFEST)  # fmt: skip
     return None
 
 
 def last_good_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest `checkpoint-N` in `output_dir` that passes `verify_checkpoint`, warning about each skipped one."""
+    """The newest `checkpoint-N` in `output_dir` that has a manifest and passes `verify_checkpoint`, warning about
+    each skipped one, and loudly when the one chosen is older than the step the run had reached (`reached_step`):
+    the newer checkpoints were deleted or damaged, and the steps after it are trained again.
+
+    A checkpoint without a manifest is skipped: plugformer writes one into every checkpoint it publishes, so such a
+    directory was copied in from elsewhere or edited; pass its path to `--resume_from_checkpoint` to use it.
+    """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
     steps = {int(m.group(1)): p for p in output_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))}
+    chosen = None
     for step in sorted(steps, reverse=True):
-        problem = verify_checkpoint(steps[step])
+        if not (steps[step] / MANIFEST).is_file():
+            problem = (f"it has no {MANIFEST} (not published by plugformer, or edited); pass its path to "
+                       "--resume_from_checkpoint to resume from it anyway")  # fmt: skip
+        else:
+            problem = verify_checkpoint(steps[step])
         if problem is None:
-            return str(steps[step])
+            chosen = step
+            break
         logger.warning("skipping %s: %s; trying the previous checkpoint", steps[step], problem)
-    return None
+    reached, source = reached_step(output_dir)
+    if reached is not None and (chosen is None or chosen < reached):
+        logger.warning(
+            "RESUMING FROM AN OLDER STATE: this run had reached step %d (%s), but the newest intact checkpoint is %s; "
+            "the checkpoints after it were deleted or damaged, so steps %s-%d are trained again and the result will "
+            "differ from an uninterrupted run", reached, source, f"checkpoint-{chosen}" if chosen else "none (a "
+            "fresh start)", (chosen or 0) + 1, reached)  # fmt: skip
+    return None if chosen is None else str(steps[chosen])
+
+
+def reached_step(output_dir: str | Path) -> tuple[int | None, str | None]:
+    """The furthest step an earlier run in `output_dir` recorded: `last_checkpoint.json` (written at each published
+    checkpoint) or the final `trainer_state.json`; `(None, None)` when neither reads."""
+    best, source = None, None
+    for name, key in ((PROGRESS, "step"), ("trainer_state.json", "global_step")):
+        try:
+            step = json.loads(Path(output_dir, name).read_text())[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and (best is None or step > best):
+            best, source = step, name
+    return best, source
 
 
 def _sha256(path: Path) -> str:

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ..tokenization import generation_eos_token_ids
+from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
@@ -182,6 +183,7 @@ def run_trainer(
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`."""
+    check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
     model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))

@@ -4,7 +4,7 @@ transformers 5.24's `TrainingArguments` no longer has `overwrite_output_dir`: a 
 run's model and checkpoints overwrites the model, and the checkpoint rotation then keeps whichever `checkpoint-N` has
 the highest step — possibly the other run's, which `--resume_from_checkpoint last` would later resume inside this
 one. `claim_output_dir` refuses such a folder unless the run resumes (`--resume_from_checkpoint`) or says
-`--overwrite_output_dir true` (then the other run's checkpoints and `run_info.json` are removed first), and takes a
+`--overwrite_output_dir true` (then the other run's checkpoints and records are removed first), and takes a
 lock file against a second live run in the same folder. A lock whose process is dead (a killed run) is taken over
 with a warning.
 """
@@ -19,13 +19,15 @@ import socket
 import time
 from pathlib import Path
 
-from .checkpoints import _CHECKPOINT, retire
+from .checkpoints import _CHECKPOINT, PROGRESS, retire
 
 
 logger = logging.getLogger(__name__)
 
 LOCK = ".plugformer.lock"
 # what a finished or interrupted run leaves in its folder (TensorBoard's runs/ and a README alone are no model)
+# removed by --overwrite_output_dir beside the checkpoints: the other run's record and the step it reached
+REPLACED = ("run_info.json", "trainer_state.json", PROGRESS)
 RUN_FILES = ("run_info.json", "trainer_state.json", "config.json", "*.safetensors", "checkpoint-*", "adapter")
 
 
@@ -113,7 +115,7 @@ def release_lock(output_dir: str | Path) -> None:
 
 def claim_output_dir(script_args, training_args) -> None:
     """Refuses an occupied or locked `output_dir` on every rank together (`ValueError`), else locks it (main
-    process) and, with `--overwrite_output_dir true`, removes the other run's checkpoints and `run_info.json`.
+    process) and, with `--overwrite_output_dir true`, removes the other run's checkpoints and records (`REPLACED`).
 
     Call before any work: the check reads only the folder. A collective (every rank's verdict is gathered), so that
     no rank trains on while another refuses.
@@ -134,7 +136,7 @@ def claim_output_dir(script_args, training_args) -> None:
             release_lock(output_dir)
         raise ValueError(first)
     if overwrite and main:
-        replaced = [p for p in Path(output_dir).iterdir() if _CHECKPOINT.match(p.name) or p.name == "run_info.json"]
+        replaced = [p for p in Path(output_dir).iterdir() if _CHECKPOINT.match(p.name) or p.name in REPLACED]
         if replaced:
             logger.warning("--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced),
                            output_dir)  # fmt: skip

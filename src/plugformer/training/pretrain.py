@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import chain
+from pathlib import Path
 
 from transformers import (
     AutoModelForCausalLM,
@@ -18,10 +19,22 @@ from transformers import (
 from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..tokenization import train_tokenizer
+from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
 from .distributed import check_launch, log_effective_batch
 from .outputs import claim_output_dir
+
+
+def check_tokenizer_source(script_args, model_args) -> None:
+    """Continued pretraining keeps the model's own tokenizer: its embedding rows are indexed by that vocabulary, so
+    another `--tokenizer_name_or_path` (ignored before) is refused."""
+    model, tokenizer = model_args.model_name_or_path, script_args.tokenizer_name_or_path
+    if model is not None and tokenizer is not None and Path(tokenizer).resolve() != Path(model).resolve():
+        raise ValueError(f"--tokenizer_name_or_path {tokenizer} beside --model_name_or_path {model}: continued "
+                         "pretraining uses the model's own tokenizer (its embeddings are indexed by it); drop "
+                         "--tokenizer_name_or_path, or drop --model_name_or_path to train a new model with that "
+                         "tokenizer")  # fmt: skip
 
 
 def build_tokenizer(script_args, model_args, texts):
@@ -77,6 +90,8 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
 
 
 def train(script_args, model_args, training_args) -> dict:
+    check_trainer_arguments(training_args)
+    check_tokenizer_source(script_args, model_args)
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
     claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
     data = stage_data("pretrain", script_args)
