@@ -146,7 +146,10 @@ def test_resuming_the_same_run_and_an_explicit_overwrite_still_train(finished, t
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     with caplog.at_level(logging.WARNING, logger="plugformer.training.outputs"):
         pretrain(run, "--overwrite_output_dir", "true", "--save_steps", "1")
-    assert "removing ['checkpoint-2', 'checkpoint-4', 'last_checkpoint.json', 'run_info.json', 'trainer_state.json']" in caplog.text
+    assert (
+        "removing ['checkpoint-2', 'checkpoint-4', 'last_checkpoint.json', 'run_info.json', 'trainer_state.json']"
+        in caplog.text
+    )
     # only the new run's checkpoints: rotation and `last` can never pick the old run's
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 2
@@ -218,7 +221,11 @@ def test_trl_stages_refuse_negative_counts_before_loading_the_model(tmp_path, mo
     from plugformer.training import common, run_stage
 
     monkeypatch.setattr(common, "load_model", refuse_training)
-    for stage, flags in (("sft", ["--max_steps", "-5"]), ("dpo", ["--max_length", "-1"]), ("grpo", ["--max_completion_length", "-8"])):
+    for stage, flags in (
+        ("sft", ["--max_steps", "-5"]),
+        ("dpo", ["--max_length", "-1"]),
+        ("grpo", ["--max_completion_length", "-8"]),
+    ):
         with pytest.raises(ValueError, match=rf"--{flags[0][2:]} {flags[1]}: expected"):
             run_stage(stage, ["--output_dir", str(tmp_path / stage), "--model_name_or_path", str(tmp_path), *flags])
 
@@ -279,3 +286,58 @@ def test_a_checkpoint_without_a_manifest_is_not_picked_by_last(finished, tmp_pat
         caplog.clear()
         assert verify_checkpoint(run / "checkpoint-2") is None  # an explicit path: checked, accepted with a warning
     assert "not its optimizer, scheduler or random states" in caplog.text
+
+
+# --- offline: no connection leaves the machine --------------------------------------------------------------------
+
+
+def test_a_stage_through_the_cli_opens_no_connection_off_the_machine(finished, tmp_path, monkeypatch):
+    """Telemetry and Hub switches as a fresh shell has them (none set, not CI); every connection and name lookup
+    is recorded, and any that is not loopback fails."""
+    import ipaddress
+    import socket
+    import time
+
+    import huggingface_hub.constants
+    from huggingface_hub.utils import _telemetry
+    from test_training import TINY, TRL
+
+    from plugformer.cli import main
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
+                 "DISABLE_TELEMETRY", "CI"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", False)
+    attempts = []
+
+    def loopback(host) -> bool:
+        if host in (None, "", "localhost") or isinstance(host, bytes):
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    real_connect, real_getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def guarded_connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not loopback(address[0]):
+            attempts.append(address)
+            raise OSError(f"test guard: connection to {address} refused")
+        return real_connect(self, address)
+
+    def guarded_getaddrinfo(host, *args, **kwargs):
+        if not loopback(host):
+            attempts.append(host)
+            raise socket.gaierror(f"test guard: lookup of {host} refused")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+    monkeypatch.setattr(socket, "getaddrinfo", guarded_getaddrinfo)
+    main(["train", "sft", "--output_dir", str(tmp_path / "sft"), "--model_name_or_path", str(finished), *TINY, *TRL])
+    deadline = time.time() + 10  # telemetry is sent from a daemon thread: let its queue drain
+    while _telemetry._TELEMETRY_QUEUE.unfinished_tasks and time.time() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "sft" / "run_info.json").exists()
+    assert attempts == []

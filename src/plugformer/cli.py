@@ -122,6 +122,9 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .offline import apply_offline_defaults
+
+    apply_offline_defaults()  # nothing leaves the machine unless the user set HF_HUB_OFFLINE / ..._TELEMETRY itself
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text

@@ -1,0 +1,52 @@
+"""Nothing leaves the machine unless asked: every `plugformer` command runs with the Hub offline and telemetry off.
+
+TRL's trainers send a telemetry ping (trainer, `model_arch`, dataset source, topology) through
+`huggingface_hub.send_telemetry` unless `HF_HUB_OFFLINE` or `HF_HUB_DISABLE_TELEMETRY` is set, and transformers,
+datasets and huggingface_hub contact the Hub for names that are not local folders. `apply_offline_defaults` sets
+both variables where the user has not set them (an explicit `HF_HUB_OFFLINE=0 HF_HUB_DISABLE_TELEMETRY=0` turns
+them back on), for this process and for the processes it starts (`accelerate launch` workers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import MutableMapping
+
+
+# variable -> the other names the libraries read for the same switch (a user's setting of any of them is respected)
+OFFLINE_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "HF_HUB_OFFLINE": ("TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"),
+    "HF_HUB_DISABLE_TELEMETRY": ("DISABLE_TELEMETRY",),
+}
+
+
+def apply_offline_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Sets `HF_HUB_OFFLINE=1` and `HF_HUB_DISABLE_TELEMETRY=1` unless the user set them (or an alias); returns
+    what it set.
+
+    huggingface_hub (and datasets) read these variables once, at import — and `import plugformer` has already
+    imported huggingface_hub through transformers — so the imported modules' switches are set too.
+    """
+    environ = os.environ if environ is None else environ
+    applied = {}
+    for name, aliases in OFFLINE_DEFAULTS.items():
+        if any(variable in environ for variable in (name, *aliases)):
+            continue
+        environ[name] = "1"
+        applied[name] = "1"
+    if environ is os.environ and applied:
+        _switch_imported_modules(applied)
+    return applied
+
+
+def _switch_imported_modules(applied: dict[str, str]) -> None:
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        if "HF_HUB_OFFLINE" in applied:
+            hub.HF_HUB_OFFLINE = True
+        if "HF_HUB_DISABLE_TELEMETRY" in applied:
+            hub.HF_HUB_DISABLE_TELEMETRY = True
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None and "HF_HUB_OFFLINE" in applied:
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
