@@ -3,7 +3,6 @@
 `import plugformer` registers the config, models and tokenizer with transformers' Auto classes.
 """
 
-from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as _PEFT_TARGETS
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -19,7 +18,8 @@ from .capabilities import KERNELS, KernelSpec, combination_matrix, register_atte
 from .configuration import PRESETS, PlugformerConfig
 from .decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
-from .modeling import (
+from .modeling import (  # importing it registers PEFT's default LoRA targets (LORA_TARGET_MODULES)
+    LORA_TARGET_MODULES,
     PlugformerForCausalLM,
     PlugformerForConditionalGeneration,
     PlugformerForMaskedLM,
@@ -61,10 +61,6 @@ AutoModelForSequenceClassification.register(
 )
 DecomposableAttentionForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PlugformerTokenizer, exist_ok=True)
-
-# PEFT picks default LoRA targets by model_type: a bare `LoraConfig()` then adapts plugformer's projections
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_PEFT_TARGETS.setdefault(PlugformerConfig.model_type, LORA_TARGET_MODULES)
 
 __all__ = [
     "ATTENTION_SCORES",

@@ -49,6 +49,17 @@ from .scores import ATTENTION_SCORES, AttentionScore
 
 logger = logging.get_logger(__name__)
 
+# PEFT picks default LoRA targets by `config.model_type`: a bare `LoraConfig()` adapts these projections. Registered on
+# import of this module, which a checkpoint ships (`trust_remote_code`), so the defaults work without plugformer
+# installed too. PEFT is optional there: transformers does not require the imports inside a `try`.
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+try:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+except ImportError:
+    pass
+else:
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault(PlugformerConfig.model_type, LORA_TARGET_MODULES)
+
 
 class PlugformerAttention(nn.Module):
     """Multi-head self-attention with GQA/MQA; the score function and the kernel are plugged in.
