@@ -163,10 +163,10 @@ def run_info(directory: Path) -> dict:
     return json.loads((directory / "run_info.json").read_text())
 
 
-@pytest.mark.parametrize(
-    "stage",
-    ["pretrain", "sft", pytest.param("grpo", marks=pytest.mark.slow)],  # grpo: 2 more launches, ~35 s
-)
+# slow (deselected by default, ~90 s for pretrain + sft, ~35 s more for grpo): 4-6 launches of accelerate; the default
+# suite keeps the 2-process FSDP2 equality with one process in test_fsdp2_really_shards_and_trains_to_the_single_...
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "grpo"])
 def test_each_stage_trains_sharded_to_the_ddp_weights(request, stage):
     chains = request.getfixturevalue("chains_with_grpo" if stage == "grpo" else "chains")
     sharded, ddp = run_info(chains["fsdp"] / stage), run_info(chains["ddp"] / stage)
@@ -186,6 +186,7 @@ def test_each_stage_trains_sharded_to_the_ddp_weights(request, stage):
     assert not list((chains["fsdp"] / stage).glob("_fsdp*"))
 
 
+@pytest.mark.slow  # ~40 s: two launches
 def test_a_sharded_run_resumes_to_the_uninterrupted_weights(tmp_path):
     flags = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
              "--exact_match_examples", "0"]  # fmt: skip

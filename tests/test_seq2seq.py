@@ -150,6 +150,7 @@ def reversal_batch(count, generator, vocab=(3, 13)):
     return source, (source != PAD).long(), target
 
 
+@pytest.mark.slow  # ~70 s of training
 def test_learns_to_reverse_sequences():
     """Reversal needs cross-attention to the right source position; held-out exact match far above chance (~0)."""
     model = seq2seq(

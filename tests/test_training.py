@@ -97,6 +97,33 @@ def test_rlhf_optimises_against_the_learned_reward_model(chain, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+def test_rl_stage_hands_on_its_best_dev_step_and_draws_the_overoptimisation_curve(chain, tmp_path):
+    info = train("rlhf", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_model_path",
+                 str(chain["reward"]), "--selection_steps", "1", "--selection_examples", "4")  # fmt: skip
+    chosen, history = info["selection"]["selected"], info["selection"]["history"]
+    assert [entry["step"] for entry in history] == [0, 1, 2, 3] and info["selection"]["last"]["step"] == 3
+    best = max(entry["dev_exact_match"] for entry in history)
+    assert chosen == next(entry for entry in history if entry["dev_exact_match"] == best)  # the first best step
+    assert all("reward" in entry and "kl" in entry for entry in history[1:])  # logged every step (TINY)
+    # the saved model is the selected step's: the same 4 dev problems score the same, and step 0 is the SFT model
+    assert info["dev_exact_match"]["exact_match"] == chosen["dev_exact_match"]
+    if chosen["step"] == 0:
+        assert all(torch.equal(weights(chain["sft"])[k], v) for k, v in weights(tmp_path).items())
+    assert (tmp_path / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "run_info.json").read_text())["selection"] == json.loads(
+        json.dumps(info["selection"])
+    )
+
+
+def test_sft_reports_the_headroom_of_sampling_over_greedy(chain, tmp_path):
+    info = train("sft", tmp_path, "--model_name_or_path", str(chain["pretrain"]), "--pass_at_k_samples", "3")
+    headroom = info["dev_pass_at_k"]
+    assert set(headroom) == {"pass@1", "pass@3", "samples", "temperature", "examples"}
+    assert headroom["examples"] == 4 and 0.0 <= headroom["pass@1"] <= headroom["pass@3"] <= 1.0
+    with pytest.raises(ValueError, match="selection_steps"):
+        train("dpo", tmp_path / "bad", "--model_name_or_path", str(chain["sft"]), "--selection_steps", "-1")
+
+
 @pytest.fixture
 def length_reward(monkeypatch):
     """An untrained model never answers right, so every group would have zero advantage: a graded reward
@@ -212,7 +239,7 @@ def launch(stage: str, output_dir, *extra: str, processes: int = 2, timeout: int
     return json.loads((Path(output_dir) / "run_info.json").read_text())
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+@pytest.mark.parametrize("stage", ["pretrain", pytest.param("sft", marks=pytest.mark.slow)])  # ~30 s a stage
 def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
     extra = PRETRAIN if stage == "pretrain" else [*TRL, "--model_name_or_path", str(chain["pretrain"])]
     info = launch(stage, tmp_path, *extra)
@@ -224,6 +251,7 @@ def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
         assert_trained(parent, tmp_path)
 
 
+@pytest.mark.slow  # ~75 s; tests/test_checkpoints.py kills runs at random moments in the default suite
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     """SIGKILL after a checkpoint, resume from it: the final weights equal an uninterrupted run's, bit for bit."""
     flags = [*TINY, *PRETRAIN, "--max_steps", "120", "--save_strategy", "steps", "--save_steps", "10",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .arguments import GRPOArguments, PretrainArguments, RLHFArguments, StageArguments
+from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,10 @@ class Stage:
 
 STAGES: dict[str, Stage] = {
     "pretrain": Stage(PretrainArguments, "TrainingArguments", "causal/masked LM from scratch (Trainer), tokenizer too"),
-    "sft": Stage(StageArguments, "SFTConfig", "supervised fine-tuning on conversations (TRL SFTTrainer)"),
+    "sft": Stage(PolicyArguments, "SFTConfig", "supervised fine-tuning on conversations (TRL SFTTrainer)"),
     "reward": Stage(StageArguments, "RewardConfig", "reward model on preference pairs (TRL RewardTrainer)"),
     "rlhf": Stage(RLHFArguments, "RLOOConfig", "online RL against the learned reward model (TRL RLOOTrainer)"),
-    "dpo": Stage(StageArguments, "DPOConfig", "direct preference optimisation (TRL DPOTrainer)"),
+    "dpo": Stage(PolicyArguments, "DPOConfig", "direct preference optimisation (TRL DPOTrainer)"),
     "grpo": Stage(GRPOArguments, "GRPOConfig", "RL with verifiable rewards (TRL GRPOTrainer)"),
 }
 

@@ -163,14 +163,37 @@ def parse_overrides(text: str | None, name: str) -> dict:
 
 
 @dataclass
-class RLHFArguments(StageArguments):
+class PolicyArguments(StageArguments):
+    """Stages that train a policy (sft, dpo, rlhf, grpo): dev selection and the headroom of sampling over greedy."""
+
+    selection_steps: int = field(
+        default=0,
+        metadata={"help": "score dev exact match every N steps (and at the start) and hand on the best weights, not "
+                          "the last (0: the last)"},
+    )  # fmt: skip
+    selection_examples: int = field(default=200, metadata={"help": "dev problems scored for selection"})
+    pass_at_k_samples: int = field(
+        default=0, metadata={"help": "after training, dev pass@1 and pass@N from N samples at temperature 1 (0: skip)"}
+    )
+
+    def __post_init__(self):
+        if hasattr(super(), "__post_init__"):
+            super().__post_init__()
+        for name in ("selection_steps", "selection_examples", "pass_at_k_samples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name} {value!r}: expected a non-negative integer")
+
+
+@dataclass
+class RLHFArguments(PolicyArguments):
     reward_model_path: str | None = field(
         default=None, metadata={"help": "output directory of the reward stage (a num_labels=1 classifier)"}
     )
 
 
 @dataclass
-class GRPOArguments(StageArguments):
+class GRPOArguments(PolicyArguments):
     reward_functions: list[str] = field(
         default_factory=lambda: ["exact_match", "format"],
         metadata={"help": "verifiable rewards from plugformer.training.rewards (weights: --reward_weights)"},

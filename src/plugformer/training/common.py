@@ -18,8 +18,9 @@ from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
-from .evaluation import exact_match
+from .evaluation import exact_match, sampled_pass_at_k
 from .outputs import claim_output_dir, release_lock
+from .selection import DevSelection
 from .sharding import is_sharded, refuse_unsharded_fallback
 
 
@@ -130,8 +131,13 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | None = None) -> dict:
-    """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`."""
+def train_and_save(
+    trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None
+) -> dict:
+    """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`.
+
+    With `selection` (a `DevSelection` callback of the trainer) the saved model is the best dev step's, and
+    `run_info.json` records the selected and the last step with the dev history."""
     args = trainer.args
     refuse_unsharded_fallback(trainer)
     started = time.perf_counter()
@@ -154,9 +160,12 @@ def train_and_save(trainer, stage: str, script_args, tokenizer, extra: dict | No
         "parameter_digests": digests,
         "metrics": metrics,
         **(extra or {}),
+        **({"selection": selection.summary()} if selection is not None else {}),
     }
     if trainer.is_world_process_zero():
-        info["dev_exact_match"] = dev_exact_match(trainer, script_args, tokenizer)
+        info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer)
+        if pass_at_k is not None:
+            info["dev_pass_at_k"] = pass_at_k
         Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
         trainer.state.save_to_json(str(Path(args.output_dir, "trainer_state.json")))  # the whole log history
         write_card(trainer, info, script_args)
@@ -191,6 +200,7 @@ def run_trainer(
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
     data = stage_data(stage, script_args)
+    selection = dev_selection(script_args, tokenizer, model)
     trainer = atomic_checkpoints(trainer_class)(
         model=model,
         args=training_args,
@@ -198,10 +208,28 @@ def run_trainer(
         **({"eval_dataset": data.get("dev")} if evaluate else {}),
         processing_class=tokenizer,
         peft_config=peft_config(model_args),
+        callbacks=[selection] if selection is not None else None,
         **trainer_kwargs,
     )
     extra = {**(extra or {}), "effective_batch": log_effective_batch(trainer, stage)}
-    return train_and_save(trainer, stage, script_args, tokenizer, extra)
+    return train_and_save(trainer, stage, script_args, tokenizer, extra, selection)
+
+
+def dev_selection(script_args, tokenizer, model) -> DevSelection | None:
+    """The dev-selection callback asked for by `--selection_steps` (policy stages), on the first
+    `--selection_examples` dev problems; None when off."""
+    steps = getattr(script_args, "selection_steps", 0)
+    if not steps:
+        return None
+    if not model.can_generate():
+        raise ValueError(
+            f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
+        )
+    rows = stage_data("evaluation", script_args).get("dev")
+    if rows is None or len(rows) == 0:
+        raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
+    rows = rows.select(range(min(script_args.selection_examples, len(rows))))
+    return DevSelection(rows, tokenizer, steps, max_new_tokens=script_args.max_new_tokens)
 
 
 def write_card(trainer, info: dict, script_args) -> None:
@@ -214,8 +242,22 @@ def write_card(trainer, info: dict, script_args) -> None:
     card.save(Path(trainer.args.output_dir) / "README.md")
 
 
-def dev_exact_match(trainer, script_args, tokenizer) -> dict | None:
-    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs).
+def dev_policy_scores(trainer, script_args, tokenizer) -> tuple[dict | None, dict | None]:
+    """(greedy dev exact match, dev pass@k from `--pass_at_k_samples` samples or None) of language-model stages
+    (both None for the reward model or masked LMs); see `dev_exact_match` for where a sharded model is scored."""
+    samples = getattr(script_args, "pass_at_k_samples", 0)
+    scores = dev_exact_match(trainer, script_args, tokenizer, return_model=bool(samples))
+    if not samples or scores is None:
+        return scores, None
+    scores, model, rows = scores
+    ks = tuple(sorted({1, samples}))
+    headroom = sampled_pass_at_k(model, tokenizer, rows, samples, ks, max_new_tokens=script_args.max_new_tokens)
+    return scores, headroom
+
+
+def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False):
+    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs); with
+    `return_model`, (scores, the model scored, the dev rows).
 
     Runs on rank 0 only. A sharded model (FSDP2, ZeRO-3) cannot generate there alone, as every forward gathers
     parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model,
@@ -242,7 +284,8 @@ def dev_exact_match(trainer, script_args, tokenizer) -> dict | None:
         if rows is None:
             return None
         rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-        return exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
+        scores = exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
+        return (scores, model, rows) if return_model else scores
 
 
 def set_generation_eos(model, tokenizer) -> None:

@@ -47,23 +47,27 @@ class Problem:
         return OPERATIONS[self.operation][1](self.a, self.b)
 
     @property
+    def steps(self) -> list[str]:
+        """The digit-wise worked steps, lowest digit first (see `worked_steps`)."""
+        return worked_steps(self.operation, self.a, self.b)
+
+    @property
     def solution(self) -> str:
-        symbol = OPERATIONS[self.operation][0]
-        return f"{self.a} {symbol} {self.b} = {self.answer}\n{ANSWER_MARKER} {self.answer}"
+        return f"{', '.join(self.steps)}\n{ANSWER_MARKER} {self.answer}"
 
     @property
     def split(self) -> str:
         return split_of(self.operation, self.a, self.b)
 
 
-# operation -> (symbol, result, operand range for a, operand range for b)
+# operation -> (symbol, result, operand range for a, operand range for b); subtraction keeps a >= b
 OPERATIONS: dict[str, tuple[str, Callable[[int, int], int], range, range]] = {
-    "add": ("+", lambda a, b: a + b, range(100), range(100)),
-    "sub": ("-", lambda a, b: a - b, range(100), range(100)),
-    "mul": ("*", lambda a, b: a * b, range(13), range(13)),
+    "add": ("+", lambda a, b: a + b, range(1000), range(1000)),
+    "sub": ("-", lambda a, b: a - b, range(1000), range(1000)),
+    "mul": ("*", lambda a, b: a * b, range(1000), range(10)),
 }
 
-# (operation, template); word problems only where the story makes sense (no negative counts)
+# (operation, template)
 QUESTION_TEMPLATES: tuple[tuple[str, str], ...] = (
     ("add", "What is {a} + {b}?"),
     ("sub", "What is {a} - {b}?"),
@@ -72,6 +76,61 @@ QUESTION_TEMPLATES: tuple[tuple[str, str], ...] = (
     ("sub", "{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?"),
     ("mul", "{name} has {a} bags with {b} {item} in each. How many {item} are there in total?"),
 )
+
+
+def _digits(number: int, count: int) -> list[int]:
+    """The `count` lowest decimal digits of `number`, lowest first (zeros beyond its length)."""
+    return [number // 10**i % 10 for i in range(count)]
+
+
+def worked_steps(operation: str, a: int, b: int) -> list[str]:
+    """Column arithmetic, one step per digit of `a` from the lowest: what a pupil writes down.
+
+    A step shows the two digits, the carry (or borrow) from the step before, and the step's value; addition and
+    multiplication carry `value // 10`, subtraction borrows 1 when it has to add 10. Every step is a one-digit fact,
+    so the skill is the same on every problem: a model that learns it answers problems it never saw.
+
+    Examples:
+
+    >>> worked_steps("add", 347, 85)
+    ['7+5=12', '4+8+1=13', '3+0+1=4']
+    >>> worked_steps("sub", 432, 85)
+    ['2-5+10=7', '3-8-1+10=4', '4-0-1=3']
+    >>> worked_steps("mul", 347, 6)
+    ['7*6=42', '4*6+4=28', '3*6+2=20']
+    """
+    width = max(len(str(a)), len(str(b)) if operation != "mul" else 1)
+    digits_a, digits_b = _digits(a, width), _digits(b, width)
+    steps, carry = [], 0
+    for x, y in zip(digits_a, digits_b, strict=True):
+        if operation == "add":
+            value = x + y + carry
+            steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={value}")
+            carry = value // 10
+        elif operation == "sub":
+            value = x - y - carry
+            borrow = int(value < 0)
+            steps.append(
+                f"{x}-{y}" + (f"-{carry}" if carry else "") + ("+10" if borrow else "") + f"={value + 10 * borrow}"
+            )
+            carry = borrow
+        else:
+            value = x * b + carry
+            steps.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={value}")
+            carry = value // 10
+    return steps
+
+
+def answer_from_steps(operation: str, steps: list[str]) -> int:
+    """The number column arithmetic writes down from `steps`: each step's last digit, the last step whole.
+
+    >>> answer_from_steps("add", ["7+5=12", "4+8+1=13", "3+0+1=4"])
+    432
+    """
+    values = [int(step.rsplit("=", 1)[1]) for step in steps]
+    if operation == "sub":
+        return int("".join(str(v) for v in reversed(values)))
+    return int(str(values[-1]) + "".join(str(v % 10) for v in reversed(values[:-1])))
 
 
 def split_of(operation: str, a: int, b: int, dev_percent: int = 10, test_percent: int = 10) -> str:
@@ -88,6 +147,12 @@ def split_of(operation: str, a: int, b: int, dev_percent: int = 10, test_percent
     return "dev" if bucket < test_percent + dev_percent else "train"
 
 
+def _operand(rng: random.Random, values: range) -> int:
+    """An operand with a uniformly drawn number of digits (1, 2 or 3), so short and long problems both occur."""
+    width = rng.randint(1, len(str(values[-1])))
+    return rng.randrange(0 if width == 1 else 10 ** (width - 1), min(10**width, values[-1] + 1))
+
+
 def generate_problems(count: int, split: str, seed: int = 0) -> list[Problem]:
     """`count` problems whose facts belong to `split`, drawn deterministically from `seed`."""
     if split not in SPLITS:
@@ -99,8 +164,8 @@ def generate_problems(count: int, split: str, seed: int = 0) -> list[Problem]:
     while len(problems) < count:
         operation, template = rng.choice(QUESTION_TEMPLATES)
         _, _, range_a, range_b = OPERATIONS[operation]
-        a, b = rng.choice(range_a), rng.choice(range_b)
-        if "{name}" in template and operation == "sub" and b > a:
+        a, b = _operand(rng, range_a), _operand(rng, range_b)
+        if operation == "sub" and b > a:
             a, b = b, a
         if split_of(operation, a, b) != split:
             continue
@@ -110,22 +175,26 @@ def generate_problems(count: int, split: str, seed: int = 0) -> list[Problem]:
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
-    """A plausible wrong answer in the right format: an off-by-one/ten result or a wrong final line."""
-    symbol = OPERATIONS[problem.operation][0]
-    wrong = problem.answer + rng.choice((-10, -2, -1, 1, 2, 10))
-    if rng.random() < 0.5:
-        # the worked line is right, the final answer is not
-        return f"{problem.a} {symbol} {problem.b} = {problem.answer}\n{ANSWER_MARKER} {wrong}"
-    return f"{problem.a} {symbol} {problem.b} = {wrong}\n{ANSWER_MARKER} {wrong}"
+    """A plausible wrong solution in the right format: one step's value off by one with the final answer read from
+    the slipped steps (three in four), or right steps with a misread final answer."""
+    steps = problem.steps
+    if rng.random() < 0.25:
+        slip = rng.choice((-10, -1, 1, 10, 100))
+        wrong = problem.answer + slip if problem.answer + slip >= 0 else problem.answer + abs(slip)
+        return f"{', '.join(steps)}\n{ANSWER_MARKER} {wrong}"
+    index = rng.randrange(len(steps))
+    head, value = steps[index].rsplit("=", 1)
+    delta = rng.choice((-1, 1)) if int(value) > 0 else 1
+    slipped = [*steps[:index], f"{head}={int(value) + delta}", *steps[index + 1 :]]
+    return f"{', '.join(slipped)}\n{ANSWER_MARKER} {answer_from_steps(problem.operation, slipped)}"
 
 
 def pretraining_texts(problem: Problem, rng: random.Random) -> str:
-    """A plain-text document stating the fact (the pretraining corpus knows arithmetic, not the chat format)."""
+    """A plain-text document: a worked problem, or its steps as sentences (the corpus teaches the one-digit facts
+    and the column layout; the chat format comes with SFT)."""
     symbol = OPERATIONS[problem.operation][0]
-    word = {"add": "plus", "sub": "minus", "mul": "times"}[problem.operation]
     return rng.choice((
-        f"{problem.a} {symbol} {problem.b} = {problem.answer}.",
-        f"{problem.a} {word} {problem.b} is {problem.answer}.",
+        f"{problem.a} {symbol} {problem.b}: {', '.join(problem.steps)}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
         f"Question: {problem.question}\nAnswer: {problem.solution}",
     ))  # fmt: skip
 

@@ -11,7 +11,7 @@ import torch
 
 from ..metrics import load_metric
 from ..tokenization import generation_eos_token_ids
-from .rewards import format_reward
+from .rewards import exact_match_reward, format_reward
 
 
 def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
@@ -22,12 +22,33 @@ def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, batch_size: int = 64) -> list[str]:
-    """Greedy completions of `prompts` (left-padded batches; stops at end of text or end of turn)."""
+def generate_answers(
+    model,
+    tokenizer,
+    prompts: list,
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+    samples: int = 0,
+    temperature: float = 1.0,
+    synced_gpus: bool = False,
+) -> list[str]:
+    """Completions of `prompts` (left-padded batches; stops at end of text or end of turn).
+
+    Greedy with `samples=0`; else `samples` completions per prompt drawn at `temperature` (pure sampling: no top-k or
+    top-p), returned prompt by prompt. `synced_gpus` keeps every rank generating until all are done (a sharded model
+    needs each rank in every forward).
+    """
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
     model.eval()
     completions = []
+    sampling = {
+        "do_sample": True,
+        "temperature": temperature,
+        "top_k": 0,
+        "top_p": 1.0,
+        "num_return_sequences": samples,
+    }
     try:
         for start in range(0, len(prompts), batch_size):
             texts = [prompt_text(tokenizer, p) for p in prompts[start : start + batch_size]]
@@ -35,9 +56,10 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
             output = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
+                **(sampling if samples else {"do_sample": False}),
                 eos_token_id=generation_eos_token_ids(tokenizer),
                 pad_token_id=tokenizer.pad_token_id,
+                synced_gpus=synced_gpus,
             )
             # (B, prompt + new) -> (B, new)
             completions += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -47,26 +69,63 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
     return completions
 
 
-def exact_match(model, tokenizer, rows, max_new_tokens: int = 32, batch_size: int = 64) -> dict:
+def exact_match(
+    model, tokenizer, rows, max_new_tokens: int = 32, batch_size: int = 64, synced_gpus: bool = False
+) -> dict:
     """Exact-match accuracy and answer-format rate of greedy answers on `rows` (`prompt` and `answer` columns).
 
     Returns:
-        `dict`: `exact_match` and `format` (fractions), `examples` (their count) and `samples` (the first three
-        prompts with their completions).
+        `dict`: `exact_match` and `format` (fractions), `examples` (their count), `correct` (1/0 per example, in
+        order: the paired tests compare stages on it) and `samples` (the first three prompts with their
+        completions).
     """
     prompts, answers = list(rows["prompt"]), list(rows["answer"])
-    completions = generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size)
+    completions = generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, synced_gpus=synced_gpus)
     scores = load_metric("numeric_exact_match").compute(predictions=completions, references=[str(a) for a in answers])
     formatted = format_reward(completions)
     return {
         "exact_match": scores["exact_match"],
         "format": sum(formatted) / max(len(formatted), 1),
         "examples": len(completions),
+        "correct": [int(c) for c in exact_match_reward(completions, answer=[str(a) for a in answers])],
         "samples": [
             {"prompt": prompt_text(tokenizer, p), "completion": c, "answer": a}
             for p, c, a in list(zip(prompts, completions, answers, strict=True))[:3]
         ],
     }
+
+
+def pass_at_k(samples: int, correct: int, k: int) -> float:
+    """The unbiased pass@k estimate from `samples` draws of which `correct` were right (Chen et al. 2021, eq. 1):
+    1 − C(n−c, k) / C(n, k), the chance that k of the n draws, taken without replacement, hold a right one.
+
+    >>> pass_at_k(8, 0, 8), pass_at_k(8, 1, 8), pass_at_k(8, 2, 1)
+    (0.0, 1.0, 0.25)
+    """
+    if not 0 <= correct <= samples or not 1 <= k <= samples:
+        raise ValueError(f"pass_at_k: need 0 <= correct ({correct}) <= samples ({samples}) and 1 <= k ({k}) <= samples")
+    return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
+
+
+def sampled_pass_at_k(
+    model, tokenizer, rows, samples: int = 8, ks: tuple[int, ...] = (1, 8), temperature: float = 1.0,
+    max_new_tokens: int = 32, batch_size: int = 64,
+) -> dict:  # fmt: skip
+    """pass@k on `rows` (`prompt` and `answer` columns) from `samples` completions per prompt at `temperature`,
+    averaged over prompts; the headroom RL has over greedy decoding.
+
+    Returns:
+        `dict`: `pass@k` for each k, `samples` and `temperature`, and `examples` (the number of prompts).
+    """
+    from .rewards import exact_match_reward
+
+    prompts, answers = list(rows["prompt"]), [str(a) for a in rows["answer"]]
+    completions = generate_answers(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // samples),
+                                   samples=samples, temperature=temperature)  # fmt: skip
+    right = exact_match_reward(completions, answer=[a for a in answers for _ in range(samples)])
+    per_prompt = [int(sum(right[i * samples : (i + 1) * samples])) for i in range(len(prompts))]
+    results = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_prompt) / max(len(prompts), 1) for k in ks}
+    return {**results, "samples": samples, "temperature": temperature, "examples": len(prompts)}
 
 
 @torch.no_grad()
@@ -132,6 +191,20 @@ class EvalArguments:
     output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
 
 
+def check_model_dir(model: str) -> None:
+    """Raises `ValueError` unless `model` is a folder holding a saved model and its tokenizer (a stage's output):
+    transformers would otherwise read a missing folder as a Hub id and a folder without a tokenizer as a request
+    for sentencepiece."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: no such folder; give a trained stage's output directory "
+                         "(e.g. outputs/pipeline/sft)")  # fmt: skip
+    missing = [name for name in ("config.json", "tokenizer_config.json") if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"--model {model} is not a saved model folder (no {' or '.join(missing)}); give a trained "
+                         "stage's output directory (e.g. outputs/pipeline/sft)")  # fmt: skip
+
+
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
@@ -143,6 +216,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
 
     if args.split not in ("train", "dev", "test"):
         raise ValueError(f"split={args.split!r}: choose train, dev or test")
+    check_model_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     sizes, seed = {args.split: args.examples}, args.dataset_seed
     config = AutoConfig.from_pretrained(args.model)

@@ -96,11 +96,49 @@ def run(args: PipelineArguments) -> dict:
         if state.is_main_process:
             results[stage].update(held_out(args, stage))
             results[stage]["eval_perplexity"] = info["metrics"].get("eval_perplexity")
+            results[stage]["gain"] = gain_over_parent(results, stage)
+            if "dev_pass_at_k" in info:
+                results[stage]["dev_pass_at_k"] = info["dev_pass_at_k"]
+            if "selection" in info:
+                results[stage]["selection"] = {key: info["selection"][key] for key in ("selected", "last")}
         state.wait_for_everyone()
     if state.is_main_process:
         report(args, results)
         print(f"pipeline finished in {time.perf_counter() - started_pipeline:.0f}s; results in {args.output_dir}")
     return results
+
+
+def gain_over_parent(results: dict, stage: str) -> dict | None:
+    """Test exact match of `stage` minus its parent's, paired over the same problems (the project's paired
+    bootstrap: interval and two-sided p), or None where either has no per-problem scores."""
+    from ..evaluation.stats import paired_bootstrap
+
+    parent = PARENTS[stage]
+    if parent not in results or "correct" not in results[stage] or "correct" not in results[parent]:
+        return None
+    return paired_bootstrap(results[stage]["correct"], results[parent]["correct"]).to_dict()
+
+
+def gain_text(gain: dict | None) -> str:
+    if gain is None:
+        return "—"
+    return (f"{gain['difference'] * 100:+.1f} ({gain['low'] * 100:+.1f}, {gain['high'] * 100:+.1f}), "
+            f"p {gain['p_value']:.3g}")  # fmt: skip
+
+
+def other_text(result: dict) -> str:
+    parts = []
+    if "pairwise_accuracy" in result:
+        parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
+    if result.get("eval_perplexity"):
+        parts.append(f"dev perplexity {result['eval_perplexity']:.2f}")
+    if result.get("dev_pass_at_k"):
+        parts.append(", ".join(f"dev {k} {v:.1%}" for k, v in result["dev_pass_at_k"].items() if k.startswith("pass@")))
+    if result.get("selection"):
+        chosen, last = result["selection"]["selected"], result["selection"]["last"]
+        parts.append(f"dev: step {chosen['step']} selected ({chosen['dev_exact_match']:.1%}), "
+                     f"last step {last['step']} {last['dev_exact_match']:.1%}")  # fmt: skip
+    return "; ".join(parts)
 
 
 def report(args: PipelineArguments, results: dict) -> None:
@@ -110,18 +148,14 @@ def report(args: PipelineArguments, results: dict) -> None:
     lines = [
         f"held-out test split ({args.test_examples} problems whose facts never appear in training), seed {args.seed}",
         "",
-        "| stage | starts from | training time (s) | exact match | answer format | other |",
-        "|---|---|---|---|---|---|",
+        "| stage | starts from | training time (s) | exact match | gain over parent (95% CI), p | answer format | other |",
+        "|---|---|---|---|---|---|---|",
     ]
     for stage, result in results.items():
-        other = (
-            f"pairwise accuracy {result['pairwise_accuracy']:.1%}"
-            if "pairwise_accuracy" in result
-            else (f"dev perplexity {result['eval_perplexity']:.2f}" if result.get("eval_perplexity") else "")
-        )
         match = f"{result['exact_match']:.1%}" if "exact_match" in result else "—"
         form = f"{result['format']:.1%}" if "format" in result else "—"
-        row = f"| {stage} | {PARENTS[stage] or '—'} | {result['train_seconds']:.0f} | {match} | {form} | {other} |"
+        row = (f"| {stage} | {PARENTS[stage] or '—'} | {result['train_seconds']:.0f} | {match} | "
+               f"{gain_text(result.get('gain'))} | {form} | {other_text(result)} |")  # fmt: skip
         lines.append(row)
     table = "\n".join(lines)
     print("\n" + table)

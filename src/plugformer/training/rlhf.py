@@ -7,10 +7,14 @@ PPO's critic."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from trl import RLOOTrainer
 
 from .common import load_tokenizer, run_trainer
+from .selection import plot_overoptimisation
 
 
 def load_reward_model(path: str | None):
@@ -21,9 +25,18 @@ def load_reward_model(path: str | None):
 
 
 def train(script_args, model_args, training_args) -> dict:
+    """RLOO against the reward model; with `--selection_steps`, also `overoptimisation.png` in the output directory:
+    the reward model's score and dev exact match against KL and steps."""
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
-    return run_trainer(
+    info = run_trainer(
         "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
         evaluate=False, extra={"reward_model": script_args.reward_model_path},
         reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
     )  # fmt: skip
+    if "selection" in info and PartialState().is_main_process:
+        path = plot_overoptimisation(
+            info["selection"]["history"], Path(training_args.output_dir, "overoptimisation.png")
+        )
+        if path is not None:
+            print(f"[rlhf] proxy reward and gold dev score: {path}")
+    return info

@@ -1,0 +1,122 @@
+"""Dev selection for the RL stages: score dev exact match while training, hand on the best weights.
+
+The NLP recipe's rule: the dev split chooses, the test split is read once at the end. `DevSelection` is a
+`TrainerCallback`; it scores greedy exact match on dev problems before the first step and every `every` steps,
+keeps a copy of the best weights, and loads them back when training ends, before the stage saves its model. The
+history (step, dev exact match, the trainer's proxy reward and KL at that step) goes into `run_info.json`; the RLHF
+stage draws it as the over-optimisation curve of Gao et al. (2023).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import TrainerCallback
+
+from .evaluation import exact_match
+from .sharding import is_sharded
+
+
+logger = logging.getLogger(__name__)
+
+# what TRL's online trainers log that the history keeps beside the gold dev score
+LOGGED = ("reward", "kl")
+
+
+class DevSelection(TrainerCallback):
+    """Scores dev exact match every `every` optimiser steps and restores the best weights at the end of training.
+
+    Args:
+        rows (`datasets.Dataset`): Dev problems (`prompt` and `answer` columns).
+        tokenizer: The policy's tokenizer.
+        every (`int`): Steps between two scores; the start (step 0) and the last step are always scored.
+        max_new_tokens (`int`, *optional*, defaults to 32): Generation budget per answer.
+
+    Every rank scores the same problems: unsharded, each its own replica (no collective); sharded by FSDP2, all in
+    step (`synced_gpus`), as each forward gathers parameters from every rank. ZeRO-3's partitioned parameters cannot
+    be copied and restored here, so selection refuses to run under it. Ties keep the earlier step: the selected model
+    is the least trained one among the best.
+    """
+
+    def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"selection_steps={every!r}: expected a positive number of steps (0 turns selection off)")
+        self.rows, self.tokenizer, self.every = rows, tokenizer, every
+        self.max_new_tokens = max_new_tokens
+        self.history: list[dict] = []
+        self.best: dict | None = None
+        self._best_weights: dict[str, torch.Tensor] | None = None
+
+    def score(self, model, step: int) -> None:
+        result = exact_match(model, self.tokenizer, self.rows, self.max_new_tokens, synced_gpus=is_sharded(model))
+        entry = {"step": step, "dev_exact_match": result["exact_match"], "dev_format": result["format"]}
+        self.history.append(entry)
+        if self.best is None or entry["dev_exact_match"] > self.best["dev_exact_match"]:
+            self.best = entry
+            # a copy, not a view: the optimiser updates the parameters in place
+            self._best_weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        logger.info("dev selection: step %d, dev exact match %.3f (best %.3f at step %d)", step,
+                    entry["dev_exact_match"], self.best["dev_exact_match"], self.best["step"])  # fmt: skip
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ValueError("--selection_steps: dev selection cannot copy and restore DeepSpeed ZeRO-3's partitioned "
+                             "weights; use --selection_steps 0 (the last step) or ZeRO-2 / FSDP2")  # fmt: skip
+        if not self.history:
+            self.score(model, state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0:
+            self.score(model, state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # the Trainer logs after `on_step_end` of the same step: attach what it logged to that step's entry
+        if self.history and self.history[-1]["step"] == state.global_step:
+            self.history[-1].update({key: logs[key] for key in LOGGED if key in (logs or {})})
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.history[-1]["step"] != state.global_step:
+            self.score(model, state.global_step)
+        if self.best["step"] != state.global_step:
+            with torch.no_grad():
+                parameters = dict(model.named_parameters())
+                for name, value in self._best_weights.items():
+                    parameters[name].copy_(value)
+            logger.warning("dev selection: handing on step %d (dev exact match %.3f), not the last step %d (%.3f)",
+                           self.best["step"], self.best["dev_exact_match"], state.global_step,
+                           self.history[-1]["dev_exact_match"])  # fmt: skip
+        self._best_weights = None
+
+    def summary(self) -> dict:
+        """What `run_info.json` records: the selected and the last step with their dev scores, and the history."""
+        return {"selected": self.best, "last": self.history[-1], "every": self.every, "history": self.history}
+
+
+def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy reward vs gold dev score"):
+    """The over-optimisation picture of Gao et al. (2023) from a `DevSelection` history: the learned reward model's
+    score (proxy) and dev exact match (gold) against the KL to the reference model, and against steps.
+
+    Returns the path written, or None when the history has fewer than two scored steps with a logged reward.
+    """
+    from ..evaluation.plots import pyplot, save_figure
+
+    logged = [entry for entry in history if "reward" in entry]
+    if len(logged) < 2:
+        return None
+    plt = pyplot()
+    panels = [("step", "optimiser step")] + ([("kl", "KL(policy ‖ reference), nats per token")] if all("kl" in e for e in logged) else [])  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    for axis, (key, label) in zip(axes[0], panels, strict=True):
+        xs = [entry[key] for entry in logged]
+        axis.plot(xs, [entry["reward"] for entry in logged], "o-", color="tab:orange", label="proxy: reward model")
+        axis.set_xlabel(label)
+        axis.set_ylabel("reward model score", color="tab:orange")
+        gold = axis.twinx()
+        gold.plot(xs, [100 * entry["dev_exact_match"] for entry in logged], "s-", color="tab:blue",
+                  label="gold: dev exact match")  # fmt: skip
+        gold.set_ylabel("dev exact match (%)", color="tab:blue")
+        axis.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)

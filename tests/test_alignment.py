@@ -1,0 +1,158 @@
+"""The alignment stages' contracts: the worked-arithmetic task, pass@k, dev selection of the best step, the gain
+table and the over-optimisation plot. Numbers are checked against independent computations; no accuracy or
+timing thresholds (the recorded 3-seed runs in the README show those)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from plugformer.training import data as task
+from plugformer.training import evaluation, selection
+from plugformer.training.rewards import exact_match_reward, format_reward
+
+
+# one-digit operands, then an optional carry or borrow and an optional +10, then the value
+STEP = re.compile(r"\A\d[+*-]\d(?:[+-]\d)?(?:\+10)?=\d+\Z")
+
+
+def check_step(step: str) -> int:
+    """A step is `d op d [carry] [+10] = value`, and its value is the arithmetic of its left side."""
+    assert STEP.match(step), step
+    left, value = step.split("=")
+    assert eval(left, {"__builtins__": {}}) == int(value), step  # digits and + - * only (checked above)
+    return int(value)
+
+
+@pytest.mark.parametrize("operation", ["add", "sub", "mul"])
+def test_worked_steps_are_one_digit_facts_that_add_up_to_the_answer(operation):
+    rng = random.Random(operation)
+    for _ in range(2000):
+        a = rng.randrange(1000)
+        b = rng.randrange(10) if operation == "mul" else rng.randrange(1000)
+        if operation == "sub" and b > a:
+            a, b = b, a
+        steps = task.worked_steps(operation, a, b)
+        values = [check_step(step) for step in steps]
+        assert len(steps) == max(len(str(a)), 1 if operation == "mul" else len(str(b)))
+        # column arithmetic read back: the last step whole, the others' units digits (independent of the module)
+        expected = {"add": a + b, "sub": a - b, "mul": a * b}[operation]
+        digits = str(values[-1]) + "".join(str(v % 10) for v in reversed(values[:-1]))
+        assert int(digits) == expected and task.answer_from_steps(operation, steps) == expected
+
+
+def test_solutions_are_formatted_and_wrong_answers_are_wrong_in_the_same_format():
+    rng = random.Random(0)
+    problems = task.generate_problems(600, "train")
+    solutions = [p.solution for p in problems]
+    assert format_reward(solutions) == [1.0] * len(problems)
+    assert exact_match_reward(solutions, answer=[str(p.answer) for p in problems]) == [1.0] * len(problems)
+    wrong = [task.wrong_answer(p, rng) for p in problems]
+    assert format_reward(wrong) == [1.0] * len(problems)
+    assert exact_match_reward(wrong, answer=[str(p.answer) for p in problems]) == [0.0] * len(problems)
+    # short and long problems both occur, for every operation
+    widths = {(p.operation, len(str(p.a))) for p in problems}
+    assert widths == {(op, w) for op in ("add", "sub", "mul") for w in (1, 2, 3)}
+
+
+def test_held_out_problems_share_no_fact_with_training():
+    facts = {split: {(p.operation, p.a, p.b) for p in task.generate_problems(4000, split)} for split in task.SPLITS}
+    assert not facts["train"] & facts["test"] and not facts["train"] & facts["dev"] and not facts["dev"] & facts["test"]
+
+
+@pytest.mark.parametrize(
+    ("samples", "correct", "k"), [(8, 0, 1), (8, 3, 1), (8, 3, 2), (8, 5, 4), (6, 1, 6), (5, 2, 3)]
+)
+def test_pass_at_k_equals_counting_every_subset(samples, correct, k):
+    draws = [1] * correct + [0] * (samples - correct)
+    subsets = list(itertools.combinations(draws, k))
+    assert evaluation.pass_at_k(samples, correct, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="correct"):
+        evaluation.pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="k"):
+        evaluation.pass_at_k(4, 1, 5)
+
+
+def test_sampled_pass_at_k_on_a_fixed_set(monkeypatch):
+    # prompt 0: 2 of 4 samples right, prompt 1: none, prompt 2: all four
+    completions = ["#### 3", "#### 4", "#### 3", "x", "#### 1", "#### 1", "#### 1", "#### 1"] + ["#### 9"] * 4
+    monkeypatch.setattr(evaluation, "generate_answers", lambda *args, **kwargs: completions)
+    rows = {"prompt": ["a", "b", "c"], "answer": ["3", "2", "9"]}
+    result = evaluation.sampled_pass_at_k(None, None, rows, samples=4, ks=(1, 2, 4))
+    assert result["pass@1"] == pytest.approx((2 / 4 + 0 + 1) / 3)
+    assert result["pass@2"] == pytest.approx((1 - 1 / 6 + 0 + 1) / 3)  # C(2,2)/C(4,2) = 1/6 pairs miss prompt 0
+    assert result["pass@4"] == pytest.approx(2 / 3)
+
+
+class Step:
+    def __init__(self, step: int):
+        self.global_step = step
+
+
+def test_dev_selection_hands_on_the_best_step_not_the_last(monkeypatch):
+    """Scores are scripted per step; the weights left in the model at the end are those of the best step."""
+    scores = {0: 0.20, 2: 0.35, 4: 0.50, 6: 0.50, 8: 0.40}  # a tie at 6 keeps the earlier step 4
+    model = torch.nn.Linear(3, 2)
+    monkeypatch.setattr(selection, "exact_match", lambda m, t, rows, n, synced_gpus: {
+        "exact_match": scores[current[0]], "format": 1.0})  # fmt: skip
+    current = [0]
+    callback = selection.DevSelection(rows=None, tokenizer=None, every=2)
+    snapshots = {}
+    callback.on_train_begin(None, Step(0), None, model=model)
+    snapshots[0] = model.weight.detach().clone()
+    for step in range(1, 9):
+        with torch.no_grad():
+            model.weight.add_(1.0)  # an optimiser step
+        current[0] = step
+        callback.on_step_end(None, Step(step), None, model=model)
+        callback.on_log(None, Step(step), None, logs={"reward": step / 10, "kl": step / 100, "loss": 1.0})
+        snapshots[step] = model.weight.detach().clone()
+    callback.on_train_end(None, Step(8), None, model=model)
+    assert torch.equal(model.weight, snapshots[4])
+    summary = callback.summary()
+    assert summary["selected"]["step"] == 4 and summary["last"]["step"] == 8
+    assert [e["step"] for e in summary["history"]] == [0, 2, 4, 6, 8]
+    assert summary["history"][2] == {"step": 4, "dev_exact_match": 0.5, "dev_format": 1.0, "reward": 0.4, "kl": 0.04}
+    assert "reward" not in summary["history"][0]  # nothing is logged before the first step
+
+
+def test_dev_selection_scores_the_last_step_and_refuses_a_bad_interval(monkeypatch):
+    monkeypatch.setattr(selection, "exact_match", lambda *a, **k: {"exact_match": 0.1, "format": 1.0})
+    model = torch.nn.Linear(2, 2)
+    callback = selection.DevSelection(rows=None, tokenizer=None, every=5)
+    callback.on_train_begin(None, Step(0), None, model=model)
+    callback.on_train_end(None, Step(3), None, model=model)
+    assert [e["step"] for e in callback.summary()["history"]] == [0, 3]
+    assert callback.summary()["selected"]["step"] == 0  # no step beat the start: the start is handed on
+    with pytest.raises(ValueError, match="selection_steps"):
+        selection.DevSelection(rows=None, tokenizer=None, every=0)
+
+
+def test_overoptimisation_plot_is_written(tmp_path):
+    history = [{"step": 0, "dev_exact_match": 0.3}] + [
+        {"step": s, "dev_exact_match": 0.3 + s / 100, "reward": s / 10, "kl": s / 50} for s in (5, 10, 15)
+    ]
+    path = selection.plot_overoptimisation(history, tmp_path / "curve.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert selection.plot_overoptimisation(history[:2], tmp_path / "none.png") is None
+
+
+def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
+    from plugformer.evaluation.stats import paired_bootstrap
+    from plugformer.training.pipeline import gain_over_parent, gain_text
+
+    results = {"sft": {"correct": [1, 0, 0, 1, 0, 0]}, "grpo": {"correct": [1, 1, 0, 1, 1, 0]}, "reward": {}}
+    gain = gain_over_parent(results, "grpo")
+    assert gain == paired_bootstrap([1, 1, 0, 1, 1, 0], [1, 0, 0, 1, 0, 0]).to_dict()
+    assert gain["difference"] == pytest.approx(2 / 6)
+    assert gain_text(gain).startswith("+33.3 (")
+    assert gain_over_parent(results, "reward") is None and gain_text(None) == "—"
+    json.dumps(gain)  # goes into results.json
