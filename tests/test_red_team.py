@@ -341,3 +341,80 @@ def test_a_stage_through_the_cli_opens_no_connection_off_the_machine(finished, t
         time.sleep(0.05)
     assert (tmp_path / "sft" / "run_info.json").exists()
     assert attempts == []
+
+
+# --- late and unclear errors ---------------------------------------------------------------------------------------
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Runs the CLI, which must exit with status 2 and print one line (the traceback is behind --debug)."""
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "Traceback" not in error[0], error
+    return error[0]
+
+
+def test_eval_on_a_missing_or_non_model_folder_says_so(tmp_path, capsys):
+    line = one_line_error(capsys, ["eval", "--model", str(tmp_path / "missing")])
+    assert line.startswith("ValueError: --model ") and "no such folder" in line
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello\n")
+    line = one_line_error(capsys, ["eval", "--model", str(tmp_path / "notes")])
+    assert "is not a saved model folder (no config.json or tokenizer_config.json)" in line
+
+
+def test_user_errors_print_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    from plugformer.cli import main
+
+    line = one_line_error(capsys, ["train", "pretrain", "--output_dir", str(tmp_path), "--max_steps", "-5"])
+    assert line.startswith("ValueError: --max_steps -5: expected") and "PLUGFORMER_DEBUG=1" in line
+    with pytest.raises(ValueError, match="max_steps -5"):
+        main(["--debug", "train", "pretrain", "--output_dir", str(tmp_path), "--max_steps", "-5"])
+    monkeypatch.setenv("PLUGFORMER_DEBUG", "1")
+    with pytest.raises(ValueError, match="max_steps -5"):
+        main(["train", "pretrain", "--output_dir", str(tmp_path), "--max_steps", "-5"])
+
+
+def jsonl(path: Path, rows: list) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (b"", "the file is empty"),
+        (b"\n  \n", "the file is empty"),
+        ('{"text": "caf\xe9 au lait"}\n'.encode("latin-1"), r"not UTF-8 text \(byte 13 is b'\\xe9'\)"),
+        (b'{"text": "a"}\n{"text": null}\n', r"column 'text' is null in row 1 of the train split"),
+    ],
+    ids=["empty", "blank", "latin-1", "null-text"],
+)
+def test_bad_jsonl_is_named_before_training(tmp_path, monkeypatch, content, pattern):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_training)
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"--data_files {data}: {pattern}|--data_files {data}.*{pattern}"):
+        pretrain(tmp_path / "run", "--dataset_name", "json", "--data_files", str(data), "--dev_examples", "0",
+                 "--test_examples", "0")  # fmt: skip
+
+
+def test_missing_data_file_and_sft_with_other_columns_are_named(finished, tmp_path, monkeypatch):
+    from plugformer.training import common, run_stage
+
+    monkeypatch.setattr(common, "atomic_checkpoints", refuse_training)  # the trainer is never built
+    argv = ["--output_dir", str(tmp_path / "sft"), "--model_name_or_path", str(finished), "--dataset_name", "json"]
+    with pytest.raises(ValueError, match=r"--data_files .*nowhere.jsonl: no such file"):
+        run_stage("sft", [*argv, "--data_files", str(tmp_path / "nowhere.jsonl")])
+    data = jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(8)])
+    with pytest.raises(ValueError, match=r"stage 'sft' needs the columns text \| messages \| prompt\+completion"
+                                         r".*it has \['question', 'answer'\]"):  # fmt: skip
+        run_stage("sft", [*argv, "--data_files", str(data), "--dev_examples", "2", "--test_examples", "2"])

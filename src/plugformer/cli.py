@@ -121,14 +121,34 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 }
 
 
+# raised for what the user gave (flags, files, folders); anything else is a bug and keeps its traceback
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+DEBUG_VARIABLE = "PLUGFORMER_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> None:
+    """`plugformer [--debug] <command> [options]`. A user error prints as one line, `ValueError: ...`, and exits with
+    status 2; `--debug` (before the command) or `PLUGFORMER_DEBUG=1` shows the traceback instead."""
+    import os
+
     from .offline import apply_offline_defaults
 
     apply_offline_defaults()  # nothing leaves the machine unless the user set HF_HUB_OFFLINE / ..._TELEMETRY itself
     argv = sys.argv[1:] if argv is None else argv
+    debug = os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+    if argv and argv[0] == "--debug":  # before the command: `train` and `pipeline` have a --debug option of their own
+        debug, argv = True, argv[1:]
     if not argv or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text
         usage = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
-        print(f"usage: plugformer <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
+        print(f"usage: plugformer [--debug] <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    COMMANDS[argv[0]][0](argv[1:])
+    try:
+        COMMANDS[argv[0]][0](argv[1:])
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        message = " ".join(str(error).split())  # one line, whatever the message's own line breaks
+        print(f"{type(error).__name__}: {message} [plugformer {argv[0]}; traceback: plugformer --debug ... or "
+              f"{DEBUG_VARIABLE}=1]", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None

@@ -17,6 +17,7 @@ from ..tokenization import generation_eos_token_ids
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
+from .datafiles import check_data_files, check_rows
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .evaluation import exact_match, sampled_pass_at_k
 from .outputs import claim_output_dir, release_lock
@@ -65,7 +66,11 @@ def peft_config(model_args):
 
 
 def stage_data(stage: str, script_args):
-    return load_stage_dataset(
+    """The stage's splits; user data is checked first (files missing, empty, not UTF-8) and after loading (SFT's
+    columns, null values in the columns the stage needs, empty splits), each error naming the file or split."""
+    if script_args.dataset_name is not None:
+        check_data_files(script_args.dataset_name, script_args.data_files)
+    data = load_stage_dataset(
         stage,
         dataset_name=script_args.dataset_name,
         dataset_config=script_args.dataset_config,
@@ -73,6 +78,12 @@ def stage_data(stage: str, script_args):
         sizes=script_args.sizes(),
         seed=script_args.dataset_seed,
     )
+    if script_args.dataset_name is not None:
+        source = f"--dataset_name {script_args.dataset_name}" + (
+            f" --data_files {' '.join(script_args.data_files)}" if script_args.data_files else ""
+        )
+        check_rows(stage, data, source)
+    return data
 
 
 def resume_checkpoint(training_args) -> str | None:

@@ -1,0 +1,80 @@
+"""Checks of user data before any training: each problem named with its file (or split), column and row.
+
+Without them an empty jsonl ended in `StopIteration`, a Latin-1 file in a `UnicodeDecodeError` without its name, a
+null `text` deep inside tokenisation, and SFT data with other columns in `KeyError: 'text'`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+from pathlib import Path
+
+
+TEXT_BUILDERS = ("json", "csv", "text")  # builders that read text files (parquet and arrow are binary)
+# the column sets TRL's SFTTrainer accepts (one of them)
+SFT_FORMATS = (("text",), ("messages",), ("prompt", "completion"))
+
+
+def check_data_files(dataset_name: str | None, data_files: list[str] | None) -> None:
+    """Raises `ValueError` naming the file if one of `data_files` (paths or glob patterns) is missing, empty or, for
+    a text builder (`json`, `csv`, `text`), not UTF-8."""
+    for pattern in data_files or []:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise ValueError(f"--data_files {pattern}: the pattern matches no file")
+        for name in matches:
+            path = Path(name)
+            if not path.is_file():
+                raise ValueError(f"--data_files {name}: no such file")
+            if dataset_name in TEXT_BUILDERS:
+                _check_text_file(path)
+            elif path.stat().st_size == 0:
+                raise ValueError(f"--data_files {name}: the file is empty")
+
+
+def _check_text_file(path: Path) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, content = 0, False
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            try:
+                text = decoder.decode(block)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--data_files {path}: not UTF-8 text (byte {offset + error.start} is "
+                                 f"{block[error.start : error.start + 1]!r}); re-encode it as UTF-8") from None  # fmt: skip
+            content = content or bool(text.strip())
+            offset += len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"--data_files {path}: not UTF-8 text (it ends inside a character)") from None
+    if not content:
+        raise ValueError(f"--data_files {path}: the file is empty (no rows)")
+
+
+def required_columns(stage: str, columns: list[str], source: str) -> tuple[str, ...]:
+    """The columns of `stage` that must hold a value in every row; for SFT the first of TRL's formats present,
+    refused (`ValueError` naming what is needed) when none is."""
+    from .data import STAGE_COLUMNS
+
+    if stage != "sft":
+        return tuple(c for c in STAGE_COLUMNS.get(stage, ()) if c in columns)
+    for format_columns in SFT_FORMATS:
+        if all(c in columns for c in format_columns):
+            return format_columns
+    needed = " | ".join("+".join(format_columns) for format_columns in SFT_FORMATS)
+    raise ValueError(f"{source}: stage 'sft' needs the columns {needed} (TRL's formats); it has {columns}")
+
+
+def check_rows(stage: str, data, source: str) -> None:
+    """Raises `ValueError` naming the split, column and row where a required column of `stage` is null (`None`),
+    or where a split has no rows."""
+    for split_name, split in data.items():
+        if len(split) == 0:
+            raise ValueError(f"{source}: the {split_name} split has no rows")
+        for column in required_columns(stage, split.column_names, source):
+            row = next((i for i, value in enumerate(split[column]) if value is None), None)
+            if row is not None:
+                raise ValueError(f"{source}: column {column!r} is null in row {row} of the {split_name} split "
+                                 f"(stage {stage!r} needs a value in every row)")  # fmt: skip
