@@ -418,3 +418,44 @@ def test_missing_data_file_and_sft_with_other_columns_are_named(finished, tmp_pa
     with pytest.raises(ValueError, match=r"stage 'sft' needs the columns text \| messages \| prompt\+completion"
                                          r".*it has \['question', 'answer'\]"):  # fmt: skip
         run_stage("sft", [*argv, "--data_files", str(data), "--dev_examples", "2", "--test_examples", "2"])
+
+
+# --- JSON state is written whole or not at all ---------------------------------------------------------------------
+
+
+def test_a_failed_state_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+    import json
+
+    from plugformer import files
+
+    state = tmp_path / "run_info.json"
+    files.write_json_atomic(state, {"step": 1})
+
+    def disk_full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        files.write_json_atomic(state, {"step": 2, "padding": "x" * 10_000})
+    assert json.loads(state.read_text()) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["run_info.json"]
+
+
+def test_run_state_and_eval_results_are_published_by_a_rename(finished, tmp_path, monkeypatch):
+    import os
+
+    from plugformer.cli import main
+
+    renamed = []
+    real_replace = os.replace
+
+    def recording_replace(source, target, *args, **kwargs):
+        renamed.append(Path(target).name)
+        return real_replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    pretrain(tmp_path / "run")
+    assert {"run_info.json", "trainer_state.json", "last_checkpoint.json"} <= set(renamed)
+    main(["eval", "--model", str(tmp_path / "run"), "--examples", "2", "--max_new_tokens", "4"])
+    assert "eval_test.json" in renamed

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..files import write_json_atomic, write_text_atomic
 from .plots import pyplot
 from .stats import mean_interval, paired_bootstrap, paired_t_test
 
@@ -241,7 +242,7 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
             return cached
     scores, weights = _score(args, model_dir, split, size)
     result = {"examples": size, "dataset_seed": args.dataset_seed, "scores": scores, "weights": weights}
-    cache.write_text(json.dumps(result) + "\n")
+    write_json_atomic(cache, result)
     return result
 
 
@@ -398,10 +399,8 @@ def write_results(args, summary: dict, text: str, plot_summary) -> None:
     """`results.md` (the table), `results.json` (arguments and summary) and `results.png` in `args.output_dir`."""
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "results.md").write_text(text + "\n")
-    (output / "results.json").write_text(
-        json.dumps({"arguments": dataclasses.asdict(args), **summary}, indent=2) + "\n"
-    )
+    write_text_atomic(output / "results.md", text + "\n")
+    write_json_atomic(output / "results.json", {"arguments": dataclasses.asdict(args), **summary}, indent=2)
     plot_summary(summary, output / "results.png")
     print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
 

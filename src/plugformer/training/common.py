@@ -3,8 +3,8 @@ the next stage (and the Auto classes) load, and record how the run went."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import logging
 import math
 import time
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
+from ..files import write_json_atomic
 from ..tokenization import generation_eos_token_ids
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
@@ -177,8 +178,11 @@ def train_and_save(
         info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer)
         if pass_at_k is not None:
             info["dev_pass_at_k"] = pass_at_k
-        Path(args.output_dir, "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-        trainer.state.save_to_json(str(Path(args.output_dir, "trainer_state.json")))  # the whole log history
+        # written whole or not at all: a torn run_info.json broke every later pipeline run
+        write_json_atomic(Path(args.output_dir, "run_info.json"), info, indent=2, default=str)
+        # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
+        write_json_atomic(Path(args.output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2,
+                          sort_keys=True)  # fmt: skip
         write_card(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"

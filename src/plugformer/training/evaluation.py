@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_json_atomic
 from ..metrics import load_metric
 from ..tokenization import generation_eos_token_ids
 from .rewards import exact_match_reward, format_reward
@@ -243,7 +244,7 @@ def main(argv: list[str]) -> dict:
     args = parse_arguments(EvalArguments, argv, prog="plugformer eval")
     results = evaluate_directory(args)
     output = Path(args.output or Path(args.model) / f"eval_{args.split}.json")
-    output.write_text(json.dumps(results, indent=2) + "\n")
+    write_json_atomic(output, results, indent=2)
     shown = {k: v for k, v in results.items() if k != "samples"}
     print(json.dumps(shown, indent=2) + f"\nwritten to {output}")
     return results
