@@ -459,3 +459,19 @@ def test_run_state_and_eval_results_are_published_by_a_rename(finished, tmp_path
     assert {"run_info.json", "trainer_state.json", "last_checkpoint.json"} <= set(renamed)
     main(["eval", "--model", str(tmp_path / "run"), "--examples", "2", "--max_new_tokens", "4"])
     assert "eval_test.json" in renamed
+
+
+@pytest.mark.parametrize(
+    ("flags", "split"),
+    [
+        (["--dev_examples", "1", "--block_size", "128"], "dev"),
+        (["--train_examples", "1", "--block_size", "128"], "train"),
+    ],
+)
+def test_a_split_shorter_than_one_block_is_refused_before_training(tmp_path, monkeypatch, flags, split):
+    from transformers import Trainer
+
+    monkeypatch.setattr(Trainer, "train", refuse_training)
+    with pytest.raises(ValueError, match=rf"the {split} split \(1 documents\) holds fewer than block_size=\d+ tokens"):
+        pretrain(tmp_path / "run", "--eval_strategy", "steps", "--eval_steps", "1", *flags)
+    assert not (tmp_path / "run" / "checkpoint-2").exists()

@@ -89,6 +89,17 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
     return blocks
 
 
+def check_blocks(data, blocks, block_size: int) -> None:
+    """Raises `ValueError` before training when the train or dev split packs into no block: a dev split shorter
+    than one block used to train to the end and then fail in evaluation, before the model was saved."""
+    for split in ("train", "dev"):
+        if split in blocks and len(blocks[split]) == 0:
+            flag = "--dev_examples 0 (no dev loss), " if split == "dev" else ""
+            raise ValueError(f"the {split} split ({len(data[split])} documents) holds fewer than block_size="
+                             f"{block_size} tokens, so it packs into no block; give more {split} text (--"
+                             f"{split}_examples), {flag}or a smaller --block_size")  # fmt: skip
+
+
 def train(script_args, model_args, training_args) -> dict:
     check_trainer_arguments(training_args)
     check_tokenizer_source(script_args, model_args)
@@ -112,6 +123,7 @@ def train(script_args, model_args, training_args) -> dict:
                 "document_positions": script_args.document_positions,
             },
         )
+    check_blocks(data, blocks, script_args.block_size)
     collator = (
         default_data_collator
         if causal
