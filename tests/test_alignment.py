@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,71 @@ def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
     assert gain_text(gain).startswith("+33.3 (")
     assert gain_over_parent(results, "reward") is None and gain_text(None) == "—"
     json.dumps(gain)  # goes into results.json
+
+
+def pipeline_args(tmp_path, **overrides):
+    from plugformer.training.pipeline import PipelineArguments
+
+    configs = tmp_path / "configs"
+    configs.mkdir(exist_ok=True)
+    for stage in ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo"):
+        (configs / f"{stage}.yaml").write_text("max_steps: 2\n")
+    return PipelineArguments(output_dir=str(tmp_path / "out"), stage_configs=str(configs / "{stage}.yaml"), **overrides)
+
+
+def finish(args, stage, digests=(1,)):
+    """A stage folder as the pipeline leaves a finished stage: run_info.json and the record of what shaped it."""
+    from plugformer.training.pipeline import RECORD, stage_argv, stage_record
+
+    folder = Path(args.output_dir, stage)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "run_info.json").write_text(json.dumps({"parameter_digests": list(digests)}))
+    (folder / RECORD).write_text(json.dumps(stage_record(args, stage, stage_argv(args, stage))))
+
+
+def test_a_finished_stage_is_reused_only_while_its_yaml_seeds_and_parents_are_unchanged(tmp_path):
+    from plugformer.training.pipeline import plan_stage, stage_argv, stage_record
+
+    args = pipeline_args(tmp_path)
+
+    def plan(stage, run_args=args):
+        return plan_stage(run_args, stage, stage_record(run_args, stage, stage_argv(run_args, stage)))
+
+    finish(args, "pretrain")
+    finish(args, "sft")
+    assert plan("pretrain") is None and plan("sft") is None
+    why, flags = plan("sft", pipeline_args(tmp_path, seed=7))  # another seed: the argv differs
+    assert "argv changed" in why and flags == ["--overwrite_output_dir", "true"]
+    (tmp_path / "configs/sft.yaml").write_text("max_steps: 3\n")
+    assert "config_sha256 changed" in plan("sft")[0]
+    finish(args, "sft")
+    finish(args, "pretrain", digests=(2,))  # the parent retrained: other weights
+    assert "parent_digests changed" in plan("sft")[0]
+    (tmp_path / "out/sft/pipeline_stage.json").unlink()
+    assert "pipeline_stage.json is missing" in plan("sft")[0]
+    assert plan("pretrain", pipeline_args(tmp_path, rerun=True)) == ("--rerun true", ["--overwrite_output_dir", "true"])
+
+
+def test_an_interrupted_stage_resumes_and_a_foreign_unfinished_folder_is_replaced(tmp_path):
+    from plugformer.training.pipeline import RECORD, plan_stage, stage_argv, stage_record
+
+    args = pipeline_args(tmp_path)
+    folder = tmp_path / "out/pretrain"
+    (folder / "checkpoint-4").mkdir(parents=True)
+    record = stage_record(args, "pretrain", stage_argv(args, "pretrain"))
+    assert plan_stage(args, "pretrain", record)[1] == ["--overwrite_output_dir", "true"]  # no record: not ours
+    (folder / RECORD).write_text(json.dumps(record))
+    assert plan_stage(args, "pretrain", record)[1] == ["--resume_from_checkpoint", "last"]
+    assert plan_stage(args, "sft", stage_record(args, "sft", stage_argv(args, "sft"))) == ("training", [])
+
+
+def test_a_typo_in_the_last_stage_yaml_fails_before_the_first_stage_trains(tmp_path, monkeypatch):
+    from plugformer.training import pipeline
+
+    args = pipeline_args(tmp_path)
+    (tmp_path / "configs/grpo.yaml").write_text("learnig_rate: 0.1\n")
+    trained = []
+    monkeypatch.setattr(pipeline, "run_stage", lambda stage, argv: trained.append(stage))
+    with pytest.raises(ValueError, match=r"stage 'grpo' .*grpo\.yaml.*learnig_rate"):
+        pipeline.run(args)
+    assert trained == []
