@@ -114,7 +114,7 @@ def test_dev_selection_hands_on_the_best_step_not_the_last(monkeypatch):
             model.weight.add_(1.0)  # an optimiser step
         current[0] = step
         callback.on_step_end(None, Step(step), None, model=model)
-        callback.on_log(None, Step(step), None, logs={"reward": step / 10, "kl": step / 100, "loss": 1.0})
+        callback.on_log(None, Step(step), None, logs={"reward": str(step / 10), "kl": step / 100, "loss": 1.0})
         snapshots[step] = model.weight.detach().clone()
     callback.on_train_end(None, Step(8), None, model=model)
     assert torch.equal(model.weight, snapshots[4])

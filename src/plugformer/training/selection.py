@@ -73,7 +73,8 @@ class DevSelection(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         # the Trainer logs after `on_step_end` of the same step: attach what it logged to that step's entry
         if self.history and self.history[-1]["step"] == state.global_step:
-            self.history[-1].update({key: logs[key] for key in LOGGED if key in (logs or {})})
+            # float(): the progress printer may have formatted the values to strings in place
+            self.history[-1].update({key: float(logs[key]) for key in LOGGED if key in (logs or {})})
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.history[-1]["step"] != state.global_step:
