@@ -475,3 +475,17 @@ def test_a_split_shorter_than_one_block_is_refused_before_training(tmp_path, mon
     with pytest.raises(ValueError, match=rf"the {split} split \(1 documents\) holds fewer than block_size=\d+ tokens"):
         pretrain(tmp_path / "run", "--eval_strategy", "steps", "--eval_steps", "1", *flags)
     assert not (tmp_path / "run" / "checkpoint-2").exists()
+
+
+def test_no_json_file_is_written_in_place():
+    """Every JSON file plugformer writes goes through `plugformer.files` (a temporary file renamed over the target):
+    no `write_text(json.dumps(...))` or `json.dump(..., handle)` is left in the package."""
+    import re
+
+    in_place = re.compile(r"write_text\(\s*json\.dumps|json\.dump\(|\.save_to_json\(")
+    offenders = []
+    for path in sorted((ROOT / "src" / "plugformer").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if in_place.search(line) and "staged" not in line:  # inside a checkpoint's staging area: published whole
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import resource
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..files import write_json_atomic
 from .measure import median
 
 
@@ -220,7 +220,7 @@ def write(results: dict, output_dir: str | Path) -> Path:
     results["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json_atomic(output / "bench.json", results, indent=2)
     path = output / "bench.md"
     path.write_text(markdown(results))
     return path

@@ -10,7 +10,6 @@ cross-attention from target queries to source keys.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_json_atomic
 from .plots import pyplot
 
 
@@ -259,7 +259,7 @@ def save_attention_numbers(maps: dict[str, AttentionMap], stem: Path, metadata: 
         kind: {"layers": a.layers, "heads": a.heads, "query_tokens": a.query_tokens, "key_tokens": a.key_tokens}
         for kind, a in maps.items()
     }
-    tokens_file.write_text(json.dumps({**(metadata or {}), "maps": described}, indent=2, ensure_ascii=False) + "\n")
+    write_json_atomic(tokens_file, {**(metadata or {}), "maps": described}, indent=2, ensure_ascii=False)
     return [weights_file, tokens_file]
 
 

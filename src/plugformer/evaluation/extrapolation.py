@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_json_atomic
 from .compare import CompareArguments, run_plan, train_run, write_results
 from .plots import pyplot
 from .stats import mean_interval
@@ -126,7 +127,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
                                                                                      args.batch_size)
         for length in lengths
     }  # fmt: skip
-    cache.write_text(json.dumps({"key": key, "limit": limit, "perplexity": results}, indent=2) + "\n")
+    write_json_atomic(cache, {"key": key, "limit": limit, "perplexity": results}, indent=2)
     return limit, results
 
 

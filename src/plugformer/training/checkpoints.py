@@ -101,7 +101,7 @@ def publish(staged: Path, final: Path) -> None:
     manifest = {
         str(path.relative_to(staged)): {"bytes": path.stat().st_size, "sha256": _sha256(path)} for path in files
     }
-    (staged / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_json_atomic(staged / MANIFEST, manifest, indent=1)
     for path in [*files, staged / MANIFEST]:
         _fsync(path)
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced as a whole
