@@ -489,3 +489,12 @@ def test_no_json_file_is_written_in_place():
             if in_place.search(line) and "staged" not in line:  # inside a checkpoint's staging area: published whole
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
+    from plugformer.evaluation.compare import route
+
+    argv = route({"config_overrides": "ffn_type=mlp", "norm_type": "layernorm"}, ["pretrain"])
+    assert argv["pretrain"] == ["--config_overrides", "ffn_type=mlp,norm_type=layernorm"]  # one flag, both fields
+    with pytest.raises(ValueError, match=r"\['norm_type'\] set more than once"):
+        route({"config_overrides": "norm_type=rmsnorm", "norm_type": "layernorm"}, ["pretrain"])

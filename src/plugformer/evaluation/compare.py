@@ -133,7 +133,10 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
         targets = [stage] if stage else [s for s in stages if name in options[s]]
         if stage and (stage not in stages or name not in options[stage]):
             raise ValueError(f"{key}={value}: stage {stage!r} is not in stages={stages} or has no option {name!r}")
-        if targets:
+        if name == "config_overrides" and stage in ("", "pretrain") and "pretrain" in stages:
+            # merged with the PlugformerConfig fields routed below: a second --config_overrides would replace the first
+            config_overrides += [item.strip() for item in value.split(",") if item.strip()]
+        elif targets:
             for target in targets:
                 argv[target] += [f"--{name}", value]
         elif name in config_fields and "pretrain" in stages:
@@ -142,6 +145,11 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
                              "PlugformerConfig field set at pretraining")  # fmt: skip
     if config_overrides:
+        fields = [item.partition("=")[0].strip() for item in config_overrides]
+        twice = sorted({field for field in fields if fields.count(field) > 1})
+        if twice:
+            raise ValueError(f"config_overrides {','.join(config_overrides)}: {twice} set more than once (a grid key "
+                             "and --set config_overrides, or twice); set each PlugformerConfig field once")  # fmt: skip
         argv["pretrain"] += ["--config_overrides", ",".join(config_overrides)]
     return argv
 
