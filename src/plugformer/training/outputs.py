@@ -89,7 +89,8 @@ def acquire_lock(output_dir: str | Path) -> str | None:
                             f"{holder.get('started')}); if no run is live there, delete {path}")  # fmt: skip
                 if pid != mine["pid"] and _alive(pid):
                     return (f"--output_dir {output_dir} is in use by a live run (pid {pid}, since "
-                            f"{holder.get('started')}); wait for it or choose another folder")  # fmt: skip
+                            f"{holder.get('started')}); wait for it or choose another folder (if pid {pid} is no "
+                            f"plugformer run, delete {path})")  # fmt: skip
                 if pid != mine["pid"]:
                     logger.warning("%s was left by pid %d, which is no longer running; taking it over", path, pid)
             path.unlink(missing_ok=True)
