@@ -39,6 +39,12 @@ class RelativeBias:
         """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
         default)."""
         keys = self.key_length if keys is None else keys
+        if isinstance(keys, torch.SymInt) or isinstance(self.query_length, torch.SymInt):
+            # traced with dynamic shapes: `unfold` would specialise its window to the traced length; a gather of
+            # value index j − i + Q − 1 stays symbolic
+            index = torch.arange(keys, device=self.values.device)[None, :] + self.query_length - 1
+            index = index - torch.arange(start, stop, device=self.values.device)[:, None]  # (r, keys)
+            return self.values[:, index][None]  # (1, H, r, keys)
         # Window m of length `keys` starts at distance index m; query i's row is window Q − 1 − i, so the block's
         # rows are windows Q − stop .. Q − 1 − start in reverse (unfold is a view; the flip copies just the block).
         windows = self.values.unfold(-1, keys, 1)  # (H, Q + K − keys, keys)

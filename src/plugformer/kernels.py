@@ -51,6 +51,9 @@ def bias_rows(position_bias: RelativeBias | None, rows: slice, keys: int | None 
     """The `(1, H, r, keys)` bias of the query rows `rows` over the first `keys` keys (all by default), or `None`."""
     if position_bias is None:
         return None
+    if isinstance(position_bias.query_length, torch.SymInt):  # `slice.indices` needs ints; rows lie within Q here
+        start = 0 if rows.start is None else rows.start
+        return position_bias.rows(start, position_bias.query_length if rows.stop is None else rows.stop, keys)
     start, stop, _ = rows.indices(position_bias.query_length)
     return position_bias.rows(start, stop, keys)
 
@@ -74,6 +77,14 @@ def mask_blocks_the_future(attention_mask: torch.Tensor, query_length: int, key_
     future = torch.ones(query_length, key_length, dtype=torch.bool, device=mask.device)
     future = future.triu(key_length - query_length + 1)  # (Q, K): key slot after the query's slot
     return not bool((allowed & future).any())
+
+
+def symbolic_sizes(*tensors: torch.Tensor) -> bool:
+    """Whether a sequence length is symbolic: traced with dynamic shapes (`torch.export` with `Dim`s, `torch.compile`
+    with `dynamic=True`, ONNX's dynamo export). The blockwise loops below then run as one block: a Python loop over a
+    symbolic length would specialise the graph to the traced length (torch.export refuses, ONNX exported a fixed
+    shape). One block is exact, but holds the whole (B, H, Q, K) score-sized tensor the blocks bound."""
+    return any(isinstance(size, torch.SymInt) for tensor in tensors for size in tensor.shape[-2:])
 
 
 def _add_bias_and_mask(
@@ -198,18 +209,22 @@ def additive_attention_forward(
     key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, A)
     value = repeat_kv(value, module.num_key_value_groups)  # (B, H, K, D)
     batch, heads, q_len, attn_dim = query.shape
-    if chunk_size is None:
+    key_length = key.shape[2]
+    symbolic = symbolic_sizes(query, key)
+    if symbolic:  # traced with dynamic shapes: one chunk of every query over every key (see `symbolic_sizes`)
+        chunk_size = q_len
+    elif chunk_size is None:
         element_size = 4 if query.dtype == torch.float16 else query.element_size()  # fp16 is scored in fp32
-        per_query = batch * heads * key.shape[2] * attn_dim * element_size
+        per_query = batch * heads * key_length * attn_dim * element_size
         chunk_size = max(1, ADDITIVE_CHUNK_BYTES // per_query)
     recompute = module.training and torch.is_grad_enabled()
-    key_length = key.shape[2]
     # the mask holds the causal pattern within a chunk; the keys dropped after it are blocked for every row
-    causal = attention_mask is not None and q_len > 1 and kwargs.get("is_causal", getattr(module, "is_causal", False))
+    causal = not symbolic and attention_mask is not None and q_len > 1
+    causal = causal and kwargs.get("is_causal", getattr(module, "is_causal", False))
     causal = causal and mask_blocks_the_future(attention_mask, q_len, key_length)
     wants_weights = _wants_weights(module, kwargs)
     outputs, weights = [], []
-    for start in range(0, q_len, chunk_size):
+    for start in range(0, q_len, chunk_size) if not symbolic else (0,):
         rows = slice(start, start + chunk_size)
         keys = causal_keys(q_len, key_length, rows.stop) if causal else key_length
         mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
@@ -257,7 +272,13 @@ def _bias_mask(
     would leak); SDPA returns zeros for a row with every key blocked (left padding).
     """
     mask = position_bias.rows(start, stop, keys).to(dtype)  # (1, H, r, keys)
-    return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))
+    if allowed is None:
+        return mask
+    # A graph traced for another runtime (ONNX) may not zero a row with every key at -inf as torch's SDPA does: its
+    # NaN (a padding query) would reach the real tokens through the next layer's values. There the finite minimum
+    # blocks (fp32/bf16 scores never outweigh it; fp16 exports keep the leak risk the -inf avoids).
+    blocked = torch.finfo(dtype).min if isinstance(keys, torch.SymInt) else float("-inf")
+    return mask.masked_fill(~allowed, blocked)
 
 
 def _sdpa(query, key, value, mask, scaling: float, dropout: float = 0.0) -> torch.Tensor:
@@ -396,22 +417,30 @@ def sdpa_relative_bias_forward(
     is_causal = module.is_causal if is_causal is None else is_causal
     batch, heads, query_length, _ = query.shape
     key_length = key.shape[2]
-    block = bias_block_rows(batch, heads, key_length, max(query.element_size(), 4))
     learned = torch.is_grad_enabled() and position_bias.values.requires_grad
-    # a causal block skips the keys after its last query; without a mask the queries start at key slot 0
-    skip_future = is_causal and query_length > 1
-    skip_future = skip_future and (
-        attention_mask is None or mask_blocks_the_future(attention_mask, query_length, key_length)
-    )
+    if symbolic_sizes(query, key):
+        # traced with dynamic shapes: one block of all rows over all keys (see `symbolic_sizes`)
+        block, skip_future = query_length, False
+    else:
+        block = bias_block_rows(batch, heads, key_length, max(query.element_size(), 4))
+        # a causal block skips the keys after its last query; without a mask the queries start at key slot 0
+        skip_future = is_causal and query_length > 1
+        skip_future = skip_future and (
+            attention_mask is None or mask_blocks_the_future(attention_mask, query_length, key_length)
+        )
     outputs = []
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        for start in range(0, query_length, block):
+        for start in range(0, query_length, block) if block is not query_length else (0,):
             outputs.append(
                 _bias_block_forward(query, key, value, attention_mask, position_bias, is_causal, skip_future, start,
-                                    min(start + block, query_length), scaling, dropout, learned)
+                                    query_length if block is query_length else min(start + block, query_length),
+                                    scaling, dropout, learned)
             )  # fmt: skip
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (B, H, Q, D)
-    return output.transpose(1, 2).contiguous(), None  # (B, Q, H, D)
+    output = output.transpose(1, 2)  # (B, Q, H, D)
+    if symbolic_sizes(query, key):  # ONNX's decomposition took `contiguous()` for a no-op here and failed to view it
+        return output.clone(memory_format=torch.contiguous_format), None
+    return output.contiguous(), None
 
 
 def _bias_block_forward(

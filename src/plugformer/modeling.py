@@ -127,7 +127,10 @@ class PlugformerAttention(nn.Module):
             # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
             # sees it as an input.
             position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
-            if self._kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
+            # (while torch.compile / torch.export trace, `checked_kernel` records nothing: read the table here)
+            implementation = self.config._attn_implementation
+            kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
+            if kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
