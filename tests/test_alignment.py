@@ -225,3 +225,11 @@ def test_a_typo_in_the_last_stage_yaml_fails_before_the_first_stage_trains(tmp_p
     with pytest.raises(ValueError, match=r"stage 'grpo' .*grpo\.yaml.*learnig_rate"):
         pipeline.run(args)
     assert trained == []
+
+
+@pytest.mark.parametrize("stage", ["grpo", "rlhf"])
+def test_zero_generations_per_prompt_is_a_value_error(stage):
+    from plugformer.training import parse_stage_arguments
+
+    with pytest.raises(ValueError, match="num_generations must be at least 2"):
+        parse_stage_arguments(stage, ["--output_dir", "unused", "--num_generations", "0"])

@@ -57,7 +57,13 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
-    return parser.parse_args_and_config(argv)
+    try:
+        return parser.parse_args_and_config(argv)
+    except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked
+        raise ValueError(
+            f"stage {stage!r}: --num_generations must be at least 2 (answers compared per prompt), and the batch "
+            f"sizes multiples of it ({error})"
+        ) from error
 
 
 def run_stage(stage: str, argv: list[str]) -> dict:
