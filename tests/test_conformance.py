@@ -28,6 +28,7 @@ from plugformer import (
     PlugformerForSequenceClassification,
     PlugformerForTokenClassification,
     PlugformerModel,
+    PlugformerSeq2SeqModel,
 )
 
 
@@ -288,9 +289,22 @@ class TestSeq2Seq:
                 pieces.append(step.logits)
         torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
 
-    @pytest.mark.xfail(strict=True, reason="the seq2seq head is its own base model (README, Conformance)")
-    def test_base_model_prefix_loading(self, seq2seq):
-        assert seq2seq.base_model is not seq2seq
+    def test_base_model_prefix_loading(self, seq2seq, tmp_path):
+        """T5's layout: the head and its base (`PlugformerSeq2SeqModel`) share parameter names, so each loads the
+        other's checkpoint."""
+        seq2seq.save_pretrained(tmp_path / "head")
+        base, info = PlugformerSeq2SeqModel.from_pretrained(tmp_path / "head", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        inputs = seq2seq_inputs()
+        with torch.no_grad():
+            hidden = base(**inputs).last_hidden_state
+            torch.testing.assert_close(seq2seq.lm_head(hidden), seq2seq(**inputs).logits, atol=1e-6, rtol=0)
+        base.save_pretrained(tmp_path / "base")
+        head, info = PlugformerForConditionalGeneration.from_pretrained(tmp_path / "base", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        assert head.lm_head.weight is head.encoder.embed_tokens.weight is head.decoder.embed_tokens.weight
+        with torch.no_grad():
+            torch.testing.assert_close(head(**inputs).logits, seq2seq(**inputs).logits, atol=1e-6, rtol=0)
 
     def test_resize_token_embeddings(self, seq2seq):
         assert_resizes(seq2seq, seq2seq_inputs())

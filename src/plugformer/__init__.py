@@ -27,6 +27,7 @@ from .modeling import (  # importing it registers PEFT's default LoRA targets (L
     PlugformerForTokenClassification,
     PlugformerModel,
     PlugformerPreTrainedModel,
+    PlugformerSeq2SeqModel,
 )
 from .positions import POSITION_SCHEMES
 from .registry import Registry
@@ -83,6 +84,7 @@ __all__ = [
     "PlugformerForTokenClassification",
     "PlugformerModel",
     "PlugformerPreTrainedModel",
+    "PlugformerSeq2SeqModel",
     "PlugformerTokenizer",
     "Registry",
     "combination_matrix",

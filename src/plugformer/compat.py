@@ -29,6 +29,7 @@ __all__ = [
     "BaseModelOutputWithPastAndCrossAttentions",
     "CausalLMOutputWithPast",
     "Seq2SeqLMOutput",
+    "Seq2SeqModelOutput",
     "SequenceClassifierOutputWithPast",
     "create_bidirectional_mask",
     "create_causal_mask",
@@ -78,6 +79,7 @@ def _answering_cache(output_class: type) -> type:
 BaseModelOutputWithPastAndCrossAttentions = _answering_cache(modeling_outputs.BaseModelOutputWithPastAndCrossAttentions)
 CausalLMOutputWithPast = _answering_cache(modeling_outputs.CausalLMOutputWithPast)
 Seq2SeqLMOutput = _answering_cache(modeling_outputs.Seq2SeqLMOutput)
+Seq2SeqModelOutput = _answering_cache(modeling_outputs.Seq2SeqModelOutput)
 SequenceClassifierOutputWithPast = _answering_cache(modeling_outputs.SequenceClassifierOutputWithPast)
 
 

@@ -14,7 +14,6 @@ import torch
 import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -34,6 +33,7 @@ from .compat import (
     BaseModelOutputWithPastAndCrossAttentions,
     CausalLMOutputWithPast,
     Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
     SequenceClassifierOutputWithPast,
     create_bidirectional_mask,
     create_causal_mask,
@@ -399,36 +399,6 @@ def position_ids_from_mask(
     return (torch.arange(query_length, device=device) + past_length)[None]
 
 
-def document_mask_function(
-    position_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    cache: Cache | None,
-    batch: int,
-    query_length: int,
-):
-    """The mask function keeping packed documents apart, or `None` when each row holds one document.
-
-    A document starts wherever `position_ids` do not step by 1 (transformers' `find_packed_sequence_indices`), and
-    `packed_sequence_mask_function` blocks the keys of every other document. transformers reads packing only without
-    a mask and without a cache, but plugformer makes a cache whenever `use_cache` (in training too) and collators may
-    pass an all-ones mask: the documents attended to each other. Here packing is read from the caller's
-    `position_ids` whenever the keys are exactly these queries (a decoding step, with cached keys, has none).
-    Within a document slot distances are document distances, so relative biases need nothing more.
-    """
-    if position_ids is None:
-        return None
-    if cache is not None:
-        kv_length = cache.get_mask_sizes(query_length, 0)[0]
-    elif attention_mask is not None and attention_mask.ndim == 2:
-        kv_length = attention_mask.shape[-1]
-    else:
-        kv_length = query_length
-    if kv_length != query_length:
-        return None
-    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # (B, Q): each token's document
-    return None if documents is None else packed_sequence_mask_function(documents)
-
-
 def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None) -> None:
     """Fail loudly instead of decoding wrong tokens.
 
@@ -521,11 +491,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
             return create_bidirectional_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
             )
-        batch, query_length = inputs_embeds.shape[:2]
-        documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
-        # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                         and_mask_function=documents)  # fmt: skip
+                         position_ids=position_ids)  # fmt: skip
         if self.config.is_causal:
             return create_causal_mask(**arguments)
         # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
@@ -614,11 +581,10 @@ class PlugformerModel(PlugformerPreTrainedModel):
             refuse_flex_with_padding(self.config, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         query_length = inputs_embeds.shape[1]
-        # from the caller's position_ids (the packing), before they are derived from the mask
-        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
         if position_ids is None:
             past_length = self_cache.get_seq_length() if self_cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
+        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
         encoder_mask = None
         if encoder_hidden_states is not None:
             encoder_mask = create_bidirectional_mask(
@@ -888,7 +854,98 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGenerationMixin):
+class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
+    """The encoder-decoder stacks without the LM head: the base model of [`PlugformerForConditionalGeneration`]
+    (returns the decoder's `last_hidden_state`, the cache and the encoder's outputs).
+
+    T5's layout: the head adds `lm_head` beside `encoder` and `decoder` rather than nesting them under a prefix, so
+    both classes have the same parameter names and each loads the other's checkpoint (and every seq2seq checkpoint
+    saved before this class existed loads unchanged). As T5's, the head is its own `base_model`.
+    """
+
+    _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
+    # Each stack brings the config's plan for its own layers; the decoder's cross-attention, which only the seq2seq
+    # classes have, splits its heads the same way.
+    _tp_plan = {
+        "decoder.layers.*.cross_attn.q_proj": "colwise",
+        "decoder.layers.*.cross_attn.k_proj": "colwise",
+        "decoder.layers.*.cross_attn.v_proj": "colwise",
+        "decoder.layers.*.cross_attn.o_proj": "rowwise",
+        "decoder.layers.*.cross_attn.score": "embedding_rowwise",
+    }
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self._build_stacks(config)
+        self.post_init()
+
+    def _build_stacks(self, config: PlugformerConfig) -> None:
+        if not config.is_encoder_decoder or config.pad_token_id is None:
+            raise ValueError(
+                f"{type(self).__name__} needs is_encoder_decoder=True and a pad_token_id, got is_encoder_decoder="
+                f"{config.is_encoder_decoder}, pad_token_id={config.pad_token_id}"
+            )
+        self.encoder = PlugformerModel(config, is_causal=False)
+        self.decoder = PlugformerModel(
+            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers,
+            embed_tokens=self.encoder.embed_tokens,
+        )  # fmt: skip
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.embed_tokens = self.decoder.embed_tokens = value
+
+    def encode_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+                      cache, inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs):  # fmt: skip
+        """`(encoder_outputs, decoder_outputs)`: the encoder run unless its outputs are given, then the decoder."""
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, ModelOutput):  # a tuple (last_hidden_state, hidden_states, attentions)
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
+            cache=cache, use_cache=use_cache, encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask, **kwargs,
+        )  # fmt: skip
+        return encoder_outputs, decoder_outputs
+
+    @renamed_cache_kwarg
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: EncoderDecoderCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        decoder_inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        r"""Arguments as in [`PlugformerForConditionalGeneration.forward`] (without `labels` and `logits_to_keep`)."""
+        encoder_outputs, decoder_outputs = self.encode_decode(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
+            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs,
+        )  # fmt: skip
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            cache=decoder_outputs.cache,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGenerationMixin):
     """Encoder-decoder transformer (Vaswani et al. 2017): a bidirectional encoder, a causal decoder whose blocks add
     cross-attention to the encoder output, one embedding shared by both and the LM head.
 
@@ -901,39 +958,15 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGe
         "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
         "lm_head.weight": "encoder.embed_tokens.weight",
     }
-    # Each stack brings the config's plan for its own layers; the decoder's cross-attention, which only this head has,
-    # splits its heads the same way.
-    _tp_plan = {
-        "lm_head": "colwise_gather_output",
-        "decoder.layers.*.cross_attn.q_proj": "colwise",
-        "decoder.layers.*.cross_attn.k_proj": "colwise",
-        "decoder.layers.*.cross_attn.v_proj": "colwise",
-        "decoder.layers.*.cross_attn.o_proj": "rowwise",
-        "decoder.layers.*.cross_attn.score": "embedding_rowwise",
-    }
+    _tp_plan = {"lm_head": "colwise_gather_output", **PlugformerSeq2SeqModel._tp_plan}
 
     def __init__(self, config: PlugformerConfig):
-        if not config.is_encoder_decoder or config.pad_token_id is None:
-            raise ValueError(
-                f"{type(self).__name__} needs is_encoder_decoder=True and a pad_token_id, got is_encoder_decoder="
-                f"{config.is_encoder_decoder}, pad_token_id={config.pad_token_id}"
-            )
-        super().__init__(config)
-        self.encoder = PlugformerModel(config, is_causal=False)
-        self.decoder = PlugformerModel(
-            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers,
-            embed_tokens=self.encoder.embed_tokens,
-        )  # fmt: skip
+        PlugformerPreTrainedModel.__init__(self, config)
+        self._build_stacks(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         if self.generation_config is not None and self.generation_config.decoder_start_token_id is None:
             self.generation_config.decoder_start_token_id = self.decoder_start_token_id
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.encoder.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.encoder.embed_tokens = self.decoder.embed_tokens = value
 
     @renamed_cache_kwarg
     @can_return_tuple
@@ -965,18 +998,11 @@ class PlugformerForConditionalGeneration(PlugformerPreTrainedModel, PlugformerGe
             labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*): Target ids, -100 ignored.
             logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): As in [`PlugformerForCausalLM`].
         """
-        if encoder_outputs is None:
-            encoder_outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
-            )
-        elif not isinstance(encoder_outputs, ModelOutput):  # a tuple (last_hidden_state, hidden_states, attentions)
-            encoder_outputs = BaseModelOutput(*encoder_outputs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
-            cache=cache, use_cache=use_cache, encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask, **kwargs,
+        encoder_outputs, decoder_outputs = self.encode_decode(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
+            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
         loss = None
