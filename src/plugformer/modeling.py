@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -399,6 +400,36 @@ def position_ids_from_mask(
     return (torch.arange(query_length, device=device) + past_length)[None]
 
 
+def document_mask_function(
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    batch: int,
+    query_length: int,
+):
+    """The mask function keeping packed documents apart, or `None` when each row holds one document.
+
+    A document starts wherever `position_ids` do not step by 1 (transformers' `find_packed_sequence_indices`), and
+    `packed_sequence_mask_function` blocks the keys of every other document. transformers reads packing only without
+    a mask and without a cache, but plugformer makes a cache whenever `use_cache` (in training too) and collators may
+    pass an all-ones mask: the documents attended to each other. Here packing is read from the caller's
+    `position_ids` whenever the keys are exactly these queries (a decoding step, with cached keys, has none).
+    Within a document slot distances are document distances, so relative biases need nothing more.
+    """
+    if position_ids is None:
+        return None
+    if cache is not None:
+        kv_length = cache.get_mask_sizes(query_length, 0)[0]
+    elif attention_mask is not None and attention_mask.ndim == 2:
+        kv_length = attention_mask.shape[-1]
+    else:
+        kv_length = query_length
+    if kv_length != query_length:
+        return None
+    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # (B, Q): each token's document
+    return None if documents is None else packed_sequence_mask_function(documents)
+
+
 def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None) -> None:
     """Fail loudly instead of decoding wrong tokens.
 
@@ -491,8 +522,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
             return create_bidirectional_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
             )
+        batch, query_length = inputs_embeds.shape[:2]
+        documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                         position_ids=position_ids)  # fmt: skip
+                         and_mask_function=documents)  # fmt: skip
         if self.config.is_causal:
             return create_causal_mask(**arguments)
         # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
@@ -581,10 +615,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
             refuse_flex_with_padding(self.config, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         query_length = inputs_embeds.shape[1]
+        # from the caller's position_ids (the packing), before they are derived from the mask
+        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
         if position_ids is None:
             past_length = self_cache.get_seq_length() if self_cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
-        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
         encoder_mask = None
         if encoder_hidden_states is not None:
             encoder_mask = create_bidirectional_mask(
