@@ -66,9 +66,10 @@ class PretrainArguments(StageArguments):
     mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
     document_positions: bool = field(
         default=True,
-        metadata={"help": "causal packing: positions restart at each document and documents do not see each other; "
-                          "False: positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi "
-                          "paper's training)"},
+        metadata={"help": "causal packing: positions restart at each document (and at the block's start for a "
+                          "document continued from the previous block) and documents do not see each other; False: "
+                          "positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi paper's "
+                          "training)"},
     )  # fmt: skip
     config_overrides: str | None = field(
         default=None,

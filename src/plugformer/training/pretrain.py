@@ -5,7 +5,7 @@ tokenizer first when none is given."""
 from __future__ import annotations
 
 import dataclasses
-from itertools import chain
+from itertools import accumulate, chain
 from pathlib import Path
 
 from transformers import (
@@ -73,20 +73,36 @@ def build_model(script_args, model_args, tokenizer):
 
 def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_positions: bool = True) -> dict:
     """Concatenates `<bos> text <eos>` documents and cuts blocks of `block_size` tokens (a shorter tail is
-    dropped). With `document_positions`, causal blocks carry `position_ids` restarting at each document, so
-    documents in a block do not attend to each other (the model reads restarts as document boundaries, as with
-    TRL's packing); without, the block is one contiguous text at positions 0..block_size-1."""
+    dropped). With `document_positions`, causal blocks carry `position_ids` restarting at each document, and the
+    model reads each restart as a document boundary (as with TRL's packing): a document attends to itself only. A
+    document continued from the previous block restarts at 0 too, so every position lies within 0..block_size-1;
+    without, the block is one contiguous text at positions 0..block_size-1."""
     documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in examples["text"]],
                           add_special_tokens=False)["input_ids"]  # fmt: skip
     tokens = list(chain.from_iterable(documents))
-    positions = list(chain.from_iterable(range(len(d)) for d in documents))
     usable = len(tokens) // block_size * block_size
     blocks = {"input_ids": [tokens[i : i + block_size] for i in range(0, usable, block_size)]}
     if causal and document_positions:
-        blocks["position_ids"] = [positions[i : i + block_size] for i in range(0, usable, block_size)]
+        starts = set(accumulate((len(d) for d in documents[:-1]), initial=0))  # token index of each `<bos>`
+        blocks["position_ids"] = [
+            block_positions(range(i, i + block_size), starts) for i in range(0, usable, block_size)
+        ]
     if causal:
+        # labels = inputs (the loss shifts them): the first token of a block, continued or not, is never a target
+        # (nothing before it in the block sees it), and a document's `<eos>` predicts the next `<bos>`
         blocks["labels"] = [list(block) for block in blocks["input_ids"]]
     return blocks
+
+
+def block_positions(indices: range, starts: set[int]) -> list[int]:
+    """Positions of the tokens `indices` of one block: counted from the last document start, or from the block's
+    first token for the piece of a document that began in an earlier block (it attends within the block only, so
+    its positions are relative to what it sees)."""
+    positions, position = [], 0
+    for index in indices:
+        position = 0 if index in starts or index == indices.start else position + 1
+        positions.append(position)
+    return positions
 
 
 def check_blocks(data, blocks, block_size: int) -> None:
