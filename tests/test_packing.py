@@ -1,0 +1,140 @@
+"""Packed documents: position_ids restarting inside a row keep the documents apart on every kernel, and the pretrain
+stage's packing keeps positions within the block.
+
+The variants come from the registries (`conftest.combinations`), flex_attention on the combination suite's
+representatives (see `variants`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import build, combinations, tiny_config
+from transformers import DynamicCache
+
+from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, train_tokenizer
+from plugformer.training.pretrain import pack
+
+
+ATOL = 1e-5
+
+
+def variants() -> list:
+    """Every (score, scheme, kernel), flex_attention on the combination suite's representatives. A cold compile of
+    flex costs 13-40 s per representative on the CPU: one runs by default (the first with a score bias: the bias in
+    `score_mod`, the documents in `mask_mod`), the others with `-m slow`."""
+    params = combinations(all_flex=False)
+    flex = [p for p in params if p.values[2] == "flex_attention"]
+    fast = next((p for p in flex if POSITION_SCHEMES.get(p.values[1]).has_bias), None)
+    return [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) if p in flex and p is not fast else p
+            for p in params]  # fmt: skip
+
+
+# Two rows packed differently (so the document index is read per row): 3 documents, then 2.
+ROWS = ((5, 7, 4), (9, 7))
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, position_ids)` of shape (2, 16), positions restarting at each document."""
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, 128, (len(ROWS), sum(ROWS[0])), generator=generator)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ROWS])
+    return ids, positions
+
+
+def max_difference_from_documents_alone(model, alone_model, ids, positions, **kwargs) -> float:
+    """Max |Δlogit| between the packed rows on `model` and each document run alone on `alone_model` (default
+    `use_cache`: the model makes a cache, as in training)."""
+    worst = 0.0
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, **kwargs).logits
+        for row, lengths in enumerate(ROWS):
+            start = 0
+            for length in lengths:
+                alone = alone_model(ids[row : row + 1, start : start + length]).logits[0]
+                worst = max(worst, (packed[row, start : start + length] - alone).abs().max().item())
+                start += length
+    return worst
+
+
+@pytest.mark.parametrize("score,scheme,kernel", variants())
+def test_packed_documents_equal_each_document_alone(score, scheme, kernel):
+    """With or without an all-ones attention mask (transformers reads packing only without mask and cache), and
+    for the relative biases (alibi, t5_bias, clamped_bias) too: no document sees another."""
+    config = tiny_config(score, scheme)
+    model = build(config, kernel)
+    # flex compiles a kernel per shape on the CPU (seconds each): its documents run alone on eager, the same weights
+    # (flex == eager per document length is the combination suite's `test_fused_kernels_match_eager`)
+    alone_model = build(config, "eager") if kernel == "flex_attention" else model
+    ids, positions = packed_batch()
+    assert max_difference_from_documents_alone(model, alone_model, ids, positions) < ATOL
+    ones = torch.ones_like(ids)
+    assert max_difference_from_documents_alone(model, alone_model, ids, positions, attention_mask=ones) < ATOL
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_packed_documents_stay_apart_in_training_mode(kernel):
+    """The pretrain batch (input_ids, position_ids; no mask) with gradients on, where sdpa runs a learned bias
+    through its own backward-recomputing kernel (`LearnedBiasAttention`): each document's logits as alone."""
+    model = build(tiny_config("scaled_dot", "t5_bias"), kernel).train()
+    ids, positions = packed_batch()
+    logits = model(ids[:1], position_ids=positions[:1]).logits[0]
+    start = 0
+    for length in ROWS[0]:
+        alone = model(ids[:1, start : start + length]).logits[0]
+        torch.testing.assert_close(logits[start : start + length], alone, atol=ATOL, rtol=0)
+        start += length
+
+
+def test_cached_decoding_with_position_ids_equals_the_full_forward():
+    """A cache holds no packing: chunks after the first read all cached keys, whatever `position_ids` say."""
+    model = build(tiny_config("scaled_dot", "alibi"), "sdpa")
+    ids = packed_batch()[0][:1]
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        cache, chunks, start = DynamicCache(config=model.config), [], 0
+        for size in (6, 1, 9):
+            step = slice(start, start + size)
+            chunks.append(model(ids[:, step], position_ids=positions[:, step], cache=cache, use_cache=True).logits)
+            start += size
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["the cat sat on the mat", "1 + 2 = 3"] * 20, vocab_size=300)
+
+
+def test_pack_keeps_every_position_within_the_block(tokenizer):
+    """A document longer than several blocks restarts at each block's start (it used to run on to 31, 63, ...)."""
+    long_text = " ".join(["the cat sat on the mat"] * 40)
+    examples = {"text": ["1 + 2 = 3", long_text, "1 + 2 = 3", long_text[:40]]}
+    block_size = 16
+    blocks = pack(examples, tokenizer, block_size=block_size, causal=True)
+    assert len(blocks["input_ids"]) > 4
+    bos = tokenizer.bos_token_id
+    for ids, positions, labels in zip(blocks["input_ids"], blocks["position_ids"], blocks["labels"], strict=True):
+        assert len(ids) == len(positions) == block_size and labels == ids
+        assert max(positions) < block_size and positions[0] == 0
+        for index in range(1, block_size):  # a restart exactly where a document begins, else one step on
+            assert positions[index] == (0 if ids[index] == bos else positions[index - 1] + 1)
+
+
+def test_a_packed_block_equals_its_pieces_alone(tokenizer):
+    """End to end with learned positions (which crashed on positions past the table): every document piece of a
+    packed block, continued from the previous block or not, gives the logits of the piece alone."""
+    long_text = " ".join(["the cat sat on the mat"] * 10)
+    blocks = pack({"text": [long_text, "1 + 2 = 3", long_text]}, tokenizer, block_size=24, causal=True)
+    config = tiny_config("scaled_dot", "learned", vocab_size=len(tokenizer), max_position_embeddings=24)
+    model = PlugformerForCausalLM(config).eval()
+    for ids, positions in zip(blocks["input_ids"], blocks["position_ids"], strict=True):
+        ids, positions = torch.tensor([ids]), torch.tensor([positions])
+        with torch.no_grad():
+            packed = model(ids, position_ids=positions).logits[0]
+            starts = [i for i in range(ids.shape[1]) if positions[0, i] == 0] + [ids.shape[1]]
+            for start, stop in itertools.pairwise(starts):
+                alone = model(ids[:, start:stop]).logits[0]
+                torch.testing.assert_close(packed[start:stop], alone, atol=ATOL, rtol=0)
