@@ -498,3 +498,20 @@ def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
     assert argv["pretrain"] == ["--config_overrides", "ffn_type=mlp,norm_type=layernorm"]  # one flag, both fields
     with pytest.raises(ValueError, match=r"\['norm_type'\] set more than once"):
         route({"config_overrides": "norm_type=rmsnorm", "norm_type": "layernorm"}, ["pretrain"])
+
+
+def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
+    """`plugformer demo --config configs/demo.yaml` worked only from the repository root (issue 17 item 9)."""
+    from plugformer.arguments import config_path, parse_arguments
+    from plugformer.demo import DemoArguments
+    from plugformer.training import parse_stage_arguments
+
+    monkeypatch.chdir(tmp_path)
+    assert parse_arguments(DemoArguments, ["--config", "configs/demo.yaml"], prog="demo").position_scheme == "alibi"
+    script_args, _, _ = parse_stage_arguments("sft", ["--config", "configs/sft/tiny.yaml", "--output_dir", "o"])
+    assert script_args.pass_at_k_samples == 8
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/demo.yaml").write_text("max_steps: 3\n")  # a file where the user is wins
+    assert parse_arguments(DemoArguments, ["--config", "configs/demo.yaml"], prog="demo").max_steps == 3
+    with pytest.raises(FileNotFoundError, match=r"--config configs/nope.yaml: no such file \(looked in "):
+        config_path("configs/nope.yaml")

@@ -16,6 +16,28 @@ from transformers import HfArgumentParser
 T = TypeVar("T")
 
 
+# the source checkout this package runs from (a clone or an editable install): where the shipped configs/ live
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def config_path(path: str | Path) -> str:
+    """`path` if it exists; a relative path that does not is looked up in the checkout's own folder (so
+    `--config configs/demo.yaml` works from any directory); else a FileNotFoundError saying where it looked.
+
+    >>> config_path("configs/demo.yaml").endswith("demo.yaml")
+    True
+    """
+    given = Path(path)
+    if given.is_file():
+        return str(path)
+    shipped = CHECKOUT / given
+    if not given.is_absolute() and shipped.is_file() and (CHECKOUT / "configs").is_dir():
+        return str(shipped)
+    where = f"{Path.cwd()}" + ("" if given.is_absolute() else f" or {CHECKOUT}")
+    raise FileNotFoundError(f"--config {path}: no such file (looked in {where}); the shipped YAMLs are in the "
+                            "repository's configs/ folder")  # fmt: skip
+
+
 def load_yaml(path: str | Path, allowed: set[str]) -> dict:
     """The mapping in `path`, refusing keys outside `allowed`."""
     with open(path, encoding="utf-8") as handle:
@@ -34,7 +56,7 @@ def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     parser.add_argument("--config", type=str, default=None, help="YAML file of option: value pairs")
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
-        parser.set_defaults(**load_yaml(known.config, {f.name for f in dataclasses.fields(cls)}))
+        parser.set_defaults(**load_yaml(config_path(known.config), {f.name for f in dataclasses.fields(cls)}))
     # returns (instance, namespace holding --config, unparsed strings)
     outputs = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if outputs[-1]:

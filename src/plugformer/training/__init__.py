@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from ..arguments import config_path
 from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
 
 
@@ -57,6 +58,10 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
+    argv = list(argv)
+    for index, value in enumerate(argv[:-1]):
+        if value == "--config":  # a shipped YAML also from outside the checkout
+            argv[index + 1] = config_path(argv[index + 1])
     try:
         return parser.parse_args_and_config(argv)
     except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked

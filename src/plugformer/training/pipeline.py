@@ -18,6 +18,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
+from ..arguments import config_path
 from ..files import write_json_atomic, write_text_atomic
 from . import STAGES, run_stage
 from .evaluation import EvalArguments, evaluate_directory
@@ -61,7 +62,7 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
         raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
     if parent is not None and args.stages.index(parent) > args.stages.index(stage):
         raise ValueError(f"stages={args.stages}: {parent!r} must come before {stage!r}")
-    argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", stage_dir(args, stage)]
+    argv = ["--config", config_path(args.stage_configs.format(stage=stage)), "--output_dir", stage_dir(args, stage)]
     argv += ["--seed", str(args.seed), "--dataset_seed", str(args.dataset_seed)]
     if parent is not None:
         argv += ["--model_name_or_path", stage_dir(args, parent)]
@@ -89,7 +90,7 @@ RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_i
 def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
     """What shaped a stage: its command line (seeds, parents' folders), its YAML's sha256, and the weights it started
     from (the parents' parameter digests); a finished stage is reused only when all of it is unchanged."""
-    config = Path(args.stage_configs.format(stage=stage))
+    config = Path(argv[argv.index("--config") + 1])
     parents = [p for p in (PARENTS[stage], "reward" if stage == "rlhf" else None) if p is not None]
     digests = {}
     for parent in parents:
