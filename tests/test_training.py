@@ -71,6 +71,9 @@ def test_pretrain_trains_a_tokenizer_and_a_model_that_loads(chain):
     # the generation config stops at the end of a chat turn, or online RL completions never end
     assert len(model.generation_config.eos_token_id) == 2
     assert (chain["pretrain"] / "tokenizer.json").exists()
+    # the Trainer turns the cache off for training; the saved configs keep the preset's (issue 17 item 9)
+    for stage in ("pretrain", "sft", "reward"):
+        assert json.loads((chain[stage] / "config.json").read_text())["use_cache"] is True, stage
 
 
 def test_sft_and_reward_train_every_parameter(chain):

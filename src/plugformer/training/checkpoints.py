@@ -34,7 +34,16 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class AtomicCheckpointMixin:
-    """Mixed into a `Trainer` (or TRL trainer) class: `checkpoint-N` appears whole, or not at all."""
+    """Mixed into a `Trainer` (or TRL trainer) class: `checkpoint-N` appears whole, or not at all.
+
+    It also remembers the model's `config.use_cache` from before the Trainer set it to `args.use_cache` (False, a
+    training setting), so that the saved model gets its own value back (`save_final_model`).
+    """
+
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
+        super().__init__(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR

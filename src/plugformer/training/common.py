@@ -132,6 +132,9 @@ def parameter_digest(model: torch.nn.Module) -> int:
 def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     """Saves a directory the next stage loads: LoRA adapters in `adapter/` and the merged model beside them."""
     model = trainer.model
+    use_cache = getattr(trainer, "model_use_cache", None)
+    if use_cache is not None:  # the Trainer set config.use_cache = args.use_cache (False) for training
+        trainer.accelerator.unwrap_model(model).config.use_cache = use_cache
     if not hasattr(model, "merge_and_unload"):
         trainer.save_model(output_dir)
         return
