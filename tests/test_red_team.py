@@ -515,3 +515,30 @@ def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
     assert parse_arguments(DemoArguments, ["--config", "configs/demo.yaml"], prog="demo").max_steps == 3
     with pytest.raises(FileNotFoundError, match=r"--config configs/nope.yaml: no such file \(looked in "):
         config_path("configs/nope.yaml")
+
+
+@pytest.mark.parametrize("head", ["causal", "masked", "seq2seq", "classification"])
+def test_labels_out_of_range_name_labels(head):
+    """Labels past the vocabulary (or the classes) raised torch's IndexError naming neither (issue 18 item 6)."""
+    import torch
+
+    from plugformer import (
+        PlugformerForCausalLM,
+        PlugformerForConditionalGeneration,
+        PlugformerForMaskedLM,
+        PlugformerForSequenceClassification,
+    )
+    from tests.conftest import tiny_config
+
+    classes = {"causal": PlugformerForCausalLM, "masked": PlugformerForMaskedLM,
+               "seq2seq": PlugformerForConditionalGeneration, "classification": PlugformerForSequenceClassification}  # fmt: skip
+    extra = {"masked": {"is_causal": False}, "seq2seq": {"is_encoder_decoder": True, "pad_token_id": 0},
+             "classification": {"num_labels": 3, "pad_token_id": 0}}.get(head, {})  # fmt: skip
+    model = classes[head](tiny_config(**extra)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 5))
+    limit = 3 if head == "classification" else model.config.vocab_size
+    good = torch.tensor([0, 2]) if head == "classification" else ids.index_fill(1, torch.tensor([0]), -100)
+    bad = torch.tensor([0, limit]) if head == "classification" else ids.clone().fill_(limit)
+    assert torch.isfinite(model(input_ids=ids, labels=good).loss)
+    with pytest.raises(ValueError, match=rf"labels holds {limit}, outside \[0, {limit - 1}\]"):
+        model(input_ids=ids, labels=bad)

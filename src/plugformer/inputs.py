@@ -210,3 +210,26 @@ def _empty_row_problem(context: tuple[str, torch.Tensor], every_row_attends: int
 
 def _positions_problem(name: str, low: int) -> ValueError | None:
     return ValueError(f"{name} contains negative positions, e.g. {low}") if low < 0 else None
+
+
+IGNORE_INDEX = -100  # cross-entropy's ignore_index: label positions that are not scored
+
+
+def check_labels(labels, classes: int, what: str = "vocab_size") -> None:
+    """Refuses integer `labels` outside `[0, classes)` other than -100 (ignored), naming `labels`: cross-entropy
+    would raise an `IndexError` on CPU (a device assert on CUDA) that names neither.
+
+    >>> check_labels(torch.tensor([[1, -100, 4]]), 5)
+    >>> check_labels(torch.tensor([[1, 5]]), 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: labels holds 5, outside [0, 4] (vocab_size=5) and not -100 (ignored)
+    """
+    if labels is None or labels.is_floating_point() or labels.numel() == 0:
+        return
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= classes))
+    if bool(bad.any()):
+        value = labels[bad].flatten()[0].item()
+        raise ValueError(
+            f"labels holds {value}, outside [0, {classes - 1}] ({what}={classes}) and not {IGNORE_INDEX} (ignored)"
+        )

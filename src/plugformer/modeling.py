@@ -43,7 +43,7 @@ from .compat import (
 )
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
-from .inputs import check_inputs, embed_ids
+from .inputs import check_inputs, check_labels, embed_ids
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES, PositionScheme, apply_rotary
 from .scores import ATTENTION_SCORES, AttentionScore
@@ -726,6 +726,7 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
         logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
         loss = None
         if labels is not None:
+            check_labels(labels, self.config.vocab_size)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
@@ -769,6 +770,7 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
         logits = self.head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
+            check_labels(labels, self.config.vocab_size)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
         return self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
@@ -858,6 +860,8 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
         pooled = logits[torch.arange(logits.shape[0], device=logits.device), last]  # (B, num_labels)
         loss = None
         if labels is not None:
+            if self.config.num_labels > 1:  # class ids (regression with one label takes floats)
+                check_labels(labels, self.config.num_labels, "num_labels")
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
         return SequenceClassifierOutputWithPast(
             loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states,
@@ -1033,6 +1037,7 @@ class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGener
             labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*): Target ids, -100 ignored.
             logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): As in [`PlugformerForCausalLM`].
         """
+        check_labels(labels, self.config.vocab_size)  # before the decoder inputs are shifted out of them
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
         encoder_outputs, decoder_outputs = self.encode_decode(
