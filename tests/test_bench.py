@@ -149,6 +149,7 @@ def quick_run(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow  # the quick_run fixture benchmarks every pair (~60 s); -m slow runs it
 def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     results = json.loads((quick_run / "bench.json").read_text())
     markdown = (quick_run / "bench.md").read_text()
@@ -221,6 +222,7 @@ def test_quick_keeps_the_options_the_user_changed():
     assert BenchArguments(device="cpu").model_config("small,num_hidden_layers=2").num_hidden_layers == 2
 
 
+@pytest.mark.slow  # the quick_run fixture benchmarks every pair (~60 s); -m slow runs it
 def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
     results = json.loads((quick_run / "bench.json").read_text())
     section = readme_section([results])
@@ -249,6 +251,7 @@ def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
     assert f"fp32 {results['matmul_peak']['fp32']['flops_per_s'] / 1e9:,.1f} GFLOP/s" in section
 
 
+@pytest.mark.slow  # the quick_run fixture benchmarks every pair (~60 s); -m slow runs it
 def test_readme_section_gives_each_run_its_command(quick_run):
     results = json.loads((quick_run / "bench.json").read_text())
     pairs = results | {"variants": [], "arguments": results["arguments"] | {"sections": ["train", "decode"]}}
@@ -309,6 +312,7 @@ def test_update_readme_refuses_a_file_without_its_markers(tmp_path, text, messag
         BenchArguments(readme=str(readme), device="cpu")
 
 
+@pytest.mark.slow  # the quick_run fixture benchmarks every pair (~60 s); -m slow runs it
 def test_bench_readme_option_and_module_cli_write_the_same_block(quick_run, tmp_path, capsys):
     results = json.loads((quick_run / "bench.json").read_text())
     section = readme_section([results])

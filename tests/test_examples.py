@@ -19,6 +19,7 @@ def load_example(name: str):
     return module
 
 
+@pytest.mark.slow  # ~20-25 s of training; the other examples run by default
 def test_compare_attention_variants_example(tmp_path):
     summary = load_example("compare_attention_variants").main(
         ["--quick", "--output_dir", str(tmp_path), "--seeds", "0", "1", "--scores", "dot", "additive"]
@@ -44,6 +45,7 @@ def test_every_example_documents_how_to_run_it(name):
     assert text.startswith('"""') and f"python examples/{name}.py" in text
 
 
+@pytest.mark.slow  # ~20-25 s of training; the other examples run by default
 def test_full_pipeline_example(tmp_path):
     results = load_example("full_pipeline").main(["--quick", "--output_dir", str(tmp_path)])
     assert list(results) == ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]

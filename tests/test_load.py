@@ -130,14 +130,19 @@ def assert_same_results(expected: dict, got: dict) -> None:
 
 THREAD_VARIANTS = [
     ("scaled_dot", "alibi", "sdpa"),
-    ("additive", "t5_bias", "eager"),
     ("multiplicative", "rope", "eager"),
+    ("additive", "t5_bias", "eager"),
     ("seq2seq", "t5_bias", "sdpa"),
 ]
 
 
+# the last two run by default (the chunked additive kernel, seq2seq's caches); the first two under -m slow (~15 s)
 @pytest.mark.parametrize(
-    "score,scheme,kernel", [pytest.param(*variant, id="-".join(variant)) for variant in THREAD_VARIANTS]
+    "score,scheme,kernel",
+    [
+        pytest.param(*variant, id="-".join(variant), marks=[pytest.mark.slow] if variant in THREAD_VARIANTS[:2] else [])
+        for variant in THREAD_VARIANTS
+    ],
 )
 def test_one_model_serves_many_threads_with_the_outputs_of_one_at_a_time_calls(tokenizer, score, scheme, kernel):
     """8 threads share one model (forward with recorded outputs, padded batches, generate): transformers' output
