@@ -7,7 +7,7 @@ import operator
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 
 BOS_TOKEN = "<|bos|>"
@@ -136,3 +136,11 @@ def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """Token ids that end a generation: end of text and end of a chat turn (put them in
     `generation_config.eos_token_id`, or chat completions never stop)."""
     return [tokenizer.convert_tokens_to_ids(token) for token in (EOS_TOKEN, IM_END)]
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in `path`, which must have a pad token (every stage batches padded rows)."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        raise ValueError(f"the tokenizer in {path} has no pad token; set one before training")
+    return tokenizer

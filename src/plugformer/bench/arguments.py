@@ -11,6 +11,7 @@ import torch
 from ..configuration import PRESETS, PlugformerConfig
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
+from .markers import check_markers
 
 
 SECTIONS = ("train", "decode", "variants")
@@ -102,8 +103,6 @@ class BenchArguments:
         if not self.sizes:
             raise ValueError("sizes: expected at least one size")
         if self.readme is not None:
-            from .readme import check_markers  # imports this module
-
             try:
                 check_markers(self.readme)
             except (OSError, ValueError) as error:

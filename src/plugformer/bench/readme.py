@@ -3,7 +3,7 @@
     python -m plugformer.bench.readme outputs/bench/bench.json --readme README.md
     python -m plugformer.bench.readme pairs/bench.json variants/bench.json --print
 
-`update_readme` rewrites only the text between the lines `<!-- bench:begin -->` and `<!-- bench:end -->`;
+`update_readme` (`bench.markers`) rewrites only the text between the lines `<!-- bench:begin -->` and `<!-- bench:end -->`;
 `plugformer bench --readme README.md` does the same right after a run.
 """
 
@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
-import stat
-import tempfile
 from pathlib import Path
 
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
+from .markers import BEGIN, END, check_markers, update_readme  # noqa: F401 (check_markers: this module's name for it)
 from .report import markdown_table, plural, ratio_cell
 
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 NOT_IN_COMMAND = ("output_dir", "readme")  # where the files go, not what is measured
 
 
@@ -158,45 +155,6 @@ def readme_section(results_list: list[dict]) -> str:
         lines += [f"`{command_line(results['arguments'])}`", "", machine_line(results), ""]
         lines += [*pairs_table(results), *dtype_lines(results), *variants_tables(results)]
     return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _block(text: str, path: str | Path) -> tuple[int, int]:
-    """Where the generated block lies in `text`: after the begin marker, up to the end marker."""
-    counts = {marker: text.count(marker) for marker in (BEGIN, END)}
-    if counts != {BEGIN: 1, END: 1}:
-        raise ValueError(f"{path}: expected one line {BEGIN} and one line {END}, found {counts[BEGIN]} and "
-                         f"{counts[END]}")  # fmt: skip
-    begin, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    if end < begin:
-        raise ValueError(f"{path}: {END} comes before {BEGIN}")
-    return begin, end
-
-
-def check_markers(readme_path: str | Path) -> None:
-    """Raises a ValueError naming `readme_path` unless it has the markers in order (before a long run, not after)."""
-    _block(Path(readme_path).read_text(encoding="utf-8"), readme_path)
-
-
-def update_readme(readme_path: str | Path, section: str) -> None:
-    """Replaces what lies between the marker lines of `readme_path` with `section`, keeping the markers and every
-    other byte; written to a temporary file beside it, then moved over it (a reader never sees half a file)."""
-    path = Path(readme_path)
-    text = path.read_bytes().decode("utf-8")
-    begin, end = _block(text, path)
-    if BEGIN in section or END in section:
-        raise ValueError(f"{path}: the section must not contain the markers {BEGIN} / {END}")
-    updated = text[:begin] + "\n" + section.strip("\n") + "\n" + text[end:]
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as output:
-            output.write(updated.encode("utf-8"))
-            output.flush()
-            os.fsync(output.fileno())
-        os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))  # mkstemp creates 0600
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..files import write_json_atomic
-from .plots import pyplot
+from .figures import pyplot
 
 
 EXAMPLE_TEXT = "The chicken didn't cross the road because it was too tired"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..files import write_json_atomic, write_text_atomic
-from .plots import pyplot
+from .figures import pyplot
 from .stats import mean_interval, paired_bootstrap, paired_t_test
 
 
@@ -257,7 +257,7 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
 def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tuple[list[float], list[float]]:
     from transformers import AutoModelForCausalLM
 
-    from ..training.common import load_tokenizer
+    from ..tokenization import load_tokenizer
     from ..training.data import load_stage_dataset
     from ..training.evaluation import document_losses, generate_answers
     from ..training.rewards import exact_match_reward

@@ -23,7 +23,7 @@ import torch
 
 from ..files import write_json_atomic
 from .compare import CompareArguments, run_plan, train_run, write_results
-from .plots import pyplot
+from .figures import pyplot
 from .stats import mean_interval
 
 
@@ -106,7 +106,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     from transformers import AutoModelForCausalLM
 
     from ..positions import POSITION_SCHEMES
-    from ..training.common import load_tokenizer
+    from ..tokenization import load_tokenizer
     from ..training.data import load_stage_dataset
 
     lengths = args.lengths()

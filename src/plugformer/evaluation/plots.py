@@ -20,24 +20,8 @@ import torch
 from torch import nn
 
 from ..positions import POSITION_SCHEMES, PositionScheme, sinusoidal_table
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend: files only, no display needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: str | Path, dpi: int) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
-    return path
+from .attention_maps import load_model
+from .figures import pyplot, save_figure
 
 
 # --- sinusoidal encoding ---------------------------------------------------------------------------------------
@@ -311,8 +295,6 @@ def main(argv: list[str]) -> Path:
     """`plugformer plot positions|sinusoidal|curves ... --output F.png`; prints and returns the file written."""
     args = parser().parse_args(argv)
     if args.command == "positions":
-        from .attention_maps import load_model
-
         plot_position_bias(load_model(args.model), args.output, args.max_distance, stack=args.stack, dpi=args.dpi)
     elif args.command == "sinusoidal":
         plot_sinusoidal(args.positions, args.dim, args.output, dpi=args.dpi)

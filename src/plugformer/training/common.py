@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..files import write_json_atomic
-from ..tokenization import generation_eos_token_ids
+from ..tokenization import generation_eos_token_ids, load_tokenizer
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
 from .data import load_stage_dataset
@@ -49,13 +49,6 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
             raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
     return auto_class.from_pretrained(path, revision=model_args.model_revision, dtype=dtype, **kwargs)
-
-
-def load_tokenizer(path: str):
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        raise ValueError(f"the tokenizer in {path} has no pad token; set one before training")
-    return tokenizer
 
 
 def peft_config(model_args):

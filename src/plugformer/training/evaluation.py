@@ -11,7 +11,7 @@ import torch
 
 from ..files import write_json_atomic
 from ..metrics import load_metric
-from ..tokenization import generation_eos_token_ids
+from ..tokenization import generation_eos_token_ids, load_tokenizer
 from .rewards import exact_match_reward, format_reward
 
 
@@ -212,7 +212,6 @@ def evaluate_directory(args: EvalArguments) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..cards import wilson_interval
-    from .common import load_tokenizer
     from .data import load_stage_dataset
 
     if args.split not in ("train", "dev", "test"):

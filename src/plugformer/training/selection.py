@@ -100,7 +100,7 @@ def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy r
 
     Returns the path written, or None when the history has fewer than two scored steps with a logged reward.
     """
-    from ..evaluation.plots import pyplot, save_figure
+    from ..evaluation.figures import pyplot, save_figure
 
     logged = [entry for entry in history if "reward" in entry]
     if len(logged) < 2:
