@@ -267,3 +267,34 @@ def test_every_head_loads_with_trust_remote_code_without_the_package(tmp_path, t
     for directory, (name, logits) in expected.items():
         assert results[directory][0] == name
         torch.testing.assert_close(results[directory][1], logits, atol=1e-6, rtol=0)
+
+
+BARE_STACK_SCRIPT = HIDE_PLUGFORMER + textwrap.dedent(
+    """
+    import torch
+    import transformers
+
+    directory, out_file = sys.argv[1:]
+    names = {}
+    for auto_name in ("AutoModel", "AutoModelForCausalLM"):
+        model = getattr(transformers, auto_name).from_pretrained(directory, trust_remote_code=True)
+        names[auto_name] = type(model).__name__
+    assert not any(name.split(".")[0] == "plugformer" for name in sys.modules)
+    torch.save(names, out_file)
+    """
+)
+
+
+def test_a_bare_stack_checkpoint_carries_the_code_of_every_auto_map_entry(tmp_path):
+    """`PlugformerModel` lives in `stack.py`, which imports no head: transformers alone would copy the stack's files
+    but not `modeling.py`, which the checkpoint's `auto_map` names for every head."""
+    directory = tmp_path / "stack"
+    PlugformerModel(tiny_config()).save_pretrained(directory)
+    auto_map = json.loads((directory / "config.json").read_text())["auto_map"]
+    assert {f"{entry.split('.')[0]}.py" for entry in auto_map.values()} <= {p.name for p in directory.glob("*.py")}
+    (tmp_path / "load.py").write_text(BARE_STACK_SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run([sys.executable, str(tmp_path / "load.py"), str(directory), str(tmp_path / "out.pt")],
+                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    loaded = torch.load(tmp_path / "out.pt")
+    assert loaded == {"AutoModel": "PlugformerModel", "AutoModelForCausalLM": "PlugformerForCausalLM"}

@@ -15,7 +15,7 @@ from plugformer import (
     PlugformerForConditionalGeneration,
     PlugformerForMaskedLM,
     PlugformerForSequenceClassification,
-    modeling,
+    stack,
     train_tokenizer,
 )
 from plugformer import inputs as checks
@@ -386,8 +386,8 @@ def test_generate_checks_the_inputs_it_was_given_not_those_it_built(kind, monkey
     prompt = ids(2, 5)
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     checked = []
-    original = modeling.check_inputs
-    monkeypatch.setattr(modeling, "check_inputs", lambda *args: checked.append(args[1]) or original(*args))
+    original = stack.check_inputs  # looked up by PlugformerModel.forward in its module, `stack`
+    monkeypatch.setattr(stack, "check_inputs", lambda *args: checked.append(args[1]) or original(*args))
     generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert torch.equal(generated, expected)
     assert torch.equal(checked[0], prompt)  # the prompt's ids (for seq2seq, in the encoder)

@@ -21,7 +21,7 @@ from transformers.cache_utils import EncoderDecoderCache
 
 
 if TYPE_CHECKING:
-    from .modeling import PlugformerModel
+    from .stack import PlugformerModel
 
 
 ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` indexes with

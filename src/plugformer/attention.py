@@ -1,0 +1,175 @@
+"""Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
+
+    project -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache update ->
+    kernel (+ the position bias)
+
+The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward. The kernel is
+looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked against the kernel table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, EncoderDecoderCache
+
+from .biases import RelativeBias
+from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
+from .compat import renamed_cache_kwarg
+from .configuration import PlugformerConfig
+from .positions import apply_rotary
+from .scores import ATTENTION_SCORES
+
+
+class PlugformerAttention(nn.Module):
+    """Multi-head self-attention with GQA/MQA; the score function and the kernel are plugged in.
+
+    Order (fixed): project -> rotate (RoPE) -> score `prepare_query`/`prepare_key` -> cache update -> kernel
+    (+ position bias).
+    """
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = is_causal
+        tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)  # set by from_pretrained(tp_plan=)
+        if config.num_key_value_heads % tp_size:
+            # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
+            # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
+            # instead would change the group arithmetic of every kernel and the cache layout. The query heads, a
+            # multiple of the key/value heads, split whenever these do.
+            raise ValueError(
+                f"num_key_value_heads={config.num_key_value_heads} cannot be split over tp_size={tp_size} tensor-"
+                f"parallel ranks: each rank must hold whole key/value heads; use a tp_size that divides "
+                f"{config.num_key_value_heads}, or a model with more key/value heads"
+            )
+        q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+        self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
+
+    def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
+
+    @property
+    def scaling(self) -> float:
+        """The score's softmax scale, passed as `scaling=self.scaling`: vLLM's transformers backend reads the scale off
+        the module from that expression in `forward`'s source (a literal or `self.<attr>` only)."""
+        return self.score.scaling
+
+    def checked_kernel(self) -> str:
+        """`config._attn_implementation`, refused by the kernel table if it cannot compute this attention (one set by
+        hand on the config, or by an engine such as vLLM, skips `from_pretrained`'s check); checked once per
+        implementation."""
+        implementation = self.config._attn_implementation
+        if implementation != self._checked_implementation and not torch.compiler.is_compiling():
+            self._check_kernel(implementation)
+        return implementation
+
+    def _check_kernel(self, implementation: str) -> None:
+        kernel = KERNELS.get(implementation)
+        reason = kernel.unsupported_reason(self.config)
+        if reason is not None:
+            raise ValueError(reason)
+        self._kernel, self._checked_implementation = kernel, implementation
+
+    def kernel_kwargs(self, query, key, position_bias, kwargs) -> dict:
+        """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form the kernel takes,
+        the score's own (e.g. the additive energy vector) and the caller's."""
+        if position_bias is not None:
+            # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
+            # sees it as an input.
+            position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
+            # (while torch.compile / torch.export trace, `checked_kernel` records nothing: read the table here)
+            implementation = self.config._attn_implementation
+            kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
+            if kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
+                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
+        return {
+            "dropout": self.attention_dropout if self.training else 0.0,
+            "position_bias": position_bias,
+            **self.score.kernel_kwargs(),
+            # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
+            # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
+            # cross-attention share the decoder's config).
+            **kwargs,
+            "is_causal": self.is_causal,
+        }
+
+    def merge_heads(self, attn_output: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The kernel's output as (B, Q, H·D): transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)."""
+        return attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()
+
+    @renamed_cache_kwarg
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_bias: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
+        key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
+        value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, key, *position_embeddings)
+        query, key = self.score.prepare_query(query), self.score.prepare_key(key)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        if position_bias is not None and position_bias.shape[0] != query.shape[1]:
+            # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
+            # rank holds the query heads [rank·H_local, (rank + 1)·H_local) that the column-parallel q_proj left it.
+            local_heads = query.shape[1]
+            first = self.q_proj.weight.device_mesh.get_local_rank() * local_heads
+            position_bias = position_bias[first : first + local_heads]  # (H, Q + K − 1) -> (H_local, Q + K − 1)
+        # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
+        # transformers backend look for this very lookup, and one call of it with `scaling=self.<attr>`, in `forward`
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, scaling=self.scaling,
+            **self.kernel_kwargs(query, key, position_bias, kwargs),
+        )  # fmt: skip
+        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights
+
+
+class PlugformerCrossAttention(PlugformerAttention):
+    """Encoder-decoder attention: queries from the decoder, keys and values from the encoder output, scored by the
+    configured score function (additive = Bahdanau's setup). No position scheme applies (as in T5 and Bart). The
+    encoder's keys and values are computed once and kept in the cross-attention half of an `EncoderDecoderCache`.
+    """
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx, is_causal=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.score.prepare_query(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, ·)
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            key, value = layer.keys, layer.values
+        else:
+            key = self.score.prepare_key(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, ·)
+            value = self.split_heads(self.v_proj(encoder_hidden_states))  # (B, H_kv, S, D)
+            if cache is not None:
+                key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, scaling=self.scaling, **self.kernel_kwargs(query, key, None, kwargs)
+        )  # fmt: skip
+        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights

@@ -1,0 +1,85 @@
+"""One transformer block: self-attention (and a seq2seq decoder's cross-attention) and the feed-forward block, each
+wrapped by the configured norm placement."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .attention import PlugformerAttention, PlugformerCrossAttention
+from .compat import renamed_cache_kwarg
+from .configuration import PlugformerConfig
+from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+
+
+def dropout_if_active(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout as a plain function, skipped when it cannot change anything: an `nn.Dropout` module call per sublayer
+    is a measurable share of a small model's decoding step."""
+    if p and training:
+        return nn.functional.dropout(hidden_states, p, training=True)
+    return hidden_states
+
+
+class PlugformerDecoderLayer(GradientCheckpointingLayer):
+    """Self-attention (and, in a seq2seq decoder, cross-attention) and a feed-forward block, each wrapped by the
+    configured norm placement (pre or post)."""
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True, cross_attention: bool = False):
+        super().__init__()
+        self.self_attn = PlugformerAttention(config, layer_idx, is_causal)
+        self.mlp = FEED_FORWARDS.get(config.ffn_type)(config)
+        norm = NORMS.get(config.norm_type)
+        self.input_layernorm = norm(config)  # around attention (before it when pre, after the add when post)
+        self.post_attention_layernorm = norm(config)  # around the feed-forward block
+        if cross_attention:
+            self.cross_attn = PlugformerCrossAttention(config, layer_idx)
+            self.cross_attn_layernorm = norm(config)
+        self.placement = NORM_PLACEMENTS.get(config.norm_placement)
+        self.hidden_dropout = config.hidden_dropout
+
+    @renamed_cache_kwarg
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_bias: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        cross_cache: EncoderDecoderCache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        # `position_bias` and `encoder_hidden_states` are positional: they need their gradients under reentrant
+        # checkpointing.
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.self_attn(
+                x,
+                position_embeddings=position_embeddings,
+                position_bias=position_bias,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            return dropout_if_active(out, self.hidden_dropout, self.training)
+
+        def attend_to_encoder(x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.cross_attn(
+                x, encoder_hidden_states, attention_mask=encoder_attention_mask, cache=cross_cache, **kwargs
+            )
+            return dropout_if_active(out, self.hidden_dropout, self.training)
+
+        hidden_states = self.placement.residual(hidden_states, attend, self.input_layernorm)
+        if encoder_hidden_states is not None:
+            hidden_states = self.placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
+        return self.placement.residual(
+            hidden_states,
+            lambda x: dropout_if_active(self.mlp(x), self.hidden_dropout, self.training),
+            self.post_attention_layernorm,
+        )

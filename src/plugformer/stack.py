@@ -1,0 +1,312 @@
+"""`PlugformerModel`, the bare stack: embeddings (+ the position scheme's `embed`) -> blocks -> final norm.
+
+Besides the stack itself: the masks it builds (causal, bidirectional, packed documents), the positions it derives
+from the mask or the cache, and the refusals of kernel/cache combinations that would compute wrong outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
+from transformers.utils import logging
+from transformers.utils.output_capturing import capture_outputs
+
+from .block import PlugformerDecoderLayer, dropout_if_active
+from .compat import (
+    FLEX_PADDING_VERIFIED,
+    BaseModelOutputWithPastAndCrossAttentions,
+    create_bidirectional_mask,
+    create_causal_mask,
+    renamed_cache_kwarg,
+)
+from .configuration import PlugformerConfig
+from .inputs import check_inputs, embed_ids
+from .layers import NORM_PLACEMENTS, NORMS
+from .positions import POSITION_SCHEMES
+from .pretrained import PlugformerPreTrainedModel
+
+
+logger = logging.get_logger(__name__)
+
+
+def position_ids_from_mask(
+    attention_mask: torch.Tensor | None, past_length: int | torch.Tensor, query_length: int, device: torch.device
+) -> torch.Tensor:
+    """Positions of the current tokens: counted over the non-padding tokens of a 2-D mask (so a left-padded row
+    starts at 0, as the same text alone would), else `past_length + arange(query_length)`. Shape `(B or 1, Q)`."""
+    if attention_mask is not None and attention_mask.ndim == 2:
+        positions = attention_mask.long().cumsum(-1) - 1
+        return positions.clamp(min=0)[:, -query_length:]
+    return (torch.arange(query_length, device=device) + past_length)[None]
+
+
+def document_mask_function(
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    batch: int,
+    query_length: int,
+):
+    """The mask function keeping packed documents apart, or `None` when each row holds one document.
+
+    A document starts wherever `position_ids` do not step by 1 (transformers' `find_packed_sequence_indices`), and
+    `packed_sequence_mask_function` blocks the keys of every other document. transformers reads packing only without
+    a mask and without a cache, but plugformer makes a cache whenever `use_cache` (in training too) and collators may
+    pass an all-ones mask: the documents attended to each other. Here packing is read from the caller's
+    `position_ids` whenever the keys are exactly these queries (a decoding step, with cached keys, has none).
+    Within a document slot distances are document distances, so relative biases need nothing more.
+    """
+    if position_ids is None:
+        return None
+    if cache is not None:
+        kv_length = cache.get_mask_sizes(query_length, 0)[0]
+    elif attention_mask is not None and attention_mask.ndim == 2:
+        kv_length = attention_mask.shape[-1]
+    else:
+        kv_length = query_length
+    if kv_length != query_length:
+        return None
+    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # (B, Q): each token's document
+    return None if documents is None else packed_sequence_mask_function(documents)
+
+
+def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None) -> None:
+    """Fail loudly instead of decoding wrong tokens.
+
+    transformers 5.24's flex block mask captures a static cache's live length tensor as its query offset and
+    evaluates it inside the kernel, after layer 0's `cache.update` has advanced it: every chunk after the first is
+    masked with the wrong offset (its Llama shows the same). Dynamic caches return plain ints and are unaffected.
+    """
+    if config._attn_implementation == "flex_attention" and getattr(cache, "is_compileable", False):
+        raise ValueError(
+            f"attn_implementation='flex_attention' cannot decode with a {type(cache).__name__}: transformers' flex "
+            "block mask reads the cache length after it changed and masks wrong positions; use a DynamicCache "
+            "(the default) or attn_implementation='sdpa' with the static cache"
+        )
+
+
+def refuse_flex_with_padding(config: PlugformerConfig, attention_mask: torch.Tensor | None) -> None:
+    """Before transformers 5.24 (`compat.FLEX_PADDING_VERIFIED`), flex attention with a padding mask is refused:
+    5.19's flex block mask masks padded batches wrongly (transformers' own Llama returns NaN there)."""
+    if (
+        not FLEX_PADDING_VERIFIED
+        and config._attn_implementation == "flex_attention"
+        and attention_mask is not None
+        and attention_mask.ndim == 2
+        and not attention_mask.all()
+    ):
+        raise ValueError(
+            f"attn_implementation='flex_attention' with padding (an attention_mask with zeros) computes wrong outputs "
+            f"on transformers {transformers.__version__} (verified right from 5.24); use attn_implementation='sdpa' "
+            "or 'eager', or transformers>=5.24"
+        )
+
+
+class PlugformerModel(PlugformerPreTrainedModel):
+    """The bare transformer stack returning `last_hidden_state` (and the cache).
+
+    By default a decoder (`config.is_causal=True`) or an encoder (`False`); a seq2seq model builds one of each
+    from the same config, the decoder with cross-attention and the encoder's embedding.
+
+    Args:
+        config ([`PlugformerConfig`]): The configuration.
+        is_causal (`bool`, *optional*): Overrides `config.is_causal` for this stack.
+        cross_attention (`bool`, *optional*, defaults to `False`): Add encoder-decoder attention to every block.
+        num_layers (`int`, *optional*): Number of blocks; defaults to `config.num_hidden_layers`.
+        embed_tokens (`nn.Embedding`, *optional*): An embedding shared with another stack.
+    """
+
+    def __init__(
+        self,
+        config: PlugformerConfig,
+        is_causal: bool | None = None,
+        cross_attention: bool = False,
+        num_layers: int | None = None,
+        embed_tokens: nn.Embedding | None = None,
+    ):
+        super().__init__(config)
+        self.is_causal = config.is_causal if is_causal is None else is_causal
+        self.cross_attention = cross_attention
+        self.embed_tokens = embed_tokens or nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
+        self.hidden_dropout = config.hidden_dropout
+        num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(
+            PlugformerDecoderLayer(config, i, self.is_causal, cross_attention) for i in range(num_layers)
+        )
+        final_norm = NORM_PLACEMENTS.get(config.norm_placement).final_norm
+        self.norm = NORMS.get(config.norm_type)(config) if final_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _new_cache(self) -> Cache:
+        if self.cross_attention:  # self-attention keys grow per step; the encoder's are computed once
+            decoder = self.config.get_text_config(decoder=True)  # sized by num_decoder_layers
+            return EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
+        return DynamicCache(config=self.config)
+
+    def _use_cache(self, use_cache: bool | None) -> bool:
+        """`use_cache`, by default `config.use_cache`; off while gradient checkpointing trains (as transformers'
+        `merge_with_config_defaults` decides, which is not used here: with `is_causal` a config field, it would set
+        the config attribute twice per forward, a measurable share of a decoding step)."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            logger.warning_once(
+                "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
+            )
+            return False
+        return bool(use_cache)
+
+    def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
+        if not self.is_causal:
+            return create_bidirectional_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+            )
+        batch, query_length = inputs_embeds.shape[:2]
+        documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
+        arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                         and_mask_function=documents)  # fmt: skip
+        if self.config.is_causal:
+            return create_causal_mask(**arguments)
+        # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
+        # bidirectional when config.is_causal is False: pin it for the call.
+        self.config.is_causal = True
+        try:
+            return create_causal_mask(**arguments)
+        finally:
+            self.config.is_causal = False
+
+    def _token_embeddings(self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The token embeddings `(B, T, hidden)`, looked up from `input_ids` unless given, times the scheme's
+        `token_scale`."""
+        if inputs_embeds is None:
+            inputs_embeds = embed_ids(
+                self.embed_tokens, input_ids, "decoder_input_ids" if self.cross_attention else "input_ids"
+            )
+        if self.positions.token_scale != 1.0:  # sinusoidal positions (Vaswani's sqrt(d)); no extra op otherwise
+            # on both paths, as transformers' Marian decoder does ("in case user passes embeds"): the embeddings of
+            # `get_input_embeddings()(ids)` give the same output as the ids, and generate() continued from
+            # `inputs_embeds` (embeddings first, then ids) sees one scale throughout
+            inputs_embeds = inputs_embeds * self.positions.token_scale
+        return inputs_embeds
+
+    def _checked_cache(self, cache: Cache | None, use_cache: bool, attention_mask: torch.Tensor | None) -> Cache | None:
+        """`cache`, a new one when `use_cache` asks for one in a causal stack (an encoder has nothing to decode);
+        refused with a kernel that would compute wrong outputs with it (`refuse_flex_with_static_cache`, and before
+        transformers 5.24 `refuse_flex_with_padding`)."""
+        if use_cache and cache is None and self.is_causal:
+            cache = self._new_cache()
+        refuse_flex_with_static_cache(self.config, cache)
+        if not FLEX_PADDING_VERIFIED:  # transformers < 5.24 only: no check on a decoding step otherwise
+            refuse_flex_with_padding(self.config, attention_mask)
+        return cache
+
+    def _encoder_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+    ):
+        """The cross-attention mask over the encoder output (its padding), or `None` without an encoder output."""
+        if encoder_hidden_states is None:
+            return None
+        return create_bidirectional_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )  # fmt: skip
+
+    def _add_absolute_positions(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The first hidden states `(B, T, hidden)`: the embeddings plus the scheme's `embed` (if any), then dropout."""
+        hidden_states = inputs_embeds
+        absolute = self.positions.embed(position_ids, inputs_embeds.dtype)
+        if absolute is not None:
+            hidden_states = hidden_states + absolute
+        return dropout_if_active(hidden_states, self.hidden_dropout, self.training)
+
+    def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """The values `(H, Q + K − 1)` of the score bias over the cache slots the kernel will see (same sizes as the
+        mask): a `RelativeBias` kept per distance, shared by the layers."""
+        if not self.positions.has_bias:
+            return None
+        if cache is None:
+            query_offset, (kv_length, kv_offset) = 0, (query_length, 0)
+        else:
+            query_offset, (kv_length, kv_offset) = cache.get_query_offset(0), cache.get_mask_sizes(query_length, 0)
+        values = self.positions.bias_by_distance(query_offset, query_length, kv_offset, kv_length, device)
+        return values.to(dtype)
+
+    @renamed_cache_kwarg
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        encoder_hidden_states: torch.FloatTensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        validate_inputs: bool = True,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): Token ids.
+            attention_mask (`torch.Tensor` of shape `(batch_size, past + sequence_length)`, *optional*): 1 for
+                tokens to attend to, 0 for padding.
+            position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Absolute
+                positions; derived from `attention_mask` when not given.
+            cache (`Cache`, *optional*): Keys and values of earlier tokens (`DynamicCache`, `StaticCache`, ...;
+                an `EncoderDecoderCache` for a decoder with cross-attention).
+            inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+                Embeddings to use instead of `input_ids`.
+            use_cache (`bool`, *optional*): Return the updated cache (causal stacks only); defaults to
+                `config.use_cache`.
+            encoder_hidden_states (`torch.FloatTensor` of shape `(batch_size, source_length, hidden_size)`,
+                *optional*): The encoder output cross-attention reads (stacks built with `cross_attention=True`).
+            encoder_attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*): Padding
+                mask of the encoder output.
+            validate_inputs (`bool`, *optional*, defaults to `True`): Run the input checks below. `generate()`
+                turns them off after its first step, whose outputs make the next step's inputs (see
+                `PlugformerGenerationMixin`).
+
+        Raises:
+            `ValueError` / `TypeError` naming the argument, before any work, for malformed inputs (see
+            `check_inputs`): ids outside the vocabulary, empty inputs, masks or positions of another shape, masks
+            with values other than 0 and 1 or a row of zeros, non-integer ids or positions, NaN or infinite
+            `inputs_embeds`.
+        """
+        if encoder_hidden_states is not None and not self.cross_attention:
+            raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
+        if validate_inputs:
+            check_inputs(
+                self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
+                encoder_attention_mask,
+            )  # fmt: skip
+        inputs_embeds = self._token_embeddings(input_ids, inputs_embeds)
+        use_cache = self._use_cache(use_cache)
+        cache = self._checked_cache(cache, use_cache, attention_mask)
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        # from the caller's position_ids (the packing), before they are derived from the mask
+        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
+        query_length = inputs_embeds.shape[1]
+        if position_ids is None:
+            past_length = self_cache.get_seq_length() if self_cache is not None else 0
+            position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
+        encoder_mask = self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        position_bias = self._position_bias(self_cache, query_length, inputs_embeds.dtype, inputs_embeds.device)
+        hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
+        rotary = self.positions.rotary(hidden_states, position_ids)
+        cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states, position_bias, encoder_hidden_states, attention_mask=mask,
+                encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
+                cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
+            )  # fmt: skip
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm(hidden_states), cache=cache)
