@@ -1,0 +1,102 @@
+"""The position-scheme contract: the `POSITION_SCHEMES` table, the `PositionScheme` base class whose hooks every scheme
+answers, and `none` (no positions at all). The schemes themselves live in one module per family, `positions_absolute`,
+`positions_rotary` and `positions_bias`; import them through `positions`, which registers them all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .registry import Registry
+
+
+if TYPE_CHECKING:
+    from .configuration import PlugformerConfig
+
+
+POSITION_SCHEMES: Registry[PositionScheme] = Registry("position_scheme")
+
+
+class PositionScheme(nn.Module):
+    """Base class: no position information at all (the hooks all return `None`).
+
+    Class attributes:
+        has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
+            refuse such schemes).
+        uses_rope_parameters (`bool`): whether the scheme reads `config.rope_parameters` (the config refuses RoPE
+            settings for a scheme that would ignore them).
+        tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
+            to the scheme (the config's `base_model_tp_plan` adds them under `positions.`). A learned per-head table
+            is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
+            computed for all heads (ALiBi's fixed slopes, a buffer no plan reaches) is sliced by each attention layer.
+
+    Attributes:
+        token_scale (`float`): multiplies the token embeddings, looked up from `input_ids` or passed as
+            `inputs_embeds` alike (as transformers' Marian decoder does), before `embed()` is added.
+    """
+
+    has_bias = False
+    uses_rope_parameters = False
+    tp_plan: dict[str, str] = {}
+    token_scale = 1.0
+
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        # Encoders see keys on both sides of the query; by default the config says which this stack is.
+        self.bidirectional = not config.is_causal if bidirectional is None else bidirectional
+
+    @classmethod
+    def validate_config(cls, config: PlugformerConfig) -> None:
+        """Raises a `ValueError` naming the field if `config` cannot use this scheme."""
+
+    @classmethod
+    def max_length(cls, config: PlugformerConfig) -> int | None:
+        """The longest sequence this scheme can encode, or `None` when any length works."""
+        return None
+
+    def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def rotary(
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def distance_bias(self, distances: torch.Tensor) -> torch.Tensor | None:
+        """(M,) key slot − query slot -> the float score bias `(H, M)` at those distances, or `None`."""
+        return None
+
+    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
+        """The dense score bias `(1, H, Q, K)` of queries at `query_slots` (Q,) over keys at `key_slots` (K,)."""
+        if not self.has_bias:
+            return None
+        distance = relative_distances(query_slots, key_slots)  # (Q, K)
+        return self.distance_bias(distance.flatten()).view(-1, *distance.shape)[None]  # (1, H, Q, K)
+
+    def bias_by_distance(
+        self, query_offset: int, query_length: int, key_offset: int, key_length: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The values `(H, Q + K − 1)` of the `RelativeBias` of queries at slots `query_offset + i` (i < Q) over keys at
+        `key_offset + j` (j < K), or `None`."""
+        if not self.has_bias:
+            return None
+        lowest = key_offset - (query_offset + query_length - 1)  # the last query's distance to the first key
+        return self.distance_bias(torch.arange(query_length + key_length - 1, device=device) + lowest)
+
+    def reset_parameters(self, config: PlugformerConfig) -> None:
+        """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses
+        `transformers.initialization`, which leaves weights loaded from a checkpoint untouched."""
+
+
+@POSITION_SCHEMES.register("none")
+class NoPositions(PositionScheme):
+    """No positions: attention is permutation-equivariant except for the causal mask (NoPE)."""
+
+
+def relative_distances(query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+    """(Q,), (K,) -> (Q, K) of key slot − query slot (negative = the key lies in the past)."""
+    return key_slots[None, :] - query_slots[:, None]
