@@ -149,3 +149,50 @@ def test_combination_matrix_lists_every_pair():
 def test_registry_refuses_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         plugformer.ATTENTION_SCORES.register("dot")(type("Another", (), {}))
+
+
+def variant_classes():
+    return [registry.get(name) for registry in (plugformer.ATTENTION_SCORES, plugformer.POSITION_SCHEMES)
+            for name in registry]  # fmt: skip
+
+
+def test_every_variant_owns_only_real_fields_and_none_twice():
+    owners = {}
+    for variant in variant_classes():
+        for field in variant.config_fields:
+            assert field in PlugformerConfig.__dataclass_fields__, (variant.__name__, field)
+            assert field not in owners, (field, owners.get(field), variant.__name__)
+            owners[field] = variant.__name__
+    assert owners["rope_parameters"] == "RotaryPositions" and owners["additive_chunk_size"] == "AdditiveScore"
+
+
+@pytest.mark.parametrize("score", plugformer.ATTENTION_SCORES.names())
+@pytest.mark.parametrize("scheme", plugformer.POSITION_SCHEMES.names())
+def test_config_asks_the_chosen_variants_and_no_others(score, scheme, monkeypatch):
+    """Symmetric validation: the chosen score and scheme check their own fields through `validate_config`; the
+    only other hooks called are the refusals of owners whose fields the chosen ones do not own."""
+    validated, refused = [], []
+    for variant in variant_classes():
+        monkeypatch.setattr(variant, "validate_config", classmethod(lambda cls, config: validated.append(cls.name)))
+        monkeypatch.setattr(variant, "refuse_unused_config", classmethod(lambda cls, config: refused.append(cls.name)))
+    tiny_config(score, scheme)
+    assert sorted(validated) == sorted([score, scheme])
+    assert refused == ([] if scheme == "rope" else ["rope"])
+
+
+def test_configuration_tests_no_variant_name():
+    """No `position_scheme != "rope"` and the like in configuration.py: behaviour comes from the variants' hooks."""
+    import ast
+    import inspect
+
+    from plugformer import configuration
+
+    names = set(plugformer.ATTENTION_SCORES.names()) | set(plugformer.POSITION_SCHEMES.names())
+    compared = [
+        node.value
+        for compare in ast.walk(ast.parse(inspect.getsource(configuration)))
+        if isinstance(compare, ast.Compare)
+        for node in ast.walk(compare)
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert compared == []

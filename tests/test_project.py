@@ -78,3 +78,67 @@ def test_demo_learns_the_corpus_and_generates_through_the_pipeline(tmp_path):
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
     for prompt, completion in result["completions"].items():
         assert completion.startswith(prompt) and len(completion) > len(prompt)
+
+
+PACKAGE = ROOT / "src" / "plugformer"
+MAX_MODULE_LINES = 500  # issue 16 item 4: a module a reader can hold whole; split by concern past this
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The plugformer modules `path` imports anywhere in its body (a function-level import dodges no cycle), leaving
+    out `if TYPE_CHECKING:` blocks, which never run."""
+    import ast
+
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in
+                 ast.unparse(block.test) for statement in block.body for node in ast.walk(statement)}  # fmt: skip
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            candidates = [f"{source}.{alias.name}" for alias in node.names] + [source]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate not in modules and "." in candidate:
+                candidate = candidate.rpartition(".")[0]
+            if candidate in modules and candidate != name:
+                found.add(candidate)
+    return found
+
+
+def test_no_module_exceeds_the_size_limit():
+    sizes = {module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: lines for name, lines in sizes.items() if lines > MAX_MODULE_LINES} == {}
+
+
+def test_the_package_has_no_import_cycle():
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+    done, cycles = set(), []
+
+    def visit(name: str, trail: list[str]) -> None:  # depth-first; a module met again on the trail closes a cycle
+        if name in trail:
+            cycles.append([*trail[trail.index(name) :], name])
+            return
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert cycles == []

@@ -13,15 +13,12 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
-from transformers.utils import logging
 
 from .compat import ASSIGNS_TP_PLAN
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .positions import POSITION_SCHEMES
+from .registry import unused_fields
 from .scores import ATTENTION_SCORES
-
-
-logger = logging.get_logger(__name__)
 
 
 # Presets are diffs from the dataclass defaults (litgpt's habit): read the defaults, then the diff.
@@ -100,6 +97,10 @@ STACK_TP_PLAN: dict[str, str] = {
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+
+
+# The variant axes whose classes own config fields (`registry.ConfigHooks`); each registry's `axis` is its field.
+VARIANT_REGISTRIES = (ATTENTION_SCORES, POSITION_SCHEMES)
 
 
 # Written into every config so a saved checkpoint loads with `trust_remote_code=True` without plugformer installed;
@@ -265,7 +266,7 @@ class PlugformerConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         if getattr(self, "auto_map", None) is None:
             self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
-        POSITION_SCHEMES.get(self.position_scheme).validate_config(self)
+        self._validate_variant_fields()
 
     def _default_intermediate_size(self) -> int:
         if self.ffn_type == "glu":  # 3 matrices of 8/3·d ≈ the parameters of 2 of 4·d
@@ -301,39 +302,30 @@ class PlugformerConfig(PreTrainedConfig):
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
 
+    def _variants(self) -> tuple[type, type]:
+        """The classes of the chosen score function and position scheme."""
+        return ATTENTION_SCORES.get(self.attention_score), POSITION_SCHEMES.get(self.position_scheme)
+
+    def _validate_variant_fields(self) -> None:
+        """The chosen score function and position scheme check their own fields (`validate_config`); the fields
+        only other variants own are left to their owners (`refuse_unused_config`)."""
+        chosen = self._variants()
+        for variant in chosen:
+            variant.validate_config(self)
+        for owner in unused_fields(chosen, VARIANT_REGISTRIES):
+            owner.refuse_unused_config(self)
+
     def validate_rope(self):
-        """transformers' check of `rope_parameters`, run only where they are used (transformers fills them in for
-        every config, and would refuse e.g. an odd head_dim under `position_scheme="none"`); its `KeyError` for a
-        missing key becomes a `ValueError` naming the field. A scheme without rotary positions refuses parameters it
-        would ignore (`_refuse_unused_rope`)."""
-        if not POSITION_SCHEMES.get(self.position_scheme).uses_rope_parameters:
-            self._refuse_unused_rope()
+        """transformers' check of `rope_parameters`, run only where a chosen variant owns them (transformers fills them
+        in for every config, and would refuse e.g. an odd head_dim under `position_scheme="none"`); its `KeyError` for
+        a missing key becomes a `ValueError` naming the field. Elsewhere their owner refuses settings it would not see
+        applied (`_validate_variant_fields`)."""
+        if not any("rope_parameters" in variant.config_fields for variant in self._variants()):
             return
         try:
             super().validate_rope()
         except KeyError as error:
             raise ValueError(f"rope_parameters={self.rope_parameters!r}: {error.args[0]}") from error
-
-    def _refuse_unused_rope(self) -> None:
-        """`rope_parameters` on a scheme that does not rotate: a RoPE type or scaling key (`factor`, ...) is refused,
-        since whoever set it expects an effect (a longer context for `learned`, which then fails past
-        `max_position_embeddings`); a bare `rope_theta` other than the default only warns: transformers fills
-        `{"rope_type": "default", "rope_theta": ...}` into every config it writes, and presets carry a theta (`llama`
-        with another `position_scheme`)."""
-        rope = self.rope_parameters
-        if not isinstance(rope, dict):
-            return
-        scaling = sorted(set(rope) - {"rope_type", "rope_theta", "type"})
-        if rope.get("rope_type", rope.get("type", "default")) != "default" or scaling:
-            raise ValueError(
-                f"rope_parameters={rope!r} configure rotary positions, but position_scheme={self.position_scheme!r} "
-                "has none and would ignore them; drop rope_parameters, or use position_scheme='rope'"
-            )
-        if rope.get("rope_theta", self.default_theta) != self.default_theta:
-            logger.warning_once(
-                f"rope_parameters['rope_theta']={rope['rope_theta']} is ignored: position_scheme="
-                f"{self.position_scheme!r} has no rotary positions"
-            )
 
     def validate_token_ids(self):
         """Special token ids must be valid rows of the embedding (transformers only warns)."""
@@ -356,9 +348,15 @@ class PlugformerConfig(PreTrainedConfig):
         """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""
         _choice("preset", name, list(PRESETS))
         values = {**copy.deepcopy(PRESETS[name]), **overrides}
-        scheme = values.get("position_scheme", cls.__dataclass_fields__["position_scheme"].default)
-        if "rope_parameters" not in overrides and not POSITION_SCHEMES.get(scheme).uses_rope_parameters:
-            values.pop("rope_parameters", None)  # the preset's RoPE settings, for a scheme the caller swapped in
+        chosen = []
+        for registry in VARIANT_REGISTRIES:
+            choice = values.get(registry.axis, cls.__dataclass_fields__[registry.axis].default)
+            if not isinstance(choice, str) or choice not in registry:
+                return cls(**values)  # refused there, naming the field
+            chosen.append(registry.get(choice))
+        for fields in unused_fields(tuple(chosen), VARIANT_REGISTRIES).values():
+            for field in fields - set(overrides):  # the preset's settings (RoPE's), for a variant swapped out
+                values.pop(field, None)
         return cls(**values)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .registry import Registry
+from .registry import ConfigHooks, Registry
 
 
 if TYPE_CHECKING:
@@ -20,18 +20,18 @@ if TYPE_CHECKING:
 POSITION_SCHEMES: Registry[PositionScheme] = Registry("position_scheme")
 
 
-class PositionScheme(nn.Module):
+class PositionScheme(ConfigHooks, nn.Module):
     """Base class: no position information at all (the hooks all return `None`).
 
     Class attributes:
         has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
             refuse such schemes).
-        uses_rope_parameters (`bool`): whether the scheme reads `config.rope_parameters` (the config refuses RoPE
-            settings for a scheme that would ignore them).
         tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
             to the scheme (the config's `base_model_tp_plan` adds them under `positions.`). A learned per-head table
             is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
             computed for all heads (ALiBi's fixed slopes, a buffer no plan reaches) is sliced by each attention layer.
+
+    The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
 
     Attributes:
         token_scale (`float`): multiplies the token embeddings, looked up from `input_ids` or passed as
@@ -39,7 +39,6 @@ class PositionScheme(nn.Module):
     """
 
     has_bias = False
-    uses_rope_parameters = False
     tp_plan: dict[str, str] = {}
     token_scale = 1.0
 
@@ -48,10 +47,6 @@ class PositionScheme(nn.Module):
         self.num_heads = config.num_attention_heads
         # Encoders see keys on both sides of the query; by default the config says which this stack is.
         self.bidirectional = not config.is_causal if bidirectional is None else bidirectional
-
-    @classmethod
-    def validate_config(cls, config: PlugformerConfig) -> None:
-        """Raises a `ValueError` naming the field if `config` cannot use this scheme."""
 
     @classmethod
     def max_length(cls, config: PlugformerConfig) -> int | None:

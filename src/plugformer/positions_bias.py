@@ -82,6 +82,7 @@ class T5BucketBias(PositionScheme):
 
     has_bias = True
     tp_plan = HEAD_TABLE_TP_PLAN
+    config_fields = ("relative_attention_num_buckets", "relative_attention_max_distance")
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
@@ -117,6 +118,7 @@ class ClampedDistanceBias(PositionScheme):
 
     has_bias = True
     tp_plan = HEAD_TABLE_TP_PLAN
+    config_fields = ("max_relative_distance",)
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)

@@ -11,12 +11,16 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.utils import logging
 
 from .positions_base import POSITION_SCHEMES, PositionScheme
 
 
 if TYPE_CHECKING:
     from .configuration import PlugformerConfig
+
+
+logger = logging.get_logger(__name__)
 
 
 @POSITION_SCHEMES.register("rope")
@@ -27,7 +31,8 @@ class RotaryPositions(PositionScheme):
     `rotate_half`, so weights converted from Llama give identical logits.
     """
 
-    uses_rope_parameters = True
+    config_fields = ("rope_parameters",)
+    unused_fields_refused = True
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
@@ -70,6 +75,28 @@ class RotaryPositions(PositionScheme):
                     f"rotated dimensions (head_dim={config.head_dim} × partial_rotary_factor={fraction})"
                 )
         cls._check_frequencies(config, rotary)
+
+    @classmethod
+    def refuse_unused_config(cls, config):
+        """`rope_parameters` under a scheme that does not rotate: a RoPE type or scaling key (`factor`, ...) is refused,
+        since whoever set it expects an effect (a longer context for `learned`, which then fails past
+        `max_position_embeddings`); a bare `rope_theta` other than the default only warns: transformers fills
+        `{"rope_type": "default", "rope_theta": ...}` into every config it writes, and presets carry a theta (`llama`
+        with another `position_scheme`)."""
+        rope = config.rope_parameters
+        if not isinstance(rope, dict):
+            return
+        scaling = sorted(set(rope) - {"rope_type", "rope_theta", "type"})
+        if rope.get("rope_type", rope.get("type", "default")) != "default" or scaling:
+            raise ValueError(
+                f"rope_parameters={rope!r} configure rotary positions, but position_scheme={config.position_scheme!r} "
+                f"has none and would ignore them; drop rope_parameters, or use position_scheme={cls.name!r}"
+            )
+        if rope.get("rope_theta", config.default_theta) != config.default_theta:
+            logger.warning_once(
+                f"rope_parameters['rope_theta']={rope['rope_theta']} is ignored: position_scheme="
+                f"{config.position_scheme!r} has no rotary positions"
+            )
 
     @classmethod
     def _check_frequencies(cls, config: PlugformerConfig, rotary: int) -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+
+if TYPE_CHECKING:
+    from .configuration import PlugformerConfig
 
 
 T = TypeVar("T")
@@ -53,3 +57,44 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._table)
+
+
+class ConfigHooks:
+    """The config-facing side of a registered variant (a score function, a position scheme). `PlugformerConfig`
+    checks each variant's own fields through these hooks only, and tests no variant's name.
+
+    Class attributes:
+        config_fields (`tuple[str, ...]`): the config fields this variant owns: it reads them and `validate_config`
+            checks them. A field some registered variant owns and none of the chosen ones does is unused.
+        unused_fields_refused (`bool`, defaults to `False`): whether a config that chooses other variants may not set
+            this variant's unused fields to values only it would act on (`refuse_unused_config` decides); a preset's
+            values for them are dropped when another variant is chosen (`PlugformerConfig.from_preset`).
+    """
+
+    config_fields: tuple[str, ...] = ()
+    unused_fields_refused = False
+
+    @classmethod
+    def validate_config(cls, config: PlugformerConfig) -> None:
+        """Raises a `ValueError` (`TypeError` for a wrong type) naming the field, its value and what is allowed, if
+        `config` cannot use this variant. Called for the chosen variants only."""
+
+    @classmethod
+    def refuse_unused_config(cls, config: PlugformerConfig) -> None:
+        """Raises a `ValueError` naming the field if `config`, which chose other variants, sets one of this variant's
+        fields to a value only this variant would act on (whoever set it expects an effect). Called where
+        `unused_fields_refused` and none of the chosen variants owns the field."""
+
+
+def unused_fields(chosen: tuple[type[ConfigHooks], ...], registries: tuple[Registry[Any], ...]) -> dict[type, set[str]]:
+    """The registered variants of `registries` that refuse their fields unused, each with the fields it owns that
+    none of the `chosen` variants does."""
+    owned = {field for variant in chosen for field in variant.config_fields}
+    found = {}
+    for registry in registries:
+        for name in registry:
+            variant = registry.get(name)
+            fields = set(variant.config_fields) - owned
+            if variant not in chosen and variant.unused_fields_refused and fields:
+                found[variant] = fields
+    return found

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .kernels import additive_attention_forward, eager_attention_forward
-from .registry import Registry
+from .registry import ConfigHooks, Registry
 
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ else:  # a torch build without torch.distributed: no parameter is ever a DTensor
 ATTENTION_SCORES: Registry[AttentionScore] = Registry("attention_score")
 
 
-class AttentionScore(nn.Module):
+class AttentionScore(ConfigHooks, nn.Module):
     """Base class of the score functions.
 
     Parameters are per head, head dimension first: `(H, ...)` for those of the query heads, `(H_kv, ...)` for those of
@@ -49,6 +49,8 @@ class AttentionScore(nn.Module):
         dot_product (`bool`): the score is a (scaled) dot product of the prepared query and key, so transformers'
             fused kernels (`sdpa`, `flex_attention`, flash) compute it exactly.
         eager_kernel (`Callable`): the attention function used when `attn_implementation="eager"`.
+
+    The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
     """
 
     dot_product = True
@@ -134,6 +136,7 @@ class AdditiveScore(AttentionScore):
 
     dot_product = False
     eager_kernel: Callable = staticmethod(additive_attention_forward)
+    config_fields = ("additive_chunk_size",)  # a positive int or None, as every size field (`PlugformerConfig`)
 
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)
