@@ -542,3 +542,24 @@ def test_labels_out_of_range_name_labels(head):
     assert torch.isfinite(model(input_ids=ids, labels=good).loss)
     with pytest.raises(ValueError, match=rf"labels holds {limit}, outside \[0, {limit - 1}\]"):
         model(input_ids=ids, labels=bad)
+
+
+# --- a finished training run is saved before anything can fail after it --------------------------------------------
+
+
+def test_an_evaluation_failure_after_training_keeps_the_saved_model_and_says_where(tmp_path, monkeypatch, caplog):
+    """The dev evaluation ran before the final save: an error there lost the whole training run (issue 18)."""
+    import logging
+
+    from transformers import Trainer
+
+    def broken_evaluate(*_, **__):
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(Trainer, "evaluate", broken_evaluate)
+    with caplog.at_level(logging.ERROR, logger="plugformer.training.common"), pytest.raises(RuntimeError) as raised:
+        pretrain(tmp_path / "run", "--dev_examples", "8", "--block_size", "16")
+    assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "config.json").is_file()
+    where = f"the trained model is saved in {tmp_path / 'run'}"
+    assert any(where in note for note in raised.value.__notes__) and where in caplog.text
+    assert not (tmp_path / "run" / "run_info.json").exists()  # not recorded as a finished stage

@@ -106,10 +106,10 @@ def run(args: DemoArguments) -> dict:
     )
     initial = trainer.evaluate()["eval_loss"]
     trainer.train()
+    model.save_pretrained(args.output_dir)  # before the evaluation: a failure there keeps the trained model
+    tokenizer.save_pretrained(args.output_dir)
     final = trainer.evaluate()["eval_loss"]
     print(f"held-out perplexity: {math.exp(initial):.1f} before training -> {math.exp(final):.2f} after")
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
     generator = pipeline("text-generation", model=args.output_dir)
     completions = {}
     for prompt in args.prompts:

@@ -146,6 +146,19 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def evaluate_saved(trainer, stage: str) -> dict:
+    """`trainer.evaluate()` after the trained model was saved; a failure says where the model is and is re-raised
+    (its type and traceback kept, the location added as a note and logged)."""
+    try:
+        return trainer.evaluate()
+    except Exception as error:
+        where = (f"stage {stage!r}: the dev evaluation after training failed; the trained model is saved in "
+                 f"{trainer.args.output_dir} (no run_info.json was written)")  # fmt: skip
+        logger.error("%s: %s: %s", where, type(error).__name__, error)
+        error.add_note(where)
+        raise
+
+
 def train_and_save(
     trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None
 ) -> dict:
@@ -159,14 +172,15 @@ def train_and_save(
     train_output = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
     seconds = time.perf_counter() - started
     metrics = dict(train_output.metrics)
-    if trainer.eval_dataset is not None:
-        metrics.update(trainer.evaluate())
-    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
-        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     # every rank's digest: after data-parallel training all ranks must hold the same weights
     digest = torch.tensor([parameter_digest(trainer.model)], dtype=torch.int64, device=trainer.accelerator.device)
     digests = trainer.accelerator.gather(digest).tolist()
+    # saved before the dev evaluation: an evaluation that fails must not lose a finished training run
     save_final_model(trainer, tokenizer, args.output_dir)
+    if trainer.eval_dataset is not None:
+        metrics.update(evaluate_saved(trainer, stage))
+    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
+        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
         "stage": stage,
         "train_seconds": round(seconds, 1),
