@@ -563,3 +563,53 @@ def test_an_evaluation_failure_after_training_keeps_the_saved_model_and_says_whe
     where = f"the trained model is saved in {tmp_path / 'run'}"
     assert any(where in note for note in raised.value.__notes__) and where in caplog.text
     assert not (tmp_path / "run" / "run_info.json").exists()  # not recorded as a finished stage
+
+
+# --- --test_examples 0: no held-out table, said so; refused where a test split is needed ---------------------------
+
+
+def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path, capsys):
+    """`plugformer pipeline --test_examples 0` ended in KeyError: 'test' after the stage had trained (issue 18)."""
+    import json
+    import shutil
+
+    from plugformer.files import write_json_atomic
+    from plugformer.training import pipeline
+
+    args = pipeline.PipelineArguments(output_dir=str(tmp_path / "pipeline"), stages=["pretrain"], test_examples=0,
+                                      stage_configs=CONFIGS, max_new_tokens=4)  # fmt: skip
+    shutil.copytree(finished, tmp_path / "pipeline" / "pretrain")  # a finished stage, recorded as this one: reused
+    argv = pipeline.stage_argv(args, "pretrain")
+    write_json_atomic(
+        tmp_path / "pipeline" / "pretrain" / pipeline.RECORD, pipeline.stage_record(args, "pretrain", argv)
+    )
+    results = pipeline.run(args)
+    assert "reusing" in capsys.readouterr().out
+    assert "exact_match" not in results["pretrain"] and results["pretrain"]["gain"] is None
+    table = (tmp_path / "pipeline" / "results.md").read_text()
+    assert table.startswith("no held-out test scores (--test_examples 0)") and "| pretrain | — |" in table
+    assert json.loads((tmp_path / "pipeline" / "results.json").read_text())["pretrain"]["train_seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "value", "pattern"),
+    [
+        ("pipeline", "test_examples", -1, r"--test_examples -1: expected an integer >= 0"),
+        ("compare", "test_examples", 0, r"test_examples=0: expected at least 1"),
+        ("compare", "dev_examples", 0, r"dev_examples=0: expected at least 1"),
+        ("extrapolate", "test_examples", 0, r"test_examples=0: expected at least 1"),
+    ],
+)
+def test_zero_test_examples_is_refused_where_a_test_split_is_needed(entry, field, value, pattern):
+    from plugformer.evaluation.compare import CompareArguments
+    from plugformer.evaluation.extrapolation import ExtrapolationArguments
+    from plugformer.training.pipeline import PipelineArguments
+
+    arguments = {"pipeline": PipelineArguments, "compare": CompareArguments, "extrapolate": ExtrapolationArguments}
+    with pytest.raises(ValueError, match=pattern):
+        arguments[entry](**{field: value})
+
+
+def test_eval_of_zero_examples_is_refused_before_loading(finished, capsys):
+    line = one_line_error(capsys, ["eval", "--model", str(finished), "--examples", "0"])
+    assert line.startswith("ValueError: --examples 0: expected an integer >= 1")
