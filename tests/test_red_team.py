@@ -613,3 +613,58 @@ def test_zero_test_examples_is_refused_where_a_test_split_is_needed(entry, field
 def test_eval_of_zero_examples_is_refused_before_loading(finished, capsys):
     line = one_line_error(capsys, ["eval", "--model", str(finished), "--examples", "0"])
     assert line.startswith("ValueError: --examples 0: expected an integer >= 1")
+
+
+# --- YAML values are typed: a value of the wrong type is refused naming the file and the key -----------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "text", "pattern"),
+    [
+        ("pretrain", 'learning_rate: "abc"', r"learning_rate: 'abc' is a YAML str; expected float"),
+        ("pretrain", 'max_steps: "10"', r"max_steps: '10' is a YAML str; expected int"),
+        ("pretrain", 'overwrite_output_dir: "yes"', r"overwrite_output_dir: 'yes' is a YAML str; expected bool"),
+        ("pretrain", "save_strategy: no", r"save_strategy: False is a YAML bool; expected str .*quote it"),
+        ("pretrain", "data_files: a.jsonl", r"data_files: 'a.jsonl' is a YAML str; expected a list of str or null"),
+        ("pretrain", "train_examples: 2.5", r"train_examples: 2.5 is a YAML float; expected int"),
+        ("grpo", "num_generations: 2.5", r"num_generations: 2.5 is a YAML float; expected int or null"),
+        ("grpo", "env: [A]", r"env: \['A'\]: expected a mapping"),
+        ("pipeline", "stages: grpo", r"stages: 'grpo' is a YAML str; expected a list of str"),
+        ("demo", 'max_steps: "10"', r"max_steps: '10' is a YAML str; expected int"),
+    ],
+)
+def test_a_wrong_typed_yaml_value_is_refused_naming_file_key_and_type(tmp_path, monkeypatch, entry, text, pattern):
+    """argparse converted string YAML values ('10' -> 10, 'yes' -> True), dumped its usage for 'abc' without naming
+    the file, and left a string for a list field a string (`stages: grpo` ran stages 'g', 'r', ...) (issue 18)."""
+    from plugformer.training import common
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
+    monkeypatch.setattr(common, "load_model", refuse_training)
+    monkeypatch.setattr("plugformer.training.pipeline.run", refuse_training)
+    monkeypatch.setattr("plugformer.demo.run", refuse_training)
+    config = tmp_path / "config.yaml"
+    config.write_text(text + "\n")
+    argv = {"pretrain": ["train", "pretrain", "--output_dir", str(tmp_path / "run")],
+            "grpo": ["train", "grpo", "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(tmp_path)],
+            "pipeline": ["pipeline", "--output_dir", str(tmp_path / "run")], "demo": ["demo"]}[entry]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"--config {config}: {pattern}"):
+        from plugformer.cli import main
+
+        main(["--debug", *argv, "--config", str(config)])
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_path):
+    from plugformer.arguments import parse_arguments
+    from plugformer.training import parse_stage_arguments
+    from plugformer.training.pipeline import PipelineArguments
+
+    config = tmp_path / "config.yaml"
+    config.write_text("learning_rate: 1e-3\nnum_train_epochs: 2\nreport_to: none\n")  # PyYAML alone: '1e-3' a str
+    flags = ["--max_steps", "10", "--bf16", "false", "--data_files", "a.jsonl", "b.jsonl", "--num_generations", "4"]
+    script, _, training = parse_stage_arguments("grpo", ["--config", str(config), "--output_dir", "o", *flags])
+    assert (training.learning_rate, training.num_train_epochs, training.max_steps) == (1e-3, 2, 10)
+    assert (training.bf16, training.num_generations, script.data_files) == (False, 4, ["a.jsonl", "b.jsonl"])
+    args = parse_arguments(PipelineArguments, ["--stages", "pretrain", "sft", "--rerun", "yes"], prog="pipeline")
+    assert args.stages == ["pretrain", "sft"] and args.rerun is True
