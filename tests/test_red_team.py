@@ -668,3 +668,102 @@ def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_pa
     assert (training.bf16, training.num_generations, script.data_files) == (False, 4, ["a.jsonl", "b.jsonl"])
     args = parse_arguments(PipelineArguments, ["--stages", "pretrain", "sft", "--rerun", "yes"], prog="pipeline")
     assert args.stages == ["pretrain", "sft"] and args.rerun is True
+
+
+# --- a full disk: one line naming what was written, the space free and what is intact -----------------------------
+
+
+def full_disk_cli(tmp_path, capsys, monkeypatch, *flags) -> str:
+    """A 4-step pretraining run through the CLI (checkpoints at steps 2 and 4) under a disk that fills as set up by
+    the caller; returns the one line printed."""
+    import shutil
+
+    from test_training import PRETRAIN, TINY
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=12_345))  # what a full disk reports
+    steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
+             "--exact_match_examples", "0", "--max_steps", "4"]  # fmt: skip
+    argv = ["train", "pretrain", "--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN, *steps, *flags]
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    error = capsys.readouterr().err  # the data-loading progress bars come before the error on stderr
+    assert exited.value.code == 2 and "Traceback" not in error
+    return error.strip().splitlines()[-1]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_so(tmp_path, capsys, monkeypatch):
+    """torch.save's short write ('PytorchStreamWriter failed writing file ...') reached the user as raw torch text,
+    with the partial checkpoint left in the staging area (issue 18)."""
+    import torch
+
+    from plugformer.training.checkpoints import STAGING, verify_checkpoint
+
+    real_save = torch.save
+
+    def filling_save(value, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            Path(path).write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:659] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")  # fmt: skip
+        return real_save(value, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling_save)
+    line = full_disk_cli(tmp_path, capsys, monkeypatch)
+    run = tmp_path / "run"
+    assert line.startswith(
+        f"DiskFullError: [Errno 28] writing a checkpoint to {run / 'checkpoint-4'}: the disk is full"
+    )
+    assert "12.1 KiB free on the file system of" in line
+    assert "checkpoint-2 (step 2) is intact: free some space and resume with --resume_from_checkpoint last" in line
+    assert verify_checkpoint(run / "checkpoint-2") is None  # the earlier checkpoint really is whole
+    assert not (run / "checkpoint-4").exists() and not (run / STAGING).exists()  # the partial one is gone
+
+
+def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_checkpoint(tmp_path, capsys, monkeypatch):
+    """safetensors' IoError on the final model, and an ENOSPC from a state file, each get one line."""
+    import errno
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from plugformer import files
+
+    real_save_file = transformers.modeling_utils.safe_save_file
+
+    def filling_save_file(tensors, filename, *args, **kwargs):
+        if ".staging" not in str(filename):  # checkpoints go through the staging area; the final model does not
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                                  'space left on device" })')  # fmt: skip
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", filling_save_file)
+    line = full_disk_cli(tmp_path, capsys, monkeypatch)
+    assert line.startswith(f"DiskFullError: [Errno 28] writing the trained model to {tmp_path / 'run'}: the disk is "
+                           "full (No space left on device)")  # fmt: skip
+    assert "the model files in it are incomplete; checkpoint-4 (step 4) is intact" in line
+
+    state = tmp_path / "run_info.json"
+    files.write_json_atomic(state, {"step": 1})
+
+    def no_space(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", no_space)
+    with pytest.raises(files.DiskFullError, match=r"writing run_info.json to .*run_info.json: the disk is full .* "
+                                                  r"free on .*; the previous run_info.json is intact"):  # fmt: skip
+        files.write_json_atomic(state, {"step": 2})
+    assert state.read_text() == '{"step": 1}\n'
+
+
+def test_only_out_of_space_errors_are_renamed():
+    import errno
+
+    from plugformer.files import is_out_of_space
+
+    assert is_out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"), "/")
+    assert not is_out_of_space(OSError(errno.EACCES, "Permission denied"), "/")
+    assert not is_out_of_space(RuntimeError("PytorchStreamWriter failed writing file data/0"), "/")  # space is free
+    assert not is_out_of_space(ValueError("something else"), "/")

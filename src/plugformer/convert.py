@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .configuration import PlugformerConfig
+from .files import naming_a_full_disk
 from .modeling import PlugformerForCausalLM
 
 
@@ -187,5 +188,7 @@ def convert(
     model.generation_config = reference.generation_config
     model.eval()
     if output_dir is not None:
-        model.save_pretrained(output_dir)
+        with naming_a_full_disk(output_dir, "the converted model", f"the model files in it are incomplete; the source "
+                                f"{source} is untouched"):  # fmt: skip
+            model.save_pretrained(output_dir)
     return model

@@ -18,6 +18,7 @@ from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArgum
 from .arguments import parse_arguments
 from .configuration import PlugformerConfig
 from .corpus import arithmetic_sentences
+from .files import naming_a_full_disk
 from .modeling import PlugformerForCausalLM
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
@@ -106,8 +107,9 @@ def run(args: DemoArguments) -> dict:
     )
     initial = trainer.evaluate()["eval_loss"]
     trainer.train()
-    model.save_pretrained(args.output_dir)  # before the evaluation: a failure there keeps the trained model
-    tokenizer.save_pretrained(args.output_dir)
+    with naming_a_full_disk(args.output_dir, "the demo model", "the model files in it are incomplete"):
+        model.save_pretrained(args.output_dir)  # before the evaluation: a failure there keeps the trained model
+        tokenizer.save_pretrained(args.output_dir)
     final = trainer.evaluate()["eval_loss"]
     print(f"held-out perplexity: {math.exp(initial):.1f} before training -> {math.exp(final):.2f} after")
     generator = pipeline("text-generation", model=args.output_dir)
