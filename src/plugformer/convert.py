@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .configuration import PlugformerConfig
 from .files import naming_a_full_disk
+from .memory import check_model_fits
 from .modeling import PlugformerForCausalLM
 
 
@@ -176,6 +177,7 @@ def convert(
         raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")
     to_config, to_weights = CONVERTERS[source_config.model_type]
     config = PlugformerConfig(**{**to_config(source_config), **overrides})
+    check_model_fits(config, training=False, copies=2, what="convert (the source model and its conversion)")
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     weights = to_weights(reference.state_dict(), config)
     model = PlugformerForCausalLM(config)

@@ -19,6 +19,7 @@ from .arguments import parse_arguments
 from .configuration import PlugformerConfig
 from .corpus import arithmetic_sentences
 from .files import naming_a_full_disk
+from .memory import check_model_fits
 from .modeling import PlugformerForCausalLM
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
@@ -64,6 +65,7 @@ def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
     )
     if args.attn_implementation is not None:
         config._attn_implementation = args.attn_implementation
+    check_model_fits(config, training=True, what="plugformer demo")
     model = PlugformerForCausalLM(config)
     model.generation_config.eos_token_id = generation_eos_token_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
