@@ -134,6 +134,8 @@ class PlugformerAttention(nn.Module):
             kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
             if kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
+            elif kernel.bias == "alibi":  # a kernel adding ALiBi itself (vLLM's, with the slopes): no bias to pass
+                position_bias = None
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
@@ -307,8 +309,11 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         forward = cls.__dict__.get("forward")
         if forward is not None:
             # generate() reads `inspect.signature(self.forward)` every step for custom-code models (these are, being
-            # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers
-            forward.__signature__ = inspect.signature(forward)
+            # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers.
+            # Stored on the innermost function, which `inspect.signature` reaches through `__wrapped__`: on a
+            # `(*args, **kwargs)` wrapper it would also be what torch.compile binds that wrapper's frame by
+            # (`follow_wrapped=False`), so a compiled top-level forward (vLLM's) found no `args` local
+            inspect.unwrap(forward).__signature__ = inspect.signature(forward)
 
     def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, also for a model whose class a wrapper replaced.
