@@ -233,3 +233,17 @@ def test_zero_generations_per_prompt_is_a_value_error(stage):
 
     with pytest.raises(ValueError, match="num_generations must be at least 2"):
         parse_stage_arguments(stage, ["--output_dir", "unused", "--num_generations", "0"])
+
+
+@pytest.mark.parametrize("config", ["configs/grpo/tiny.yaml", "configs/grpo/gpu.yaml"])
+def test_grpo_reward_weights_give_groups_of_equal_rewards_exactly_zero_std(config):
+    """TRL counts a group as uninformative (`frac_reward_zero_std`) with `isclose(std, 0)` on float32 weighted
+    sums; a weight like 0.2 rounds so that eight equal rewards have std ~1e-8 and the metric read 0 at every step."""
+    import yaml
+    from trl.trainer.utils import nanstd
+
+    weights = torch.tensor(yaml.safe_load(Path(config).read_text())["reward_weights"], dtype=torch.float32)
+    for scores in itertools.product([0.0, 1.0], repeat=len(weights)):  # every row of reward-function outputs
+        group = torch.tensor([scores] * 8, dtype=torch.float32)
+        rewards = (group * weights[None]).nansum(dim=1)  # as GRPOTrainer sums them
+        assert torch.isclose(nanstd(rewards), torch.zeros(())), (scores, nanstd(rewards).item())

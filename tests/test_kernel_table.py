@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+import plugformer
 from plugformer import KERNELS, combination_matrix, register_attention_kernel, supported_kernels
 from plugformer.capabilities import KernelSpec
 from plugformer.positions import POSITION_SCHEMES
@@ -60,7 +61,9 @@ def test_the_combination_matrix_is_read_from_the_records():
         expected = [
             name for name in KERNELS
             if (KERNELS.get(name).scores == "any" or dot_product(score))
-            and (KERNELS.get(name).bias != "none" or not biased(scheme))
+            and (KERNELS.get(name).bias in ("relative", "dense")
+                 or (KERNELS.get(name).bias == "none" and not biased(scheme))
+                 or (KERNELS.get(name).bias == "alibi" and scheme == "alibi"))
         ]  # fmt: skip
         assert kernels == expected, (score, scheme)
     # on this machine (no CUDA) no flash kernel runs: the suite's kernels are the available ones
@@ -151,3 +154,54 @@ def test_register_attention_kernel_reaches_transformers_and_checks_its_record(ke
     assert kernel_name not in supported_kernels(tiny_config("dot", "alibi"))
     with pytest.raises(ValueError, match="already registered"):
         register_attention_kernel(kernel_name, sdpa_attention_forward)
+
+
+def test_a_kernel_adding_alibi_itself_computes_alibi_only_and_gets_no_bias(kernel_name, tmp_path):
+    """`bias="alibi"` (vLLM's attention built with ALiBi slopes, `plugformer.vllm_plugin`): the kernel adds ALiBi
+    from its own slopes, so it gets no `position_bias`, and every other scheme is refused — T5/clamped biases it
+    cannot add, and schemes without a bias, which it would change."""
+    spec = KernelSpec(kernel_name, scores="dot_product", bias="alibi")
+    for score in SCORES:
+        for scheme in SCHEMES:
+            reason = spec.unsupported_reason(tiny_config(score, scheme))
+            assert (reason is None) == (dot_product(score) and scheme == "alibi"), (score, scheme, reason)
+            if scheme != "alibi" and dot_product(score):
+                assert f"position_scheme={scheme!r}" in reason
+    received = []
+
+    def alibi_sdpa(module, query, key, value, attention_mask, position_bias=None, **kwargs):
+        """ALiBi from plugformer's slopes added here, as an engine holding the slopes does."""
+        received.append(position_bias)
+        slopes = plugformer.positions.alibi_slopes(query.shape[1])
+        distance = torch.arange(key.shape[2])[None, :] - torch.arange(query.shape[2])[:, None]  # j - i (causal)
+        bias = slopes[:, None, None] * distance  # (H, Q, K): -slope * |i - j| where j <= i
+        causal = distance <= 0
+        return sdpa_attention_forward(module, query, key, value, (bias + torch.where(causal, 0.0, -torch.inf))[None],
+                                      is_causal=False, **{k: v for k, v in kwargs.items() if k != "is_causal"})  # fmt: skip
+
+    register_attention_kernel(kernel_name, alibi_sdpa, bias="alibi", mask=None)
+    assert kernel_name not in KERNELS.taking_a_bias()  # never suggested for T5 or clamped biases
+    reference = saved(tmp_path, "scaled_dot", "alibi")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel_name).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert received and all(bias is None for bias in received)
+    saved(tmp_path / "rope", "scaled_dot", "rope")
+    with pytest.raises(ValueError, match=rf"attn_implementation='{kernel_name}' adds ALiBi.*position_scheme='rope'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "rope", attn_implementation=kernel_name)
+
+
+def test_the_vllm_plugin_entry_point_names_its_register_hook():
+    """pyproject declares plugformer's vLLM plugin; its module imports without vLLM (vLLM is optional)."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["plugformer"]
+    module, _, name = target.partition(":")
+    assert (module, name) == ("plugformer.vllm_plugin", "register")
+    assert callable(getattr(importlib.import_module(module), name))
+    assert not any(dependency.startswith("vllm") for dependency in project["dependencies"])

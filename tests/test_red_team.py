@@ -542,3 +542,316 @@ def test_labels_out_of_range_name_labels(head):
     assert torch.isfinite(model(input_ids=ids, labels=good).loss)
     with pytest.raises(ValueError, match=rf"labels holds {limit}, outside \[0, {limit - 1}\]"):
         model(input_ids=ids, labels=bad)
+
+
+# --- a finished training run is saved before anything can fail after it --------------------------------------------
+
+
+def test_an_evaluation_failure_after_training_keeps_the_saved_model_and_says_where(tmp_path, monkeypatch, caplog):
+    """The dev evaluation ran before the final save: an error there lost the whole training run (issue 18)."""
+    import logging
+
+    from transformers import Trainer
+
+    def broken_evaluate(*_, **__):
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(Trainer, "evaluate", broken_evaluate)
+    with caplog.at_level(logging.ERROR, logger="plugformer.training.common"), pytest.raises(RuntimeError) as raised:
+        pretrain(tmp_path / "run", "--dev_examples", "8", "--block_size", "16")
+    assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "config.json").is_file()
+    where = f"the trained model is saved in {tmp_path / 'run'}"
+    assert any(where in note for note in raised.value.__notes__) and where in caplog.text
+    assert not (tmp_path / "run" / "run_info.json").exists()  # not recorded as a finished stage
+
+
+# --- --test_examples 0: no held-out table, said so; refused where a test split is needed ---------------------------
+
+
+def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path, capsys):
+    """`plugformer pipeline --test_examples 0` ended in KeyError: 'test' after the stage had trained (issue 18)."""
+    import json
+    import shutil
+
+    from plugformer.files import write_json_atomic
+    from plugformer.training import pipeline
+
+    args = pipeline.PipelineArguments(output_dir=str(tmp_path / "pipeline"), stages=["pretrain"], test_examples=0,
+                                      stage_configs=CONFIGS, max_new_tokens=4)  # fmt: skip
+    shutil.copytree(finished, tmp_path / "pipeline" / "pretrain")  # a finished stage, recorded as this one: reused
+    argv = pipeline.stage_argv(args, "pretrain")
+    write_json_atomic(
+        tmp_path / "pipeline" / "pretrain" / pipeline.RECORD, pipeline.stage_record(args, "pretrain", argv)
+    )
+    results = pipeline.run(args)
+    assert "reusing" in capsys.readouterr().out
+    assert "exact_match" not in results["pretrain"] and results["pretrain"]["gain"] is None
+    table = (tmp_path / "pipeline" / "results.md").read_text()
+    assert table.startswith("no held-out test scores (--test_examples 0)") and "| pretrain | — |" in table
+    assert json.loads((tmp_path / "pipeline" / "results.json").read_text())["pretrain"]["train_seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "value", "pattern"),
+    [
+        ("pipeline", "test_examples", -1, r"--test_examples -1: expected an integer >= 0"),
+        ("compare", "test_examples", 0, r"test_examples=0: expected at least 1"),
+        ("compare", "dev_examples", 0, r"dev_examples=0: expected at least 1"),
+        ("extrapolate", "test_examples", 0, r"test_examples=0: expected at least 1"),
+    ],
+)
+def test_zero_test_examples_is_refused_where_a_test_split_is_needed(entry, field, value, pattern):
+    from plugformer.evaluation.compare import CompareArguments
+    from plugformer.evaluation.extrapolation import ExtrapolationArguments
+    from plugformer.training.pipeline import PipelineArguments
+
+    arguments = {"pipeline": PipelineArguments, "compare": CompareArguments, "extrapolate": ExtrapolationArguments}
+    with pytest.raises(ValueError, match=pattern):
+        arguments[entry](**{field: value})
+
+
+def test_eval_of_zero_examples_is_refused_before_loading(finished, capsys):
+    line = one_line_error(capsys, ["eval", "--model", str(finished), "--examples", "0"])
+    assert line.startswith("ValueError: --examples 0: expected an integer >= 1")
+
+
+# --- YAML values are typed: a value of the wrong type is refused naming the file and the key -----------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "text", "pattern"),
+    [
+        ("pretrain", 'learning_rate: "abc"', r"learning_rate: 'abc' is a YAML str; expected float"),
+        ("pretrain", 'max_steps: "10"', r"max_steps: '10' is a YAML str; expected int"),
+        ("pretrain", 'overwrite_output_dir: "yes"', r"overwrite_output_dir: 'yes' is a YAML str; expected bool"),
+        ("pretrain", "save_strategy: no", r"save_strategy: False is a YAML bool; expected str .*quote it"),
+        ("pretrain", "data_files: a.jsonl", r"data_files: 'a.jsonl' is a YAML str; expected a list of str or null"),
+        ("pretrain", "train_examples: 2.5", r"train_examples: 2.5 is a YAML float; expected int"),
+        ("grpo", "num_generations: 2.5", r"num_generations: 2.5 is a YAML float; expected int or null"),
+        ("grpo", "env: [A]", r"env: \['A'\]: expected a mapping"),
+        ("pipeline", "stages: grpo", r"stages: 'grpo' is a YAML str; expected a list of str"),
+        ("demo", 'max_steps: "10"', r"max_steps: '10' is a YAML str; expected int"),
+    ],
+)
+def test_a_wrong_typed_yaml_value_is_refused_naming_file_key_and_type(tmp_path, monkeypatch, entry, text, pattern):
+    """argparse converted string YAML values ('10' -> 10, 'yes' -> True), dumped its usage for 'abc' without naming
+    the file, and left a string for a list field a string (`stages: grpo` ran stages 'g', 'r', ...) (issue 18)."""
+    from plugformer.training import common
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
+    monkeypatch.setattr(common, "load_model", refuse_training)
+    monkeypatch.setattr("plugformer.training.pipeline.run", refuse_training)
+    monkeypatch.setattr("plugformer.demo.run", refuse_training)
+    config = tmp_path / "config.yaml"
+    config.write_text(text + "\n")
+    argv = {"pretrain": ["train", "pretrain", "--output_dir", str(tmp_path / "run")],
+            "grpo": ["train", "grpo", "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(tmp_path)],
+            "pipeline": ["pipeline", "--output_dir", str(tmp_path / "run")], "demo": ["demo"]}[entry]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"--config {config}: {pattern}"):
+        from plugformer.cli import main
+
+        main(["--debug", *argv, "--config", str(config)])
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_path):
+    from plugformer.arguments import parse_arguments
+    from plugformer.training import parse_stage_arguments
+    from plugformer.training.pipeline import PipelineArguments
+
+    config = tmp_path / "config.yaml"
+    config.write_text("learning_rate: 1e-3\nnum_train_epochs: 2\nreport_to: none\n")  # PyYAML alone: '1e-3' a str
+    flags = ["--max_steps", "10", "--bf16", "false", "--data_files", "a.jsonl", "b.jsonl", "--num_generations", "4"]
+    script, _, training = parse_stage_arguments("grpo", ["--config", str(config), "--output_dir", "o", *flags])
+    assert (training.learning_rate, training.num_train_epochs, training.max_steps) == (1e-3, 2, 10)
+    assert (training.bf16, training.num_generations, script.data_files) == (False, 4, ["a.jsonl", "b.jsonl"])
+    args = parse_arguments(PipelineArguments, ["--stages", "pretrain", "sft", "--rerun", "yes"], prog="pipeline")
+    assert args.stages == ["pretrain", "sft"] and args.rerun is True
+
+
+# --- a full disk: one line naming what was written, the space free and what is intact -----------------------------
+
+
+def full_disk_cli(tmp_path, capsys, monkeypatch, *flags) -> str:
+    """A 4-step pretraining run through the CLI (checkpoints at steps 2 and 4) under a disk that fills as set up by
+    the caller; returns the one line printed."""
+    import shutil
+
+    from test_training import PRETRAIN, TINY
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=12_345))  # what a full disk reports
+    steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
+             "--exact_match_examples", "0", "--max_steps", "4"]  # fmt: skip
+    argv = ["train", "pretrain", "--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN, *steps, *flags]
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    error = capsys.readouterr().err  # the data-loading progress bars come before the error on stderr
+    assert exited.value.code == 2 and "Traceback" not in error
+    return error.strip().splitlines()[-1]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_so(tmp_path, capsys, monkeypatch):
+    """torch.save's short write ('PytorchStreamWriter failed writing file ...') reached the user as raw torch text,
+    with the partial checkpoint left in the staging area (issue 18)."""
+    import torch
+
+    from plugformer.training.checkpoints import STAGING, verify_checkpoint
+
+    real_save = torch.save
+
+    def filling_save(value, path, *args, **kwargs):
+        if "checkpoint-4" in str(path):
+            Path(path).write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:659] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")  # fmt: skip
+        return real_save(value, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling_save)
+    line = full_disk_cli(tmp_path, capsys, monkeypatch)
+    run = tmp_path / "run"
+    assert line.startswith(
+        f"DiskFullError: [Errno 28] writing a checkpoint to {run / 'checkpoint-4'}: the disk is full"
+    )
+    assert "12.1 KiB free on the file system of" in line
+    assert "checkpoint-2 (step 2) is intact: free some space and resume with --resume_from_checkpoint last" in line
+    assert verify_checkpoint(run / "checkpoint-2") is None  # the earlier checkpoint really is whole
+    assert not (run / "checkpoint-4").exists() and not (run / STAGING).exists()  # the partial one is gone
+
+
+def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_checkpoint(tmp_path, capsys, monkeypatch):
+    """safetensors' IoError on the final model, and an ENOSPC from a state file, each get one line."""
+    import errno
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from plugformer import files
+
+    real_save_file = transformers.modeling_utils.safe_save_file
+
+    def filling_save_file(tensors, filename, *args, **kwargs):
+        if ".staging" not in str(filename):  # checkpoints go through the staging area; the final model does not
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                                  'space left on device" })')  # fmt: skip
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", filling_save_file)
+    line = full_disk_cli(tmp_path, capsys, monkeypatch)
+    assert line.startswith(f"DiskFullError: [Errno 28] writing the trained model to {tmp_path / 'run'}: the disk is "
+                           "full (No space left on device)")  # fmt: skip
+    assert "the model files in it are incomplete; checkpoint-4 (step 4) is intact" in line
+
+    state = tmp_path / "run_info.json"
+    files.write_json_atomic(state, {"step": 1})
+
+    def no_space(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", no_space)
+    with pytest.raises(files.DiskFullError, match=r"writing run_info.json to .*run_info.json: the disk is full .* "
+                                                  r"free on .*; the previous run_info.json is intact"):  # fmt: skip
+        files.write_json_atomic(state, {"step": 2})
+    assert state.read_text() == '{"step": 1}\n'
+
+
+def test_only_out_of_space_errors_are_renamed():
+    import errno
+
+    from plugformer.files import is_out_of_space
+
+    assert is_out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"), "/")
+    assert not is_out_of_space(OSError(errno.EACCES, "Permission denied"), "/")
+    assert not is_out_of_space(RuntimeError("PytorchStreamWriter failed writing file data/0"), "/")  # space is free
+    assert not is_out_of_space(ValueError("something else"), "/")
+
+
+# --- a config that cannot fit in memory is refused before it is built ---------------------------------------------
+
+
+def size_variants():
+    """(head, config fields): every score function and position scheme, both norms, placements and feed-forwards,
+    biases, GQA, an explicit head_dim, untied heads, the encoder heads and the seq2seq model."""
+    from plugformer.positions import POSITION_SCHEMES
+    from plugformer.scores import ATTENTION_SCORES
+
+    variants = [("causal_lm", {"attention_score": score}) for score in ATTENTION_SCORES.names()]
+    variants += [("causal_lm", {"position_scheme": scheme}) for scheme in POSITION_SCHEMES.names()]
+    variants += [
+        ("causal_lm", {"norm_type": "layernorm", "norm_placement": "post", "ffn_type": "mlp", "attention_bias": True,
+                       "mlp_bias": True, "tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 12}),
+        ("causal_lm", {"attention_score": "additive", "ffn_type": "glu", "mlp_bias": True, "num_key_value_heads": 2}),
+        ("masked_lm", {"is_causal": False, "position_scheme": "clamped_bias", "tie_word_embeddings": False}),
+        ("sequence_classification", {"is_causal": False, "num_labels": 3, "pad_token_id": 0}),
+        ("token_classification", {"is_causal": False, "num_labels": 5, "position_scheme": "learned"}),
+        ("seq2seq", {"is_encoder_decoder": True, "pad_token_id": 0, "position_scheme": "t5_bias",
+                     "num_decoder_layers": 3, "attention_score": "multiplicative"}),
+        ("seq2seq", {"is_encoder_decoder": True, "pad_token_id": 0, "position_scheme": "clamped_bias",
+                     "tie_word_embeddings": False, "attention_score": "additive", "attention_bias": True}),
+    ]  # fmt: skip
+    return variants
+
+
+def test_the_closed_form_parameter_count_equals_real_models():
+    from plugformer import (
+        PlugformerForCausalLM,
+        PlugformerForConditionalGeneration,
+        PlugformerForMaskedLM,
+        PlugformerForSequenceClassification,
+        PlugformerForTokenClassification,
+    )
+    from plugformer.memory import parameter_count
+    from tests.conftest import tiny_config
+
+    classes = {"causal_lm": PlugformerForCausalLM, "masked_lm": PlugformerForMaskedLM,
+               "sequence_classification": PlugformerForSequenceClassification,
+               "token_classification": PlugformerForTokenClassification,
+               "seq2seq": PlugformerForConditionalGeneration}  # fmt: skip
+    for head, fields in size_variants():
+        config = tiny_config(
+            **{
+                "score": fields.pop("attention_score", "scaled_dot"),
+                "scheme": fields.pop("position_scheme", "rope"),
+                **fields,
+            }
+        )
+        model = classes[head](config)
+        assert parameter_count(config, head) == sum(p.numel() for p in model.parameters()), (head, fields)
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, monkeypatch, llama_source):
+    """A config that would allocate tens of GB went ahead until the allocator failed, or the machine swapped."""
+    from transformers import Trainer
+
+    from plugformer import memory
+    from plugformer.convert import convert
+    from plugformer.demo import DemoArguments, build_model
+
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2**30, "this machine has"))
+    monkeypatch.setattr(Trainer, "train", refuse_training)
+    big = ["--hidden_size", "8192", "--num_hidden_layers", "48", "--num_attention_heads", "64"]
+    with pytest.raises(ValueError, match=r"pretrain: vocab_size=300, hidden_size=8192, intermediate_size=21888, "
+                                         r"num_hidden_layers=48, .* make 32\.47B parameters, which need at least "
+                                         r"483\.8 GiB \(16 bytes each: fp32 weights, gradients and AdamW's two "
+                                         r"moments\) but this machine has 1\.0 GiB available; .*"
+                                         r"PLUGFORMER_SKIP_MEMORY_CHECK=1"):  # fmt: skip
+        pretrain(tmp_path / "run", *big)
+
+    class Tokenizer:  # what build_model reads of one
+        pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+        def __len__(self):
+            return 512
+
+    with pytest.raises(ValueError, match=r"plugformer demo: .*hidden_size=16384.*need at least"):
+        build_model(DemoArguments(hidden_size=16384, num_attention_heads=64, num_key_value_heads=8), Tokenizer())
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (1000, "this machine has"))
+    with pytest.raises(ValueError, match=r"convert \(the source model and its conversion\): .*4 bytes each: fp32 "
+                                         r"weights, 2 models\) but this machine has 1000 B available"):  # fmt: skip
+        convert(llama_source, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+    monkeypatch.setenv(memory.OVERRIDE, "1")  # the documented override builds it anyway
+    assert convert(llama_source, tmp_path / "converted").num_parameters() > 0

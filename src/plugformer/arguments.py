@@ -6,8 +6,12 @@ Unknown keys, in the YAML or on the command line, are errors that name the key.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import re
+import types
+import typing
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from transformers import HfArgumentParser
@@ -38,16 +42,117 @@ def config_path(path: str | Path) -> str:
                             "repository's configs/ folder")  # fmt: skip
 
 
-def load_yaml(path: str | Path, allowed: set[str]) -> dict:
-    """The mapping in `path`, refusing keys outside `allowed`."""
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading `1e-3` as a float as YAML 1.2 does (PyYAML's YAML 1.1 resolver needs a dot,
+    `1.0e-3`, and gives the string '1e-3' otherwise; the command line's float() took it, so configs write it)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_yaml(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as handle:
-        values = yaml.safe_load(handle) or {}
+        return yaml.load(handle, Loader=YamlLoader)  # a SafeLoader: no arbitrary objects
+
+
+def load_yaml(path: str | Path, allowed: set[str], classes: tuple[type, ...] = ()) -> dict:
+    """The mapping in `path`, refusing keys outside `allowed` and values whose type the dataclass fields of
+    `classes` do not take (`check_yaml_types`)."""
+    values = read_yaml(path) or {}
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of option: value, got {type(values).__name__}")
     unknown = sorted(set(values) - allowed)
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+    check_yaml_types(path, values, classes)
     return values
+
+
+def check_yaml_types(path: str | Path, values: dict, classes: tuple[type, ...]) -> None:
+    """Raises `ValueError` naming the file, key, value and expected type for a YAML value that the field's type does
+    not take. argparse converts only string defaults, with the field's `type`: `max_steps: "10"` became 10,
+    `bf16: "yes"` True, `learning_rate: "abc"` an argparse usage dump naming no file, while a string for a list
+    (`stages: grpo`, `data_files: a.jsonl`) stayed a string and was iterated letter by letter, and `num_generations:
+    2.5` or `save_strategy: no` (YAML 1.1 reads `no` as false) reached transformers/TRL unchecked. A YAML value is
+    typed: it must be the field's type (an int where a float is expected is fine); command-line strings are
+    converted as before.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class A:
+    ...     steps: int = 1
+    >>> check_yaml_types("a.yaml", {"steps": "10"}, (A,))
+    Traceback (most recent call last):
+    ...
+    ValueError: --config a.yaml: steps: '10' is a YAML str; expected int
+    """
+    hints = {}
+    for cls in classes:
+        try:
+            resolved = typing.get_type_hints(cls)
+        except Exception:  # a forward reference that does not resolve: that class's fields go unchecked
+            resolved = {}
+        hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.name in resolved})
+    for key, value in values.items():
+        if key in hints and not _matches(value, hints[key]):
+            hint = " (YAML reads unquoted yes/no/on/off as booleans: quote it)" if isinstance(value, bool) else ""
+            raise ValueError(f"--config {path}: {key}: {value!r} is a YAML {_yaml_type(value)}; expected "
+                             f"{_type_name(hints[key])}{hint}")  # fmt: skip
+
+
+def _origin(hint) -> tuple[Any, tuple]:
+    origin = typing.get_origin(hint)
+    return (typing.Union if origin is types.UnionType else origin), typing.get_args(hint)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a YAML value fits a field's type hint; a hint not understood here accepts anything."""
+    origin, args = _origin(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union:
+        return any(_matches(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple, set):
+        return isinstance(value, list) and all(_matches(item, args[0]) for item in value) if args else True
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return isinstance(value, str)  # an enum's value is given by name; transformers checks the name
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = _origin(hint)
+    if origin is typing.Union:
+        names = dict.fromkeys(_type_name(arg) for arg in args)  # enums and str both read "str"
+        return " or ".join(names)
+    if origin is typing.Literal:
+        return f"one of {list(args)}"
+    if hint is type(None):
+        return "null"
+    if origin in (list, tuple, set):
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "str"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _yaml_type(value: Any) -> str:
+    return {type(None): "null", list: "list", dict: "mapping"}.get(type(value), type(value).__name__)
 
 
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
@@ -56,7 +161,7 @@ def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     parser.add_argument("--config", type=str, default=None, help="YAML file of option: value pairs")
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
-        parser.set_defaults(**load_yaml(config_path(known.config), {f.name for f in dataclasses.fields(cls)}))
+        parser.set_defaults(**load_yaml(config_path(known.config), {f.name for f in dataclasses.fields(cls)}, (cls,)))
     # returns (instance, namespace holding --config, unparsed strings)
     outputs = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if outputs[-1]:

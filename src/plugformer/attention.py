@@ -92,6 +92,8 @@ class PlugformerAttention(nn.Module):
             kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
             if kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
+            elif kernel.bias == "alibi":  # a kernel adding ALiBi itself (vLLM's, with the slopes): no bias to pass
+                position_bias = None
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,

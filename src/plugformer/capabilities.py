@@ -11,6 +11,7 @@ model asks the table, never a kernel's name:
 | `sdpa` | dot product | relative | `kernels.sdpa_attention_forward` (blockwise with a bias) |
 | `flex_attention` | dot product | relative | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
+| `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
 A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
 an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 
 SCORE_SUPPORT = ("any", "dot_product")
-BIAS_SUPPORT = ("relative", "dense", "none")
+BIAS_SUPPORT = ("relative", "dense", "alibi", "none")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class KernelSpec:
         scores (`str`): `"any"` (the kernel runs the score's own math: eager) or `"dot_product"` (softmax of
             scaling · q·k: every score whose `dot_product` is true).
         bias (`str`): `"relative"` (takes a `RelativeBias` as `position_bias`), `"dense"` (takes the `(B, H, Q, K)`
-            tensor as `position_bias` and adds it to the scores) or `"none"` (no score bias: bias schemes refused).
+            tensor as `position_bias` and adds it to the scores), `"alibi"` (adds ALiBi's bias itself, from slopes
+            the engine holds, and gets no `position_bias`: every scheme but `alibi` refused) or `"none"` (no score
+            bias: bias schemes refused).
         function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
@@ -82,6 +85,11 @@ class KernelSpec:
                 f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
                 f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
                 "automatically when no implementation is requested)"
+            )
+        if self.bias == "alibi" and config.position_scheme != "alibi":
+            return (
+                f"attn_implementation={self.name!r} adds ALiBi's bias itself, which "
+                f"position_scheme={config.position_scheme!r} does not have; it computes position_scheme='alibi' only"
             )
         if self.bias == "none" and POSITION_SCHEMES.get(config.position_scheme).has_bias:
             return (
@@ -114,7 +122,8 @@ class KernelTable:
         return list(self._table)
 
     def taking_a_bias(self) -> list[str]:
-        return [name for name, spec in self._table.items() if spec.bias != "none"]
+        """The kernels taking any scheme's bias (not one computing a single scheme's own)."""
+        return [name for name, spec in self._table.items() if spec.bias in ("relative", "dense")]
 
     def __contains__(self, name: object) -> bool:
         return name in self._table

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from .files import DiskFullError
+
 
 def _demo(argv: list[str]) -> None:
     from .demo import main
@@ -122,7 +124,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 
 
 # raised for what the user gave (flags, files, folders); anything else is a bug and keeps its traceback
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+# and a full disk (`files.DiskFullError`: an ENOSPC/EDQUOT write, named with the space free and what is intact)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, DiskFullError)
 DEBUG_VARIABLE = "PLUGFORMER_DEBUG"
 
 

@@ -15,6 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .configuration import PlugformerConfig
+from .files import naming_a_full_disk
+from .memory import check_model_fits
 from .modeling import PlugformerForCausalLM
 
 
@@ -175,6 +177,7 @@ def convert(
         raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")
     to_config, to_weights = CONVERTERS[source_config.model_type]
     config = PlugformerConfig(**{**to_config(source_config), **overrides})
+    check_model_fits(config, training=False, copies=2, what="convert (the source model and its conversion)")
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     weights = to_weights(reference.state_dict(), config)
     model = PlugformerForCausalLM(config)
@@ -187,5 +190,7 @@ def convert(
     model.generation_config = reference.generation_config
     model.eval()
     if output_dir is not None:
-        model.save_pretrained(output_dir)
+        with naming_a_full_disk(output_dir, "the converted model", f"the model files in it are incomplete; the source "
+                                f"{source} is untouched"):  # fmt: skip
+            model.save_pretrained(output_dir)
     return model

@@ -18,6 +18,8 @@ from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArgum
 from .arguments import parse_arguments
 from .configuration import PlugformerConfig
 from .corpus import arithmetic_sentences
+from .files import naming_a_full_disk
+from .memory import check_model_fits
 from .modeling import PlugformerForCausalLM
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
@@ -63,6 +65,7 @@ def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
     )
     if args.attn_implementation is not None:
         config._attn_implementation = args.attn_implementation
+    check_model_fits(config, training=True, what="plugformer demo")
     model = PlugformerForCausalLM(config)
     model.generation_config.eos_token_id = generation_eos_token_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -106,10 +109,11 @@ def run(args: DemoArguments) -> dict:
     )
     initial = trainer.evaluate()["eval_loss"]
     trainer.train()
+    with naming_a_full_disk(args.output_dir, "the demo model", "the model files in it are incomplete"):
+        model.save_pretrained(args.output_dir)  # before the evaluation: a failure there keeps the trained model
+        tokenizer.save_pretrained(args.output_dir)
     final = trainer.evaluate()["eval_loss"]
     print(f"held-out perplexity: {math.exp(initial):.1f} before training -> {math.exp(final):.2f} after")
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
     generator = pipeline("text-generation", model=args.output_dir)
     completions = {}
     for prompt in args.prompts:

@@ -6,25 +6,102 @@ the same folder, flushed to disk, and renamed over the target (`os.replace` is a
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Writes `text` (UTF-8) to `path` through a temporary sibling file, fsync and `os.replace`."""
-    path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# the same two errors as text: libc's strerror, and Rust's io::ErrorKind inside safetensors' SafetensorError
+OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded")
+# torch.save reports a short write without its errno; read as a full disk only when the disk is (nearly) full
+TORCH_WRITE_FAILED = "PytorchStreamWriter failed writing file"
+TORCH_FULL_MARGIN = 64 * 2**20
+
+
+class DiskFullError(OSError):
+    """Writing `filename` ran out of disk space (ENOSPC) or quota (EDQUOT); the message says what was written, the
+    space free and what is intact. The CLI prints it as one line."""
+
+
+def free_space(path: str | Path) -> tuple[int, Path]:
+    """(bytes free to this user, the folder measured) on the file system holding `path` (its nearest existing
+    parent)."""
+    folder = Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free, folder
+
+
+def size_text(count: float) -> str:
+    """
+    >>> size_text(0), size_text(1536), size_text(3 * 2**30)
+    ('0 B', '1.5 KiB', '3.0 GiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def is_out_of_space(error: BaseException, path: str | Path) -> bool:
+    """Whether `error`, raised while writing under `path`, means the disk (or quota) is full: an `OSError` with
+    ENOSPC/EDQUOT, that error's text in another exception (safetensors), or torch's short write when under
+    `TORCH_FULL_MARGIN` bytes are free. Nothing broader."""
+    if isinstance(error, OSError) and error.errno in OUT_OF_SPACE_ERRNOS:
+        return True
+    text = str(error)
+    if any(part in text for part in OUT_OF_SPACE_TEXT):
+        return True
+    return TORCH_WRITE_FAILED in text and free_space(path)[0] < TORCH_FULL_MARGIN
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str | Path, what: str, intact: str | Callable[[], str] = "") -> Iterator[None]:
+    """Turns an out-of-space error inside the block (`is_out_of_space`) into one `DiskFullError` line: `what` was
+    written to `path`, the disk is full, how much is free, and `intact` (what the failed write left whole, a
+    string or a function called after the failure). Any other error passes unchanged; a `DiskFullError` of an inner
+    write is named again by the outer block, which knows what the write was part of."""
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        yield
+    except Exception as error:
+        if not is_out_of_space(error, path):
+            raise
+        raise disk_full(path, what, intact() if callable(intact) else intact, error) from error
+
+
+def disk_full(path: str | Path, what: str, intact: str, cause: BaseException) -> DiskFullError:
+    free, folder = free_space(path)
+    reason = "disk quota exceeded" if getattr(cause, "errno", None) == errno.EDQUOT else "No space left on device"
+    message = (f"writing {what} to {path}: the disk is full ({reason}); {size_text(free)} free on the file system of "
+               f"{folder}" + (f"; {intact}" if intact else ""))  # fmt: skip
+    return DiskFullError(getattr(cause, "errno", None) or errno.ENOSPC, message)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` through a temporary sibling file, fsync and `os.replace`; a full disk raises
+    `DiskFullError` with the previous file intact."""
+    path = Path(path)
+    intact = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+    descriptor, temporary = None, None
+    try:
+        with naming_a_full_disk(path, path.name, intact):
+            descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
         raise
     try:  # the rename itself reaches the disk with the directory entry
         directory = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -42,8 +42,11 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         forward = cls.__dict__.get("forward")
         if forward is not None:
             # generate() reads `inspect.signature(self.forward)` every step for custom-code models (these are, being
-            # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers
-            forward.__signature__ = inspect.signature(forward)
+            # registered for the Auto classes); stored once, it is not re-derived through the decorators' wrappers.
+            # Stored on the innermost function, which `inspect.signature` reaches through `__wrapped__`: on a
+            # `(*args, **kwargs)` wrapper it would also be what torch.compile binds that wrapper's frame by
+            # (`follow_wrapped=False`), so a compiled top-level forward (vLLM's) found no `args` local
+            inspect.unwrap(forward).__signature__ = inspect.signature(forward)
 
     def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, also for a model whose class a wrapper replaced.

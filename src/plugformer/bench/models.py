@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from ..capabilities import supported_kernels
 from ..configuration import PlugformerConfig
 from ..convert import convert
+from ..memory import check_model_fits
 from ..modeling import PlugformerForCausalLM
 from .measure import random_tokens
 
@@ -105,6 +106,7 @@ def build_variant(config: PlugformerConfig, seed: int, device: str, kernel: str 
         if kernel not in supported_kernels(config):
             raise ValueError(f"kernel={kernel!r} cannot run {config.attention_score}+{config.position_scheme}")
         config._attn_implementation = kernel
+    check_model_fits(config, training=True, device=device, what="plugformer bench")
     return PlugformerForCausalLM(config).to(device)
 
 

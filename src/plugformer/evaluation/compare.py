@@ -78,6 +78,10 @@ class CompareArguments:
             raise ValueError(f"significance={self.significance!r}: choose one of {list(SIGNIFICANCE_TESTS)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={self.seeds}: give at least one seed, each once")
+        for name in ("dev_examples", "test_examples"):  # selection is on dev, the report on test (0: KeyError)
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
+                                 "examples and reports on test examples)")  # fmt: skip
         if self.significance == "ttest" and len(self.seeds) < 2:
             raise ValueError(f"significance='ttest' pairs seeds: give at least 2 seeds, got {self.seeds}")
 

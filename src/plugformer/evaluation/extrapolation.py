@@ -54,6 +54,9 @@ class ExtrapolationArguments:
             raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")
+        if self.test_examples < 1:  # the perplexity stream is cut from test documents (0 ended in KeyError: 'test')
+            raise ValueError(f"test_examples={self.test_examples}: expected at least 1 (the evaluation stream is "
+                             "made of test documents)")  # fmt: skip
 
     def lengths(self) -> list[int]:
         """Evaluation lengths in tokens (at least 2: one to condition on, one to predict)."""

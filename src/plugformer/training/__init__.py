@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..arguments import config_path
+from ..arguments import check_yaml_types, config_path, read_yaml
 from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
 
 
@@ -62,6 +62,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     for index, value in enumerate(argv[:-1]):
         if value == "--config":  # a shipped YAML also from outside the checkout
             argv[index + 1] = config_path(argv[index + 1])
+            check_stage_yaml(argv[index + 1], parser.dataclass_types)
     try:
         return parser.parse_args_and_config(argv)
     except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked
@@ -69,6 +70,16 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             f"stage {stage!r}: --num_generations must be at least 2 (answers compared per prompt), and the batch "
             f"sizes multiples of it ({error})"
         ) from error
+
+
+def check_stage_yaml(path: str, classes) -> None:
+    """A stage's YAML, checked before TRL's parser reads it: each value of the type its field takes (`env`, TRL's
+    mapping of environment variables, a mapping); unknown keys are left to TRL's parser, which refuses them."""
+    values = read_yaml(path)
+    if isinstance(values, dict):
+        if not isinstance(values.get("env", {}), dict):
+            raise ValueError(f"--config {path}: env: {values['env']!r}: expected a mapping of variable: value")
+        check_yaml_types(path, {k: v for k, v in values.items() if k != "env"}, tuple(classes))
 
 
 def run_stage(stage: str, argv: list[str]) -> dict:

@@ -22,7 +22,7 @@ import shutil
 from functools import cache
 from pathlib import Path
 
-from ..files import write_json_atomic
+from ..files import naming_a_full_disk, write_json_atomic
 
 
 logger = logging.getLogger(__name__)
@@ -56,15 +56,17 @@ class AtomicCheckpointMixin:
         self.accelerator.wait_for_everyone()
         self._get_output_dir = lambda trial=None: str(staging)  # every rank writes its part into the staging area
         try:
-            super()._save_checkpoint(model, trial)
+            with naming_a_full_disk(run_dir / name, "a checkpoint", lambda: drop_staging(staging, run_dir)):
+                super()._save_checkpoint(model, trial)
         finally:
             del self._get_output_dir
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            self._repoint_best_checkpoint(run_dir, staging / name)
-            publish(staging / name, run_dir / name)
-            # what this run reached, so that resuming from an older checkpoint (newer ones deleted) is noticed
-            write_json_atomic(run_dir / PROGRESS, {"step": self.state.global_step, "checkpoint": name})
+            with naming_a_full_disk(run_dir / name, "a checkpoint", lambda: drop_staging(staging, run_dir)):
+                self._repoint_best_checkpoint(run_dir, staging / name)
+                publish(staging / name, run_dir / name)
+                # what this run reached, so that resuming from an older checkpoint (newer ones deleted) is noticed
+                write_json_atomic(run_dir / PROGRESS, {"step": self.state.global_step, "checkpoint": name})
             self._rotate(run_dir)
             with contextlib.suppress(OSError):  # emptied by the publish: no stray `.staging/` beside the model
                 staging.rmdir()
@@ -96,6 +98,25 @@ class AtomicCheckpointMixin:
         surplus = len(checkpoints) - max(limit, len(protected))
         for checkpoint in [c for c in checkpoints if c not in protected][: max(surplus, 0)]:
             retire(Path(checkpoint))
+
+
+def drop_staging(staging: Path, run_dir: Path) -> str:
+    """After a save that ran out of space: removes the partial checkpoint (giving its space back) and says which
+    checkpoint is intact."""
+    shutil.rmtree(staging, ignore_errors=True)
+    return intact_checkpoint(run_dir)
+
+
+def intact_checkpoint(run_dir: str | Path) -> str:
+    """Which published checkpoint of `run_dir` is whole (the newest that passes `verify_checkpoint`), as advice after
+    a failed write."""
+    run_dir = Path(run_dir)
+    steps = sorted(((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    for step, path in steps:
+        if (path / MANIFEST).is_file() and verify_checkpoint(path) is None:
+            return (f"{path.name} (step {step}) is intact: free some space and resume with --resume_from_checkpoint "
+                    "last")  # fmt: skip
+    return "no earlier checkpoint was saved, so the training steps so far are lost; free some space and train again"
 
 
 @cache

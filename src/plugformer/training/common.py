@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..files import write_json_atomic
+from ..files import naming_a_full_disk, write_json_atomic
 from ..tokenization import generation_eos_token_ids, load_tokenizer
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
@@ -139,6 +139,25 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def final_save_failed(output_dir: str) -> str:
+    from .checkpoints import intact_checkpoint
+
+    return f"the model files in it are incomplete; {intact_checkpoint(output_dir)}"
+
+
+def evaluate_saved(trainer, stage: str) -> dict:
+    """`trainer.evaluate()` after the trained model was saved; a failure says where the model is and is re-raised
+    (its type and traceback kept, the location added as a note and logged)."""
+    try:
+        return trainer.evaluate()
+    except Exception as error:
+        where = (f"stage {stage!r}: the dev evaluation after training failed; the trained model is saved in "
+                 f"{trainer.args.output_dir} (no run_info.json was written)")  # fmt: skip
+        logger.error("%s: %s: %s", where, type(error).__name__, error)
+        error.add_note(where)
+        raise
+
+
 def train_and_save(
     trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None
 ) -> dict:
@@ -152,14 +171,16 @@ def train_and_save(
     train_output = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
     seconds = time.perf_counter() - started
     metrics = dict(train_output.metrics)
-    if trainer.eval_dataset is not None:
-        metrics.update(trainer.evaluate())
-    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
-        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     # every rank's digest: after data-parallel training all ranks must hold the same weights
     digest = torch.tensor([parameter_digest(trainer.model)], dtype=torch.int64, device=trainer.accelerator.device)
     digests = trainer.accelerator.gather(digest).tolist()
-    save_final_model(trainer, tokenizer, args.output_dir)
+    # saved before the dev evaluation: an evaluation that fails must not lose a finished training run
+    with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
+        save_final_model(trainer, tokenizer, args.output_dir)
+    if trainer.eval_dataset is not None:
+        metrics.update(evaluate_saved(trainer, stage))
+    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
+        metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
         "stage": stage,
         "train_seconds": round(seconds, 1),
@@ -179,7 +200,8 @@ def train_and_save(
         # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
         write_json_atomic(Path(args.output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2,
                           sort_keys=True)  # fmt: skip
-        write_card(trainer, info, script_args)
+        with naming_a_full_disk(Path(args.output_dir, "README.md"), "the model card", "the trained model is saved"):
+            write_card(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
               + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip

@@ -216,6 +216,9 @@ def evaluate_directory(args: EvalArguments) -> dict:
 
     if args.split not in ("train", "dev", "test"):
         raise ValueError(f"split={args.split!r}: choose train, dev or test")
+    if isinstance(args.examples, bool) or not isinstance(args.examples, int) or args.examples < 1:
+        raise ValueError(f"--examples {args.examples!r}: expected an integer >= 1 (problems of the {args.split} "
+                         "split to score)")  # fmt: skip
     check_model_dir(args.model)
     tokenizer = load_tokenizer(args.model)
     sizes, seed = {args.split: args.examples}, args.dataset_seed

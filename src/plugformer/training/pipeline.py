@@ -46,11 +46,18 @@ class PipelineArguments:
         default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML; {stage} is replaced"}
     )
     seed: int = field(default=0, metadata={"help": "training seed of every stage (data splits stay fixed)"})
-    test_examples: int = field(default=200, metadata={"help": "held-out test problems scored after each stage"})
+    test_examples: int = field(
+        default=200, metadata={"help": "held-out test problems scored after each stage (0: none)"}
+    )
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain stages that already finished, even if unchanged"})
     prompt: str = field(default="What is 27 + 58?", metadata={"help": "question answered by the final model"})
+
+    def __post_init__(self):
+        from .arguments import check_counts
+
+        check_counts(self, {"test_examples": 0, "max_new_tokens": 1})  # 0 test examples: no held-out scores
 
 
 def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
@@ -79,7 +86,9 @@ def stage_dir(args: PipelineArguments, stage: str) -> str:
 
 def held_out(args: PipelineArguments, stage: str) -> dict:
     """Test-split results of a finished stage (`plugformer eval`): exact match for policies, pairwise accuracy for
-    the reward model."""
+    the reward model; none with `--test_examples 0`."""
+    if args.test_examples == 0:
+        return {}
     return evaluate_directory(EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
                                             dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens))  # fmt: skip
 
@@ -210,8 +219,10 @@ def report(args: PipelineArguments, results: dict) -> None:
     """Prints and writes the results table, then answers `args.prompt` with the last stage's model."""
     from transformers import pipeline
 
+    heading = (f"held-out test split ({args.test_examples} problems whose facts never appear in training)"
+               if args.test_examples else "no held-out test scores (--test_examples 0)")  # fmt: skip
     lines = [
-        f"held-out test split ({args.test_examples} problems whose facts never appear in training), seed {args.seed}",
+        f"{heading}, seed {args.seed}",
         "",
         "| stage | starts from | training time (s) | exact match | gain over parent (95% CI), p | answer format | other |",
         "|---|---|---|---|---|---|---|",

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from ..configuration import PlugformerConfig
+from ..memory import check_model_fits
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..tokenization import train_tokenizer
 from .arguments import check_trainer_arguments
@@ -68,6 +69,7 @@ def build_model(script_args, model_args, tokenizer):
     )
     if model_args.attn_implementation is not None:
         config._attn_implementation = model_args.attn_implementation
+    check_model_fits(config, training=True, what="pretrain")  # before tens of GB are allocated
     return (PlugformerForCausalLM if config.is_causal else PlugformerForMaskedLM)(config)
 
 
