@@ -72,14 +72,16 @@ def load_yaml(path: str | Path, allowed: set[str], classes: tuple[type, ...] = (
     return values
 
 
-def check_yaml_types(path: str | Path, values: dict, classes: tuple[type, ...]) -> None:
+def check_yaml_types(
+    path: str | Path, values: dict, classes: tuple[type, ...], aliases: dict[str, str] | None = None
+) -> None:
     """Raises `ValueError` naming the file, key, value and expected type for a YAML value that the field's type does
     not take. argparse converts only string defaults, with the field's `type`: `max_steps: "10"` became 10,
     `bf16: "yes"` True, `learning_rate: "abc"` an argparse usage dump naming no file, while a string for a list
     (`stages: grpo`, `data_files: a.jsonl`) stayed a string and was iterated letter by letter, and `num_generations:
     2.5` or `save_strategy: no` (YAML 1.1 reads `no` as false) reached transformers/TRL unchecked. A YAML value is
     typed: it must be the field's type (an int where a float is expected is fine); command-line strings are
-    converted as before.
+    converted as before. `aliases` ({key: field}) are keys checked as the field they stand for.
 
     >>> from dataclasses import dataclass
     >>> @dataclass
@@ -97,6 +99,7 @@ def check_yaml_types(path: str | Path, values: dict, classes: tuple[type, ...]) 
         except Exception:  # a forward reference that does not resolve: that class's fields go unchecked
             resolved = {}
         hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.name in resolved})
+    hints.update({key: hints[field] for key, field in (aliases or {}).items() if field in hints and key not in hints})
     for key, value in values.items():
         if key in hints and not _matches(value, hints[key]):
             hint = " (YAML reads unquoted yes/no/on/off as booleans: quote it)" if isinstance(value, bool) else ""

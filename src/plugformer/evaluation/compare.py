@@ -114,14 +114,16 @@ def variant_name(variant: dict[str, str]) -> str:
 
 
 def stage_options(stage: str) -> set[str]:
-    """Every option `plugformer train <stage>` accepts."""
+    """Every option `plugformer train <stage>` accepts (either name of a renamed trainer option)."""
     from trl import ModelConfig
 
+    from ..compat import trainer_option_aliases
     from ..training import STAGES
 
     entry = STAGES[stage]
     classes = (entry.script_arguments, ModelConfig, entry.config_type())
-    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    return names | {new for new, old in trainer_option_aliases().items() if old in names}
 
 
 def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:

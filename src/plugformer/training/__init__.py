@@ -11,6 +11,12 @@ import importlib
 from dataclasses import dataclass
 
 from ..arguments import check_yaml_types, config_path, read_yaml
+from ..compat import (
+    accept_renamed_trainer_options,
+    renamed_trainer_flags,
+    renamed_trainer_options,
+    trainer_option_aliases,
+)
 from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
 
 
@@ -49,7 +55,15 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
     entry = STAGES[stage]
-    parser = TrlParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
+
+    class StageParser(TrlParser):
+        """TRL's parser; a YAML's renamed trainer options go to the fields the installed trainer reads (compat)."""
+
+        def set_defaults_with_config(self, **values) -> list[str]:  # a YAML's keys, matched to options by dest
+            return super().set_defaults_with_config(**renamed_trainer_options(values))
+
+    parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
+    accept_renamed_trainer_options(parser)
     if deepspeed_on_cpu():
         # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate
         # skip DeepSpeed, no backend would leave each process a world of its own, bf16 is refused without a GPU.
@@ -58,7 +72,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
-    argv = list(argv)
+    argv = renamed_trainer_flags(list(argv))
     for index, value in enumerate(argv[:-1]):
         if value == "--config":  # a shipped YAML also from outside the checkout
             argv[index + 1] = config_path(argv[index + 1])
@@ -79,7 +93,8 @@ def check_stage_yaml(path: str, classes) -> None:
     if isinstance(values, dict):
         if not isinstance(values.get("env", {}), dict):
             raise ValueError(f"--config {path}: env: {values['env']!r}: expected a mapping of variable: value")
-        check_yaml_types(path, {k: v for k, v in values.items() if k != "env"}, tuple(classes))
+        check_yaml_types(path, {k: v for k, v in values.items() if k != "env"}, tuple(classes),
+                         aliases=trainer_option_aliases())  # fmt: skip
 
 
 def run_stage(stage: str, argv: list[str]) -> dict:
