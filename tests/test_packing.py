@@ -7,6 +7,7 @@ representatives (see `variants`).
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from conftest import build, combinations, tiny_config
 from transformers import DynamicCache
 
-from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, train_tokenizer
+from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
 from plugformer.training.pretrain import pack
 
 
@@ -138,3 +139,30 @@ def test_a_packed_block_equals_its_pieces_alone(tokenizer):
             for start, stop in itertools.pairwise(starts):
                 alone = model(ids[:, start:stop]).logits[0]
                 torch.testing.assert_close(packed[start:stop], alone, atol=ATOL, rtol=0)
+
+
+def masked_lm(score: str, scheme: str, kernel: str) -> PlugformerForMaskedLM:
+    torch.manual_seed(0)
+    config = copy.deepcopy(tiny_config(score, scheme, is_causal=False, pad_token_id=0))
+    config._attn_implementation = kernel
+    return PlugformerForMaskedLM(config).eval()
+
+
+@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), is_causal=False))
+def test_packed_documents_stay_apart_in_a_bidirectional_encoder(score, scheme, kernel):
+    """Masked-LM packing: a document sees neither the documents before it nor (bidirectional) those after it, with
+    or without an all-ones mask; it used to attend to the whole block."""
+    model = masked_lm(score, scheme, kernel)
+    ids, positions = packed_batch()
+    assert max_difference_from_documents_alone(model, model, ids, positions) < ATOL
+    ones = torch.ones_like(ids)
+    assert max_difference_from_documents_alone(model, model, ids, positions, attention_mask=ones) < ATOL
+
+
+def test_pack_gives_masked_lm_blocks_document_positions(tokenizer):
+    """Masked-LM blocks carry the same restarting `position_ids` as causal ones (and no labels: the collator masks)."""
+    examples = {"text": ["1 + 2 = 3", "the cat sat on the mat", "1 + 2 = 3"] * 3}
+    causal = pack(examples, tokenizer, block_size=16, causal=True)
+    bidirectional = pack(examples, tokenizer, block_size=16, causal=False)
+    assert bidirectional["position_ids"] == causal["position_ids"] and "labels" not in bidirectional
+    assert "position_ids" not in pack(examples, tokenizer, block_size=16, causal=False, document_positions=False)

@@ -161,12 +161,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return bool(use_cache)
 
     def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
-        if not self.is_causal:
-            return create_bidirectional_mask(
-                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
-            )
         batch, query_length = inputs_embeds.shape[:2]
         documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
+            return create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                             attention_mask=attention_mask, and_mask_function=documents)  # fmt: skip
         # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                          and_mask_function=documents)  # fmt: skip

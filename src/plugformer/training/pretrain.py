@@ -75,8 +75,9 @@ def build_model(script_args, model_args, tokenizer):
 
 def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_positions: bool = True) -> dict:
     """Concatenates `<bos> text <eos>` documents and cuts blocks of `block_size` tokens (a shorter tail is
-    dropped). With `document_positions`, causal blocks carry `position_ids` restarting at each document, and the
-    model reads each restart as a document boundary (as with TRL's packing): a document attends to itself only. A
+    dropped). With `document_positions`, blocks carry `position_ids` restarting at each document, and the model
+    reads each restart as a document boundary (as with TRL's packing): a document attends to itself only, causal
+    or bidirectional (masked LM). A
     document continued from the previous block restarts at 0 too, so every position lies within 0..block_size-1;
     without, the block is one contiguous text at positions 0..block_size-1."""
     documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in examples["text"]],
@@ -84,7 +85,7 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
     tokens = list(chain.from_iterable(documents))
     usable = len(tokens) // block_size * block_size
     blocks = {"input_ids": [tokens[i : i + block_size] for i in range(0, usable, block_size)]}
-    if causal and document_positions:
+    if document_positions:
         starts = set(accumulate((len(d) for d in documents[:-1]), initial=0))  # token index of each `<bos>`
         blocks["position_ids"] = [
             block_positions(range(i, i + block_size), starts) for i in range(0, usable, block_size)
