@@ -176,6 +176,11 @@ class PlugformerConfig(PreTrainedConfig):
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
+        sliding_window (`int`, *optional*): Local attention in every layer, as Mistral's (transformers' name and
+            masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
+            keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
+            (`DynamicCache(config=...)`) then keeps only the window. `None`: full attention. Not for seq2seq models
+            (transformers' `generate` would make the cross-attention cache sliding too).
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
@@ -237,6 +242,7 @@ class PlugformerConfig(PreTrainedConfig):
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
     additive_chunk_size: int | None = None
+    sliding_window: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
     attention_dropout: float | int = 0.0
@@ -285,8 +291,15 @@ class PlugformerConfig(PreTrainedConfig):
         _positive(
             self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
-            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size",
+            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
         )  # fmt: skip
+        if self.sliding_window is not None and self.is_encoder_decoder:
+            # transformers' generate() builds both halves of the EncoderDecoderCache from the config: the encoder's
+            # keys in the cross-attention half would be cut to the window after the first step.
+            raise ValueError(
+                f"sliding_window={self.sliding_window} is not supported with is_encoder_decoder=True (allowed: None); "
+                "use it in a decoder-only or encoder-only model"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
