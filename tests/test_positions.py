@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from plugformer import POSITION_SCHEMES
+from plugformer.biases import RelativeBias
 from plugformer.positions import alibi_slopes, apply_rotary, sinusoidal_table, t5_relative_position_bucket
 
 
@@ -93,6 +94,38 @@ def llama_rotary(config):
         rope_parameters=dict(config.rope_parameters),
     )
     return LlamaRotaryEmbedding(llama)
+
+
+def test_kerple_log_matches_the_papers_formula():
+    """KERPLE-log (Chi et al. 2022): bias(i, j) = −r1 · log(1 + r2 · |i − j|), r1, r2 > 0 per head, worked out here
+    per entry with `math.log` from the positive coefficients the parameters stand for."""
+    kerple = scheme("kerple_log")
+    with torch.no_grad():  # move away from the initialisation: heads differ in both coefficients
+        kerple.bias_scale.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))
+        kerple.bias_rate.copy_(torch.tensor([-3.0, -0.5, 1.0, 0.25]))
+    r1 = [math.log1p(math.exp(x)) for x in kerple.bias_scale.tolist()]  # softplus
+    r2 = [math.log1p(math.exp(x)) for x in kerple.bias_rate.tolist()]
+    queries, keys = torch.arange(3, 9), torch.arange(12)
+    bias = kerple.bias(queries, keys)[0]  # (H, Q, K)
+    expected = torch.tensor([[[-r1[h] * math.log(1 + r2[h] * abs(i - j)) for j in keys.tolist()]
+                              for i in queries.tolist()] for h in range(4)])  # fmt: skip
+    torch.testing.assert_close(bias, expected, atol=1e-6, rtol=0)
+    # the per-distance values a kernel gets expand to the same matrix
+    values = kerple.bias_by_distance(3, 6, 0, 12, torch.device("cpu"))
+    torch.testing.assert_close(RelativeBias(values, 6, 12).dense()[0], expected, atol=1e-6, rtol=0)
+
+
+def test_kerple_log_coefficients_stay_positive_and_learn():
+    kerple = scheme("kerple_log")
+    r1, r2 = kerple.coefficients()
+    torch.testing.assert_close(r1, torch.ones(4))
+    torch.testing.assert_close(r2, alibi_slopes(4))
+    with torch.no_grad():
+        kerple.bias_scale.fill_(-30.0)
+        kerple.bias_rate.fill_(-30.0)
+    assert (torch.stack(kerple.coefficients()) > 0).all()
+    kerple.bias(torch.arange(4), torch.arange(4)).sum().backward()
+    assert kerple.bias_scale.grad.abs().min() > 0 and kerple.bias_rate.grad.abs().min() > 0
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ class PlugformerConfig(PreTrainedConfig):
         attention_score (`str`, *optional*, defaults to `"scaled_dot"`): One of `"dot"`, `"scaled_dot"`,
             `"multiplicative"`, `"additive"` (see `plugformer.scores`).
         position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
-            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"` (see `plugformer.positions`).
+            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"`, `"kerple_log"` (see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
