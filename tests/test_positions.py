@@ -96,6 +96,56 @@ def llama_rotary(config):
     return LlamaRotaryEmbedding(llama)
 
 
+PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
+def test_rope_partial_rotary_factor_matches_phi():
+    """`rope_parameters["partial_rotary_factor"]` (transformers' key, as Phi, GLM and GPT-NeoX's `rotary_pct`): only the
+    first fraction of head_dim rotates. Reference: transformers' Phi, whose attention rotates `q[..., :rotary_ndims]`
+    with the Llama layout (`rotate_half`) and passes the rest through; and the pass-through checked directly."""
+    from transformers import PhiConfig
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+    from transformers.models.phi.modeling_phi import apply_rotary_pos_emb as phi_apply_rotary
+
+    rope = scheme("rope", rope_parameters=PARTIAL)  # head_dim 8 -> 2 rotated dimensions
+    phi_config = PhiConfig(hidden_size=32, num_attention_heads=4, rope_parameters=dict(PARTIAL))
+    phi_rope = PhiRotaryEmbedding(phi_config)
+    positions = torch.tensor([[0, 1, 5, 63, 200]])
+    query, key = torch.randn(2, 1, 4, 5, 8).unbind(0)  # (B, H, T, D)
+    cos, sin = rope.rotary(query.transpose(1, 2), positions)
+    assert cos.shape == (1, 5, 2)
+    phi_cos, phi_sin = phi_rope(query, positions)
+    torch.testing.assert_close(cos, phi_cos, atol=1e-6, rtol=0)
+    rotated_q, rotated_k = apply_rotary(query, key, cos, sin)
+    phi_q, phi_k = phi_apply_rotary(query[..., :2], key[..., :2], phi_cos, phi_sin)
+    torch.testing.assert_close(rotated_q, torch.cat([phi_q, query[..., 2:]], -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rotated_k, torch.cat([phi_k, key[..., 2:]], -1), atol=1e-6, rtol=0)
+    # by hand: the pair (x0, x1) turns by angle p · theta_0 = p (theta_0 = base^0); the other dimensions are untouched
+    angle = positions[0].float()
+    x0, x1 = query[..., 0], query[..., 1]
+    torch.testing.assert_close(rotated_q[..., 0], x0 * angle.cos() - x1 * angle.sin(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotated_q[..., 1], x1 * angle.cos() + x0 * angle.sin(), atol=1e-5, rtol=0)
+    assert torch.equal(rotated_q[..., 2:], query[..., 2:])
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_rope_partial_rotary_factor_decodes_with_a_cache_as_the_full_forward(kernel):
+    model = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), kernel)
+    tokens = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        out = model(tokens[:, :4], use_cache=True)
+        steps = [out.logits]
+        for t in range(4, 9):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        eager = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), "eager")(tokens, use_cache=False).logits
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full, eager, atol=1e-5, rtol=0)
+    legacy = tiny_config(scheme="rope", partial_rotary_factor=0.25)  # Phi's top-level key, as transformers converts it
+    assert legacy.rope_parameters["partial_rotary_factor"] == 0.25
+
+
 def test_kerple_log_matches_the_papers_formula():
     """KERPLE-log (Chi et al. 2022): bias(i, j) = −r1 · log(1 + r2 · |i − j|), r1, r2 > 0 per head, worked out here
     per entry with `math.log` from the positive coefficients the parameters stand for."""
