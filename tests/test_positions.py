@@ -146,6 +146,67 @@ def test_rope_partial_rotary_factor_decodes_with_a_cache_as_the_full_forward(ker
     assert legacy.rope_parameters["partial_rotary_factor"] == 0.25
 
 
+def attention_by_hand(attn, hidden, cos=None, sin=None):
+    """Causal self-attention of one PlugformerAttention (scaled_dot, GQA) in plain torch: (B, T, hidden) -> same."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    q = (hidden @ attn.q_proj.weight.T).view(batch, length, heads, dim).transpose(1, 2)
+    k = (hidden @ attn.k_proj.weight.T).view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = (hidden @ attn.v_proj.weight.T).view(batch, length, kv_heads, dim).transpose(1, 2)
+    if cos is not None:  # Llama layout: x * cos + rotate_half(x) * sin
+        half = dim // 2
+        turn = lambda x: torch.cat([-x[..., half:], x[..., :half]], -1)  # noqa: E731
+        q, k = q * cos[:, None] + turn(q) * sin[:, None], k * cos[:, None] + turn(k) * sin[:, None]
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dim)
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, heads * dim)
+    return out @ attn.o_proj.weight.T
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_rope_no_rope_layers_make_nope_layers(kernel):
+    """`no_rope_layers=[1, 0]` (SmolLM3's field): layer 0 rotates, layer 1 attends without positions; each layer's
+    attention is recomputed by hand from its input (rotation angles from the RoFormer formula)."""
+    model = build(tiny_config(scheme="rope", no_rope_layers=[1, 0]), kernel)
+    tokens = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_hook(
+            lambda module, args, kwargs, output, index=index: seen.__setitem__(index, (args[0], output[0])),
+            with_kwargs=True,
+        )
+    with torch.no_grad():
+        model(tokens, use_cache=False)
+        dim = model.config.head_dim
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim)
+        angles = torch.arange(7).float()[:, None] * inv_freq  # (T, D/2)
+        cos, sin = torch.cat([angles, angles], -1).cos()[None], torch.cat([angles, angles], -1).sin()[None]
+        for index, rotated in ((0, True), (1, False)):
+            hidden, output = seen[index]
+            expected = attention_by_hand(model.model.layers[index].self_attn, hidden, *((cos, sin) if rotated else ()))
+            torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+        # layer 1 with the rotation would differ: the flag acts
+        rotated_1 = attention_by_hand(model.model.layers[1].self_attn, seen[1][0], cos, sin)
+        assert (rotated_1 - seen[1][1]).abs().max() > 1e-4
+        full = model(tokens, use_cache=False).logits
+        out = model(tokens[:, :3], use_cache=True)
+        steps = [out.logits]
+        for t in range(3, 7):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_rope_no_rope_layers_are_checked():
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1\] must hold one 0 .* per layer: 2 values"):
+        tiny_config(scheme="rope", no_rope_layers=[1])
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1, 2\]"):
+        tiny_config(scheme="rope", no_rope_layers=[1, 2])
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1, 0\].*position_scheme='alibi' has none"):
+        tiny_config(scheme="alibi", no_rope_layers=[1, 0])
+
+
 def test_kerple_log_matches_the_papers_formula():
     """KERPLE-log (Chi et al. 2022): bias(i, j) = −r1 · log(1 + r2 · |i − j|), r1, r2 > 0 per head, worked out here
     per entry with `math.log` from the positive coefficients the parameters stand for."""

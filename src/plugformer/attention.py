@@ -53,6 +53,8 @@ class PlugformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+        # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
+        self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
         # `sliding_window`: eager, sdpa and flex get it through the mask; transformers' flash kernels as an argument
         # (as Mistral passes it), a window of `sliding_window − 1` keys on each side of the query. transformers'
@@ -128,7 +130,7 @@ class PlugformerAttention(nn.Module):
         query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
         key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
         value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
-        if position_embeddings is not None:
+        if position_embeddings is not None and self.use_rope:
             query, key = apply_rotary(query, key, *position_embeddings)
         query, key = self.score.prepare_query(query), self.score.prepare_key(key)
         if cache is not None:

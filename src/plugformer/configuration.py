@@ -171,6 +171,9 @@ class PlugformerConfig(PreTrainedConfig):
             `False` for a BERT-style bidirectional encoder (masked LM, classification heads).
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type`, `rope_theta`, scaling
             factors); used by `position_scheme="rope"`.
+        no_rope_layers (`list[int]`, *optional*): Per layer, 1 to rotate queries and keys, 0 for a NoPE layer
+            (transformers' SmolLM3 / Llama 4 field, same meaning); `position_scheme="rope"` only. `None`: every layer
+            rotates.
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
         relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
@@ -238,6 +241,7 @@ class PlugformerConfig(PreTrainedConfig):
     ffn_type: str = "glu"
     is_causal: bool = True
     rope_parameters: dict | None = None
+    no_rope_layers: list[int] | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
