@@ -168,7 +168,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     for row in results["variants"]:
         if row["attention_score"] == "additive":
             kernel = "eager"  # not a dot product: capabilities allow eager only
-        elif row["position_scheme"] in ("alibi", "t5_bias", "clamped_bias"):
+        elif POSITION_SCHEMES.get(row["position_scheme"]).has_bias:
             kernel = "sdpa:blockwise-bias+flash"  # plugformer's blockwise kernel for a score bias, fused SDPA inside
         else:
             kernel = "sdpa:flash"

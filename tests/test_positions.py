@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from plugformer import POSITION_SCHEMES
+from plugformer.biases import RelativeBias
 from plugformer.positions import alibi_slopes, apply_rotary, sinusoidal_table, t5_relative_position_bucket
 
 
@@ -93,6 +94,149 @@ def llama_rotary(config):
         rope_parameters=dict(config.rope_parameters),
     )
     return LlamaRotaryEmbedding(llama)
+
+
+PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
+def test_rope_partial_rotary_factor_matches_phi():
+    """`rope_parameters["partial_rotary_factor"]` (transformers' key, as Phi, GLM and GPT-NeoX's `rotary_pct`): only the
+    first fraction of head_dim rotates. Reference: transformers' Phi, whose attention rotates `q[..., :rotary_ndims]`
+    with the Llama layout (`rotate_half`) and passes the rest through; and the pass-through checked directly."""
+    from transformers import PhiConfig
+    from transformers.models.phi.modeling_phi import PhiRotaryEmbedding
+    from transformers.models.phi.modeling_phi import apply_rotary_pos_emb as phi_apply_rotary
+
+    rope = scheme("rope", rope_parameters=PARTIAL)  # head_dim 8 -> 2 rotated dimensions
+    phi_config = PhiConfig(hidden_size=32, num_attention_heads=4, rope_parameters=dict(PARTIAL))
+    phi_rope = PhiRotaryEmbedding(phi_config)
+    positions = torch.tensor([[0, 1, 5, 63, 200]])
+    query, key = torch.randn(2, 1, 4, 5, 8).unbind(0)  # (B, H, T, D)
+    cos, sin = rope.rotary(query.transpose(1, 2), positions)
+    assert cos.shape == (1, 5, 2)
+    phi_cos, phi_sin = phi_rope(query, positions)
+    torch.testing.assert_close(cos, phi_cos, atol=1e-6, rtol=0)
+    rotated_q, rotated_k = apply_rotary(query, key, cos, sin)
+    phi_q, phi_k = phi_apply_rotary(query[..., :2], key[..., :2], phi_cos, phi_sin)
+    torch.testing.assert_close(rotated_q, torch.cat([phi_q, query[..., 2:]], -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rotated_k, torch.cat([phi_k, key[..., 2:]], -1), atol=1e-6, rtol=0)
+    # by hand: the pair (x0, x1) turns by angle p · theta_0 = p (theta_0 = base^0); the other dimensions are untouched
+    angle = positions[0].float()
+    x0, x1 = query[..., 0], query[..., 1]
+    torch.testing.assert_close(rotated_q[..., 0], x0 * angle.cos() - x1 * angle.sin(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotated_q[..., 1], x1 * angle.cos() + x0 * angle.sin(), atol=1e-5, rtol=0)
+    assert torch.equal(rotated_q[..., 2:], query[..., 2:])
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_rope_partial_rotary_factor_decodes_with_a_cache_as_the_full_forward(kernel):
+    model = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), kernel)
+    tokens = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        out = model(tokens[:, :4], use_cache=True)
+        steps = [out.logits]
+        for t in range(4, 9):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        eager = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), "eager")(tokens, use_cache=False).logits
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full, eager, atol=1e-5, rtol=0)
+    legacy = tiny_config(scheme="rope", partial_rotary_factor=0.25)  # Phi's top-level key, as transformers converts it
+    assert legacy.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+def attention_by_hand(attn, hidden, cos=None, sin=None):
+    """Causal self-attention of one PlugformerAttention (scaled_dot, GQA) in plain torch: (B, T, hidden) -> same."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    q = (hidden @ attn.q_proj.weight.T).view(batch, length, heads, dim).transpose(1, 2)
+    k = (hidden @ attn.k_proj.weight.T).view(batch, length, kv_heads, dim).transpose(1, 2)
+    v = (hidden @ attn.v_proj.weight.T).view(batch, length, kv_heads, dim).transpose(1, 2)
+    if cos is not None:  # Llama layout: x * cos + rotate_half(x) * sin
+        half = dim // 2
+        turn = lambda x: torch.cat([-x[..., half:], x[..., :half]], -1)  # noqa: E731
+        q, k = q * cos[:, None] + turn(q) * sin[:, None], k * cos[:, None] + turn(k) * sin[:, None]
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dim)
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, heads * dim)
+    return out @ attn.o_proj.weight.T
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_rope_no_rope_layers_make_nope_layers(kernel):
+    """`no_rope_layers=[1, 0]` (SmolLM3's field): layer 0 rotates, layer 1 attends without positions; each layer's
+    attention is recomputed by hand from its input (rotation angles from the RoFormer formula)."""
+    model = build(tiny_config(scheme="rope", no_rope_layers=[1, 0]), kernel)
+    tokens = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_hook(
+            lambda module, args, kwargs, output, index=index: seen.__setitem__(index, (args[0], output[0])),
+            with_kwargs=True,
+        )
+    with torch.no_grad():
+        model(tokens, use_cache=False)
+        dim = model.config.head_dim
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim)
+        angles = torch.arange(7).float()[:, None] * inv_freq  # (T, D/2)
+        cos, sin = torch.cat([angles, angles], -1).cos()[None], torch.cat([angles, angles], -1).sin()[None]
+        for index, rotated in ((0, True), (1, False)):
+            hidden, output = seen[index]
+            expected = attention_by_hand(model.model.layers[index].self_attn, hidden, *((cos, sin) if rotated else ()))
+            torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+        # layer 1 with the rotation would differ: the flag acts
+        rotated_1 = attention_by_hand(model.model.layers[1].self_attn, seen[1][0], cos, sin)
+        assert (rotated_1 - seen[1][1]).abs().max() > 1e-4
+        full = model(tokens, use_cache=False).logits
+        out = model(tokens[:, :3], use_cache=True)
+        steps = [out.logits]
+        for t in range(3, 7):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_rope_no_rope_layers_are_checked():
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1\] must hold one 0 .* per layer: 2 values"):
+        tiny_config(scheme="rope", no_rope_layers=[1])
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1, 2\]"):
+        tiny_config(scheme="rope", no_rope_layers=[1, 2])
+    with pytest.raises(ValueError, match=r"no_rope_layers=\[1, 0\].*position_scheme='alibi' has none"):
+        tiny_config(scheme="alibi", no_rope_layers=[1, 0])
+
+
+def test_kerple_log_matches_the_papers_formula():
+    """KERPLE-log (Chi et al. 2022): bias(i, j) = −r1 · log(1 + r2 · |i − j|), r1, r2 > 0 per head, worked out here
+    per entry with `math.log` from the positive coefficients the parameters stand for."""
+    kerple = scheme("kerple_log")
+    with torch.no_grad():  # move away from the initialisation: heads differ in both coefficients
+        kerple.bias_scale.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))
+        kerple.bias_rate.copy_(torch.tensor([-3.0, -0.5, 1.0, 0.25]))
+    r1 = [math.log1p(math.exp(x)) for x in kerple.bias_scale.tolist()]  # softplus
+    r2 = [math.log1p(math.exp(x)) for x in kerple.bias_rate.tolist()]
+    queries, keys = torch.arange(3, 9), torch.arange(12)
+    bias = kerple.bias(queries, keys)[0]  # (H, Q, K)
+    expected = torch.tensor([[[-r1[h] * math.log(1 + r2[h] * abs(i - j)) for j in keys.tolist()]
+                              for i in queries.tolist()] for h in range(4)])  # fmt: skip
+    torch.testing.assert_close(bias, expected, atol=1e-6, rtol=0)
+    # the per-distance values a kernel gets expand to the same matrix
+    values = kerple.bias_by_distance(3, 6, 0, 12, torch.device("cpu"))
+    torch.testing.assert_close(RelativeBias(values, 6, 12).dense()[0], expected, atol=1e-6, rtol=0)
+
+
+def test_kerple_log_coefficients_stay_positive_and_learn():
+    kerple = scheme("kerple_log")
+    r1, r2 = kerple.coefficients()
+    torch.testing.assert_close(r1, torch.ones(4))
+    torch.testing.assert_close(r2, alibi_slopes(4))
+    with torch.no_grad():
+        kerple.bias_scale.fill_(-30.0)
+        kerple.bias_rate.fill_(-30.0)
+    assert (torch.stack(kerple.coefficients()) > 0).all()
+    kerple.bias(torch.arange(4), torch.arange(4)).sum().backward()
+    assert kerple.bias_scale.grad.abs().min() > 0 and kerple.bias_rate.grad.abs().min() > 0
 
 
 @pytest.mark.parametrize(

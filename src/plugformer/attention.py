@@ -53,7 +53,14 @@ class PlugformerAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+        # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
+        self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
+        # `sliding_window`: eager, sdpa and flex get it through the mask; transformers' flash kernels as an argument
+        # (as Mistral passes it), a window of `sliding_window − 1` keys on each side of the query. transformers'
+        # bidirectional sliding mask lets a query see keys up to `sliding_window` away: one more for an encoder.
+        window = config.sliding_window
+        self.window_kwargs = {} if window is None else {"sliding_window": window + (0 if is_causal else 1)}
 
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
@@ -98,6 +105,7 @@ class PlugformerAttention(nn.Module):
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
             **self.score.kernel_kwargs(),
+            **self.window_kwargs,
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
             # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
             # cross-attention share the decoder's config).
@@ -122,7 +130,7 @@ class PlugformerAttention(nn.Module):
         query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
         key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
         value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
-        if position_embeddings is not None:
+        if position_embeddings is not None and self.use_rope:
             query, key = apply_rotary(query, key, *position_embeddings)
         query, key = self.score.prepare_query(query), self.score.prepare_key(key)
         if cache is not None:
@@ -151,6 +159,7 @@ class PlugformerCrossAttention(PlugformerAttention):
 
     def __init__(self, config: PlugformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, is_causal=False)
+        self.window_kwargs = {}  # every encoder key (`sliding_window` is for self-attention)
 
     def forward(
         self,

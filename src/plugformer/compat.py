@@ -38,7 +38,9 @@ __all__ = [
     "SequenceClassifierOutputWithPast",
     "accept_renamed_trainer_options",
     "create_bidirectional_mask",
+    "create_bidirectional_sliding_window_mask",
     "create_causal_mask",
+    "create_sliding_window_causal_mask",
     "renamed_cache_kwarg",
     "renamed_trainer_flags",
     "renamed_trainer_options",
@@ -67,6 +69,10 @@ def _pass_cache_as_past_key_values(builder: Callable) -> Callable:
 
 create_causal_mask = _pass_cache_as_past_key_values(masking_utils.create_causal_mask)
 create_bidirectional_mask = _pass_cache_as_past_key_values(masking_utils.create_bidirectional_mask)
+create_sliding_window_causal_mask = _pass_cache_as_past_key_values(masking_utils.create_sliding_window_causal_mask)
+create_bidirectional_sliding_window_mask = _pass_cache_as_past_key_values(
+    masking_utils.create_bidirectional_sliding_window_mask
+)
 
 
 def _answering_cache(output_class: type) -> type:

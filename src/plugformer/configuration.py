@@ -163,7 +163,7 @@ class PlugformerConfig(PreTrainedConfig):
         attention_score (`str`, *optional*, defaults to `"scaled_dot"`): One of `"dot"`, `"scaled_dot"`,
             `"multiplicative"`, `"additive"` (see `plugformer.scores`).
         position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
-            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"` (see `plugformer.positions`).
+            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"`, `"kerple_log"` (see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
@@ -171,11 +171,19 @@ class PlugformerConfig(PreTrainedConfig):
             `False` for a BERT-style bidirectional encoder (masked LM, classification heads).
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type`, `rope_theta`, scaling
             factors); used by `position_scheme="rope"`.
+        no_rope_layers (`list[int]`, *optional*): Per layer, 1 to rotate queries and keys, 0 for a NoPE layer
+            (transformers' SmolLM3 / Llama 4 field, same meaning); `position_scheme="rope"` only. `None`: every layer
+            rotates.
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
         relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
+        sliding_window (`int`, *optional*): Local attention in every layer, as Mistral's (transformers' name and
+            masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
+            keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
+            (`DynamicCache(config=...)`) then keeps only the window. `None`: full attention. Not for seq2seq models
+            (transformers' `generate` would make the cross-attention cache sliding too).
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
@@ -233,10 +241,12 @@ class PlugformerConfig(PreTrainedConfig):
     ffn_type: str = "glu"
     is_causal: bool = True
     rope_parameters: dict | None = None
+    no_rope_layers: list[int] | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
     additive_chunk_size: int | None = None
+    sliding_window: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
     attention_dropout: float | int = 0.0
@@ -285,8 +295,15 @@ class PlugformerConfig(PreTrainedConfig):
         _positive(
             self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
-            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size",
+            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
         )  # fmt: skip
+        if self.sliding_window is not None and self.is_encoder_decoder:
+            # transformers' generate() builds both halves of the EncoderDecoderCache from the config: the encoder's
+            # keys in the cross-attention half would be cut to the window after the first step.
+            raise ValueError(
+                f"sliding_window={self.sliding_window} is not supported with is_encoder_decoder=True (allowed: None); "
+                "use it in a decoder-only or encoder-only model"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "

@@ -2,7 +2,7 @@
 
 The taxonomy follows where a scheme acts (x-transformers): added to the token embeddings (`sinusoidal`,
 `learned`), rotating queries and keys (`rope`), or an additive bias on the attention scores (`alibi`, `t5_bias`,
-`clamped_bias`). Every scheme answers the same three hooks and returns `None` where it has nothing to add, so the
+`clamped_bias`, `kerple_log`). Every scheme answers the same three hooks and returns `None` where it has nothing to add, so the
 model runs one code path:
 
 - `embed(position_ids, dtype)` -> `(B, T, hidden)` added to the token embeddings, or `None`;
@@ -22,7 +22,7 @@ One module per family: `positions_base` (the table, the base class, `none`), `po
 
 # isort: off
 # Import order is registration order, the order of `POSITION_SCHEMES.names()` (docs, CLI, combination tables):
-# none, sinusoidal, learned, rope, alibi, t5_bias, clamped_bias.
+# none, sinusoidal, learned, rope, alibi, t5_bias, clamped_bias, kerple_log.
 from .positions_base import POSITION_SCHEMES, NoPositions, PositionScheme, relative_distances
 from .positions_absolute import LearnedPositions, SinusoidalPositions, sinusoidal_table
 from .positions_rotary import RotaryPositions, apply_rotary, rotate_half
@@ -30,6 +30,7 @@ from .positions_bias import (
     HEAD_TABLE_TP_PLAN,
     AlibiPositions,
     ClampedDistanceBias,
+    KerpleLogBias,
     T5BucketBias,
     alibi_slopes,
     t5_relative_position_bucket,
@@ -43,6 +44,7 @@ __all__ = [
     "POSITION_SCHEMES",
     "AlibiPositions",
     "ClampedDistanceBias",
+    "KerpleLogBias",
     "LearnedPositions",
     "NoPositions",
     "PositionScheme",

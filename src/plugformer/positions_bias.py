@@ -133,3 +133,40 @@ class ClampedDistanceBias(PositionScheme):
             # How far back the key lies; future keys are masked, clamping them to 0 just keeps indices valid.
             index = (-distances).clamp(0, self.max_distance)
         return self.relative_attention_bias(index).T  # (M, H) -> (H, M)
+
+
+def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = value (> 0): log(expm1(value))."""
+    return torch.log(torch.expm1(value))
+
+
+@POSITION_SCHEMES.register("kerple_log")
+class KerpleLogBias(PositionScheme):
+    """KERPLE's logarithmic kernel (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for Length
+    Extrapolation", eq. for the log variant): the bias −r1 · log(1 + r2 · |i − j|) with r1, r2 > 0 learned per head,
+    shared by all layers.
+
+    The paper requires r1, r2 > 0; here they are kept positive by a softplus parametrisation (r = softplus(raw)),
+    differs from the paper's code, which clamps the parameters after each step. Initialised to r1 = 1 and r2 = ALiBi's
+    head slopes (our choice, so that heads start at different scales).
+    """
+
+    has_bias = True
+
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
+        self.bias_scale = nn.Parameter(torch.empty(self.num_heads))  # softplus -> r1, (H,)
+        self.bias_rate = nn.Parameter(torch.empty(self.num_heads))  # softplus -> r2, (H,)
+        self.reset_parameters(config)
+
+    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r1, r2), each `(H,)` and positive."""
+        return nn.functional.softplus(self.bias_scale), nn.functional.softplus(self.bias_rate)
+
+    def distance_bias(self, distances):
+        r1, r2 = self.coefficients()
+        return -r1[:, None] * torch.log1p(r2[:, None] * distances.abs().float())  # (H, M)
+
+    def reset_parameters(self, config):
+        init.copy_(self.bias_scale, inverse_softplus(torch.ones(self.num_heads)))
+        init.copy_(self.bias_rate, inverse_softplus(alibi_slopes(self.num_heads)))

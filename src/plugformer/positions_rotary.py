@@ -31,7 +31,7 @@ class RotaryPositions(PositionScheme):
     `rotate_half`, so weights converted from Llama give identical logits.
     """
 
-    config_fields = ("rope_parameters",)
+    config_fields = ("rope_parameters", "no_rope_layers")
     unused_fields_refused = True
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
@@ -75,6 +75,21 @@ class RotaryPositions(PositionScheme):
                     f"rotated dimensions (head_dim={config.head_dim} × partial_rotary_factor={fraction})"
                 )
         cls._check_frequencies(config, rotary)
+        cls._check_no_rope_layers(config)
+
+    @classmethod
+    def _check_no_rope_layers(cls, config: PlugformerConfig) -> None:
+        """`no_rope_layers` as SmolLM3's: one 0 (NoPE) or 1 (rotary) per layer of every stack."""
+        layers = config.no_rope_layers
+        if layers is None:
+            return
+        lengths = {config.num_hidden_layers, config.num_decoder_layers or config.num_hidden_layers}
+        if len(lengths) > 1 or len(layers) not in lengths or any(flag not in (0, 1) for flag in layers):
+            sizes = f"num_hidden_layers={config.num_hidden_layers}, num_decoder_layers={config.num_decoder_layers}"
+            raise ValueError(
+                f"no_rope_layers={layers!r} must hold one 0 (no positions) or 1 (rotary) per layer: "
+                f"{config.num_hidden_layers} values ({sizes}; both stacks must have that many layers)"
+            )
 
     @classmethod
     def refuse_unused_config(cls, config):
@@ -83,6 +98,12 @@ class RotaryPositions(PositionScheme):
         `max_position_embeddings`); a bare `rope_theta` other than the default only warns: transformers fills
         `{"rope_type": "default", "rope_theta": ...}` into every config it writes, and presets carry a theta (`llama`
         with another `position_scheme`)."""
+        if config.no_rope_layers is not None:
+            raise ValueError(
+                f"no_rope_layers={config.no_rope_layers!r} chooses the layers with rotary positions, but position_scheme="
+                f"{config.position_scheme!r} has none and would ignore it; drop no_rope_layers, or use "
+                f"position_scheme={cls.name!r}"
+            )
         rope = config.rope_parameters
         if not isinstance(rope, dict):
             return

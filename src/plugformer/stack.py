@@ -19,7 +19,9 @@ from .compat import (
     FLEX_PADDING_VERIFIED,
     BaseModelOutputWithPastAndCrossAttentions,
     create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
     create_causal_mask,
+    create_sliding_window_causal_mask,
     renamed_cache_kwarg,
 )
 from .configuration import PlugformerConfig
@@ -161,21 +163,26 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return bool(use_cache)
 
     def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
+        # `sliding_window` (Mistral's local attention in every layer): transformers' sliding-window masks, which
+        # size themselves by the sliding cache layers `DynamicCache(config=...)` makes from the same field
+        sliding = self.config.sliding_window is not None
         batch, query_length = inputs_embeds.shape[:2]
         documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
         if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
-            return create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                             attention_mask=attention_mask, and_mask_function=documents)  # fmt: skip
+            bidirectional = create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask
+            return bidirectional(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                 and_mask_function=documents)  # fmt: skip
         # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                          and_mask_function=documents)  # fmt: skip
+        causal = create_sliding_window_causal_mask if sliding else create_causal_mask
         if self.config.is_causal:
-            return create_causal_mask(**arguments)
+            return causal(**arguments)
         # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
         # bidirectional when config.is_causal is False: pin it for the call.
         self.config.is_causal = True
         try:
-            return create_causal_mask(**arguments)
+            return causal(**arguments)
         finally:
             self.config.is_causal = False
 

@@ -1,0 +1,149 @@
+"""`sliding_window` (Mistral's local attention in every layer): each query sees only the last `sliding_window` keys.
+
+The reference is the same weights without the field, run with an explicit 4-D mask built here from the definition
+(key j visible to query i iff i − W < j <= i; for an encoder |i − j| <= W, transformers' bidirectional sliding mask).
+The combinations are read from the registries and the kernel table, as in the shared suite.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import build, combinations, tiny_config, trainable_on_this_device
+from transformers import DynamicCache, StaticCache
+
+from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForMaskedLM
+
+
+WINDOW = 3
+ATOL = 1e-5
+# flex_attention compiles a kernel per shape on CPU (seconds each): one scheme with a score bias, one without
+_FLEX_SCHEMES = {next(s for s in POSITION_SCHEMES if POSITION_SCHEMES.get(s).has_bias),
+                 next(s for s in POSITION_SCHEMES if not POSITION_SCHEMES.get(s).has_bias)}  # fmt: skip
+SLIDING = [
+    p for p in combinations(sliding_window=WINDOW)
+    if p.values[2] != "flex_attention" or (p.values[0] == "scaled_dot" and p.values[1] in _FLEX_SCHEMES)
+]  # fmt: skip
+EAGER_SDPA = combinations(kernels=("eager", "sdpa"), sliding_window=WINDOW)
+
+
+def window_mask(length: int, window: int, causal: bool = True) -> torch.Tensor:
+    """(1, 1, T, T) bool: query i sees key j iff i − window < j <= i (causal), |i − j| <= window (bidirectional)."""
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    allowed = (j <= i) & (j > i - window) if causal else (i - j).abs() <= window
+    return allowed[None, None]
+
+
+def without_window(model):
+    """The same weights with `sliding_window=None` (full attention)."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if hasattr(module, "window_kwargs"):
+            module.window_kwargs = {}
+    model.config.sliding_window = None
+    return model
+
+
+def logits(model, tokens, **kwargs):
+    with torch.no_grad():
+        return model(tokens, use_cache=False, **kwargs).logits
+
+
+@pytest.mark.parametrize("score,scheme,kernel", EAGER_SDPA)
+def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, tokens):
+    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+    reference = without_window(model)
+    expected = logits(reference, tokens, attention_mask=window_mask(tokens.shape[1], WINDOW).expand(2, 1, -1, -1))
+    torch.testing.assert_close(logits(model, tokens), expected, atol=ATOL, rtol=0)
+    # the window matters here: full attention differs
+    assert (logits(reference, tokens) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("score,scheme,kernel", SLIDING)
+def test_sliding_window_kernels_match_eager(score, scheme, kernel, tokens):
+    config = tiny_config(score, scheme, sliding_window=WINDOW)
+    torch.testing.assert_close(logits(build(config, kernel), tokens), logits(build(config, "eager"), tokens),
+                               atol=ATOL, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+@pytest.mark.parametrize("score,scheme,kernel", SLIDING)
+def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kernel, cache_class, tokens):
+    """Prefill 5 tokens, then one token at a time past the window: the cache keeps only the window (transformers'
+    sliding layers), the logits equal the full forward's."""
+    if kernel == "flex_attention" and cache_class == "static":
+        pytest.skip("flex_attention refuses a static cache (stack.refuse_flex_with_static_cache)")
+    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+    full = logits(model, tokens)
+    if cache_class == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=tokens.shape[1])
+    assert all(layer.is_sliding for layer in cache.layers)
+    steps = []
+    with torch.no_grad():
+        out = model(tokens[:, :5], cache=cache, use_cache=True)
+        steps.append(out.logits)
+        for t in range(5, tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    if cache_class == "dynamic":
+        assert out.cache.layers[0].keys.shape[2] == WINDOW - 1  # only the window is kept
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("score,scheme,kernel", EAGER_SDPA)
+def test_sliding_window_left_padding_matches_unpadded(score, scheme, kernel, tokens):
+    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+    row = tokens[:1, :8]
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(logits(model, padded, attention_mask=mask)[:, 3:], logits(model, row),
+                               atol=ATOL, rtol=0)  # fmt: skip
+
+
+def test_sliding_window_generate_equals_greedy_full_forwards(tokens):
+    model = build(tiny_config(scheme="alibi", sliding_window=WINDOW), "sdpa")
+    prompt = tokens[:1, :4]
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    sequence = prompt
+    for _ in range(6):
+        next_token = logits(model, sequence)[:, -1].argmax(-1, keepdim=True)
+        sequence = torch.cat([sequence, next_token], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_sliding_window_encoder_equals_an_explicit_bidirectional_mask(kernel, tokens):
+    config = tiny_config(scheme="t5_bias", is_causal=False, sliding_window=WINDOW)
+    config._attn_implementation = kernel
+    torch.manual_seed(0)
+    model = PlugformerForMaskedLM(config).eval()
+    reference = without_window(model)
+    mask = window_mask(tokens.shape[1], WINDOW, causal=False).expand(2, 1, -1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens, attention_mask=mask).logits,
+                                   atol=ATOL, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("score,scheme,kernel", [p for p in EAGER_SDPA if trainable_on_this_device(p.values[2])][:4])
+def test_sliding_window_save_load_round_trip(score, scheme, kernel, tokens, tmp_path):
+    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation=kernel)
+    assert loaded.config.sliding_window == WINDOW
+    torch.testing.assert_close(logits(loaded, tokens), logits(model, tokens), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_sliding_window_refuses_non_positive_values(value):
+    with pytest.raises(ValueError, match=rf"sliding_window={value}.*positive"):
+        tiny_config(sliding_window=value)
+
+
+def test_sliding_window_refuses_seq2seq():
+    with pytest.raises(ValueError, match=r"sliding_window=4.*is_encoder_decoder=True.*allowed: None"):
+        PlugformerConfig.from_preset("tiny", sliding_window=4, is_encoder_decoder=True, pad_token_id=0)
