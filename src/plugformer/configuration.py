@@ -160,8 +160,8 @@ class PlugformerConfig(PreTrainedConfig):
             `ACT2FN`).
         max_position_embeddings (`int`, *optional*, defaults to 2048): Positions a `learned` scheme can encode; the
             trained context for RoPE scaling.
-        attention_score (`str`, *optional*, defaults to `"scaled_dot"`): One of `"dot"`, `"scaled_dot"`,
-            `"multiplicative"`, `"additive"` (see `plugformer.scores`).
+        attention_score (`str`, *optional*, defaults to `"scaled_dot"`): A name registered in
+            `plugformer.ATTENTION_SCORES` (`"dot"`, `"scaled_dot"`, ...; see `plugformer.scores`).
         position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
             `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"` (see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
