@@ -1,7 +1,7 @@
 """Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
 
-    project -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache update ->
-    kernel (+ the position bias)
+    project (-> QK-norm) -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache
+    update -> kernel (+ the position bias)
 
 The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward. The kernel is
 looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked against the kernel table.
@@ -17,6 +17,7 @@ from .biases import RelativeBias
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
 from .compat import renamed_cache_kwarg
 from .configuration import PlugformerConfig
+from .layers import RMSNorm
 from .positions import apply_rotary
 from .scores import ATTENTION_SCORES
 
@@ -52,6 +53,10 @@ class PlugformerAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        # QK-norm (`use_qk_norm`): Qwen3's RMSNorm over each head's d_k, one gain shared by the heads, on the projected
+        # queries and keys before RoPE (transformers' modeling_qwen3.py, `q_norm`/`k_norm`); any score follows it
+        self.q_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
 
@@ -119,8 +124,8 @@ class PlugformerAttention(nn.Module):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
-        key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
+        query = self.q_norm(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, D)
+        key = self.k_norm(self.split_heads(self.k_proj(hidden_states)))  # (B, H_kv, T, D)
         value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
         if position_embeddings is not None:
             query, key = apply_rotary(query, key, *position_embeddings)
@@ -160,12 +165,13 @@ class PlugformerCrossAttention(PlugformerAttention):
         cache: EncoderDecoderCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.score.prepare_query(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, ·)
+        query = self.score.prepare_query(self.q_norm(self.split_heads(self.q_proj(hidden_states))))  # (B, H, T, ·)
         if cache is not None and cache.is_updated.get(self.layer_idx):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             key, value = layer.keys, layer.values
         else:
-            key = self.score.prepare_key(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, ·)
+            key = self.k_norm(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, D)
+            key = self.score.prepare_key(key)  # (B, H_kv, S, ·)
             value = self.split_heads(self.v_proj(encoder_hidden_states))  # (B, H_kv, S, D)
             if cache is not None:
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)

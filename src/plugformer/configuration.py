@@ -174,6 +174,8 @@ class PlugformerConfig(PreTrainedConfig):
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
         relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
+        use_qk_norm (`bool`, *optional*, defaults to `False`): RMSNorm over each head's d_k on the projected queries and
+            keys, before RoPE, with one learned gain each (Qwen3's `q_norm`/`k_norm`); composes with any score.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
@@ -236,6 +238,7 @@ class PlugformerConfig(PreTrainedConfig):
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
+    use_qk_norm: bool = False
     additive_chunk_size: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5

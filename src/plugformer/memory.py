@@ -30,6 +30,8 @@ def attention_parameters(config) -> int:
     count = 2 * h * heads * d + 2 * h * kv_heads * d
     if config.attention_bias:
         count += heads * d + 2 * kv_heads * d + h
+    if config.use_qk_norm:  # one (d,) gain each for q and k
+        count += 2 * d
     return count + score_parameters(config)
 
 
