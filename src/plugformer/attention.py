@@ -99,9 +99,11 @@ class PlugformerAttention(nn.Module):
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
             elif kernel.bias == "alibi":  # a kernel adding ALiBi itself (vLLM's, with the slopes): no bias to pass
                 position_bias = None
+        softcap = self.config.attn_logit_softcapping  # the kernel table refused the kernels that cannot apply it
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
+            **({} if softcap is None else {"softcap": softcap}),
             **self.score.kernel_kwargs(),
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
             # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its

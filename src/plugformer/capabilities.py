@@ -13,6 +13,8 @@ model asks the table, never a kernel's name:
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
+Logit soft-capping (`attn_logit_softcapping`) runs where a record declares `softcap`: `eager` and `flex_attention`.
+
 A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
 an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
 product without a bias. Configurations it cannot compute are refused with a `ValueError`, at
@@ -61,6 +63,8 @@ class KernelSpec:
             the engine holds, and gets no `position_bias`: every scheme but `alibi` refused) or `"none"` (no score
             bias: bias schemes refused).
         function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
+        softcap (`bool`, *optional*, defaults to `False`): Caps the logits as `softcap`·tanh(logits / `softcap`)
+            before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
     """
@@ -69,6 +73,7 @@ class KernelSpec:
     scores: str
     bias: str
     function: Callable | None = None
+    softcap: bool = False
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
 
@@ -85,6 +90,11 @@ class KernelSpec:
                 f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
                 f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
                 "automatically when no implementation is requested)"
+            )
+        if config.attn_logit_softcapping is not None and not self.softcap:
+            return (
+                f"attn_implementation={self.name!r} cannot cap the attention logits (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping!r}, Gemma 2's c·tanh(logits / c)); use one of {KERNELS.capping()}"
             )
         if self.bias == "alibi" and config.position_scheme != "alibi":
             return (
@@ -125,6 +135,10 @@ class KernelTable:
         """The kernels taking any scheme's bias (not one computing a single scheme's own)."""
         return [name for name, spec in self._table.items() if spec.bias in ("relative", "dense")]
 
+    def capping(self) -> list[str]:
+        """The kernels that apply `attn_logit_softcapping`."""
+        return [name for name, spec in self._table.items() if spec.softcap]
+
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
@@ -135,9 +149,10 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-KERNELS.register(KernelSpec("eager", scores="any", bias="relative", attention_weights=True))
+KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, attention_weights=True))
 KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_attention_forward))
-KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward))
+KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward,
+                            softcap=True))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
     KERNELS.register(KernelSpec(
@@ -153,6 +168,7 @@ def register_attention_kernel(
     *,
     scores: str = "dot_product",
     bias: str = "none",
+    softcap: bool = False,
     attention_weights: bool = False,
     mask: str | None = "sdpa",
 ) -> KernelSpec:
@@ -163,7 +179,7 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, attention_weights: As in [`KernelSpec`].
+        scores, bias, softcap, attention_weights: As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one.
@@ -171,7 +187,7 @@ def register_attention_kernel(
     Returns:
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
-    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function,
+    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function, softcap=softcap,
                                        attention_weights=attention_weights))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:

@@ -176,6 +176,9 @@ class PlugformerConfig(PreTrainedConfig):
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
         use_qk_norm (`bool`, *optional*, defaults to `False`): RMSNorm over each head's d_k on the projected queries and
             keys, before RoPE, with one learned gain each (Qwen3's `q_norm`/`k_norm`); composes with any score.
+        attn_logit_softcapping (`float`, *optional*): Caps the attention logits as c·tanh(logits / c) before the mask
+            and any position bias (Gemma 2); dot-product scores only, on the kernels that declare it (`eager`,
+            `flex_attention`; `sdpa` is refused).
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
@@ -239,6 +242,7 @@ class PlugformerConfig(PreTrainedConfig):
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
     use_qk_norm: bool = False
+    attn_logit_softcapping: float | int | None = None
     additive_chunk_size: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
@@ -304,6 +308,17 @@ class PlugformerConfig(PreTrainedConfig):
             _in_range(self, field, 0.0, 1.0)
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
+        self._validate_softcapping()
+
+    def _validate_softcapping(self) -> None:
+        cap = self.attn_logit_softcapping
+        if cap is not None and not 0 < cap < float("inf"):
+            raise ValueError(f"attn_logit_softcapping={cap!r} must be a finite positive number or None (no capping)")
+        if cap is not None and not ATTENTION_SCORES.get(self.attention_score).dot_product:
+            raise ValueError(
+                f"attn_logit_softcapping={cap!r} caps dot-product logits, which attention_score="
+                f"{self.attention_score!r} has not; use a score whose `dot_product` is true, or None"
+            )
 
     def _variants(self) -> tuple[type, type]:
         """The classes of the chosen score function and position scheme."""
