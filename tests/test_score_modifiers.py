@@ -3,6 +3,7 @@ or its formula computed here with plain torch, then the shared suite's checks re
 
 - `use_qk_norm`: Qwen3's per-head RMSNorm on q and k before RoPE (transformers' `Qwen3ForCausalLM`, same weights).
 - `attn_logit_softcapping`: Gemma 2's c·tanh(logits / c) before the mask, on eager and flex; sdpa refuses it.
+- `use_attention_sinks`: gpt-oss's learned sink logit per head (transformers' gpt-oss `eager_attention_forward`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def test_qk_norm_is_off_by_default_and_type_checked():
 
 # The shared suite's checks (test_combinations), rerun with each modifier set, on every dot-product score and
 # eager/sdpa, for the schemes that rotate (the order matters there), bias the scores and do neither.
-MODIFIERS = {"qk_norm": {"use_qk_norm": True}, "softcap": {"attn_logit_softcapping": 5.0}}
+MODIFIERS = {
+    "qk_norm": {"use_qk_norm": True},
+    "softcap": {"attn_logit_softcapping": 5.0},
+    "sinks": {"use_attention_sinks": True},
+}
 SCHEMES = ("none", "rope", "alibi")
 CHECKS = (shared.test_causality, shared.test_left_padding_matches_unpadded, shared.test_cached_decoding_equals_full_forward,
           shared.test_fused_kernels_match_eager, shared.test_backward_reaches_every_parameter)  # fmt: skip
@@ -92,12 +97,14 @@ def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, mo
 
 
 @pytest.mark.parametrize("head", ["causal_lm", "seq2seq"])
-def test_qk_norm_parameters_are_counted(head):
+def test_qk_norm_and_sink_parameters_are_counted(head):
     from plugformer import PlugformerForConditionalGeneration
     from plugformer.memory import parameter_count
 
     seq2seq = head == "seq2seq"
-    config = tiny_config(use_qk_norm=True, is_encoder_decoder=seq2seq, pad_token_id=0 if seq2seq else None)
+    config = tiny_config(
+        use_qk_norm=True, use_attention_sinks=True, is_encoder_decoder=seq2seq, pad_token_id=0 if seq2seq else None
+    )
     model = (PlugformerForConditionalGeneration if seq2seq else PlugformerForCausalLM)(config)
     assert parameter_count(config, head) == sum(p.numel() for p in model.parameters())
 
@@ -160,3 +167,40 @@ def test_softcap_is_refused_by_kernels_that_cannot_apply_it():
 def test_softcap_values_are_checked(overrides, error, message):
     with pytest.raises(error, match=message):
         tiny_config(**overrides)
+
+
+# --- use_attention_sinks (gpt-oss) --------------------------------------------------------------------------------
+
+
+def test_sinks_match_gpt_oss_eager_attention():
+    """plugformer's eager kernel with `s_aux` against transformers' gpt-oss eager function (GQA 4/2, causal)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    from plugformer.kernels import eager_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 6, 8, generator=generator)
+    key, value = (torch.randn(2, 2, 6, 8, generator=generator) for _ in range(2))
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    mask = torch.full((6, 6), torch.finfo(torch.float32).min).triu(1)[None, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.sinks, module.config = 2, sinks, tiny_config(use_attention_sinks=True)
+    module.eval()
+    expected, expected_weights = gpt_oss_eager(module, query, key, value, mask, scaling=8**-0.5)
+    out, weights = eager_attention_forward(module, query, key, value, mask, scaling=8**-0.5, s_aux=sinks)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0)
+    assert (weights.sum(-1) < 0.999).all()  # the sink absorbed weight in every row
+
+
+def test_sinks_are_learned_and_refused_where_not_computed(tokens):
+    config = tiny_config(use_attention_sinks=True)
+    model = build(config)
+    sinks = model.model.layers[0].self_attn.sinks
+    assert sinks.shape == (4,) and sinks.abs().max() > 0  # initialised (normal, initializer_range)
+    assert PlugformerForCausalLM(config).config._attn_implementation == "eager"
+    for kernel in ("sdpa", "flex_attention"):
+        with pytest.raises(ValueError, match=rf"attn_implementation='{kernel}' cannot add attention sinks"):
+            build(config, kernel)(tokens)
+    with pytest.raises(ValueError, match=r"use_attention_sinks=True .* attention_score='additive'"):
+        tiny_config("additive", use_attention_sinks=True)

@@ -57,6 +57,8 @@ class PlugformerAttention(nn.Module):
         # queries and keys before RoPE (transformers' modeling_qwen3.py, `q_norm`/`k_norm`); any score follows it
         self.q_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
+        # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
 
@@ -104,6 +106,7 @@ class PlugformerAttention(nn.Module):
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
             **({} if softcap is None else {"softcap": softcap}),
+            **({} if self.sinks is None else {"s_aux": self.sinks}),
             **self.score.kernel_kwargs(),
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
             # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its

@@ -179,6 +179,9 @@ class PlugformerConfig(PreTrainedConfig):
         attn_logit_softcapping (`float`, *optional*): Caps the attention logits as c·tanh(logits / c) before the mask
             and any position bias (Gemma 2); dot-product scores only, on the kernels that declare it (`eager`,
             `flex_attention`; `sdpa` is refused).
+        use_attention_sinks (`bool`, *optional*, defaults to `False`): A learned logit per head joins each softmax as
+            one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
+            field for them); dot-product scores only, on the kernels that declare it (`eager`).
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
@@ -243,6 +246,7 @@ class PlugformerConfig(PreTrainedConfig):
     max_relative_distance: int = 128
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
+    use_attention_sinks: bool = False
     additive_chunk_size: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
@@ -318,6 +322,11 @@ class PlugformerConfig(PreTrainedConfig):
             raise ValueError(
                 f"attn_logit_softcapping={cap!r} caps dot-product logits, which attention_score="
                 f"{self.attention_score!r} has not; use a score whose `dot_product` is true, or None"
+            )
+        if self.use_attention_sinks and not ATTENTION_SCORES.get(self.attention_score).dot_product:
+            raise ValueError(
+                f"use_attention_sinks=True is applied by the dot-product kernels, not by attention_score="
+                f"{self.attention_score!r}'s own; use a score whose `dot_product` is true, or False"
             )
 
     def _variants(self) -> tuple[type, type]:

@@ -32,6 +32,8 @@ def attention_parameters(config) -> int:
         count += heads * d + 2 * kv_heads * d + h
     if config.use_qk_norm:  # one (d,) gain each for q and k
         count += 2 * d
+    if config.use_attention_sinks:  # one logit per query head
+        count += heads
     return count + score_parameters(config)
 
 
