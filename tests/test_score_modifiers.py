@@ -172,11 +172,13 @@ def test_softcap_values_are_checked(overrides, error, message):
 # --- use_attention_sinks (gpt-oss) --------------------------------------------------------------------------------
 
 
-def test_sinks_match_gpt_oss_eager_attention():
-    """plugformer's eager kernel with `s_aux` against transformers' gpt-oss eager function (GQA 4/2, causal)."""
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_sinks_match_gpt_oss_eager_attention(kernel):
+    """plugformer's kernels with `s_aux` against transformers' gpt-oss eager function (GQA 4/2, causal)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
     from plugformer.kernels import eager_attention_forward
+    from plugformer.kernels_sinks import sdpa_forward
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 6, 8, generator=generator)
@@ -185,12 +187,18 @@ def test_sinks_match_gpt_oss_eager_attention():
     mask = torch.full((6, 6), torch.finfo(torch.float32).min).triu(1)[None, None]
     module = torch.nn.Module()
     module.num_key_value_groups, module.sinks, module.config = 2, sinks, tiny_config(use_attention_sinks=True)
+    module.is_causal = True
     module.eval()
     expected, expected_weights = gpt_oss_eager(module, query, key, value, mask, scaling=8**-0.5)
-    out, weights = eager_attention_forward(module, query, key, value, mask, scaling=8**-0.5, s_aux=sinks)
+    assert (expected_weights.sum(-1) < 0.999).all()  # the sink absorbed weight in every row
+    if kernel == "eager":
+        out, weights = eager_attention_forward(module, query, key, value, mask, scaling=8**-0.5, s_aux=sinks)
+        torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0)
+    else:  # the boolean mask transformers builds for sdpa, and none (is_causal)
+        out, _ = sdpa_forward(module, query, key, value, mask == 0, scaling=8**-0.5, s_aux=sinks)
+        unmasked, _ = sdpa_forward(module, query, key, value, None, scaling=8**-0.5, s_aux=sinks)
+        torch.testing.assert_close(unmasked, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0)
-    assert (weights.sum(-1) < 0.999).all()  # the sink absorbed weight in every row
 
 
 def test_sinks_are_learned_and_refused_where_not_computed(tokens):
@@ -198,8 +206,8 @@ def test_sinks_are_learned_and_refused_where_not_computed(tokens):
     model = build(config)
     sinks = model.model.layers[0].self_attn.sinks
     assert sinks.shape == (4,) and sinks.abs().max() > 0  # initialised (normal, initializer_range)
-    assert PlugformerForCausalLM(config).config._attn_implementation == "eager"
-    for kernel in ("sdpa", "flex_attention"):
+    assert PlugformerForCausalLM(config).config._attn_implementation == "sdpa"
+    for kernel in ("flex_attention", "flash_attention_2"):
         with pytest.raises(ValueError, match=rf"attn_implementation='{kernel}' cannot add attention sinks"):
             build(config, kernel)(tokens)
     with pytest.raises(ValueError, match=r"use_attention_sinks=True .* attention_score='additive'"):

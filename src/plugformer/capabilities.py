@@ -8,13 +8,13 @@ model asks the table, never a kernel's name:
 | `attn_implementation` | scores | bias | function |
 |---|---|---|---|
 | `eager` | any | relative | the score's own kernel (`AttentionScore.eager_kernel`) |
-| `sdpa` | dot product | relative | `kernels.sdpa_attention_forward` (blockwise with a bias) |
+| `sdpa` | dot product | relative | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
 | `flex_attention` | dot product | relative | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
 Logit soft-capping (`attn_logit_softcapping`) runs where a record declares `softcap` (`eager`, `flex_attention`),
-attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`).
+attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`, `sdpa`).
 
 A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
 an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
-from .kernels import sdpa_attention_forward
+from .kernels_sinks import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 
@@ -163,7 +163,7 @@ KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
 KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, sinks=True, attention_weights=True))
-KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_attention_forward))
+KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_forward, sinks=True))
 KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward,
                             softcap=True))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
@@ -172,7 +172,7 @@ for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3
         f"flash_attention_{_version}", scores="dot_product", bias="none",
         available=lambda check=_available: torch.cuda.is_available() and check(),
     ))  # fmt: skip
-ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_forward
 
 
 def register_attention_kernel(

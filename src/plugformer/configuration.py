@@ -181,7 +181,7 @@ class PlugformerConfig(PreTrainedConfig):
             `flex_attention`; `sdpa` is refused).
         use_attention_sinks (`bool`, *optional*, defaults to `False`): A learned logit per head joins each softmax as
             one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
-            field for them); dot-product scores only, on the kernels that declare it (`eager`).
+            field for them); dot-product scores only, on the kernels that declare it (`eager`, `sdpa`).
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
