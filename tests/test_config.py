@@ -14,7 +14,7 @@ from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(attention_score="cosine"), r"attention_score='cosine' is not one of \['dot', 'scaled_dot'"),
+        (dict(attention_score="no_such_score"), r"attention_score='no_such_score' is not one of \['dot', 'scaled_dot'"),
         (dict(position_scheme="xpos"), r"position_scheme='xpos' is not one of \['none', 'sinusoidal'"),
         (dict(norm_type="batchnorm"), r"norm_type='batchnorm' is not one of"),
         (dict(norm_placement="sandwich"), r"norm_placement='sandwich' is not one of \['pre', 'post'\]"),

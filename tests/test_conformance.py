@@ -20,6 +20,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.utils import logging
 
+import plugformer
 from plugformer import (
     PlugformerConfig,
     PlugformerForCausalLM,
@@ -39,7 +40,7 @@ BATCH, LENGTH, TARGET = 2, 7, 5
 
 
 def kernel_of(score: str) -> str:
-    return "eager" if score == "additive" else "sdpa"
+    return "sdpa" if plugformer.ATTENTION_SCORES.get(score).dot_product else "eager"
 
 
 def make(model_class, score: str, scheme: str, kernel: str | None = None, **overrides):

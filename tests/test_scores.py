@@ -20,6 +20,7 @@ W = [[1.0, 2.0], [0.0, -1.0]]  # bilinear W
 W1 = [[0.5, -0.2], [0.1, 0.3]]  # additive W1 (d -> a)
 W2 = [[-0.4, 0.2], [0.6, 0.1]]  # additive W2
 ENERGY = [1.5, -2.0]
+GAIN = 3.5  # cosine's learned scale g
 
 
 def dot(a, b):
@@ -47,6 +48,7 @@ REFERENCE_SCORES = {
     "dot": lambda q, k: dot(q, k),
     "scaled_dot": lambda q, k: dot(q, k) / math.sqrt(2),
     "multiplicative": lambda q, k: dot(q, [sum(W[d][e] * k[e] for e in range(2)) for d in range(2)]),
+    "cosine": lambda q, k: GAIN * dot(q, k) / math.sqrt(dot(q, q) * dot(k, k)),
     "additive": lambda q, k: dot(
         ENERGY, [math.tanh(x + y) for x, y in zip(matvec_t(W1, q), matvec_t(W2, k), strict=True)]
     ),
@@ -59,6 +61,8 @@ def score_with_weights(name):
     with torch.no_grad():
         if name == "multiplicative":
             score.weight.copy_(torch.tensor([W]))
+        if name == "cosine":
+            score.scale.copy_(torch.tensor([GAIN]))
         if name == "additive":
             score.query_weight.copy_(torch.tensor([W1]))
             score.key_weight.copy_(torch.tensor([W2]))
@@ -100,6 +104,19 @@ def test_multiplicative_starts_as_scaled_dot():
     weight = model.model.layers[0].self_attn.score.weight
     expected = torch.eye(8).expand(4, 8, 8) / math.sqrt(8)
     torch.testing.assert_close(weight.detach(), expected)
+
+
+def test_cosine_starts_at_the_papers_scale_and_bounds_the_logits():
+    """g starts at log2(L² − L) (Henry et al. 2020), L = max_position_embeddings = 64 in the tiny preset; every logit
+    g·q̂·k̂ lies within ±g, however large q and k are."""
+    from plugformer import PlugformerForCausalLM
+
+    score = PlugformerForCausalLM(tiny_config("cosine", "none")).model.layers[0].self_attn.score
+    torch.testing.assert_close(score.scale.detach(), torch.full((4,), math.log2(64 * 63)))
+    query = score.prepare_query(1e3 * torch.randn(1, 4, 5, 8))
+    key = score.prepare_key(1e3 * torch.randn(1, 4, 5, 8))
+    logits = query @ key.transpose(2, 3)
+    assert logits.abs().max() <= math.log2(64 * 63) + 1e-4
 
 
 class _Recorder:

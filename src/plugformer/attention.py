@@ -1,7 +1,7 @@
 """Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
 
-    project -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache update ->
-    kernel (+ the position bias)
+    project (-> QK-norm) -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache
+    update -> kernel (+ the position bias)
 
 The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward. The kernel is
 looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked against the kernel table.
@@ -17,6 +17,7 @@ from .biases import RelativeBias
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
 from .compat import renamed_cache_kwarg
 from .configuration import PlugformerConfig
+from .layers import RMSNorm
 from .positions import apply_rotary
 from .scores import ATTENTION_SCORES
 
@@ -52,6 +53,12 @@ class PlugformerAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        # QK-norm (`use_qk_norm`): Qwen3's RMSNorm over each head's d_k, one gain shared by the heads, on the projected
+        # queries and keys before RoPE (transformers' modeling_qwen3.py, `q_norm`/`k_norm`); any score follows it
+        self.q_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
+        # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config)
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
@@ -101,9 +108,12 @@ class PlugformerAttention(nn.Module):
                 position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
             elif kernel.bias == "alibi":  # a kernel adding ALiBi itself (vLLM's, with the slopes): no bias to pass
                 position_bias = None
+        softcap = self.config.attn_logit_softcapping  # the kernel table refused the kernels that cannot apply it
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
+            **({} if softcap is None else {"softcap": softcap}),
+            **({} if self.sinks is None else {"s_aux": self.sinks}),
             **self.score.kernel_kwargs(),
             **self.window_kwargs,
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
@@ -127,8 +137,8 @@ class PlugformerAttention(nn.Module):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.split_heads(self.q_proj(hidden_states))  # (B, H, T, D)
-        key = self.split_heads(self.k_proj(hidden_states))  # (B, H_kv, T, D)
+        query = self.q_norm(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, D)
+        key = self.k_norm(self.split_heads(self.k_proj(hidden_states)))  # (B, H_kv, T, D)
         value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
         if position_embeddings is not None and self.use_rope:
             query, key = apply_rotary(query, key, *position_embeddings)
@@ -169,12 +179,13 @@ class PlugformerCrossAttention(PlugformerAttention):
         cache: EncoderDecoderCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.score.prepare_query(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, ·)
+        query = self.score.prepare_query(self.q_norm(self.split_heads(self.q_proj(hidden_states))))  # (B, H, T, ·)
         if cache is not None and cache.is_updated.get(self.layer_idx):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             key, value = layer.keys, layer.values
         else:
-            key = self.score.prepare_key(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, ·)
+            key = self.k_norm(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, D)
+            key = self.score.prepare_key(key)  # (B, H_kv, S, ·)
             value = self.split_heads(self.v_proj(encoder_hidden_states))  # (B, H_kv, S, D)
             if cache is not None:
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)

@@ -8,10 +8,13 @@ model asks the table, never a kernel's name:
 | `attn_implementation` | scores | bias | function |
 |---|---|---|---|
 | `eager` | any | relative | the score's own kernel (`AttentionScore.eager_kernel`) |
-| `sdpa` | dot product | relative | `kernels.sdpa_attention_forward` (blockwise with a bias) |
+| `sdpa` | dot product | relative | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
 | `flex_attention` | dot product | relative | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
+
+Logit soft-capping (`attn_logit_softcapping`) runs where a record declares `softcap` (`eager`, `flex_attention`),
+attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`, `sdpa`).
 
 A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
 an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
@@ -35,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
-from .kernels import sdpa_attention_forward
+from .kernels_sinks import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 
@@ -61,6 +64,10 @@ class KernelSpec:
             the engine holds, and gets no `position_bias`: every scheme but `alibi` refused) or `"none"` (no score
             bias: bias schemes refused).
         function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
+        softcap (`bool`, *optional*, defaults to `False`): Caps the logits as `softcap`·tanh(logits / `softcap`)
+            before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
+        sinks (`bool`, *optional*, defaults to `False`): Adds gpt-oss's learned sink logit per head as one more key
+            column in the softmax, dropped after it (`use_attention_sinks`), given an `s_aux=` `(H,)` tensor.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
     """
@@ -69,6 +76,8 @@ class KernelSpec:
     scores: str
     bias: str
     function: Callable | None = None
+    softcap: bool = False
+    sinks: bool = False
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
 
@@ -85,6 +94,16 @@ class KernelSpec:
                 f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
                 f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
                 "automatically when no implementation is requested)"
+            )
+        if config.attn_logit_softcapping is not None and not self.softcap:
+            return (
+                f"attn_implementation={self.name!r} cannot cap the attention logits (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping!r}, Gemma 2's c·tanh(logits / c)); use one of {KERNELS.capping()}"
+            )
+        if config.use_attention_sinks and not self.sinks:
+            return (
+                f"attn_implementation={self.name!r} cannot add attention sinks (use_attention_sinks=True, gpt-oss's "
+                f"learned logit per head); use one of {KERNELS.with_sinks()}"
             )
         if self.bias == "alibi" and config.position_scheme != "alibi":
             return (
@@ -125,6 +144,14 @@ class KernelTable:
         """The kernels taking any scheme's bias (not one computing a single scheme's own)."""
         return [name for name, spec in self._table.items() if spec.bias in ("relative", "dense")]
 
+    def capping(self) -> list[str]:
+        """The kernels that apply `attn_logit_softcapping`."""
+        return [name for name, spec in self._table.items() if spec.softcap]
+
+    def with_sinks(self) -> list[str]:
+        """The kernels that add `use_attention_sinks`' sink logits."""
+        return [name for name, spec in self._table.items() if spec.sinks]
+
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
@@ -135,16 +162,17 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-KERNELS.register(KernelSpec("eager", scores="any", bias="relative", attention_weights=True))
-KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_attention_forward))
-KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward))
+KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, sinks=True, attention_weights=True))
+KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_forward, sinks=True))
+KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward,
+                            softcap=True))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
     KERNELS.register(KernelSpec(
         f"flash_attention_{_version}", scores="dot_product", bias="none",
         available=lambda check=_available: torch.cuda.is_available() and check(),
     ))  # fmt: skip
-ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_forward
 
 
 def register_attention_kernel(
@@ -153,6 +181,8 @@ def register_attention_kernel(
     *,
     scores: str = "dot_product",
     bias: str = "none",
+    softcap: bool = False,
+    sinks: bool = False,
     attention_weights: bool = False,
     mask: str | None = "sdpa",
 ) -> KernelSpec:
@@ -163,7 +193,7 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, attention_weights: As in [`KernelSpec`].
+        scores, bias, softcap, sinks, attention_weights: As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one.
@@ -171,8 +201,8 @@ def register_attention_kernel(
     Returns:
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
-    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function,
-                                       attention_weights=attention_weights))  # fmt: skip
+    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function, softcap=softcap,
+                                       sinks=sinks, attention_weights=attention_weights))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])

@@ -160,8 +160,8 @@ class PlugformerConfig(PreTrainedConfig):
             `ACT2FN`).
         max_position_embeddings (`int`, *optional*, defaults to 2048): Positions a `learned` scheme can encode; the
             trained context for RoPE scaling.
-        attention_score (`str`, *optional*, defaults to `"scaled_dot"`): One of `"dot"`, `"scaled_dot"`,
-            `"multiplicative"`, `"additive"` (see `plugformer.scores`).
+        attention_score (`str`, *optional*, defaults to `"scaled_dot"`): A name registered in
+            `plugformer.ATTENTION_SCORES` (`"dot"`, `"scaled_dot"`, ...; see `plugformer.scores`).
         position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
             `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"`, `"kerple_log"` (see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
@@ -177,6 +177,14 @@ class PlugformerConfig(PreTrainedConfig):
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
         relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
+        use_qk_norm (`bool`, *optional*, defaults to `False`): RMSNorm over each head's d_k on the projected queries and
+            keys, before RoPE, with one learned gain each (Qwen3's `q_norm`/`k_norm`); composes with any score.
+        attn_logit_softcapping (`float`, *optional*): Caps the attention logits as c·tanh(logits / c) before the mask
+            and any position bias (Gemma 2); dot-product scores only, on the kernels that declare it (`eager`,
+            `flex_attention`; `sdpa` is refused).
+        use_attention_sinks (`bool`, *optional*, defaults to `False`): A learned logit per head joins each softmax as
+            one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
+            field for them); dot-product scores only, on the kernels that declare it (`eager`, `sdpa`).
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         sliding_window (`int`, *optional*): Local attention in every layer, as Mistral's (transformers' name and
@@ -245,6 +253,9 @@ class PlugformerConfig(PreTrainedConfig):
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     max_relative_distance: int = 128
+    use_qk_norm: bool = False
+    attn_logit_softcapping: float | int | None = None
+    use_attention_sinks: bool = False
     additive_chunk_size: int | None = None
     sliding_window: int | None = None
     rms_norm_eps: float | int = 1e-6
@@ -318,6 +329,22 @@ class PlugformerConfig(PreTrainedConfig):
             _in_range(self, field, 0.0, 1.0)
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
+        self._validate_softcapping()
+
+    def _validate_softcapping(self) -> None:
+        cap = self.attn_logit_softcapping
+        if cap is not None and not 0 < cap < float("inf"):
+            raise ValueError(f"attn_logit_softcapping={cap!r} must be a finite positive number or None (no capping)")
+        if cap is not None and not ATTENTION_SCORES.get(self.attention_score).dot_product:
+            raise ValueError(
+                f"attn_logit_softcapping={cap!r} caps dot-product logits, which attention_score="
+                f"{self.attention_score!r} has not; use a score whose `dot_product` is true, or None"
+            )
+        if self.use_attention_sinks and not ATTENTION_SCORES.get(self.attention_score).dot_product:
+            raise ValueError(
+                f"use_attention_sinks=True is applied by the dot-product kernels, not by attention_score="
+                f"{self.attention_score!r}'s own; use a score whose `dot_product` is true, or False"
+            )
 
     def _variants(self) -> tuple[type, type]:
         """The classes of the chosen score function and position scheme."""

@@ -88,13 +88,20 @@ def symbolic_sizes(*tensors: torch.Tensor) -> bool:
 
 
 def _add_bias_and_mask(
-    scores: torch.Tensor, attention_mask: torch.Tensor | None, position_bias: torch.Tensor | None
+    scores: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_bias: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Adds the position bias and the additive float mask (eager masks are 0 / dtype-min) to fp32 scores.
+    """Adds the position bias and the additive float mask (eager masks are 0 / dtype-min) to fp32 scores, after
+    capping them as c·tanh(scores / c) with `softcap` c (Gemma 2's eager kernel and transformers' flex `score_mod`
+    cap before the mask, and flex before its `position_bias`).
 
     An fp16 mask blocks with -65504, which fp32 scores above 65504 would outweigh (future or padding keys would leak),
     so its blocked entries are set to the fp32 minimum; bool masks block with it directly.
     """
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if position_bias is not None:
         scores = scores + position_bias.float()
     if attention_mask is not None:
@@ -108,11 +115,15 @@ def _add_bias_and_mask(
 
 
 def _softmax_dropout_values(
-    module: nn.Module, scores: torch.Tensor, value: torch.Tensor, dropout: float
+    module: nn.Module, scores: torch.Tensor, value: torch.Tensor, dropout: float, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Softmax in fp32 whatever the input dtype (as transformers' eager kernels do): half-precision scores of
     # long rows overflow.
+    if sinks is not None:  # gpt-oss's sinks: one more key column per head with a learned logit, no value
+        scores = torch.cat([scores, sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if sinks is not None:  # dropped after the softmax: the row's weights sum to less than 1
+        weights = weights[..., :-1]
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value), weights  # (B, H, Q, D), (B, H, Q, K)
 
@@ -130,19 +141,24 @@ def eager_attention_forward(
     scaling: float,
     dropout: float = 0.0,
     position_bias: RelativeBias | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scaling · Q Kᵀ + bias + mask) V with materialised weights (Vaswani et al. 2017, eq. 1).
 
-    `position_bias` is the `RelativeBias` of a score-bias scheme (ALiBi, T5 buckets, clamped distances).
+    `position_bias` is the `RelativeBias` of a score-bias scheme (ALiBi, T5 buckets, clamped distances); `softcap` c
+    caps the logits before it: softmax(c·tanh(scaling · Q Kᵀ / c) + bias + mask) V (Gemma 2). `s_aux` (H,) are
+    attention sinks (gpt-oss's `eager_attention_forward`): s_h joins each row of head h as one more logit in the
+    softmax, and its weight is dropped.
     """
     key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, D)
     value = repeat_kv(value, module.num_key_value_groups)
     # fp16 dot products of long unscaled vectors overflow (65504): score in fp32 there; bf16/fp32 keep their dtype.
     compute_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
     scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(2, 3)).float() * scaling
-    scores = _add_bias_and_mask(scores, attention_mask, bias_rows(position_bias, slice(None)))  # (B, H, Q, K)
-    output, weights = _softmax_dropout_values(module, scores, value, dropout)
+    scores = _add_bias_and_mask(scores, attention_mask, bias_rows(position_bias, slice(None)), softcap)  # (B, H, Q, K)
+    output, weights = _softmax_dropout_values(module, scores, value, dropout, s_aux)
     return output.transpose(1, 2).contiguous(), weights  # (B, Q, H, D)
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from .files import size_text
+from .scores import ATTENTION_SCORES
 
 
 OVERRIDE = "PLUGFORMER_SKIP_MEMORY_CHECK"
@@ -27,11 +30,19 @@ def attention_parameters(config) -> int:
     count = 2 * h * heads * d + 2 * h * kv_heads * d
     if config.attention_bias:
         count += heads * d + 2 * kv_heads * d + h
-    score = {
-        "multiplicative": heads * d * d,  # W per head (Luong's general score)
-        "additive": heads * d * d + kv_heads * d * d + heads * d,  # W_q, W_k and the energy vector v (Bahdanau)
-    }
-    return count + score.get(config.attention_score, 0)
+    if config.use_qk_norm:  # one (d,) gain each for q and k
+        count += 2 * d
+    if config.use_attention_sinks:  # one logit per query head
+        count += heads
+    return count + score_parameters(config)
+
+
+def score_parameters(config) -> int:
+    """The score function's own weights, read off its registered class built on the meta device (no memory): a new
+    score is counted without an entry here."""
+    with torch.device("meta"):
+        score = ATTENTION_SCORES.get(config.attention_score)(config)
+    return sum(parameter.numel() for parameter in score.parameters())
 
 
 def norm_parameters(config) -> int:

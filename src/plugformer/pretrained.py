@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import initialization as init
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder
@@ -90,6 +91,8 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):
             module.reset_parameters(self.config)
+        if isinstance(module, PlugformerAttention) and module.sinks is not None:
+            init.normal_(module.sinks, std=self.config.initializer_range)  # as gpt-oss's
 
     # Capability flags, per config: support depends on the config, not the class (additive scores are no dot product,
     # flash kernels take no score bias), so transformers, which reads these flags off the model instance, gets each

@@ -9,12 +9,15 @@ consumes them and cached decoding equals the full forward.
 - `scaled_dot`: e = q·k / sqrt(d_k) (Vaswani et al. 2017);
 - `multiplicative`: e = qᵀ W_h k with a learned W per head (Luong et al. 2015, "general"); computed as
   (W_hᵀ q)·k, so it runs on every dot-product kernel with scaling 1;
+- `cosine`: e = g_h · q̂·k̂ with L2-normalised q, k and a learned scale per head (Henry et al. 2020, QK-norm);
+  g is folded into the query, so it runs on every dot-product kernel with scaling 1;
 - `additive`: e = v_hᵀ tanh(W1_h q + W2_h k) (Bahdanau et al. 2015); no dot product exists, so it runs on
   plugformer's chunked eager kernel only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -123,6 +126,34 @@ class MultiplicativeScore(AttentionScore):
     def reset_parameters(self, config):
         eye = torch.eye(self.head_dim, device=self.weight.device, dtype=self.weight.dtype)
         init.copy_(self.weight, eye.expand_as(self.weight) * self.head_dim**-0.5)
+
+
+@ATTENTION_SCORES.register("cosine")
+class CosineScore(AttentionScore):
+    """e = g_h · q̂·k̂, q̂ = q / ‖q‖, k̂ = k / ‖k‖, with a learned scale g per query head (Henry et al. 2020,
+    "Query-Key Normalization for Transformers", eq. 2).
+
+    The logits are bounded by |g|, so g sets the softmax temperature. g multiplies the normalised query and the cache
+    stores normalised keys: a dot product with scaling 1, on any dot-product kernel. The paper learns one g,
+    initialised to log2(L² − L) for L the 97.5th percentile of training lengths; differs here: one g per head, with
+    L = `max_position_embeddings` (the longest sequence the model is configured for).
+    """
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.scale = nn.Parameter(torch.empty(self.num_heads))
+
+    def prepare_query(self, query):
+        # normalised in fp32 (a half-precision sum of squares of a long vector overflows), then scaled per head
+        unit = nn.functional.normalize(query.float(), dim=-1)  # (B, H, Q, D)
+        return (unit * self.local(self.scale).float()[:, None, None]).to(query.dtype)
+
+    def prepare_key(self, key):
+        return nn.functional.normalize(key.float(), dim=-1).to(key.dtype)  # (B, H_kv, K, D)
+
+    def reset_parameters(self, config):
+        length = max(config.max_position_embeddings, 2)
+        init.constant_(self.scale, math.log2(length * length - length))
 
 
 @ATTENTION_SCORES.register("additive")
