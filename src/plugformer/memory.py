@@ -14,6 +14,7 @@ import os
 import torch
 
 from .files import size_text
+from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 
 
@@ -61,16 +62,11 @@ def block_parameters(config, cross_attention: bool = False) -> int:
 
 
 def position_parameters(config, bidirectional: bool) -> int:
-    """Learned tables of a position scheme (one per stack); rope, alibi, sinusoidal and none have none."""
-    heads = config.num_attention_heads
-    if config.position_scheme == "learned":
-        return config.max_position_embeddings * config.hidden_size
-    if config.position_scheme == "t5_bias":
-        return config.relative_attention_num_buckets * heads
-    if config.position_scheme == "clamped_bias":
-        distance = config.max_relative_distance
-        return (2 * distance + 1 if bidirectional else distance + 1) * heads
-    return 0
+    """The position scheme's own weights (one set per stack), read off its registered class built on the meta device
+    (no memory): a new scheme with weights (`kerple_log`'s coefficients) is counted without an entry here."""
+    with torch.device("meta"):
+        scheme = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=bidirectional)
+    return sum(parameter.numel() for parameter in scheme.parameters())
 
 
 def stack_parameters(config, layers: int, bidirectional: bool, cross_attention: bool = False) -> int:
