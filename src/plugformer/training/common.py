@@ -128,15 +128,26 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     use_cache = getattr(trainer, "model_use_cache", None)
     if use_cache is not None:  # the Trainer set config.use_cache = args.use_cache (False) for training
         trainer.accelerator.unwrap_model(model).config.use_cache = use_cache
-    if not hasattr(model, "merge_and_unload"):
+    if not has_adapters(model):
         trainer.save_model(output_dir)
         return
     if trainer.is_world_process_zero():
-        model.save_pretrained(Path(output_dir) / "adapter")
+        save_adapters(trainer, output_dir)
         merged = model.merge_and_unload()
         merged.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
     trainer.accelerator.wait_for_everyone()
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` is a PEFT model whose adapters the final save merges."""
+    return hasattr(model, "merge_and_unload")
+
+
+def save_adapters(trainer, output_dir: str) -> None:
+    """The LoRA adapters alone, in `output_dir/adapter` (rank 0)."""
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(Path(output_dir) / "adapter")
 
 
 def final_save_failed(output_dir: str) -> str:
@@ -145,13 +156,13 @@ def final_save_failed(output_dir: str) -> str:
     return f"the model files in it are incomplete; {intact_checkpoint(output_dir)}"
 
 
-def evaluate_saved(trainer, stage: str) -> dict:
+def evaluate_saved(trainer, stage: str, saved: str = "the trained model is saved in") -> dict:
     """`trainer.evaluate()` after the trained model was saved; a failure says where the model is and is re-raised
     (its type and traceback kept, the location added as a note and logged)."""
     try:
         return trainer.evaluate()
     except Exception as error:
-        where = (f"stage {stage!r}: the dev evaluation after training failed; the trained model is saved in "
+        where = (f"stage {stage!r}: the dev evaluation after training failed; {saved} "
                  f"{trainer.args.output_dir} (no run_info.json was written)")  # fmt: skip
         logger.error("%s: %s: %s", where, type(error).__name__, error)
         error.add_note(where)
@@ -174,11 +185,18 @@ def train_and_save(
     # every rank's digest: after data-parallel training all ranks must hold the same weights
     digest = torch.tensor([parameter_digest(trainer.model)], dtype=torch.int64, device=trainer.accelerator.device)
     digests = trainer.accelerator.gather(digest).tolist()
-    # saved before the dev evaluation: an evaluation that fails must not lose a finished training run
+    # saved before the dev evaluation: an evaluation that fails must not lose a finished training run. With LoRA the
+    # adapters are saved first and the merged model after it: merging unloads the adapters, and DPO's evaluation
+    # still needs them (its reference is the model with the adapters disabled)
+    lora = has_adapters(trainer.model)
     with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
-        save_final_model(trainer, tokenizer, args.output_dir)
+        save_adapters(trainer, args.output_dir) if lora else save_final_model(trainer, tokenizer, args.output_dir)
     if trainer.eval_dataset is not None:
-        metrics.update(evaluate_saved(trainer, stage))
+        saved = "the trained LoRA adapters are saved in adapter/ of" if lora else "the trained model is saved in"
+        metrics.update(evaluate_saved(trainer, stage, saved))
+    if lora:
+        with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
+            save_final_model(trainer, tokenizer, args.output_dir)
     if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
