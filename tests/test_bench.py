@@ -193,7 +193,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
         (["--sizes", "hidden_size=30,num_attention_heads=4"], "sizes"),
         (["--sizes", "tiny,head_dim=16"], "sizes"),  # the gpt2 pair needs head_dim · heads = hidden_size
         (["--pairs", "bert"], "pairs"),
-        (["--attention_scores", "cosine"], "attention_scores"),
+        (["--attention_scores", "no_such_score"], "attention_scores"),
         (["--position_schemes", "xpos"], "position_schemes"),
         (["--batch_size", "0"], "batch_size"),
         (["--repeats", "0"], "repeats"),

@@ -213,7 +213,7 @@ def violations(fields: dict, kernel: str | None) -> tuple[list[set[str]], list[s
 
 WRONG_TYPES = st.sampled_from(["8", 2.5, True, [4], {"a": 1}, b"x"])
 HOSTILE_INTS = st.sampled_from([0, -1, -(2**40), None]) | WRONG_TYPES
-HOSTILE_NAMES = st.sampled_from(["", "ROPE", "Scaled_Dot", "cosine", None, 3, ["rope"]])
+HOSTILE_NAMES = st.sampled_from(["", "ROPE", "Scaled_Dot", "cosine_sim", None, 3, ["rope"]])
 HOSTILE_FLOATS = st.sampled_from([-0.1, 1.0, 1.5, math.nan, math.inf, -math.inf, 0.0, 1e-13, "0.1", None, True])
 HOSTILE_BOOLS = st.sampled_from(["yes", "False", 1, 0, 0.0, None, [True]])
 HOSTILE_IDS = st.sampled_from([-1, 256, 10**9, "1", 1.5, True, [0, -3], [0, 10**6], ["1"]])
