@@ -119,6 +119,13 @@ def sharded_dim(name: str) -> int | None:
 
 
 def assert_equal_to_one_process(entry: dict, records: list[dict]) -> None:
+    """Equal to the one-process model on every rank; a scheme that declares `tensor_parallel = False` must instead be
+    refused at load on every rank with a ValueError naming it."""
+    scheme = entry["name"].rsplit("-", 1)[-1]
+    if scheme in POSITION_SCHEMES.names() and not POSITION_SCHEMES.get(scheme).tensor_parallel:
+        for record in records:
+            assert record.get("error") == "ValueError" and f"position_scheme={scheme!r}" in record["message"], record
+        return
     for rank, record in enumerate(records):
         where = f"{entry['name']} on rank {rank}"
         assert "error" not in record, f"{where}: {record.get('traceback')}"

@@ -18,7 +18,7 @@ from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
 from .compat import renamed_cache_kwarg
 from .configuration import PlugformerConfig
 from .layers import RMSNorm
-from .positions import apply_rotary
+from .positions import POSITION_SCHEMES, apply_rotary
 from .scores import ATTENTION_SCORES
 
 
@@ -38,6 +38,12 @@ class PlugformerAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = is_causal
         tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)  # set by from_pretrained(tp_plan=)
+        if tp_size > 1 and not POSITION_SCHEMES.get(config.position_scheme).tensor_parallel:
+            raise ValueError(
+                f"position_scheme={config.position_scheme!r} cannot run with tensor parallelism (tp_size={tp_size}): "
+                "its per-head parameters are not sharded, and each rank would train only its own heads' entries; "
+                "train it without tp_plan"
+            )
         if config.num_key_value_heads % tp_size:
             # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
             # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads

@@ -31,6 +31,10 @@ class PositionScheme(ConfigHooks, nn.Module):
             is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
             computed for all heads (ALiBi's fixed slopes, a buffer no plan reaches) is sliced by each attention layer.
 
+        tensor_parallel (`bool`): whether tensor parallelism computes this scheme exactly. A scheme whose per-head
+            parameters no plan shards (each rank would hold every head's copy and train only its own heads' entries,
+            so the copies drift apart) says `False` and is refused under `tp_plan`.
+
     The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
 
     Attributes:
@@ -40,6 +44,7 @@ class PositionScheme(ConfigHooks, nn.Module):
 
     has_bias = False
     tp_plan: dict[str, str] = {}
+    tensor_parallel = True
     token_scale = 1.0
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):

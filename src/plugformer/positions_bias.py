@@ -152,6 +152,8 @@ class KerpleLogBias(PositionScheme):
     """
 
     has_bias = True
+    # r1, r2 are (H,) parameters no plan shards: under tensor parallelism each rank would train its heads' entries only
+    tensor_parallel = False
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
