@@ -205,3 +205,21 @@ def test_the_vllm_plugin_entry_point_names_its_register_hook():
     assert (module, name) == ("plugformer.vllm_plugin", "register")
     assert callable(getattr(importlib.import_module(module), name))
     assert not any(dependency.startswith("vllm") for dependency in project["dependencies"])
+
+
+def test_a_kernel_that_masks_by_itself_is_refused_a_sliding_window():
+    """vLLM's attention (no record) and a kernel registered with `mask=None` never see plugformer's mask, where the
+    window lives: they must refuse `sliding_window`, not attend to every key."""
+    from plugformer.capabilities import unsupported_reason
+
+    windowed = plugformer.PlugformerConfig.from_preset("tiny", sliding_window=3)
+    assert "sliding_window=3" in unsupported_reason(windowed, "vllm")
+    assert unsupported_reason(plugformer.PlugformerConfig.from_preset("tiny"), "vllm") is None
+    for kernel in ("eager", "sdpa", "flex_attention"):
+        assert unsupported_reason(windowed, kernel) is None
+    register_attention_kernel("self_masking_test", lambda *args, **kwargs: None, mask=None)
+    try:
+        assert "sliding_window=3" in unsupported_reason(windowed, "self_masking_test")
+        assert "self_masking_test" not in KERNELS.windowing()
+    finally:
+        KERNELS._table.pop("self_masking_test")

@@ -68,6 +68,9 @@ class KernelSpec:
             before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
         sinks (`bool`, *optional*, defaults to `False`): Adds gpt-oss's learned sink logit per head as one more key
             column in the softmax, dropped after it (`use_attention_sinks`), given an `s_aux=` `(H,)` tensor.
+        sliding_window (`bool`, *optional*, defaults to `True`): Applies the attention mask plugformer builds, so a
+            `sliding_window` (part of that mask) is computed; `False` for a kernel that masks by itself (an engine's,
+            such as vLLM's, which windows only by its own settings) and for kernels without a record.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
     """
@@ -78,6 +81,7 @@ class KernelSpec:
     function: Callable | None = None
     softcap: bool = False
     sinks: bool = False
+    sliding_window: bool = True
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
 
@@ -104,6 +108,11 @@ class KernelSpec:
             return (
                 f"attn_implementation={self.name!r} cannot add attention sinks (use_attention_sinks=True, gpt-oss's "
                 f"learned logit per head); use one of {KERNELS.with_sinks()}"
+            )
+        if config.sliding_window is not None and not self.sliding_window:
+            return (
+                f"attn_implementation={self.name!r} does not apply plugformer's attention mask, so it would drop "
+                f"sliding_window={config.sliding_window!r}; use one of {KERNELS.windowing()}"
             )
         if self.bias == "alibi" and config.position_scheme != "alibi":
             return (
@@ -135,7 +144,7 @@ class KernelTable:
     def get(self, name: str) -> KernelSpec:
         """The record of `name`; for an unregistered kernel, a dot product without a bias (what every kernel in
         transformers' interface computes)."""
-        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none")
+        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none", sliding_window=False)
 
     def names(self) -> list[str]:
         return list(self._table)
@@ -147,6 +156,10 @@ class KernelTable:
     def capping(self) -> list[str]:
         """The kernels that apply `attn_logit_softcapping`."""
         return [name for name, spec in self._table.items() if spec.softcap]
+
+    def windowing(self) -> list[str]:
+        """The kernels that apply a `sliding_window` (through plugformer's mask)."""
+        return [name for name, spec in self._table.items() if spec.sliding_window]
 
     def with_sinks(self) -> list[str]:
         """The kernels that add `use_attention_sinks`' sink logits."""
@@ -196,13 +209,15 @@ def register_attention_kernel(
         scores, bias, softcap, sinks, attention_weights: As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
-            mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one.
+            mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one, so
+            such a kernel is refused a `sliding_window`.
 
     Returns:
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
     spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function, softcap=softcap,
-                                       sinks=sinks, attention_weights=attention_weights))  # fmt: skip
+                                       sinks=sinks, sliding_window=mask is not None,
+                                       attention_weights=attention_weights))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
