@@ -11,7 +11,7 @@ Each stage gets the same problems in its own format (TRL's dataset formats):
 | pretrain | `text` (facts and worked problems as plain text) |
 | sft | `prompt`, `completion` (conversational: completion-only loss) |
 | reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
-| rlhf, grpo, evaluation | `prompt`, `answer` (ground truth reaching the reward functions) |
+| rlhf, grpo, evaluation | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`.
@@ -220,7 +220,7 @@ def stage_rows(stage: str, problems: list[Problem], seed: int) -> list[dict]:
             for p in problems
         ]
     if stage in ("rlhf", "grpo", "evaluation"):
-        return [{"prompt": user(p.question), "answer": str(p.answer)} for p in problems]
+        return [{"prompt": user(p.question), "answer": str(p.answer), "solution": p.solution} for p in problems]
     raise ValueError(f"stage={stage!r} has no embedded data; known: {sorted(STAGE_COLUMNS)}")
 
 

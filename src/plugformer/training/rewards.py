@@ -96,6 +96,33 @@ def format_reward(completions: list, **kwargs) -> list[float]:
     return [float(_FORMAT.match(completion_text(c)) is not None) for c in completions]
 
 
+def worked_steps(text: str) -> list[str]:
+    """The comma-separated steps of a solution's worked line (the text before its first line break)."""
+    line = text.split("\n", 1)[0].strip()
+    return [step.strip() for step in line.split(",")] if line else []
+
+
+def steps_reward(completions: list, solution: list[str], **kwargs) -> list[float]:
+    """The fraction of the reference solution's worked steps that the completion writes down, in place.
+
+    A dense verifiable reward: one slipped digit fact (`4*6=25`) costs one step, not the whole answer, so answers
+    in one group that all miss the final number still differ, and the step that slipped is the one penalised.
+    Divided by the longer of the two step lists, so extra steps cost as much as missing ones.
+
+    Example:
+
+    >>> reference = "7+5=12, 4+8+1=13, 3+0+1=4\\n#### 432"
+    >>> steps_reward(["7+5=12, 4+8+1=14, 3+0+1=4\\n#### 442", reference, "7+5=12\\n#### 12"], solution=[reference] * 3)
+    [0.6666666666666666, 1.0, 0.3333333333333333]
+    """
+    rewards = []
+    for completion, truth in zip(completions, solution, strict=True):
+        written, expected = worked_steps(completion_text(completion)), worked_steps(str(truth))
+        matched = sum(a == b for a, b in zip(written, expected, strict=False))
+        rewards.append(matched / max(len(written), len(expected), 1))
+    return rewards
+
+
 def math_verify_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
     """1.0 where `math-verify` judges the completion equal to the answer (LaTeX, fractions, expressions).
 
@@ -115,5 +142,6 @@ def math_verify_reward(completions: list, answer: list[str], **kwargs) -> list[f
 REWARD_FUNCTIONS = {
     "exact_match": exact_match_reward,
     "format": format_reward,
+    "steps": steps_reward,
     "math_verify": math_verify_reward,
 }
