@@ -31,7 +31,8 @@ def sinusoidal_table(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
 
 @POSITION_SCHEMES.register("sinusoidal")
 class SinusoidalPositions(PositionScheme):
-    """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works.
+    """Fixed sinusoids added to the token embeddings (Vaswani et al. 2017, §3.5); computed on the fly, so any length
+    works.
 
     The token embeddings are multiplied by sqrt(hidden_size) (Vaswani et al. 2017, §3.4; transformers' Marian
     `embed_scale`): each sinusoid pair has norm 1, so the table's norm is sqrt(hidden_size / 2), while embeddings
