@@ -142,3 +142,35 @@ def test_the_package_has_no_import_cycle():
     for name in sorted(graph):
         visit(name, [])
     assert cycles == []
+
+
+README = ROOT / "README.md"
+
+
+def test_readme_tables_are_generated_from_the_registries():
+    """The README's `variants` and `kernels` blocks are what `plugformer info --readme README.md` writes: a variant
+    registered or a kernel record changed without regenerating them fails here."""
+    from plugformer.markers import read_block
+    from plugformer.readme_tables import COMMAND, blocks
+
+    for name, text in blocks().items():
+        assert read_block(README, name) == text.strip("\n"), (
+            f"README.md's {name!r} block is out of date: run `{COMMAND}`"
+        )
+
+
+def test_info_rewrites_only_the_generated_blocks(tmp_path, capsys):
+    from plugformer.readme_tables import blocks
+
+    text = "# x\n\n<!-- variants:begin -->\nold\n<!-- variants:end -->\nkept\n<!-- kernels:begin -->\n<!-- kernels:end -->\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(text, encoding="utf-8")
+    cli_main(["info", "--readme", str(readme)])
+    generated = blocks()
+    assert readme.read_text(encoding="utf-8") == (
+        f"# x\n\n<!-- variants:begin -->\n{generated['variants']}\n<!-- variants:end -->\nkept\n"
+        f"<!-- kernels:begin -->\n{generated['kernels']}\n<!-- kernels:end -->\n"
+    )
+    capsys.readouterr()
+    cli_main(["info", "--markdown"])
+    assert capsys.readouterr().out.count(":begin -->") == 2
