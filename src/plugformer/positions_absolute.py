@@ -59,6 +59,7 @@ class LearnedPositions(PositionScheme):
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
+        self.config = config
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     @classmethod
@@ -79,8 +80,11 @@ class LearnedPositions(PositionScheme):
     def _refuse_past_the_table(self, position: int) -> None:
         limit = self.embed_positions.num_embeddings
         if position >= limit:
+            unbounded = [
+                name for name in POSITION_SCHEMES if POSITION_SCHEMES.get(name).max_length(self.config) is None
+            ]
             raise ValueError(
                 f"position_scheme='learned' has max_position_embeddings={limit} positions, but position {position} "
-                "was requested; use a relative scheme (rope, alibi, t5_bias, clamped_bias) to go past it, or shorten "
-                "the input"
+                f"was requested; use a scheme without a table of positions ({', '.join(unbounded)}) to go past it, or "
+                "shorten the input"
             ) from None
