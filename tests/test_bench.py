@@ -30,10 +30,12 @@ from plugformer.bench.models import (
     logit_difference,
     matmul_parameters,
 )
-from plugformer.bench.readme import check_markers, command_line, readme_section, update_readme
+from plugformer.bench.readme import check_markers, command_line, readme_section, update_readme, variants_tables
 from plugformer.bench.readme import main as readme_main
 from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
+from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
+from plugformer.variants import ATTENTION_MODIFIERS
 
 
 @pytest.mark.parametrize("pair", ["llama", "gpt2"])
@@ -163,20 +165,26 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
         assert row["max_abs_logit_diff"] <= PARITY_TOLERANCE
         assert all(m["kernel"] == "sdpa:flash" for m in row["models"].values())
     assert all(row["same_tokens"] for row in results["decode"] if row["dtype"] == "fp32")
-    expected = [(d, s, p) for d in dtypes for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
-    assert [(r["dtype"], r["attention_score"], r["position_scheme"]) for r in results["variants"]] == expected
+    # every registered score x scheme, then scaled_dot + none with each attention modifier, per dtype
+    variants = [(s, p, "") for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
+    variants += [("scaled_dot", "none", f"{name}={value!r}") for name, value in ATTENTION_MODIFIERS.items()]
+    rows = [
+        (r["dtype"], r["attention_score"], r["position_scheme"], r["attention_modifier"]) for r in results["variants"]
+    ]
+    assert rows == [(dtype, *variant) for dtype in dtypes for variant in variants]
     for row in results["variants"]:
-        if row["attention_score"] == "additive":
-            kernel = "eager"  # not a dot product: capabilities allow eager only
+        if "sdpa" not in row["supported_kernels"]:
+            kernel = "eager"  # additive (no dot product) or a modifier sdpa refuses (softcapping)
+        elif row["attention_modifier"]:
+            kernel = row["kernel"] if row["kernel"].startswith("sdpa:") else "sdpa:..."  # the backend varies
         elif POSITION_SCHEMES.get(row["position_scheme"]).has_bias:
             kernel = "sdpa:blockwise-bias+flash"  # plugformer's blockwise kernel for a score bias, fused SDPA inside
         else:
             kernel = "sdpa:flash"
         assert row["kernel"] == kernel
         assert row["baseline"]["kernel"] == "sdpa:flash"
-        assert f"| tiny | {row['dtype']} | 64 | {row['attention_score']} | {row['position_scheme']} | {kernel} |" in (
-            markdown
-        )
+        cells = [row["attention_score"], row["position_scheme"], row["attention_modifier"] or "-", kernel]
+        assert f"| tiny | {row['dtype']} | 64 | {' | '.join(cells)} |" in markdown
     assert markdown.index("## Ratios") < markdown.index("## Absolute numbers") < markdown.index("## Machine")
     assert set(results["matmul_peak"]) == set(dtypes) and "torch_threads" in results["machine"]
 
@@ -195,6 +203,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
         (["--pairs", "bert"], "pairs"),
         (["--attention_scores", "no_such_score"], "attention_scores"),
         (["--position_schemes", "xpos"], "position_schemes"),
+        (["--attention_modifiers", "use_qk_norms"], "attention_modifiers"),
         (["--batch_size", "0"], "batch_size"),
         (["--repeats", "0"], "repeats"),
         (["--warmup", "-1"], "warmup"),
@@ -239,12 +248,15 @@ def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
             f"{mine['mfu']:.1%} |"
         ) in section
     for row in results["variants"]:
-        cells = [row["attention_score"], row["position_scheme"], ratio_cell(row["ratio_tokens_per_s"]),
-                 ratio_cell(row["ratio_peak_memory"]), row["kernel"], row["note"] or "-"]  # fmt: skip
+        cells = [row["attention_score"], row["position_scheme"], row["attention_modifier"] or "-",
+                 ratio_cell(row["ratio_tokens_per_s"]), ratio_cell(row["ratio_peak_memory"]), row["kernel"],
+                 row["note"] or "-"]  # fmt: skip
         assert "| " + " | ".join(cells) + " |" in section
     for dtype in ("fp32", "bf16"):  # one variants table per dtype, its columns per length
         assert f"Variants, tiny, {dtype}:" in section
-    assert "| attention_score | position_scheme | tokens/s, seq 64 | peak memory, seq 64 | kernel | note |" in section
+    assert (
+        "| attention_score | position_scheme | attention modifier | tokens/s, seq 64 | peak memory, seq 64 | kernel | note |"
+    ) in section
     speed = {(r["pair"], r["dtype"]): r["models"]["plugformer"]["tokens_per_s"] for r in results["train"]}
     for pair in ("llama", "gpt2"):
         assert f"| {pair} | tiny | 64 | {speed[pair, 'bf16'] / speed[pair, 'fp32']:.2f} |" in section
@@ -262,6 +274,34 @@ def test_readme_section_gives_each_run_its_command(quick_run):
     assert first < section.index("| pair | size | dtype |") < section.index("bf16 / fp32") < second
     assert second < section.index("Variants, tiny, fp32") and section.count("| attention_score |") == 2
     assert section.count("| pair | size | dtype |") == 1 and "new tokens" not in section[second:]
+
+
+def test_variant_rows_come_from_the_registries_and_the_modifiers():
+    """Every registered score x scheme; the baseline with each attention modifier only when the baseline is asked for."""
+    every = requested_variants(BenchArguments(device="cpu"))
+    pairs = [
+        {"attention_score": s, "position_scheme": p} for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()
+    ]
+    assert every == pairs + [BASELINE | {name: value} for name, value in ATTENTION_MODIFIERS.items()]
+    chosen = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
+                            attention_modifiers=["sliding_window"], device="cpu")  # fmt: skip
+    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": ATTENTION_MODIFIERS["sliding_window"]}]
+    assert len(requested_variants(BenchArguments(attention_scores=["additive"], device="cpu"))) == len(
+        POSITION_SCHEMES.names()
+    )
+
+
+def test_variants_table_has_a_modifier_column_only_when_a_row_has_one():
+    row = {"size": "tiny", "dtype": "fp32", "seq_len": 64, "attention_score": "scaled_dot", "position_scheme": "none",
+           "ratio_tokens_per_s": 1.0, "ratio_peak_memory": 1.0, "kernel": "sdpa:flash", "note": ""}  # fmt: skip
+    older = "\n".join(variants_tables({"variants": [row]}))  # a bench.json written before the modifier rows
+    assert (
+        "| attention_score | position_scheme | tokens/s, seq 64 |" in older and "| scaled_dot | none | 1.00 |" in older
+    )
+    modified = row | {"attention_modifier": "use_qk_norm=True", "ratio_tokens_per_s": 0.9}
+    lines = "\n".join(variants_tables({"variants": [row | {"attention_modifier": ""}, modified]}))
+    assert "| attention_score | position_scheme | attention modifier | tokens/s, seq 64 |" in lines
+    assert "| scaled_dot | none | - | 1.00 |" in lines and "| scaled_dot | none | use_qk_norm=True | 0.90 |" in lines
 
 
 def test_command_line_gives_the_options_that_differ_and_parses_back():

@@ -193,8 +193,10 @@ def test_the_check_learned_positions_run_before_the_lookup_off_the_cpu():
     out-of-range index there is a device-side assert; on the CPU the lookup's IndexError is translated
     (`test_learned_positions_refuse_sequences_past_max_position_embeddings`)."""
     positions = build(tiny_config("scaled_dot", "learned", max_position_embeddings=16), "sdpa").model.positions
-    with pytest.raises(ValueError, match="max_position_embeddings=16 positions, but position 16 was requested"):
+    pattern = r"max_position_embeddings=16 positions, but position 16 was requested"
+    with pytest.raises(ValueError, match=pattern) as error:
         positions._refuse_past_the_table(16)
+    assert f"without a table of positions ({', '.join(UNBOUNDED)})" in str(error.value)  # each of them runs past it
     positions._refuse_past_the_table(15)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SCORES, build, tiny_config
+from conftest import SCHEMES, SCORES, build, tiny_config
+
+from plugformer import POSITION_SCHEMES
 
 
 @pytest.mark.parametrize("score", SCORES)
@@ -169,7 +171,11 @@ def test_padding_free_position_ids_equal_separate_sequences():
                     torch.testing.assert_close(packed[:, 5:], model(second).logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("scheme", ["none", "sinusoidal", "learned", "alibi", "t5_bias", "clamped_bias"])
+# the schemes that do not own rope_parameters (every one but rope)
+WITHOUT_ROTARY = [name for name in SCHEMES if "rope_parameters" not in POSITION_SCHEMES.get(name).config_fields]
+
+
+@pytest.mark.parametrize("scheme", WITHOUT_ROTARY)
 def test_rope_settings_on_a_scheme_without_rotary_positions_are_refused(scheme, tmp_path, caplog):
     from plugformer import PlugformerConfig
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import build, tiny_config
 
-from plugformer import supported_kernels
+from plugformer import ATTENTION_SCORES, supported_kernels
 from plugformer.kernels import repeat_kv
 from plugformer.scores import AdditiveScore
 
@@ -47,7 +47,12 @@ HALF_DTYPES = [
                  marks=pytest.mark.skipif(not cpu_supports(dtype), reason=f"this CPU build has no {dtype} matmul"))
     for dtype in (torch.bfloat16, torch.float16)
 ]  # fmt: skip
-DOT_PRODUCT_SCORES = ("dot", "scaled_dot", "multiplicative")
+# Every dot-product score from the registry, but those whose logits half precision always holds (nothing to overflow),
+# each with the reason.
+BOUNDED_SCORES = {"cosine": "e = g_h · q̂·k̂ with unit q̂, k̂, so |e| <= |g_h|, a parameter of the same dtype"}
+DOT_PRODUCT_SCORES = [
+    name for name in ATTENTION_SCORES if ATTENTION_SCORES.get(name).dot_product and name not in BOUNDED_SCORES
+]
 SCHEMES = ("learned", "rope", "alibi", "t5_bias")
 
 

@@ -142,3 +142,75 @@ def test_the_package_has_no_import_cycle():
     for name in sorted(graph):
         visit(name, [])
     assert cycles == []
+
+
+README = ROOT / "README.md"
+
+
+def test_readme_tables_are_generated_from_the_registries():
+    """The README's `variants` and `kernels` blocks are what `plugformer info --readme README.md` writes: a variant
+    registered or a kernel record changed without regenerating them fails here."""
+    from plugformer.markers import read_block
+    from plugformer.readme_tables import COMMAND, blocks
+
+    for name, text in blocks().items():
+        assert read_block(README, name) == text.strip("\n"), (
+            f"README.md's {name!r} block is out of date: run `{COMMAND}`"
+        )
+
+
+def test_info_rewrites_only_the_generated_blocks(tmp_path, capsys):
+    from plugformer.readme_tables import blocks
+
+    text = "# x\n\n<!-- variants:begin -->\nold\n<!-- variants:end -->\nkept\n<!-- kernels:begin -->\n<!-- kernels:end -->\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(text, encoding="utf-8")
+    cli_main(["info", "--readme", str(readme)])
+    generated = blocks()
+    assert readme.read_text(encoding="utf-8") == (
+        f"# x\n\n<!-- variants:begin -->\n{generated['variants']}\n<!-- variants:end -->\nkept\n"
+        f"<!-- kernels:begin -->\n{generated['kernels']}\n<!-- kernels:end -->\n"
+    )
+    capsys.readouterr()
+    cli_main(["info", "--markdown"])
+    assert capsys.readouterr().out.count(":begin -->") == 2
+
+
+def readme_code(section: str) -> list[str]:
+    """The python blocks of the README section titled `section`, in order."""
+    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.+?)\n```", text, re.S)
+
+
+def test_the_readme_example_variant_runs_and_passes_its_reference_test(monkeypatch):
+    """'Adding a variant' as printed: the class registers (in this test only), its reference test passes, eager and sdpa
+    agree on it, its bias reaches the logits, and the generated tables pick it up."""
+    import test_positions
+    import torch
+    from conftest import build, tiny_config
+
+    from plugformer import POSITION_SCHEMES
+    from plugformer.readme_tables import blocks
+    from plugformer.variants import summary
+
+    monkeypatch.setattr(POSITION_SCHEMES, "_table", dict(POSITION_SCHEMES._table))  # restored after the test
+    variant_code, test_code = readme_code("Adding a variant")
+    before = set(POSITION_SCHEMES)
+    exec(compile(variant_code, "README.md (Adding a variant)", "exec"), {})
+    (name,) = set(POSITION_SCHEMES) - before
+    tests = dict(vars(test_positions))  # the reference test runs beside its file's helpers
+    exec(compile(test_code, "README.md (Adding a variant)", "exec"), tests)
+    (reference_test,) = [
+        tests[key] for key in tests if key.startswith(f"test_{name}_") and key not in vars(test_positions)
+    ]
+    reference_test()
+    tokens = torch.tensor([[5, 9, 9, 2, 7, 7, 3, 11]])
+    with torch.no_grad():
+        eager = build(tiny_config("scaled_dot", name), "eager")(tokens).logits
+        torch.testing.assert_close(
+            build(tiny_config("scaled_dot", name), "sdpa")(tokens).logits, eager, atol=1e-5, rtol=0
+        )
+        assert not torch.allclose(build(tiny_config("scaled_dot", "none"), "eager")(tokens).logits, eager)
+    tables = blocks()
+    assert f"| `{name}` | {summary(POSITION_SCHEMES.get(name))} |" in tables["variants"].replace("\\|", "|")
+    assert f"`{name}`" in tables["kernels"]

@@ -95,17 +95,10 @@ def _bench(argv: list[str]) -> None:
 
 
 def _info(argv: list[str]) -> None:
-    """Prints the (attention_score, position_scheme) matrix with the kernels that run each pair."""
-    from .capabilities import KERNELS, combination_matrix
+    """plugformer info [--markdown | --readme README.md]"""
+    from .readme_tables import main
 
-    widths = [max(len(k) + 2, 8) for k in KERNELS]
-    print(
-        f"{'attention_score':16s}{'position_scheme':16s}"
-        + "".join(f"{k:{w}s}" for k, w in zip(KERNELS, widths, strict=True))
-    )
-    for score, scheme, kernels in combination_matrix():
-        cells = ("yes" if k in kernels else "-" for k in KERNELS)
-        print(f"{score:16s}{scheme:16s}" + "".join(f"{c:{w}s}" for c, w in zip(cells, widths, strict=True)))
+    main(argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
@@ -119,7 +112,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "attention-map": (_attention_map, "heatmaps of attention weights (self and cross) for a text, as PNG"),
     "plot": (_plot, "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves"),
     "bench": (_bench, "plugformer vs transformers Llama/GPT-2 (A/B: train, decode, memory, MFU) and every variant"),
-    "info": (_info, "list which kernels run each attention_score x position_scheme"),
+    "info": (_info, "list which kernels run each attention_score x position_scheme; --readme: regenerate its tables"),
 }
 
 

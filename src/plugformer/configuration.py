@@ -162,8 +162,8 @@ class PlugformerConfig(PreTrainedConfig):
             trained context for RoPE scaling.
         attention_score (`str`, *optional*, defaults to `"scaled_dot"`): A name registered in
             `plugformer.ATTENTION_SCORES` (`"dot"`, `"scaled_dot"`, ...; see `plugformer.scores`).
-        position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
-            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"`, `"kerple_log"` (see `plugformer.positions`).
+        position_scheme (`str`, *optional*, defaults to `"rope"`): A name registered in `plugformer.POSITION_SCHEMES`
+            (`"none"`, `"rope"`, `"alibi"`, ...; see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
@@ -180,11 +180,12 @@ class PlugformerConfig(PreTrainedConfig):
         use_qk_norm (`bool`, *optional*, defaults to `False`): RMSNorm over each head's d_k on the projected queries and
             keys, before RoPE, with one learned gain each (Qwen3's `q_norm`/`k_norm`); composes with any score.
         attn_logit_softcapping (`float`, *optional*): Caps the attention logits as c·tanh(logits / c) before the mask
-            and any position bias (Gemma 2); dot-product scores only, on the kernels that declare it (`eager`,
-            `flex_attention`; `sdpa` is refused).
+            and any position bias (Gemma 2); dot-product scores only, on the kernels whose record declares
+            `softcap` (`plugformer info --markdown`; the others are refused).
         use_attention_sinks (`bool`, *optional*, defaults to `False`): A learned logit per head joins each softmax as
             one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
-            field for them); dot-product scores only, on the kernels that declare it (`eager`, `sdpa`).
+            field for them); dot-product scores only, on the kernels whose record declares `sinks`
+            (`plugformer info --markdown`; the others are refused).
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         sliding_window (`int`, *optional*): Local attention in every layer, as Mistral's (transformers' name and

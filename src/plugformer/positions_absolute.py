@@ -31,7 +31,8 @@ def sinusoidal_table(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
 
 @POSITION_SCHEMES.register("sinusoidal")
 class SinusoidalPositions(PositionScheme):
-    """Fixed sinusoids added to the token embeddings; computed on the fly, so any length works.
+    """Fixed sinusoids added to the token embeddings (Vaswani et al. 2017, §3.5); computed on the fly, so any length
+    works.
 
     The token embeddings are multiplied by sqrt(hidden_size) (Vaswani et al. 2017, §3.4; transformers' Marian
     `embed_scale`): each sinusoid pair has norm 1, so the table's norm is sqrt(hidden_size / 2), while embeddings
@@ -58,6 +59,7 @@ class LearnedPositions(PositionScheme):
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
+        self.config = config
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     @classmethod
@@ -78,8 +80,11 @@ class LearnedPositions(PositionScheme):
     def _refuse_past_the_table(self, position: int) -> None:
         limit = self.embed_positions.num_embeddings
         if position >= limit:
+            unbounded = [
+                name for name in POSITION_SCHEMES if POSITION_SCHEMES.get(name).max_length(self.config) is None
+            ]
             raise ValueError(
                 f"position_scheme='learned' has max_position_embeddings={limit} positions, but position {position} "
-                "was requested; use a relative scheme (rope, alibi, t5_bias, clamped_bias) to go past it, or shorten "
-                "the input"
+                f"was requested; use a scheme without a table of positions ({', '.join(unbounded)}) to go past it, or "
+                "shorten the input"
             ) from None

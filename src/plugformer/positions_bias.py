@@ -78,7 +78,7 @@ HEAD_TABLE_TP_PLAN = {
 
 @POSITION_SCHEMES.register("t5_bias")
 class T5BucketBias(PositionScheme):
-    """A learned scalar per head per T5 distance bucket, shared by all layers (as in T5)."""
+    """A learned scalar per head per T5 distance bucket (Raffel et al. 2020, §2.1), shared by all layers (as in T5)."""
 
     has_bias = True
     tp_plan = HEAD_TABLE_TP_PLAN
@@ -112,8 +112,10 @@ class T5BucketBias(PositionScheme):
 @POSITION_SCHEMES.register("clamped_bias")
 class ClampedDistanceBias(PositionScheme):
     """A learned scalar per head per relative distance, distances clamped to ±`max_relative_distance` (the
-    scalar-bias form of Shaw et al. 2018): `max_relative_distance + 1` values per head for a causal model (twice
-    that for an encoder), whatever the sequence length. Shared by all layers.
+    scalar-bias form of Shaw et al. 2018), shared by all layers.
+
+    `max_relative_distance + 1` values per head for a causal model (twice that for an encoder), whatever the sequence
+    length.
     """
 
     has_bias = True
@@ -142,9 +144,9 @@ def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
 
 @POSITION_SCHEMES.register("kerple_log")
 class KerpleLogBias(PositionScheme):
-    """KERPLE's logarithmic kernel (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for Length
-    Extrapolation", eq. for the log variant): the bias −r1 · log(1 + r2 · |i − j|) with r1, r2 > 0 learned per head,
-    shared by all layers.
+    """KERPLE's logarithmic bias −r1_h · log(1 + r2_h · |i − j|) with r1, r2 > 0 learned per head, shared by all
+    layers (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation", the
+    logarithmic variant).
 
     The paper requires r1, r2 > 0; here they are kept positive by a softplus parametrisation (r = softplus(raw)),
     differs from the paper's code, which clamps the parameters after each step. Initialised to r1 = 1 and r2 = ALiBi's

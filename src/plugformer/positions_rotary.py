@@ -25,7 +25,9 @@ logger = logging.get_logger(__name__)
 
 @POSITION_SCHEMES.register("rope")
 class RotaryPositions(PositionScheme):
-    """Rotary position embedding (Su et al. 2021) with every rope type transformers ships (`rope_parameters`).
+    """Rotary position embedding (Su et al. 2021) with every rope type transformers ships (`rope_parameters`);
+    `rope_parameters["partial_rotary_factor"]` rotates a fraction of each head (as Phi), `no_rope_layers` picks NoPE
+    layers (one 0/1 per layer, 0 = no positions there; SmolLM3's field).
 
     Same layout as transformers' Llama: frequencies repeated over the two halves of the head dimension and
     `rotate_half`, so weights converted from Llama give identical logits.

@@ -95,12 +95,12 @@ class AttentionScore(ConfigHooks, nn.Module):
 
 @ATTENTION_SCORES.register("dot")
 class DotScore(AttentionScore):
-    """e = q·k, unscaled: logits grow with sqrt(d_k), which is why `scaled_dot` exists."""
+    """e = q·k, unscaled: logits grow with √d_k, which is why `scaled_dot` exists."""
 
 
 @ATTENTION_SCORES.register("scaled_dot")
 class ScaledDotScore(AttentionScore):
-    """e = q·k / sqrt(d_k)."""
+    """e = q·k / √d_k (Vaswani et al. 2017)."""
 
     @property
     def scaling(self) -> float:
@@ -109,7 +109,7 @@ class ScaledDotScore(AttentionScore):
 
 @ATTENTION_SCORES.register("multiplicative")
 class MultiplicativeScore(AttentionScore):
-    """e = qᵀ W_h k with a learned (d_k, d_k) matrix per query head.
+    """e = qᵀ W_h k with a learned (d_k, d_k) matrix W_h per query head (Luong et al. 2015, "general").
 
     W is folded into the query ((W_hᵀ q)·k), so the keys in the cache stay plain keys and any dot-product kernel
     runs it. Initialised to I / sqrt(d_k): training starts from scaled dot-product attention.
@@ -158,7 +158,7 @@ class CosineScore(AttentionScore):
 
 @ATTENTION_SCORES.register("additive")
 class AdditiveScore(AttentionScore):
-    """e = v_hᵀ tanh(W1_h q + W2_h k), with W1, W2 (d_k, d_k) and v (d_k,) learned per head.
+    """e = v_hᵀ tanh(W1_h q + W2_h k), with W1, W2 (d_k, d_k) and v (d_k,) learned per head (Bahdanau et al. 2015).
 
     W1 belongs to each query head and W2 to each key/value head, so with GQA the cache stores the projected keys
     W2 k once per key/value head. The kernel (`kernels.additive_attention_forward`) works through the queries in

@@ -12,9 +12,10 @@ Sections:
   (random init, no download), saved and converted with `plugformer.convert`; logits must agree to 1e-4 before
   anything is timed. `train` times forward + backward + AdamW and measures peak memory and MFU; `decode` times
   greedy `generate` with the KV cache, split into prefill and decode.
-- `variants`: every score function x position scheme on the kernel the model resolves (sdpa where plugformer's
-  capabilities allow, else eager), each interleaved with scaled_dot + none on sdpa at the same size, dtype and
-  length; the kernel that actually ran is read from the profiler (e.g. `sdpa:math` when a learned bias needs grad).
+- `variants`: every registered score function x position scheme, and scaled_dot + none with each attention modifier
+  set (`variants.ATTENTION_MODIFIERS`, when scaled_dot and none are among the rows asked for), on the kernel the model resolves (sdpa where plugformer's capabilities allow, else eager), each interleaved with
+  scaled_dot + none on sdpa at the same size, dtype and length; the kernel that actually ran is read from the
+  profiler (e.g. `sdpa:math` when a learned bias needs grad).
 
 Every comparison runs its two models once per repeat in alternating order (A, B, B, A), so a shared machine's drift
 hits both and neither always follows the other; the report gives ratios first (with the range of per-repeat paired

@@ -11,6 +11,7 @@ import torch
 from ..configuration import PRESETS, PlugformerConfig
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
+from ..variants import ATTENTION_MODIFIERS
 from .markers import check_markers
 
 
@@ -66,6 +67,12 @@ class BenchArguments:
     pairs: list[str] = field(default_factory=lambda: list(PAIRS), metadata={"help": "A/B pairs: llama gpt2"})
     attention_scores: list[str] = field(default_factory=ATTENTION_SCORES.names, metadata={"help": "variant rows"})
     position_schemes: list[str] = field(default_factory=POSITION_SCHEMES.names, metadata={"help": "variant rows"})
+    attention_modifiers: list[str] = field(
+        default_factory=lambda: list(ATTENTION_MODIFIERS),
+        metadata={"help": "variant rows of scaled_dot + none with one of these fields set ("
+                          + ", ".join(f"{name}={value!r}" for name, value in ATTENTION_MODIFIERS.items())
+                          + "), run when scaled_dot and none are among the variant rows"},
+    )  # fmt: skip
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt (min = max: EOS never stops)"})
     matmul_size: int = field(default=4096, metadata={"help": "n of the n x n matmul timed for the peak FLOP/s"})
     device: str = field(default="auto", metadata={"help": "auto (cuda when present) | cpu | cuda"})
@@ -95,6 +102,7 @@ class BenchArguments:
         _choice("pairs", self.pairs, list(PAIRS))
         _choice("attention_scores", self.attention_scores, ATTENTION_SCORES.names())
         _choice("position_schemes", self.position_schemes, POSITION_SCHEMES.names())
+        _choice("attention_modifiers", self.attention_modifiers, list(ATTENTION_MODIFIERS))
         for name, low in (("batch_size", 1), ("repeats", 1), ("warmup", 0), ("new_tokens", 2), ("matmul_size", 64)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be at least {low}")

@@ -92,23 +92,26 @@ def _joined(values) -> str:
 
 
 def variants_tables(results: dict) -> list[str]:
-    """One table per (size, dtype): a row per score x scheme, tokens/s and peak memory ratios per length."""
+    """One table per (size, dtype): a row per score x scheme (and per attention modifier, in a column of its own when a
+    row has one), tokens/s and peak memory ratios per length."""
     groups: dict[tuple, dict] = {}
     for row in results.get("variants", []):
         group = groups.setdefault((row["size"], row["dtype"]), {})
-        group.setdefault((row["attention_score"], row["position_scheme"]), {})[row["seq_len"]] = row
+        key = (row["attention_score"], row["position_scheme"], row.get("attention_modifier", ""))  # "": older runs
+        group.setdefault(key, {})[row["seq_len"]] = row
     lines = []
     for (size, dtype), variants in groups.items():
         lengths = list(dict.fromkeys(length for by_length in variants.values() for length in by_length))
+        modified = any(modifier for _, _, modifier in variants)
         lines += [f"Variants, {size}, {dtype}: training step against scaled_dot + none on sdpa, same length "
                   "(tokens/s ratio [range]; scaled_dot + none against its twin is an A/A run: the noise floor).",
                   ""]  # fmt: skip
-        headers = ["attention_score", "position_scheme"]
+        headers = ["attention_score", "position_scheme", *(["attention modifier"] if modified else [])]
         for length in lengths:
             headers += [f"tokens/s, seq {length}", f"peak memory, seq {length}"]
         cells = []
-        for (score, scheme), by_length in variants.items():
-            cell = [score, scheme]
+        for (score, scheme, modifier), by_length in variants.items():
+            cell = [score, scheme, *([modifier or "-"] if modified else [])]
             for length in lengths:
                 row = by_length.get(length)
                 cell += (

@@ -124,10 +124,11 @@ def ratio_tables(results: dict) -> list[str]:
         lines += ["### Variants, training step relative to scaled_dot + none on sdpa (same size, dtype, length)", "",
                   "scaled_dot + none against its own twin is an A/A run: its spread is the noise floor.", ""]  # fmt: skip
         lines += markdown_table(
-            ["size", "dtype", "seq", "attention_score", "position_scheme", "kernel", "tokens/s", "peak memory",
-             "note"],
-            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"], r["kernel"],
-              ratio_cell(r["ratio_tokens_per_s"]), ratio_cell(r["ratio_peak_memory"]), r["note"]]
+            ["size", "dtype", "seq", "attention_score", "position_scheme", "attention modifier", "kernel", "tokens/s",
+             "peak memory", "note"],
+            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"],
+              r["attention_modifier"] or "-", r["kernel"], ratio_cell(r["ratio_tokens_per_s"]),
+              ratio_cell(r["ratio_peak_memory"]), r["note"]]
              for r in results["variants"]],
         )  # fmt: skip
     return lines
@@ -157,9 +158,10 @@ def absolute_tables(results: dict) -> list[str]:
     if results["variants"]:
         lines += ["### Variants (training step)", ""]
         lines += markdown_table(
-            ["size", "dtype", "seq", "attention_score", "position_scheme", "kernel", "capabilities", "tokens/s",
-             "peak MiB", "MFU", "baseline tokens/s", "baseline MiB"],
-            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"], r["kernel"],
+            ["size", "dtype", "seq", "attention_score", "position_scheme", "attention modifier", "kernel",
+             "capabilities", "tokens/s", "peak MiB", "MFU", "baseline tokens/s", "baseline MiB"],
+            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"],
+              r["attention_modifier"] or "-", r["kernel"],
               " ".join(r["supported_kernels"]), _rate(r["variant"]["tokens_per_s"]),
               _mib(r["variant"]["peak_memory_bytes"]), f"{r['variant']['mfu']:.1%}",
               _rate(r["baseline"]["tokens_per_s"]), _mib(r["baseline"]["peak_memory_bytes"])]

@@ -8,10 +8,15 @@ from pathlib import Path
 
 from ..capabilities import supported_kernels
 from ..positions import POSITION_SCHEMES
+from ..variants import ATTENTION_MODIFIERS
 from .arguments import BenchArguments
 from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
 from .models import build_pair, build_variant, matmul_parameters
 from .report import compare, machine, throughput, train_flops, utilisation, write
+
+
+# Every variant row is a ratio against this variant on sdpa; the attention-modifier rows are this variant plus one field.
+BASELINE = {"attention_score": "scaled_dot", "position_scheme": "none"}
 
 
 def kernel_label(model, profile: Profile) -> str:
@@ -124,33 +129,45 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
 
 
 def variant_row(
-    args: BenchArguments, spec: str, baseline, score: str, scheme: str, seq_len: int, dtype: str, peak: float
+    args: BenchArguments, spec: str, baseline, variant: dict, seq_len: int, dtype: str, peak: float
 ) -> dict:
-    """One score x scheme, interleaved with `baseline` (scaled_dot + none on sdpa)."""
-    config = args.model_config(spec, attention_score=score, position_scheme=scheme)
-    variant = build_variant(config, args.seed + 1, args.device)
-    measured = measure_training(args, {"variant": variant, "baseline": baseline}, variant.config, seq_len, dtype, peak)
+    """One variant (`variant`: the config fields attention_score, position_scheme and at most one attention modifier),
+    interleaved with `baseline` (scaled_dot + none on sdpa)."""
+    config = args.model_config(spec, **variant)
+    modifier = ", ".join(f"{name}={value!r}" for name, value in variant.items() if name in ATTENTION_MODIFIERS)
+    score, scheme = variant["attention_score"], variant["position_scheme"]
+    model = build_variant(config, args.seed + 1, args.device)
+    measured = measure_training(args, {"variant": model, "baseline": baseline}, model.config, seq_len, dtype, peak)
     mine, base = measured["variant"], measured["baseline"]
     return {
         "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size, "attention_score": score,
-        "position_scheme": scheme, "kernel": mine["kernel"], "supported_kernels": supported_kernels(variant.config),
-        "note": variant_note(variant, mine["sdpa_backends"]),
+        "position_scheme": scheme, "attention_modifier": modifier, "kernel": mine["kernel"],
+        "supported_kernels": supported_kernels(model.config), "note": variant_note(model, mine["sdpa_backends"]),
         "ratio_tokens_per_s": compare(args.batch_size * seq_len, mine["seconds"], base["seconds"]),
         "ratio_peak_memory": mine["peak_memory_bytes"] / base["peak_memory_bytes"],
         **measured,
     }  # fmt: skip
 
 
+def requested_variants(args: BenchArguments) -> list[dict]:
+    """The requested variants as config fields: every score x position scheme, then, when the baseline is among them,
+    the baseline with each requested attention modifier set (`variants.ATTENTION_MODIFIERS`' value)."""
+    found = [{"attention_score": score, "position_scheme": scheme}
+             for score in args.attention_scores for scheme in args.position_schemes]  # fmt: skip
+    if BASELINE in found:
+        found += [BASELINE | {name: ATTENTION_MODIFIERS[name]} for name in args.attention_modifiers]
+    return found
+
+
 def variant_rows(args: BenchArguments, spec: str, peaks: dict) -> list[dict]:
-    """Every requested score x position scheme against scaled_dot + none on sdpa, per dtype and length."""
+    """Every requested variant against scaled_dot + none on sdpa, per dtype and length."""
     rows = []
     for dtype in args.dtypes:
         for seq_len in args.seq_lens:
-            baseline = build_variant(args.model_config(spec, position_scheme="none"), args.seed, args.device, "sdpa")
+            baseline = build_variant(args.model_config(spec, **BASELINE), args.seed, args.device, "sdpa")
             peak = peaks[dtype]["flops_per_s"]
-            for score in args.attention_scores:
-                for scheme in args.position_schemes:
-                    rows.append(variant_row(args, spec, baseline, score, scheme, seq_len, dtype, peak))
+            for variant in requested_variants(args):
+                rows.append(variant_row(args, spec, baseline, variant, seq_len, dtype, peak))
             gc.collect()  # a full collection costs ~0.3 s: once per group, for anything a reference cycle kept alive
     return rows
 

@@ -274,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(prog="plugformer plot", description=__doc__.splitlines()[0])
     commands = main_parser.add_subparsers(dest="command", required=True)
     positions = commands.add_parser("positions", help="score bias per head vs key − query distance")
-    positions.add_argument("--model", required=True, help="a saved plugformer model (alibi, t5_bias, clamped_bias)")
+    positions.add_argument("--model", required=True, help=f"a saved plugformer model ({', '.join(bias_schemes())})")
     positions.add_argument("--max_distance", type=int, default=32)
     positions.add_argument("--stack", choices=("encoder", "decoder"), default=None, help="of a seq2seq model")
     positions.add_argument("--output", default="position_bias.png")
