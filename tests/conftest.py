@@ -43,11 +43,38 @@ def build(config: PlugformerConfig, kernel: str = "eager", seed: int = 0) -> Plu
 # too while there are at least as many schemes), read from the registries.
 DOT_PRODUCT_SCORES = [name for name in SCORES if plugformer.ATTENTION_SCORES.get(name).dot_product]
 FLEX_REPRESENTATIVES = {(DOT_PRODUCT_SCORES[i % len(DOT_PRODUCT_SCORES)], scheme) for i, scheme in enumerate(SCHEMES)}
+BIAS_SCHEMES = [name for name in SCHEMES if plugformer.POSITION_SCHEMES.get(name).has_bias]
+PLAIN_SCHEMES = [name for name in SCHEMES if name not in BIAS_SCHEMES]
+
+
+def default_pairs() -> set[tuple[str, str]]:
+    """The (score, scheme) pairs the default run checks; the whole grid runs with `-m slow`.
+
+    Every score meets `rope` and a score-bias scheme (taken in turn), every scheme meets `scaled_dot` and another score
+    (taken in turn): each variant of either axis runs through every shared check, with each kernel it declares, on the
+    two position paths (rotary and bias) and the two score paths (fused dot product and the chunked additive kernel)
+    that the kernels take, at about half the grid's cost. Read from the registries, so a new variant joins them.
+    """
+    pairs = {(score, "rope") for score in SCORES} | {("scaled_dot", scheme) for scheme in SCHEMES}
+    pairs |= {(score, BIAS_SCHEMES[i % len(BIAS_SCHEMES)]) for i, score in enumerate(SCORES)}
+    others = [score for score in SCORES if score != "scaled_dot"]
+    pairs |= {(others[i % len(others)], scheme) for i, scheme in enumerate(SCHEMES)}
+    return pairs
+
+
+DEFAULT_PAIRS = default_pairs()
+# the one flex row of a representative suite run by default: a cold compile costs 10-75 s on the CPU, and a score-bias
+# scheme is the one that goes through plugformer's own score_mod
+DEFAULT_FLEX = next(pair for pair in sorted(FLEX_REPRESENTATIVES) if pair[1] in BIAS_SCHEMES)
 
 
 def combinations(kernels=None, all_flex=True, **overrides) -> list:
     """pytest params for every valid (score, scheme, kernel), id `score-scheme-kernel`; with `all_flex=False`,
-    flex_attention only for `FLEX_REPRESENTATIVES`."""
+    flex_attention only for `FLEX_REPRESENTATIVES`, of which `DEFAULT_FLEX` runs by default.
+
+    Pairs outside `DEFAULT_PAIRS`, and flex rows other than `DEFAULT_FLEX` of a representative suite, are marked
+    `slow`: `-m slow` runs them, a plain run skips them.
+    """
     params = []
     for score in SCORES:
         for scheme in SCHEMES:
@@ -56,8 +83,18 @@ def combinations(kernels=None, all_flex=True, **overrides) -> list:
                     continue
                 if kernel == "flex_attention" and not all_flex and (score, scheme) not in FLEX_REPRESENTATIVES:
                     continue
-                params.append(pytest.param(score, scheme, kernel, id=f"{score}-{scheme}-{kernel}"))
+                slow = (score, scheme) not in DEFAULT_PAIRS
+                slow |= kernel == "flex_attention" and not all_flex and (score, scheme) != DEFAULT_FLEX
+                marks = (pytest.mark.slow,) if slow else ()
+                params.append(pytest.param(score, scheme, kernel, id=f"{score}-{scheme}-{kernel}", marks=marks))
     return params
+
+
+def variants() -> list:
+    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`."""
+    return [pytest.param((score, scheme), id=f"{score}-{scheme}",
+                         marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
+            for score in SCORES for scheme in SCHEMES]  # fmt: skip
 
 
 def trainable_on_this_device(kernel: str) -> bool:

@@ -15,7 +15,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import SCHEMES, SCORES, tiny_config
+from conftest import tiny_config, variants
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.utils import logging
@@ -35,7 +35,7 @@ from plugformer import (
 
 logging.disable_progress_bar()
 
-VARIANTS = [pytest.param((score, scheme), id=f"{score}-{scheme}") for score in SCORES for scheme in SCHEMES]
+VARIANTS = variants()  # the full grid with -m slow
 BATCH, LENGTH, TARGET = 2, 7, 5
 
 
@@ -324,7 +324,7 @@ def test_config_signature_names_the_fields_with_their_defaults():
     assert {"attention_score", "position_scheme", "hidden_size", "num_attention_heads"} <= set(parameters)
 
 
-@pytest.mark.parametrize(("score", "scheme"), [variant.values[0] for variant in VARIANTS])
+@pytest.mark.parametrize(("score", "scheme"), [pytest.param(*v.values[0], id=v.id, marks=v.marks) for v in VARIANTS])
 def test_config_round_trips(score, scheme, tmp_path):
     """to_dict/from_dict, to_json_file/from_json_file and save/from_pretrained give the same config; a config built
     from the signature's keywords is the config asked for."""

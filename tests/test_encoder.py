@@ -20,6 +20,9 @@ from plugformer import (
 
 ATOL = 1e-5
 ENCODERS = combinations(all_flex=False, is_causal=False)
+# flex with a padding mask is an xfail here (below): its rows cost 20-75 s of compiling each, so they run with -m slow
+ENCODERS_PADDED = [pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
+                   if p.values[2] == "flex_attention" else p for p in ENCODERS]  # fmt: skip
 
 
 def encoder(score, scheme, kernel="eager", head=PlugformerForMaskedLM, seed=0, **overrides):
@@ -45,7 +48,7 @@ def test_every_token_sees_later_tokens(score, scheme, kernel, tokens):
     assert (after[:, :-1] - before[:, :-1]).abs().max() > 1e-6
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ENCODERS)
+@pytest.mark.parametrize("score,scheme,kernel", ENCODERS_PADDED)
 def test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, request):
     """Right padding (BERT's habit) and left padding both leave the real tokens' outputs unchanged."""
     if kernel == "flex_attention":

@@ -15,7 +15,7 @@ import torch
 from conftest import build, combinations, tiny_config
 from transformers import DynamicCache
 
-from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
+from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
 from plugformer.training.pretrain import pack
 
 
@@ -23,14 +23,10 @@ ATOL = 1e-5
 
 
 def variants() -> list:
-    """Every (score, scheme, kernel), flex_attention on the combination suite's representatives. A cold compile of
-    flex costs 13-40 s per representative on the CPU: one runs by default (the first with a score bias: the bias in
-    `score_mod`, the documents in `mask_mod`), the others with `-m slow`."""
-    params = combinations(all_flex=False)
-    flex = [p for p in params if p.values[2] == "flex_attention"]
-    fast = next((p for p in flex if POSITION_SCHEMES.get(p.values[1]).has_bias), None)
-    return [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) if p in flex and p is not fast else p
-            for p in params]  # fmt: skip
+    """Every (score, scheme, kernel), flex_attention on the combination suite's representatives: by default the
+    conftest's `DEFAULT_PAIRS` and its one flex row `DEFAULT_FLEX` (a score bias: the bias in `score_mod`, the
+    documents in `mask_mod`; a cold compile costs 13-40 s per representative on the CPU), the rest with `-m slow`."""
+    return combinations(all_flex=False)
 
 
 # Two rows packed differently (so the document index is read per row): 3 documents, then 2.
