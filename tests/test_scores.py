@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import build, tiny_config
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from plugformer import ATTENTION_SCORES, kernels
@@ -117,6 +118,47 @@ def test_cosine_starts_at_the_papers_scale_and_bounds_the_logits():
     key = score.prepare_key(1e3 * torch.randn(1, 4, 5, 8))
     logits = query @ key.transpose(2, 3)
     assert logits.abs().max() <= math.log2(64 * 63) + 1e-4
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_the_value_and_output_hooks_run_after_the_cache_and_before_o_proj(kernel, tokens, monkeypatch):
+    """`prepare_value` widens the values the kernel gets (here to [v, 2v], `value_width` 2) and `prepare_output` folds
+    the kernel's output back before `o_proj` (here (o₁ + o₂) / 3 = o): the logits stay those of the model without
+    the hooks, in causal self-attention (full forward and cached decoding, the cache holding the d_k-wide projected
+    values) and in a seq2seq decoder's cross-attention."""
+    from plugformer import PlugformerForConditionalGeneration
+
+    calls = []
+
+    def widen(self, value):
+        calls.append("value")
+        return torch.cat([value, 2 * value], dim=-1)  # (B, H_kv, K, 2·D)
+
+    def fold(self, output):
+        calls.append("output")
+        return (output[..., : self.head_dim] + output[..., self.head_dim :]) / 3  # (B, Q, H, D)
+
+    config = tiny_config("scaled_dot", "rope")
+    seq2seq_config = tiny_config("scaled_dot", "rope", is_encoder_decoder=True, pad_token_id=0)
+    seq2seq_config._attn_implementation = kernel
+    with torch.no_grad():
+        expected = build(config, kernel)(tokens).logits
+        torch.manual_seed(0)
+        expected_seq2seq = PlugformerForConditionalGeneration(seq2seq_config).eval()(tokens, decoder_input_ids=tokens)
+        score = ATTENTION_SCORES.get("scaled_dot")
+        for name, value in (("value_width", 2), ("prepare_value", widen), ("prepare_output", fold)):
+            monkeypatch.setattr(score, name, value)
+        model = build(config, kernel)
+        torch.testing.assert_close(model(tokens).logits, expected, atol=1e-5, rtol=0)
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(tokens.shape[1])]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+        assert cache.layers[0].values.shape[-1] == config.head_dim
+        torch.manual_seed(0)
+        hooked = PlugformerForConditionalGeneration(seq2seq_config).eval()(tokens, decoder_input_ids=tokens)
+        torch.testing.assert_close(hooked.logits, expected_seq2seq.logits, atol=1e-5, rtol=0)
+    # 2 layers: full forward + 12 steps; seq2seq: 2 encoder, 2 decoder self- and 2 cross-attention layers
+    assert calls.count("value") == calls.count("output") == 2 * (1 + tokens.shape[1]) + 6
 
 
 class _Recorder:

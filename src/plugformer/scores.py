@@ -2,8 +2,10 @@
 
 A score function turns projected queries and keys into what a kernel consumes, and says which kernels can
 compute it. Inside attention the order is fixed: project -> rotate (position) -> `prepare_query`/`prepare_key` (this
-module) -> cache update -> kernel. Preparation runs *before* the cache update, so the cache holds keys exactly as the kernel
-consumes them and cached decoding equals the full forward.
+module) -> cache update -> `prepare_value` -> kernel -> `prepare_output` -> o_proj. Query and key preparation runs
+*before* the cache update, so the cache holds keys exactly as the kernel consumes them and cached decoding equals the
+full forward; `prepare_value` runs after it (the cache holds the projected values), `prepare_output` on the kernel's
+output (the identity unless a score changes the output side).
 
 - `dot`: e = q·k (scaling 1);
 - `scaled_dot`: e = q·k / sqrt(d_k) (Vaswani et al. 2017);
@@ -51,19 +53,31 @@ class AttentionScore(ConfigHooks, nn.Module):
     Class attributes:
         dot_product (`bool`): the score is a (scaled) dot product of the prepared query and key, so transformers'
             fused kernels (`sdpa`, `flex_attention`, flash) compute it exactly.
+        value_width (`int`, defaults to 1): the values the kernel gets (`prepare_value`) are `value_width · head_dim`
+            wide; a kernel computes a score with `value_width > 1` only where its record declares `wide_values`
+            (`capabilities.KernelSpec`).
+        tensor_parallel (`bool`, defaults to `True`): whether tensor parallelism computes this score exactly; a score
+            whose parameters are not per head, or that combines heads another rank may hold, says `False` and is
+            refused under `tp_plan`.
         eager_kernel (`Callable`): the attention function used when `attn_implementation="eager"`.
+
+    The output side has hooks too: `prepare_value` (after the cache update: the cache holds the projected values)
+    and `prepare_output` (the kernel's output, before the heads are merged for `o_proj`); both are the identity here.
 
     The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
     """
 
     dot_product = True
+    value_width = 1
+    tensor_parallel = True
     eager_kernel: Callable = staticmethod(eager_attention_forward)
 
-    def __init__(self, config: PlugformerConfig):
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.layer_idx = layer_idx  # the block's index (a score may depend on depth)
 
     @property
     def scaling(self) -> float:
@@ -83,6 +97,16 @@ class AttentionScore(ConfigHooks, nn.Module):
     def prepare_key(self, key: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, K, D) -> the key the kernel consumes (and the cache stores)."""
         return key
+
+    def prepare_value(self, value: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, K, D) -> the values the kernel consumes, (B, H_kv, K, `value_width`·D); applied after the cache
+        update, so the cache holds the projected values."""
+        return value
+
+    def prepare_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The kernel's output (B, Q, H, `value_width`·D) -> (B, Q, ·, ·) whose merged last two dims (H·D) `o_proj`
+        reads."""
+        return output
 
     def kernel_kwargs(self) -> dict:
         """Extra keyword arguments for the kernel (e.g. the additive energy vector)."""
@@ -115,8 +139,8 @@ class MultiplicativeScore(AttentionScore):
     runs it. Initialised to I / sqrt(d_k): training starts from scaled dot-product attention.
     """
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
 
     def prepare_query(self, query):
@@ -139,8 +163,8 @@ class CosineScore(AttentionScore):
     L = `max_position_embeddings` (the longest sequence the model is configured for).
     """
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.scale = nn.Parameter(torch.empty(self.num_heads))
 
     def prepare_query(self, query):
@@ -169,8 +193,8 @@ class AdditiveScore(AttentionScore):
     eager_kernel: Callable = staticmethod(additive_attention_forward)
     config_fields = ("additive_chunk_size",)  # a positive int or None, as every size field (`PlugformerConfig`)
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.query_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
         self.key_weight = nn.Parameter(torch.empty(self.num_key_value_heads, self.head_dim, self.head_dim))
         self.energy = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
