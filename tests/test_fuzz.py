@@ -204,6 +204,11 @@ def violations(fields: dict, kernel: str | None) -> tuple[list[set[str]], list[s
         must.append({"pad_token_id", "is_encoder_decoder"})
     if kernel not in (None, "eager") and values["attention_score"] == "additive":
         must.append({"attn_implementation", "attention_score"})
+    if values["attention_score"] == "differential":  # pairs of key/value heads; no dropout of a difference of maps
+        if fine("num_attention_heads", "num_key_value_heads") and (heads if kv_heads is None else kv_heads) % 2:
+            must.append({"num_key_value_heads", "attention_score"})
+        if fine("attention_dropout") and values["attention_dropout"] != 0:
+            must.append({"attention_dropout", "attention_score"})
     return must, may
 
 

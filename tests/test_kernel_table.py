@@ -28,6 +28,12 @@ def biased(scheme: str) -> bool:
     return POSITION_SCHEMES.get(scheme).has_bias
 
 
+def plain_dot_product(score: str) -> bool:
+    """A dot product whose values are as wide as its queries and keys: what every kernel in transformers' interface
+    computes."""
+    return dot_product(score) and ATTENTION_SCORES.get(score).value_width == 1
+
+
 @pytest.fixture
 def kernel_name(request):
     """A fresh kernel name, removed from both plugformer's and transformers' tables afterwards."""
@@ -50,8 +56,10 @@ def test_the_table_lists_what_each_kernel_computes():
     for name in ("sdpa", "flex_attention"):
         assert (KERNELS.get(name).scores, KERNELS.get(name).bias) == ("dot_product", "relative")
     assert KERNELS.get("flash_attention_3").bias == "none"
+    assert KERNELS.taking_wide_values() == ["eager", "sdpa", "flex_attention"]
     # a name without a record: what every function in transformers' interface computes, no more
     assert (KERNELS.get("vllm").scores, KERNELS.get("vllm").bias) == ("dot_product", "none")
+    assert not KERNELS.get("vllm").wide_values
 
 
 def test_the_combination_matrix_is_read_from_the_records():
@@ -61,6 +69,7 @@ def test_the_combination_matrix_is_read_from_the_records():
         expected = [
             name for name in KERNELS
             if (KERNELS.get(name).scores == "any" or dot_product(score))
+            and (KERNELS.get(name).wide_values or ATTENTION_SCORES.get(score).value_width == 1)
             and (KERNELS.get(name).bias in ("relative", "dense")
                  or (KERNELS.get(name).bias == "none" and not biased(scheme))
                  or (KERNELS.get(name).bias == "alibi" and scheme == "alibi"))
@@ -81,7 +90,7 @@ def test_records_refuse_unknown_capabilities_and_duplicates():
 
 
 FOREIGN_REFUSED = [
-    (score, scheme) for score in SCORES for scheme in SCHEMES if not dot_product(score) or biased(scheme)
+    (score, scheme) for score in SCORES for scheme in SCHEMES if not plain_dot_product(score) or biased(scheme)
 ]
 
 
@@ -164,8 +173,8 @@ def test_a_kernel_adding_alibi_itself_computes_alibi_only_and_gets_no_bias(kerne
     for score in SCORES:
         for scheme in SCHEMES:
             reason = spec.unsupported_reason(tiny_config(score, scheme))
-            assert (reason is None) == (dot_product(score) and scheme == "alibi"), (score, scheme, reason)
-            if scheme != "alibi" and dot_product(score):
+            assert (reason is None) == (plain_dot_product(score) and scheme == "alibi"), (score, scheme, reason)
+            if scheme != "alibi" and plain_dot_product(score):
                 assert f"position_scheme={scheme!r}" in reason
     received = []
 
@@ -223,3 +232,19 @@ def test_a_kernel_that_masks_by_itself_is_refused_a_sliding_window():
         assert "self_masking_test" not in KERNELS.windowing()
     finally:
         KERNELS._table.pop("self_masking_test")
+
+
+def test_a_score_with_wide_values_runs_only_on_kernels_declaring_them(kernel_name, monkeypatch):
+    """A score whose `prepare_value` widens the values (`value_width` 2, as differential attention's) is refused, naming
+    the field, by every kernel whose record does not declare `wide_values`: flash-attn's, one registered without it,
+    an engine's without a record."""
+    from plugformer.capabilities import unsupported_reason
+
+    monkeypatch.setattr(ATTENTION_SCORES.get("scaled_dot"), "value_width", 2)
+    config = tiny_config("scaled_dot", "rope")
+    register_attention_kernel(kernel_name, sdpa_attention_forward)
+    for kernel in ("flash_attention_2", kernel_name, "vllm"):
+        reason = unsupported_reason(config, kernel)
+        assert "attention_score='scaled_dot'" in reason and "2·head_dim wide" in reason, (kernel, reason)
+        assert "['eager', 'sdpa', 'flex_attention']" in reason
+    assert supported_kernels(config) == ["eager", "sdpa", "flex_attention"]

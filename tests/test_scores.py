@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import build, tiny_config
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from plugformer import ATTENTION_SCORES, kernels
@@ -55,6 +56,65 @@ REFERENCE_SCORES = {
 }
 
 
+# differential: one pair of query heads (maps 1 and 2) over two key/value heads, d_k = 2, the second layer
+Q2 = [[-0.5, 1.0], [2.0, 0.5], [0.0, -1.5]]  # the second map's queries (query head 1); Q is the first's (head 0)
+K2 = [[1.0, 1.0], [-0.5, 2.0], [0.5, -1.0]]  # key/value head 1's keys; K is head 0's
+V2 = [[0.5, -1.0], [2.0, 0.0], [-1.0, 1.0]]  # key/value head 1's values; head 0's are V1
+V1 = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+LAMBDAS = {"lambda_q1": [0.3, -0.2], "lambda_k1": [0.5, 0.4], "lambda_q2": [-0.1, 0.6], "lambda_k2": [0.2, 0.3]}
+EPS = 1e-6  # the tiny preset's rms_norm_eps
+
+
+def differential_reference(layer_idx: int = 1):
+    """(1 − λ_init) · RMSNorm((softmax(q1·k1/√2) − λ softmax(q2·k2/√2)) [v1, v2]) row by row in Python floats, with
+    λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init and λ_init = 0.8 − 0.6·exp(−0.3·layer_idx) (Ye et al. 2024, §2)."""
+
+    def softmax(logits):
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        return [w / sum(weights) for w in weights]
+
+    lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+    lam = math.exp(dot(LAMBDAS["lambda_q1"], LAMBDAS["lambda_k1"])) - math.exp(
+        dot(LAMBDAS["lambda_q2"], LAMBDAS["lambda_k2"])
+    )
+    lam += lambda_init
+    values = [v1 + v2 for v1, v2 in zip(V1, V2, strict=True)]  # (K, 4): [v1, v2]
+    out = []
+    for q1, q2 in zip(Q, Q2, strict=True):
+        first = softmax([dot(q1, k) / math.sqrt(2) for k in K])
+        second = softmax([dot(q2, k) / math.sqrt(2) for k in K2])
+        row = [sum((a - lam * b) * v[c] for a, b, v in zip(first, second, values, strict=True)) for c in range(4)]
+        rms = math.sqrt(sum(x * x for x in row) / 4 + EPS)
+        out.append([(1 - lambda_init) * x / rms for x in row])
+    return torch.tensor([out])  # (1, Q, 2·D) for the one differential head
+
+
+def run_differential(kernel: str, layer_idx: int = 1):
+    """The score's hooks around a kernel call, as the attention layer makes them."""
+    config = tiny_config("differential", "none", num_attention_heads=2, num_key_value_heads=2, hidden_size=4)
+    score = ATTENTION_SCORES.get("differential")(config, layer_idx)
+    with torch.no_grad():
+        for name, vector in LAMBDAS.items():
+            getattr(score, name).copy_(torch.tensor(vector))
+    module = SimpleNamespace(num_key_value_groups=1, training=False, is_causal=False, config=config)
+    query = score.prepare_query(torch.tensor([Q, Q2])[None])  # (1, 2, 3, 2)
+    key = score.prepare_key(torch.tensor([K, K2])[None])
+    value = score.prepare_value(torch.tensor([V1, V2])[None])  # (1, 2, 3, 4)
+    function = score.eager_kernel if kernel == "eager" else sdpa_attention_forward
+    out, _ = function(module, query, key, value, None, scaling=score.scaling, **score.kernel_kwargs())
+    return score.prepare_output(out)[:, :, 0]  # (1, Q, 2·D) of the single differential head
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_differential_matches_formula(kernel):
+    torch.testing.assert_close(run_differential(kernel), differential_reference(), atol=1e-6, rtol=0)
+
+
+# scores whose reference is not one e(q, k) per pair of a query and a key
+OUTPUT_REFERENCES = {"differential": differential_reference}
+
+
 def score_with_weights(name):
     config = tiny_config(name, "none", num_attention_heads=1, num_key_value_heads=1, hidden_size=2)
     score = ATTENTION_SCORES.get(name)(config)
@@ -94,7 +154,7 @@ def test_dot_product_scores_run_exactly_on_sdpa(name):
 
 
 def test_every_registered_score_has_a_reference():
-    assert set(ATTENTION_SCORES.names()) == set(REFERENCE_SCORES)
+    assert set(ATTENTION_SCORES.names()) == set(REFERENCE_SCORES) | set(OUTPUT_REFERENCES)
 
 
 def test_multiplicative_starts_as_scaled_dot():
@@ -117,6 +177,47 @@ def test_cosine_starts_at_the_papers_scale_and_bounds_the_logits():
     key = score.prepare_key(1e3 * torch.randn(1, 4, 5, 8))
     logits = query @ key.transpose(2, 3)
     assert logits.abs().max() <= math.log2(64 * 63) + 1e-4
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_the_value_and_output_hooks_run_after_the_cache_and_before_o_proj(kernel, tokens, monkeypatch):
+    """`prepare_value` widens the values the kernel gets (here to [v, 2v], `value_width` 2) and `prepare_output` folds
+    the kernel's output back before `o_proj` (here (o₁ + o₂) / 3 = o): the logits stay those of the model without
+    the hooks, in causal self-attention (full forward and cached decoding, the cache holding the d_k-wide projected
+    values) and in a seq2seq decoder's cross-attention."""
+    from plugformer import PlugformerForConditionalGeneration
+
+    calls = []
+
+    def widen(self, value):
+        calls.append("value")
+        return torch.cat([value, 2 * value], dim=-1)  # (B, H_kv, K, 2·D)
+
+    def fold(self, output):
+        calls.append("output")
+        return (output[..., : self.head_dim] + output[..., self.head_dim :]) / 3  # (B, Q, H, D)
+
+    config = tiny_config("scaled_dot", "rope")
+    seq2seq_config = tiny_config("scaled_dot", "rope", is_encoder_decoder=True, pad_token_id=0)
+    seq2seq_config._attn_implementation = kernel
+    with torch.no_grad():
+        expected = build(config, kernel)(tokens).logits
+        torch.manual_seed(0)
+        expected_seq2seq = PlugformerForConditionalGeneration(seq2seq_config).eval()(tokens, decoder_input_ids=tokens)
+        score = ATTENTION_SCORES.get("scaled_dot")
+        for name, value in (("value_width", 2), ("prepare_value", widen), ("prepare_output", fold)):
+            monkeypatch.setattr(score, name, value)
+        model = build(config, kernel)
+        torch.testing.assert_close(model(tokens).logits, expected, atol=1e-5, rtol=0)
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(tokens.shape[1])]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+        assert cache.layers[0].values.shape[-1] == config.head_dim
+        torch.manual_seed(0)
+        hooked = PlugformerForConditionalGeneration(seq2seq_config).eval()(tokens, decoder_input_ids=tokens)
+        torch.testing.assert_close(hooked.logits, expected_seq2seq.logits, atol=1e-5, rtol=0)
+    # 2 layers: full forward + 12 steps; seq2seq: 2 encoder, 2 decoder self- and 2 cross-attention layers
+    assert calls.count("value") == calls.count("output") == 2 * (1 + tokens.shape[1]) + 6
 
 
 class _Recorder:

@@ -92,7 +92,8 @@ def measured(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
         path = root / entry["name"]
         model.save_pretrained(path)
         entry["parameters"] = {name: list(param.shape) for name, param in model.named_parameters()}
-        manifest.append({**{k: v for k, v in entry.items() if k != "config"}, "path": str(path)})
+        variants = {"score": entry["config"].attention_score, "scheme": entry["config"].position_scheme}
+        manifest.append({**{k: v for k, v in entry.items() if k != "config"}, **variants, "path": str(path)})
     (root / "manifest.json").write_text(json.dumps(manifest))
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={TP_SIZE}", "--master_addr=127.0.0.1",
@@ -119,13 +120,13 @@ def sharded_dim(name: str) -> int | None:
 
 
 def assert_equal_to_one_process(entry: dict, records: list[dict]) -> None:
-    """Equal to the one-process model on every rank; a scheme that declares `tensor_parallel = False` must instead be
-    refused at load on every rank with a ValueError naming it."""
-    scheme = entry["name"].rsplit("-", 1)[-1]
-    if scheme in POSITION_SCHEMES.names() and not POSITION_SCHEMES.get(scheme).tensor_parallel:
-        for record in records:
-            assert record.get("error") == "ValueError" and f"position_scheme={scheme!r}" in record["message"], record
-        return
+    """Equal to the one-process model on every rank; a score or scheme that declares `tensor_parallel = False` must
+    instead be refused at load on every rank with a ValueError naming it."""
+    for registry, name in ((ATTENTION_SCORES, entry["score"]), (POSITION_SCHEMES, entry["scheme"])):
+        if not registry.get(name).tensor_parallel:
+            for record in records:
+                assert record.get("error") == "ValueError" and f"{registry.axis}={name!r}" in record["message"], record
+            return
     for rank, record in enumerate(records):
         where = f"{entry['name']} on rank {rank}"
         assert "error" not in record, f"{where}: {record.get('traceback')}"
@@ -235,10 +236,25 @@ def test_score_parameters_are_per_head(score):
     """The contract the plan's `layers.*.self_attn.score` rule relies on: every score parameter is split on dim 0
     into heads; out of tensor parallelism `local` hands the parameter itself back."""
     config = tiny(score)
+    if not ATTENTION_SCORES.get(score).tensor_parallel:  # refused under tp_plan instead (see the next test)
+        return
     module = ATTENTION_SCORES.get(score)(config)
     for name, param in module.named_parameters():
         assert param.shape[0] in (config.num_attention_heads, config.num_key_value_heads), (name, param.shape)
         assert module.local(param) is param
+
+
+@pytest.mark.parametrize("registry", [ATTENTION_SCORES, POSITION_SCHEMES], ids=lambda registry: registry.axis)
+def test_variants_declaring_no_tensor_parallelism_are_refused_under_it(registry, monkeypatch):
+    """A score or scheme that says `tensor_parallel = False` is refused, naming its field, once `from_pretrained`
+    has set a tensor-parallel `distributed_config`; without one it builds."""
+    name = {"attention_score": "scaled_dot", "position_scheme": "rope"}[registry.axis]
+    monkeypatch.setattr(registry.get(name), "tensor_parallel", False)
+    plugformer.PlugformerForCausalLM(tiny())
+    config = tiny()
+    config.distributed_config = DistributedConfig(tp_size=TP_SIZE)
+    with pytest.raises(ValueError, match=rf"{registry.axis}={name!r} cannot run with tensor parallelism \(tp_size=2\)"):
+        plugformer.PlugformerForCausalLM(config)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

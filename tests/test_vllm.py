@@ -241,10 +241,10 @@ def test_vllm_generates_what_transformers_generates_or_refuses(score, scheme, ch
         if reason is None:
             raise
         assert f"attention_score={score!r}" in reason or f"position_scheme={scheme!r}" in reason
-        # refused exactly where the kernel table says a dot product without a bias cannot compute the variant
-        assert (not plugformer.ATTENTION_SCORES.get(score).dot_product) or plugformer.POSITION_SCHEMES.get(
-            scheme
-        ).has_bias
+        # refused exactly where the kernel table says vLLM's kernel (no record: a plain dot product without a bias)
+        # cannot compute the variant
+        config = PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **SIZES)
+        assert plugformer.capabilities.unsupported_reason(config, "vllm") is not None
         return
     identical = tokens == expected
     TABLE[f"{score}+{scheme}"] = {

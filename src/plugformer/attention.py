@@ -1,9 +1,10 @@
 """Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
 
     project (-> QK-norm) -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache
-    update -> kernel (+ the position bias)
+    update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` -> merge heads -> o_proj
 
-The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward. The kernel is
+The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward; it holds the
+projected values, which `prepare_value` (a function of each key slot's own values) turns into the kernel's. The kernel is
 looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked against the kernel table.
 """
 
@@ -16,17 +17,42 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 from .biases import RelativeBias
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
 from .compat import renamed_cache_kwarg
-from .configuration import PlugformerConfig
+from .configuration import VARIANT_REGISTRIES, PlugformerConfig
 from .layers import RMSNorm
-from .positions import POSITION_SCHEMES, apply_rotary
+from .positions import apply_rotary
 from .scores import ATTENTION_SCORES
+
+
+def check_tensor_parallel(config: PlugformerConfig) -> None:
+    """Raises a `ValueError` if tensor parallelism (`from_pretrained(tp_plan=...)`, which sets
+    `config.distributed_config.tp_size`) cannot compute `config`'s attention exactly: a score or position scheme that
+    declares `tensor_parallel = False`, or key/value heads the ranks cannot share out whole."""
+    tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)
+    for registry in VARIANT_REGISTRIES:
+        name = getattr(config, registry.axis)
+        if tp_size > 1 and not registry.get(name).tensor_parallel:
+            raise ValueError(
+                f"{registry.axis}={name!r} cannot run with tensor parallelism (tp_size={tp_size}): its parameters are "
+                "not sharded per head (or it combines heads that other ranks hold), so each rank would compute or "
+                "train with the wrong heads' share; train it without tp_plan"
+            )
+    if config.num_key_value_heads % tp_size:
+        # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
+        # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
+        # instead would change the group arithmetic of every kernel and the cache layout. The query heads, a
+        # multiple of the key/value heads, split whenever these do.
+        raise ValueError(
+            f"num_key_value_heads={config.num_key_value_heads} cannot be split over tp_size={tp_size} tensor-"
+            f"parallel ranks: each rank must hold whole key/value heads; use a tp_size that divides "
+            f"{config.num_key_value_heads}, or a model with more key/value heads"
+        )
 
 
 class PlugformerAttention(nn.Module):
     """Multi-head self-attention with GQA/MQA; the score function and the kernel are plugged in.
 
-    Order (fixed): project -> rotate (RoPE) -> score `prepare_query`/`prepare_key` -> cache update -> kernel
-    (+ position bias).
+    Order (fixed): project -> rotate (RoPE) -> score `prepare_query`/`prepare_key` -> cache update -> score
+    `prepare_value` -> kernel (+ position bias) -> score `prepare_output` -> o_proj.
     """
 
     def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True):
@@ -37,23 +63,7 @@ class PlugformerAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
         self.is_causal = is_causal
-        tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)  # set by from_pretrained(tp_plan=)
-        if tp_size > 1 and not POSITION_SCHEMES.get(config.position_scheme).tensor_parallel:
-            raise ValueError(
-                f"position_scheme={config.position_scheme!r} cannot run with tensor parallelism (tp_size={tp_size}): "
-                "its per-head parameters are not sharded, and each rank would train only its own heads' entries; "
-                "train it without tp_plan"
-            )
-        if config.num_key_value_heads % tp_size:
-            # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
-            # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
-            # instead would change the group arithmetic of every kernel and the cache layout. The query heads, a
-            # multiple of the key/value heads, split whenever these do.
-            raise ValueError(
-                f"num_key_value_heads={config.num_key_value_heads} cannot be split over tp_size={tp_size} tensor-"
-                f"parallel ranks: each rank must hold whole key/value heads; use a tp_size that divides "
-                f"{config.num_key_value_heads}, or a model with more key/value heads"
-            )
+        check_tensor_parallel(config)
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
@@ -65,7 +75,7 @@ class PlugformerAttention(nn.Module):
         self.k_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
         # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
-        self.score = ATTENTION_SCORES.get(config.attention_score)(config)
+        self.score = ATTENTION_SCORES.get(config.attention_score)(config, layer_idx)
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
@@ -151,6 +161,7 @@ class PlugformerAttention(nn.Module):
         query, key = self.score.prepare_query(query), self.score.prepare_key(key)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+        value = self.score.prepare_value(value)  # (B, H_kv, K, value_width·D)
         if position_bias is not None and position_bias.shape[0] != query.shape[1]:
             # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
             # rank holds the query heads [rank·H_local, (rank + 1)·H_local) that the column-parallel q_proj left it.
@@ -164,7 +175,7 @@ class PlugformerAttention(nn.Module):
             self, query, key, value, attention_mask, scaling=self.scaling,
             **self.kernel_kwargs(query, key, position_bias, kwargs),
         )  # fmt: skip
-        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights
+        return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights
 
 
 class PlugformerCrossAttention(PlugformerAttention):
@@ -196,8 +207,9 @@ class PlugformerCrossAttention(PlugformerAttention):
             if cache is not None:
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True
+        value = self.score.prepare_value(value)  # (B, H_kv, S, value_width·D)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling, **self.kernel_kwargs(query, key, None, kwargs)
         )  # fmt: skip
-        return self.o_proj(self.merge_heads(attn_output, query)), attn_weights
+        return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights

@@ -14,7 +14,9 @@ model asks the table, never a kernel's name:
 | `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
 Logit soft-capping (`attn_logit_softcapping`) runs where a record declares `softcap` (`eager`, `flex_attention`),
-attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`, `sdpa`).
+attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`, `sdpa`), a score whose values are wider than
+its queries and keys (`AttentionScore.value_width`) where it declares `wide_values` (`eager`, `sdpa`,
+`flex_attention`; flash-attn kernels take one head dim for q, k and v).
 
 A kernel plugformer has no record of (registered with `transformers.AttentionInterface.register`, a Hub kernel, or
 an engine's own such as vLLM's "vllm") is taken for what transformers' interface promises and no more: a dot
@@ -68,6 +70,8 @@ class KernelSpec:
             before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
         sinks (`bool`, *optional*, defaults to `False`): Adds gpt-oss's learned sink logit per head as one more key
             column in the softmax, dropped after it (`use_attention_sinks`), given an `s_aux=` `(H,)` tensor.
+        wide_values (`bool`, *optional*, defaults to `False`): Computes with values of another head dim than the
+            queries' and keys' (a score's `value_width` above 1, e.g. differential attention's 2·d_k-wide values).
         sliding_window (`bool`, *optional*, defaults to `True`): Applies the attention mask plugformer builds, so a
             `sliding_window` (part of that mask) is computed; `False` for a kernel that masks by itself (an engine's,
             such as vLLM's, which windows only by its own settings) and for kernels without a record.
@@ -81,6 +85,7 @@ class KernelSpec:
     function: Callable | None = None
     softcap: bool = False
     sinks: bool = False
+    wide_values: bool = False
     sliding_window: bool = True
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
@@ -93,11 +98,18 @@ class KernelSpec:
 
     def unsupported_reason(self, config: PlugformerConfig) -> str | None:
         """Why this kernel cannot compute `config`'s attention exactly, or `None` if it can."""
-        if self.scores == "dot_product" and not ATTENTION_SCORES.get(config.attention_score).dot_product:
+        score = ATTENTION_SCORES.get(config.attention_score)
+        if self.scores == "dot_product" and not score.dot_product:
             return (
                 f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
                 f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
                 "automatically when no implementation is requested)"
+            )
+        if score.value_width != 1 and not self.wide_values:
+            return (
+                f"attention_score={config.attention_score!r} gives the kernel values {score.value_width}·head_dim wide, "
+                f"which attn_implementation={self.name!r} does not take (one head dim for q, k and v); use one of "
+                f"{KERNELS.taking_wide_values()}"
             )
         if config.attn_logit_softcapping is not None and not self.softcap:
             return (
@@ -161,6 +173,10 @@ class KernelTable:
         """The kernels that apply a `sliding_window` (through plugformer's mask)."""
         return [name for name, spec in self._table.items() if spec.sliding_window]
 
+    def taking_wide_values(self) -> list[str]:
+        """The kernels that take values wider than the queries and keys (a score's `value_width` above 1)."""
+        return [name for name, spec in self._table.items() if spec.wide_values]
+
     def with_sinks(self) -> list[str]:
         """The kernels that add `use_attention_sinks`' sink logits."""
         return [name for name, spec in self._table.items() if spec.sinks]
@@ -175,10 +191,12 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, sinks=True, attention_weights=True))
-KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_forward, sinks=True))
+KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, sinks=True, wide_values=True,
+                            attention_weights=True))  # fmt: skip
+KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_forward, sinks=True,
+                            wide_values=True))  # fmt: skip
 KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward,
-                            softcap=True))  # fmt: skip
+                            softcap=True, wide_values=True))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
     KERNELS.register(KernelSpec(
@@ -196,6 +214,7 @@ def register_attention_kernel(
     bias: str = "none",
     softcap: bool = False,
     sinks: bool = False,
+    wide_values: bool = False,
     attention_weights: bool = False,
     mask: str | None = "sdpa",
 ) -> KernelSpec:
@@ -206,7 +225,7 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, softcap, sinks, attention_weights: As in [`KernelSpec`].
+        scores, bias, softcap, sinks, wide_values, attention_weights: As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one, so
@@ -216,7 +235,7 @@ def register_attention_kernel(
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
     spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function, softcap=softcap,
-                                       sinks=sinks, sliding_window=mask is not None,
+                                       sinks=sinks, wide_values=wide_values, sliding_window=mask is not None,
                                        attention_weights=attention_weights))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:

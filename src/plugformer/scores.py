@@ -2,8 +2,10 @@
 
 A score function turns projected queries and keys into what a kernel consumes, and says which kernels can
 compute it. Inside attention the order is fixed: project -> rotate (position) -> `prepare_query`/`prepare_key` (this
-module) -> cache update -> kernel. Preparation runs *before* the cache update, so the cache holds keys exactly as the kernel
-consumes them and cached decoding equals the full forward.
+module) -> cache update -> `prepare_value` -> kernel -> `prepare_output` -> o_proj. Query and key preparation runs
+*before* the cache update, so the cache holds keys exactly as the kernel consumes them and cached decoding equals the
+full forward; `prepare_value` runs after it (the cache holds the projected values), `prepare_output` on the kernel's
+output (the identity unless a score changes the output side).
 
 - `dot`: e = q·k (scaling 1);
 - `scaled_dot`: e = q·k / sqrt(d_k) (Vaswani et al. 2017);
@@ -12,7 +14,10 @@ consumes them and cached decoding equals the full forward.
 - `cosine`: e = g_h · q̂·k̂ with L2-normalised q, k and a learned scale per head (Henry et al. 2020, QK-norm);
   g is folded into the query, so it runs on every dot-product kernel with scaling 1;
 - `additive`: e = v_hᵀ tanh(W1_h q + W2_h k) (Bahdanau et al. 2015); no dot product exists, so it runs on
-  plugformer's chunked eager kernel only.
+  plugformer's chunked eager kernel only;
+- `differential`: (softmax(Q1 K1ᵀ / sqrt(d_k)) − λ softmax(Q2 K2ᵀ / sqrt(d_k))) V per pair of heads, normed per head
+  and scaled by 1 − λ_init (Ye et al. 2024, Differential Transformer); the values are 2·d_k wide, so it runs on the
+  kernels that take wide values (eager, sdpa, flex).
 """
 
 from __future__ import annotations
@@ -51,19 +56,31 @@ class AttentionScore(ConfigHooks, nn.Module):
     Class attributes:
         dot_product (`bool`): the score is a (scaled) dot product of the prepared query and key, so transformers'
             fused kernels (`sdpa`, `flex_attention`, flash) compute it exactly.
+        value_width (`int`, defaults to 1): the values the kernel gets (`prepare_value`) are `value_width · head_dim`
+            wide; a kernel computes a score with `value_width > 1` only where its record declares `wide_values`
+            (`capabilities.KernelSpec`).
+        tensor_parallel (`bool`, defaults to `True`): whether tensor parallelism computes this score exactly; a score
+            whose parameters are not per head, or that combines heads another rank may hold, says `False` and is
+            refused under `tp_plan`.
         eager_kernel (`Callable`): the attention function used when `attn_implementation="eager"`.
+
+    The output side has hooks too: `prepare_value` (after the cache update: the cache holds the projected values)
+    and `prepare_output` (the kernel's output, before the heads are merged for `o_proj`); both are the identity here.
 
     The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
     """
 
     dot_product = True
+    value_width = 1
+    tensor_parallel = True
     eager_kernel: Callable = staticmethod(eager_attention_forward)
 
-    def __init__(self, config: PlugformerConfig):
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.layer_idx = layer_idx  # the block's index (a score may depend on depth)
 
     @property
     def scaling(self) -> float:
@@ -83,6 +100,16 @@ class AttentionScore(ConfigHooks, nn.Module):
     def prepare_key(self, key: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, K, D) -> the key the kernel consumes (and the cache stores)."""
         return key
+
+    def prepare_value(self, value: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, K, D) -> the values the kernel consumes, (B, H_kv, K, `value_width`·D); applied after the cache
+        update, so the cache holds the projected values."""
+        return value
+
+    def prepare_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The kernel's output (B, Q, H, `value_width`·D) -> (B, Q, ·, ·) whose merged last two dims (H·D) `o_proj`
+        reads."""
+        return output
 
     def kernel_kwargs(self) -> dict:
         """Extra keyword arguments for the kernel (e.g. the additive energy vector)."""
@@ -115,8 +142,8 @@ class MultiplicativeScore(AttentionScore):
     runs it. Initialised to I / sqrt(d_k): training starts from scaled dot-product attention.
     """
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
 
     def prepare_query(self, query):
@@ -139,8 +166,8 @@ class CosineScore(AttentionScore):
     L = `max_position_embeddings` (the longest sequence the model is configured for).
     """
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.scale = nn.Parameter(torch.empty(self.num_heads))
 
     def prepare_query(self, query):
@@ -169,8 +196,8 @@ class AdditiveScore(AttentionScore):
     eager_kernel: Callable = staticmethod(additive_attention_forward)
     config_fields = ("additive_chunk_size",)  # a positive int or None, as every size field (`PlugformerConfig`)
 
-    def __init__(self, config: PlugformerConfig):
-        super().__init__(config)
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
         self.query_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
         self.key_weight = nn.Parameter(torch.empty(self.num_key_value_heads, self.head_dim, self.head_dim))
         self.energy = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
@@ -191,3 +218,81 @@ class AdditiveScore(AttentionScore):
         init.normal_(self.query_weight, std=std)
         init.normal_(self.key_weight, std=std)
         init.normal_(self.energy, std=std)
+
+
+def differential_lambda_init(layer_idx: int) -> float:
+    """λ_init = 0.8 − 0.6·exp(−0.3·(l − 1)) for the l-th layer, l from 1 (Ye et al. 2024, §2): `layer_idx` = l − 1."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+@ATTENTION_SCORES.register("differential")
+class DifferentialScore(AttentionScore):
+    """Differential attention (Ye et al. 2024, "Differential Transformer", §2): head pairs whose output is
+    (1 − λ_init) · RMSNorm((softmax(q1·k1 / √d_k) − λ · softmax(q2·k2 / √d_k)) [v1, v2]), with a learned λ per layer;
+    transformers' DiffLlama layout and names.
+
+    Each of the H/2 differential heads is the difference of two softmax maps over one 2·d_k-wide value,
+
+        head_j = (1 − λ_init) · RMSNorm((softmax(q1 k1ᵀ / sqrt(d_k)) − λ softmax(q2 k2ᵀ / sqrt(d_k))) [v1, v2]),
+        λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init,
+
+    with the learned (d_k,) vectors λ_q1, λ_k1, λ_q2, λ_k2 of the layer (shared by its heads) and λ_init from the depth
+    (`differential_lambda_init`). The RMSNorm has no gain (transformers' DiffLlama `groupnorm`, eps `rms_norm_eps`).
+
+    Layout, transformers' DiffLlama's (`modeling_diffllama.py`), so its checkpoints map by name (`self_attn.lambda_q1`
+    -> `self_attn.score.lambda_q1`): query heads j and j + H/2 are the two maps of differential head j, with key/value
+    heads m and m + H_kv/2 (m = j // groups), and its value is [v_m, v_{m + H_kv/2}]. `prepare_value` builds those
+    values once per key/value head (B, H_kv, K, 2·d_k), so each map is one ordinary softmax(scaling·q·k) of its query
+    head and any kernel that takes values wider than the keys computes both in one call (DiffLlama calls the kernel
+    twice, with the two value halves: the same sums); `prepare_output` takes the difference, norm and scale, giving
+    H/2 heads of 2·d_k for `o_proj`. Queries, keys, the cache and the position bias are those of H ordinary heads.
+
+    Refused (`validate_config`): an odd `num_key_value_heads` (no pairs) and `attention_dropout` > 0 (the paper
+    defines none for a difference of maps; DiffLlama refuses it too). Under tensor parallelism (`tensor_parallel`):
+    the λ vectors are no per-head parameters and heads j, j + H/2 would sit on different ranks.
+    """
+
+    value_width = 2
+    tensor_parallel = False
+    lambda_std = 0.1  # DiffLlama's `lambda_std_dev` default: λ vectors start as N(0, 0.1²)
+
+    def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        self.lambda_init = differential_lambda_init(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim))
+        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim))
+        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim))
+        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim))
+        self.groupnorm = nn.RMSNorm(2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
+
+    @property
+    def scaling(self) -> float:
+        return self.head_dim**-0.5
+
+    @classmethod
+    def validate_config(cls, config):
+        if config.num_key_value_heads % 2:
+            raise ValueError(
+                f"attention_score='differential' pairs key/value heads m and m + H_kv/2 into one differential head: "
+                f"num_key_value_heads={config.num_key_value_heads} must be even (and num_attention_heads with it)"
+            )
+        if config.attention_dropout:
+            raise ValueError(
+                f"attention_dropout={config.attention_dropout!r} is not supported with attention_score='differential' "
+                "(allowed: 0.0): the paper defines no dropout for a difference of two softmax maps"
+            )
+
+    def prepare_value(self, value):
+        first, second = value.chunk(2, dim=1)  # key/value heads m and m + H_kv/2: (B, H_kv/2, K, D) each
+        return torch.cat([first, second], dim=-1).repeat(1, 2, 1, 1)  # (B, H_kv, K, 2·D): both maps' value
+
+    def prepare_output(self, output):
+        first, second = output.chunk(2, dim=2)  # the maps of query heads j and j + H/2: (B, Q, H/2, 2·D) each
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dtype=torch.float32)).to(output.dtype)
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dtype=torch.float32)).to(output.dtype)
+        difference = first - (lambda_1 - lambda_2 + self.lambda_init) * second
+        return (1 - self.lambda_init) * self.groupnorm(difference)  # (B, Q, H/2, 2·D)
+
+    def reset_parameters(self, config):
+        for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            init.normal_(parameter, mean=0.0, std=self.lambda_std)
