@@ -162,8 +162,8 @@ class PlugformerConfig(PreTrainedConfig):
             trained context for RoPE scaling.
         attention_score (`str`, *optional*, defaults to `"scaled_dot"`): A name registered in
             `plugformer.ATTENTION_SCORES` (`"dot"`, `"scaled_dot"`, ...; see `plugformer.scores`).
-        position_scheme (`str`, *optional*, defaults to `"rope"`): One of `"none"`, `"sinusoidal"`, `"learned"`,
-            `"rope"`, `"alibi"`, `"t5_bias"`, `"clamped_bias"`, `"kerple_log"` (see `plugformer.positions`).
+        position_scheme (`str`, *optional*, defaults to `"rope"`): A name registered in `plugformer.POSITION_SCHEMES`
+            (`"none"`, `"rope"`, `"alibi"`, ...; see `plugformer.positions`).
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
