@@ -66,11 +66,13 @@ def test_the_combination_matrix_is_read_from_the_records():
     rows = {(score, scheme): kernels for score, scheme, kernels in combination_matrix()}
     assert len(rows) == len(SCORES) * len(SCHEMES)
     for (score, scheme), kernels in rows.items():
+        kind = POSITION_SCHEMES.get(scheme).bias_type.kind  # a scheme's bias object: per distance, per query position
         expected = [
             name for name in KERNELS
             if (KERNELS.get(name).scores == "any" or dot_product(score))
             and (KERNELS.get(name).wide_values or ATTENTION_SCORES.get(score).value_width == 1)
-            and (KERNELS.get(name).bias in ("relative", "dense")
+            and (KERNELS.get(name).bias == "dense"
+                 or (KERNELS.get(name).bias == "relative" and (not biased(scheme) or kind in KERNELS.get(name).bias_kinds))
                  or (KERNELS.get(name).bias == "none" and not biased(scheme))
                  or (KERNELS.get(name).bias == "alibi" and scheme == "alibi"))
         ]  # fmt: skip
@@ -85,6 +87,10 @@ def test_records_refuse_unknown_capabilities_and_duplicates():
         KernelSpec("x", scores="bilinear", bias="none")
     with pytest.raises(ValueError, match="bias='per_query' is not one of"):
         KernelSpec("x", scores="any", bias="per_query")
+    with pytest.raises(
+        ValueError, match=r"bias_kinds=\('per_head',\) must be a tuple of \['relative', 'query_position'\]"
+    ):
+        KernelSpec("x", scores="any", bias="relative", bias_kinds=("per_head",))
     with pytest.raises(ValueError, match="'sdpa' is already registered"):
         KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="none"))
 

@@ -239,6 +239,86 @@ def test_kerple_log_coefficients_stay_positive_and_learn():
     assert kerple.bias_scale.grad.abs().min() > 0 and kerple.bias_rate.grad.abs().min() > 0
 
 
+def fire_with(c: float = -0.3, threshold: float = 3.5, bidirectional: bool = False, seed: int = 0):
+    """A FIRE scheme moved away from its initialisation: c = |-0.3|, L = 3.5 (queries both below and above it), f_θ
+    drawn from a seed."""
+    fire = POSITION_SCHEMES.get("fire")(tiny_config(scheme="fire"), bidirectional=bidirectional)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        fire.distance_scale.fill_(c)
+        fire.threshold_scale.fill_(-threshold / fire.initial_threshold)  # |scale| · 512
+        for parameter in (*fire.mlp_in.parameters(), *fire.mlp_out.parameters()):
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return fire
+
+
+def fire_by_hand(fire, query_position: int, key_position: int) -> list[float]:
+    """b(i, j) per head from the paper's formula, in Python floats: f_θ(ψ(i − j) / ψ(max(L, i))), ψ(x) = log(c·x + 1),
+    f_θ(x) = W2 relu(W1 x + b1) + b2; for a key after the query (an encoder), −ψ(j − i) / ψ(max(L, j)) (our choice)."""
+    c, threshold = abs(fire.distance_scale.item()), fire.threshold().item()
+    i, j = query_position, key_position
+    later, sign = (i, 1.0) if j <= i else (j, -1.0)
+    x = sign * math.log(c * abs(i - j) + 1) / (math.log(c * max(threshold, later) + 1) + 1e-6)
+    w1, b1 = fire.mlp_in.weight[:, 0].tolist(), fire.mlp_in.bias.tolist()
+    hidden = [max(0.0, w * x + b) for w, b in zip(w1, b1, strict=True)]
+    w2, b2 = fire.mlp_out.weight.tolist(), fire.mlp_out.bias.tolist()
+    return [sum(w * h for w, h in zip(row, hidden, strict=True)) + b for row, b in zip(w2, b2, strict=True)]
+
+
+def test_fire_matches_the_papers_formula():
+    """FIRE (Li et al. 2023, §3): every causal entry of the (H, Q, K) bias worked out with `math.log` and the MLP
+    written out by hand, for queries 0..7 around the threshold L = 3.5."""
+    fire = fire_with()
+    slots = torch.arange(8)
+    bias = fire.bias(slots, slots)[0]  # (H, Q, K)
+    for i in range(8):
+        for j in range(i + 1):
+            torch.testing.assert_close(bias[:, i, j], torch.tensor(fire_by_hand(fire, i, j)), atol=1e-5, rtol=1e-5)
+    # below L every query is normalised by ψ(L): the bias of a distance is the same for queries 0..3
+    torch.testing.assert_close(bias[:, 3, 1], bias[:, 2, 0])
+    assert not torch.allclose(bias[:, 7, 5], bias[:, 2, 0])  # past L it depends on the query position
+
+
+def test_fire_bias_values_follow_each_rows_positions():
+    """The kernels' values (B, H, Q, K): query i of a row at its position_id, keys at slot distances. A row left-padded
+    by 3 (positions = slots − 3) equals the same text alone; a decoding chunk (queries at slots 5..6 over 7 keys)
+    equals those rows of the full bias."""
+    fire = fire_with()
+    positions = torch.stack([torch.arange(7), (torch.arange(7) - 3).clamp(min=0)])  # (2, Q): row 1 left-padded by 3
+    values = fire.bias_values(0, 7, 0, 7, positions)  # (2, H, 7, 7)
+    assert values.shape == (2, 4, 7, 7)
+    alone = fire.bias(torch.arange(4), torch.arange(4))[0]  # the 4 real tokens alone
+    torch.testing.assert_close(values[1, :, 3:, 3:].tril(), alone.tril())
+    chunk = fire.bias_values(5, 2, 0, 7, positions[:1, 5:])  # (1, H, 2, 7)
+    torch.testing.assert_close(chunk[0], values[0, :, 5:])
+
+
+def test_fire_bidirectional_inputs_are_signed_and_normalised_by_the_later_position():
+    fire = fire_with(bidirectional=True)
+    slots = torch.arange(8)
+    bias = fire.bias(slots, slots)[0]
+    for i, j in [(0, 7), (2, 5), (5, 2), (6, 6), (7, 0)]:
+        torch.testing.assert_close(bias[:, i, j], torch.tensor(fire_by_hand(fire, i, j)), atol=1e-5, rtol=1e-5)
+    inputs = fire.mlp_inputs(slots[None], slots[:, None] - slots[None, :])[0]  # (Q, K)
+    assert (inputs.triu(1) < 0).sum() == 28 and inputs.abs().max() <= 1  # every later key negative, all in [-1, 1]
+
+
+def test_fire_interpolates_past_the_training_length_and_learns_c_and_l():
+    """FIRE's point: a query at any position maps the distances it sees into [0, 1] (ψ(i − j) ≤ ψ(max(L, i)))."""
+    fire = fire_with(threshold=16.0)
+    slots = torch.arange(1024)
+    inputs = fire.mlp_inputs(slots[None], slots[:, None] - slots[None, :])[0].tril()  # 16× max_position_embeddings
+    assert inputs.min() >= 0 and inputs.max() <= 1 and torch.isfinite(inputs).all()
+    assert inputs[1023, 0].item() == pytest.approx(1.0, abs=1e-5)  # the first token, seen from any query past L
+    fresh = POSITION_SCHEMES.get("fire")(tiny_config(scheme="fire"))
+    assert fresh.distance_scale.item() == pytest.approx(0.1) and fresh.threshold().item() == 512.0
+    fire.bias(torch.arange(12), torch.arange(12)).tril().sum().backward()
+    grads = [fire.distance_scale.grad, fire.threshold_scale.grad, fire.mlp_in.weight.grad, fire.mlp_out.weight.grad]
+    assert all(grad is not None and grad.abs().sum() > 0 for grad in grads)
+    with pytest.raises(ValueError, match="no bias per distance"):
+        fire.bias_by_distance(0, 4, 0, 4, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "rope_parameters",
     [

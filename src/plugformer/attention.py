@@ -14,12 +14,11 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .biases import RelativeBias
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
 from .compat import renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig
 from .layers import RMSNorm
-from .positions import apply_rotary
+from .positions import POSITION_SCHEMES, apply_rotary
 from .scores import ATTENTION_SCORES
 
 
@@ -76,6 +75,8 @@ class PlugformerAttention(nn.Module):
         # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config, layer_idx)
+        # the kind of bias object the kernels get (`biases`): a `RelativeBias` per distance, FIRE's per query position
+        self.bias_type = POSITION_SCHEMES.get(config.position_scheme).bias_type
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
@@ -114,9 +115,8 @@ class PlugformerAttention(nn.Module):
         """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form the kernel takes,
         the score's own (e.g. the additive energy vector) and the caller's."""
         if position_bias is not None:
-            # The layers get the bias values (H, Q + K − 1) as a plain tensor: (reentrant) gradient checkpointing
-            # sees it as an input.
-            position_bias = RelativeBias(position_bias, query.shape[2], key.shape[2])
+            # The layers get the bias values as a plain tensor: (reentrant) gradient checkpointing sees it as an input.
+            position_bias = self.bias_type(position_bias, query.shape[2], key.shape[2])
             # (while torch.compile / torch.export trace, `checked_kernel` records nothing: read the table here)
             implementation = self.config._attn_implementation
             kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
@@ -162,12 +162,13 @@ class PlugformerAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         value = self.score.prepare_value(value)  # (B, H_kv, K, value_width·D)
-        if position_bias is not None and position_bias.shape[0] != query.shape[1]:
+        head_axis = self.bias_type.head_axis
+        if position_bias is not None and position_bias.shape[head_axis] != query.shape[1]:
             # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
             # rank holds the query heads [rank·H_local, (rank + 1)·H_local) that the column-parallel q_proj left it.
             local_heads = query.shape[1]
             first = self.q_proj.weight.device_mesh.get_local_rank() * local_heads
-            position_bias = position_bias[first : first + local_heads]  # (H, Q + K − 1) -> (H_local, Q + K − 1)
+            position_bias = position_bias.narrow(head_axis, first, local_heads)  # H -> H_local heads
         # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
         # transformers backend look for this very lookup, and one call of it with `scaling=self.<attr>`, in `forward`
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)

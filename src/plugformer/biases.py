@@ -1,10 +1,17 @@
 """Score biases as kernels consume them: the contract between the position schemes that make a bias and the kernels
 that add it, below both.
 
-Every bias scheme of plugformer depends on key slot − query slot only, so the model hands the kernels a
-`RelativeBias`: (H, Q + K − 1) numbers standing for the (1, H, Q, K) bias. A kernel asks it for the rows of the
-query block it works on (`rows`), for one score at a time (`bias[b, h, i, j]`, as transformers' flex `score_mod`
-reads it), or, if its record says it takes only a dense bias, for the whole tensor (`dense`).
+A position scheme with a bias names the kind it makes (`PositionScheme.bias_type`), and the model hands the kernels
+an object of that kind. Both kinds answer the same questions: the rows of the query block a kernel works on
+(`rows`), one score at a time (`bias[b, h, i, j]`, as transformers' flex `score_mod` reads it), or, for a kernel
+whose record says it takes only a dense bias, the whole tensor (`dense`).
+
+| kind | class | depends on | stored as |
+|---|---|---|---|
+| `relative` | `RelativeBias` | key slot − query slot only (ALiBi, T5, clamped, KERPLE) | `(H, Q + K − 1)`, shared by the batch |
+| `query_position` | `QueryPositionBias` | also the query's position (FIRE) | `(B or 1, H, Q, K)`, per batch row |
+
+A kernel record (`capabilities.KernelSpec.bias_kinds`) lists the kinds it takes; the others are refused for it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ from torch import nn
 class RelativeBias:
     """A score bias that depends on key slot − query slot only (a Toeplitz matrix per head), stored per distance.
 
+    Class attributes (as every bias kind's):
+        kind (`str`): the name kernel records list in `bias_kinds`.
+        head_axis (`int`): the axis of the values that runs over the heads (tensor parallelism slices it).
+        folds_gradient (`bool`): whether `fold_rows` reduces a block's score gradient into the values, so the sdpa
+            kernel's `LearnedBiasAttention` may recompute a block in its backward instead of autograd keeping it.
+
     `values[h, j − i + Q − 1]` is the bias of query i on key j: (H, Q + K − 1) numbers stand for the (1, H, Q, K)
     tensor. Kernels expand the query rows they work on (`rows`), so a blockwise kernel never holds the whole matrix
     and the gradient of a learned bias flows back through `values` to the small table it was looked up from.
@@ -26,6 +39,10 @@ class RelativeBias:
         query_length (`int`): Q.
         key_length (`int`): K.
     """
+
+    kind = "relative"
+    head_axis = 0
+    folds_gradient = True
 
     def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
         if values.shape[-1] != query_length + key_length - 1:
@@ -76,3 +93,53 @@ class RelativeBias:
         reads `position_bias` in its `score_mod`, one score at a time, so no `(H, Q, K)` tensor is ever built."""
         _, head, query, key = index
         return self.values[head, key - query + self.query_length - 1]
+
+
+class QueryPositionBias:
+    """A score bias that depends on the query's position as well as on the distance (FIRE's normalisation by the query
+    position), so a left-padded row, whose positions start later in its slots, has its own: stored dense per batch
+    row, `(B or 1, H, Q, K)` (1 when every row has the same positions).
+
+    The values are computed once per forward by the position scheme (shared by the layers, as T5's bias is); kernels
+    take rows of them as they take a `RelativeBias`'s, and the gradient reaches the scheme's parameters through
+    autograd (`folds_gradient` is false: a block's bias gradient is its score gradient, nothing to fold).
+
+    Args:
+        values (`torch.Tensor` of shape `(B or 1, H, Q, K)`): the bias of query i on key j of each row.
+        query_length (`int`): Q.
+        key_length (`int`): K.
+    """
+
+    kind = "query_position"
+    head_axis = 1
+    folds_gradient = False
+
+    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
+        if values.ndim != 4 or tuple(values.shape[-2:]) != (query_length, key_length):
+            raise ValueError(f"values of shape {tuple(values.shape)} are not (B, H, {query_length} queries, "
+                             f"{key_length} keys)")  # fmt: skip
+        self.values = values
+        self.query_length = query_length
+        self.key_length = key_length
+
+    def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
+        """The bias `(B or 1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
+        default): a view of the values."""
+        keys = self.key_length if keys is None else keys
+        return self.values[:, :, start:stop, :keys]
+
+    def dense(self) -> torch.Tensor:
+        """The whole `(B or 1, H, Q, K)` bias."""
+        return self.values
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        """`bias[b, h, i, j]` (flex attention's `score_mod`); values shared by the batch are read at row 0 (indexing
+        a size-1 batch axis with b > 0 would read out of bounds)."""
+        batch, head, query, key = index
+        if self.values.shape[0] == 1:
+            return self.values[0, head, query, key]
+        return self.values[batch, head, query, key]
+
+
+# The bias kinds by the name kernel records list (`capabilities.KernelSpec.bias_kinds`).
+BIAS_KINDS = {bias.kind: bias for bias in (RelativeBias, QueryPositionBias)}

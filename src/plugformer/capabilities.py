@@ -1,15 +1,15 @@
 """The kernel axis as a table: what each attention kernel can compute, and the rule that refuses the rest.
 
 A kernel is a registered `KernelSpec` record. Its fields say which scores it computes (any score, or a dot product
-of the prepared query and key only), which score bias it takes (a `biases.RelativeBias` it expands itself, a dense
-`(B, H, Q, K)` tensor, or none), whether it returns attention weights and whether it exists on this machine. The
-model asks the table, never a kernel's name:
+of the prepared query and key only), which score bias it takes (a bias object of `biases` it expands itself, of the
+kinds it lists, a dense `(B, H, Q, K)` tensor, or none), whether it returns attention weights and whether it exists
+on this machine. The model asks the table, never a kernel's name:
 
-| `attn_implementation` | scores | bias | function |
+| `attn_implementation` | scores | bias (kinds) | function |
 |---|---|---|---|
-| `eager` | any | relative | the score's own kernel (`AttentionScore.eager_kernel`) |
-| `sdpa` | dot product | relative | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
-| `flex_attention` | dot product | relative | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
+| `eager` | any | relative, query_position | the score's own kernel (`AttentionScore.eager_kernel`) |
+| `sdpa` | dot product | relative, query_position | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
+| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
@@ -40,6 +40,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
+from .biases import BIAS_KINDS
 from .kernels_sinks import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
@@ -61,10 +62,10 @@ class KernelSpec:
         name (`str`): The `attn_implementation` value.
         scores (`str`): `"any"` (the kernel runs the score's own math: eager) or `"dot_product"` (softmax of
             scaling · q·k: every score whose `dot_product` is true).
-        bias (`str`): `"relative"` (takes a `RelativeBias` as `position_bias`), `"dense"` (takes the `(B, H, Q, K)`
-            tensor as `position_bias` and adds it to the scores), `"alibi"` (adds ALiBi's bias itself, from slopes
-            the engine holds, and gets no `position_bias`: every scheme but `alibi` refused) or `"none"` (no score
-            bias: bias schemes refused).
+        bias (`str`): `"relative"` (takes a bias object of `biases` as `position_bias`, of the `bias_kinds` it
+            lists), `"dense"` (takes the `(B, H, Q, K)` tensor as `position_bias` and adds it to the scores: every
+            kind), `"alibi"` (adds ALiBi's bias itself, from slopes the engine holds, and gets no `position_bias`:
+            every scheme but `alibi` refused) or `"none"` (no score bias: bias schemes refused).
         function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
         softcap (`bool`, *optional*, defaults to `False`): Caps the logits as `softcap`·tanh(logits / `softcap`)
             before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
@@ -77,6 +78,10 @@ class KernelSpec:
             such as vLLM's, which windows only by its own settings) and for kernels without a record.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
+        bias_kinds (`tuple[str, ...]`, *optional*, defaults to `("relative",)`): With `bias="relative"`, the kinds of
+            bias object it takes (`biases.BIAS_KINDS`): `"relative"` (`RelativeBias`, per distance; a kernel may read
+            its per-distance values) and `"query_position"` (`QueryPositionBias`, per batch row: FIRE). A scheme
+            whose `bias_type` is of another kind is refused.
     """
 
     name: str
@@ -89,12 +94,21 @@ class KernelSpec:
     sliding_window: bool = True
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
+    bias_kinds: tuple[str, ...] = ("relative",)
 
     def __post_init__(self):
         if self.scores not in SCORE_SUPPORT:
             raise ValueError(f"KernelSpec {self.name!r}: scores={self.scores!r} is not one of {list(SCORE_SUPPORT)}")
         if self.bias not in BIAS_SUPPORT:
             raise ValueError(f"KernelSpec {self.name!r}: bias={self.bias!r} is not one of {list(BIAS_SUPPORT)}")
+        unknown = [kind for kind in self.bias_kinds if kind not in BIAS_KINDS]
+        if unknown or isinstance(self.bias_kinds, str):
+            raise ValueError(f"KernelSpec {self.name!r}: bias_kinds={self.bias_kinds!r} must be a tuple of "
+                             f"{list(BIAS_KINDS)}")  # fmt: skip
+
+    def takes_bias(self, kind: str) -> bool:
+        """Whether it adds a scheme's bias of `kind` (`biases.BIAS_KINDS`) given as `position_bias`."""
+        return self.bias == "dense" or (self.bias == "relative" and kind in self.bias_kinds)
 
     def unsupported_reason(self, config: PlugformerConfig) -> str | None:
         """Why this kernel cannot compute `config`'s attention exactly, or `None` if it can."""
@@ -131,10 +145,17 @@ class KernelSpec:
                 f"attn_implementation={self.name!r} adds ALiBi's bias itself, which "
                 f"position_scheme={config.position_scheme!r} does not have; it computes position_scheme='alibi' only"
             )
-        if self.bias == "none" and POSITION_SCHEMES.get(config.position_scheme).has_bias:
+        scheme = POSITION_SCHEMES.get(config.position_scheme)
+        if self.bias == "none" and scheme.has_bias:
             return (
                 f"attn_implementation={self.name!r} takes no additive score bias, which "
-                f"position_scheme={config.position_scheme!r} needs; use one of {KERNELS.taking_a_bias()}"
+                f"position_scheme={config.position_scheme!r} needs; use one of {KERNELS.taking_a_bias(scheme)}"
+            )
+        if self.bias == "relative" and scheme.has_bias and not self.takes_bias(scheme.bias_type.kind):
+            return (
+                f"attn_implementation={self.name!r} takes score biases of the kinds {list(self.bias_kinds)}, and the "
+                f"bias of position_scheme={config.position_scheme!r} is of kind {scheme.bias_type.kind!r} "
+                f"({scheme.bias_type.__name__}); use one of {KERNELS.taking_a_bias(scheme)}"
             )
         return None
 
@@ -161,9 +182,11 @@ class KernelTable:
     def names(self) -> list[str]:
         return list(self._table)
 
-    def taking_a_bias(self) -> list[str]:
-        """The kernels taking any scheme's bias (not one computing a single scheme's own)."""
-        return [name for name, spec in self._table.items() if spec.bias in ("relative", "dense")]
+    def taking_a_bias(self, scheme: type | None = None) -> list[str]:
+        """The kernels taking a scheme's bias given to them (not one computing a single scheme's own): that of
+        `scheme` (a `PositionScheme` class), by default a `RelativeBias`."""
+        kind = "relative" if scheme is None else scheme.bias_type.kind
+        return [name for name, spec in self._table.items() if spec.takes_bias(kind)]
 
     def capping(self) -> list[str]:
         """The kernels that apply `attn_logit_softcapping`."""
@@ -191,12 +214,16 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-KERNELS.register(KernelSpec("eager", scores="any", bias="relative", softcap=True, sinks=True, wide_values=True,
-                            attention_weights=True))  # fmt: skip
-KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", function=sdpa_forward, sinks=True,
+# eager, sdpa and flex take FIRE's per-row bias too: eager and sdpa add its rows (sdpa: as a float mask, autograd
+# reaching θ through it), flex's `score_mod` reads it per score
+EVERY_BIAS_KIND = tuple(BIAS_KINDS)
+KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=EVERY_BIAS_KIND, softcap=True,
+                            sinks=True, wide_values=True, attention_weights=True))  # fmt: skip
+KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
+                            function=sdpa_forward, sinks=True, wide_values=True))  # fmt: skip
+KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
+                            function=flex_attention_forward, softcap=True,
                             wide_values=True))  # fmt: skip
-KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", function=flex_attention_forward,
-                            softcap=True, wide_values=True))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
     KERNELS.register(KernelSpec(
@@ -212,6 +239,7 @@ def register_attention_kernel(
     *,
     scores: str = "dot_product",
     bias: str = "none",
+    bias_kinds: tuple[str, ...] = ("relative",),
     softcap: bool = False,
     sinks: bool = False,
     wide_values: bool = False,
@@ -225,7 +253,7 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, softcap, sinks, wide_values, attention_weights: As in [`KernelSpec`].
+        scores, bias, bias_kinds, softcap, sinks, wide_values, attention_weights: As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one, so
@@ -234,8 +262,9 @@ def register_attention_kernel(
     Returns:
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
-    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, function=function, softcap=softcap,
-                                       sinks=sinks, wide_values=wide_values, sliding_window=mask is not None,
+    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, bias_kinds=bias_kinds, function=function,
+                                       softcap=softcap, sinks=sinks, wide_values=wide_values,
+                                       sliding_window=mask is not None,
                                        attention_weights=attention_weights))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:

@@ -4,9 +4,10 @@ and the blockwise SDPA kernel for relative score biases.
 All follow transformers' attention-function signature, `(module, query, key, value, attention_mask, *, scaling,
 dropout, position_bias, **kwargs) -> (output (B, Q, H, D), weights (B, H, Q, K) | None)`, so they are
 interchangeable with the sdpa / flex functions in `transformers.ALL_ATTENTION_FUNCTIONS`. They take the
-`position_bias` as a `biases.RelativeBias` (H, Q + K − 1) and expand only the query rows they work on.
-transformers' flex attention gets the `RelativeBias` too (it reads `position_bias[b, h, i, j]`, which the bias
-answers from its values). Which kernel takes what is declared in `capabilities.KERNELS`.
+`position_bias` as a bias object of `biases` (a `RelativeBias` (H, Q + K − 1), FIRE's `QueryPositionBias`) and ask
+it only for the query rows they work on. transformers' flex attention gets the object too (it reads
+`position_bias[b, h, i, j]`, which the bias answers from its values). Which kernel takes what is declared in
+`capabilities.KERNELS`.
 
 Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
-from .biases import RelativeBias
+from .biases import QueryPositionBias, RelativeBias
 
 
 # Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once.
@@ -409,7 +410,7 @@ def sdpa_relative_bias_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    position_bias: RelativeBias | None = None,
+    position_bias: RelativeBias | QueryPositionBias | None = None,
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -417,15 +418,17 @@ def sdpa_relative_bias_forward(
 
     torch's SDPA takes a bias only as a float mask, and on CPU falls back to its math path (every score and weight
     kept for backward) when that mask requires grad, as a learned bias does. Here each block's mask
-    (B or 1, H, block, K) is built from the (H, Q + K − 1) `RelativeBias`, and a causal block skips the keys after
-    its last query (`causal_keys`; with a mask, when `mask_blocks_the_future`). Per block:
+    (B or 1, H, block, K) is built from the bias's rows, and a causal block skips the keys after its last query
+    (`causal_keys`; with a mask, when `mask_blocks_the_future`). Per block:
 
     - bias requiring grad (`t5_bias`, `clamped_bias` in training): `LearnedBiasAttention`, a fused forward (with
       attention dropout, the block's weights and a seeded keep mask) and a backward that recomputes the block's
       weights (and mask) and reduces the bias gradient into the bias values;
     - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training autograd keeps each block's mask
       for the fused backward (H·N²/2 numbers per layer for a causal N-token sequence — recomputing them instead
-      measured 1.85× SDPA-without-bias time against 1.36× at N=2048 on CPU).
+      measured 1.85× SDPA-without-bias time against 1.36× at N=2048 on CPU);
+    - FIRE's per-row bias (`QueryPositionBias`, nothing to fold): the fused kernel with the rows as its mask; in
+      training that mask requires grad, so SDPA takes its math path and autograd carries the gradient to θ.
 
     Returns:
         `(output (B, Q, H, D), None)`: no attention weights (use eager for `output_attentions`).
@@ -433,7 +436,8 @@ def sdpa_relative_bias_forward(
     is_causal = module.is_causal if is_causal is None else is_causal
     batch, heads, query_length, _ = query.shape
     key_length = key.shape[2]
-    learned = torch.is_grad_enabled() and position_bias.values.requires_grad
+    # a bias whose gradient folds into its values (`RelativeBias`); FIRE's rows reach θ through SDPA's float mask
+    learned = torch.is_grad_enabled() and position_bias.folds_gradient and position_bias.values.requires_grad
     if symbolic_sizes(query, key):
         # traced with dynamic shapes: one block of all rows over all keys (see `symbolic_sizes`)
         block, skip_future = query_length, False

@@ -2,15 +2,16 @@
 
 The taxonomy follows where a scheme acts (x-transformers): added to the token embeddings (`sinusoidal`,
 `learned`), rotating queries and keys (`rope`), or an additive bias on the attention scores (`alibi`, `t5_bias`,
-`clamped_bias`, `kerple_log`). Every scheme answers the same three hooks and returns `None` where it has nothing to add, so the
-model runs one code path:
+`clamped_bias`, `kerple_log`, `fire`). Every scheme answers the same three hooks and returns `None` where it has
+nothing to add, so the model runs one code path:
 
 - `embed(position_ids, dtype)` -> `(B, T, hidden)` added to the token embeddings, or `None`;
 - `rotary(hidden_states, position_ids)` -> `(cos, sin)` each `(B, T, head_dim)`, or `None`;
-- `distance_bias(distances)` -> float `(H, M)`: the score bias for keys `distances` slots after the query, or
-  `None`. Every bias scheme here depends on key slot − query slot only, so the model hands the kernels a
-  `RelativeBias`: (H, Q + K − 1) numbers standing for the (1, H, Q, K) bias, which a kernel expands one block of
-  query rows at a time (`bias(query_slots, key_slots)` gives the dense tensor).
+- `bias_values(query_offset, Q, key_offset, K, position_ids)` -> the values of the scheme's `bias_type` object,
+  or `None`. A bias of key slot − query slot only (`distance_bias(distances)` -> float `(H, M)`) reaches the kernels
+  as a `RelativeBias`: (H, Q + K − 1) numbers standing for the (1, H, Q, K) bias, which a kernel expands one block
+  of query rows at a time; FIRE's, which depends on the query's position too, as a `QueryPositionBias` per batch
+  row (`bias(query_slots, key_slots)` gives the dense tensor of either).
 
 Relative biases are indexed by cache *slots* (query slot = tokens already cached + offset in the chunk, key
 slot = index in the cache). With left padding the padding is masked, so slot differences are the true relative
@@ -22,7 +23,7 @@ One module per family: `positions_base` (the table, the base class, `none`), `po
 
 # isort: off
 # Import order is registration order, the order of `POSITION_SCHEMES.names()` (docs, CLI, combination tables):
-# none, sinusoidal, learned, rope, alibi, t5_bias, clamped_bias, kerple_log.
+# none, sinusoidal, learned, rope, alibi, t5_bias, clamped_bias, kerple_log, fire.
 from .positions_base import POSITION_SCHEMES, NoPositions, PositionScheme, relative_distances
 from .positions_absolute import LearnedPositions, SinusoidalPositions, sinusoidal_table
 from .positions_rotary import RotaryPositions, apply_rotary, rotate_half
@@ -30,6 +31,7 @@ from .positions_bias import (
     HEAD_TABLE_TP_PLAN,
     AlibiPositions,
     ClampedDistanceBias,
+    FireBias,
     KerpleLogBias,
     T5BucketBias,
     alibi_slopes,
@@ -44,6 +46,7 @@ __all__ = [
     "POSITION_SCHEMES",
     "AlibiPositions",
     "ClampedDistanceBias",
+    "FireBias",
     "KerpleLogBias",
     "LearnedPositions",
     "NoPositions",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .biases import RelativeBias
 from .registry import ConfigHooks, Registry
 
 
@@ -26,6 +27,8 @@ class PositionScheme(ConfigHooks, nn.Module):
     Class attributes:
         has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
             refuse such schemes).
+        bias_type (`type`): the kind of bias object (`biases.BIAS_KINDS`) the kernels get from `bias_values`: a
+            `RelativeBias` (per distance) by default; kernels whose record does not list its `kind` refuse the scheme.
         tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
             to the scheme (the config's `base_model_tp_plan` adds them under `positions.`). A learned per-head table
             is split on its head dimension, so the stack's bias values hold only the heads of this rank; a bias
@@ -43,6 +46,7 @@ class PositionScheme(ConfigHooks, nn.Module):
     """
 
     has_bias = False
+    bias_type = RelativeBias
     tp_plan: dict[str, str] = {}
     tensor_parallel = True
     token_scale = 1.0
@@ -86,6 +90,14 @@ class PositionScheme(ConfigHooks, nn.Module):
             return None
         lowest = key_offset - (query_offset + query_length - 1)  # the last query's distance to the first key
         return self.distance_bias(torch.arange(query_length + key_length - 1, device=device) + lowest)
+
+    def bias_values(
+        self, query_offset: int, query_length: int, key_offset: int, key_length: int, position_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The values of the `bias_type` object the kernels get, for queries at slots `query_offset + i` (i < Q) whose
+        positions are `position_ids` `(B or 1, Q)`, over keys at slots `key_offset + j` (j < K); `None` without a bias.
+        By default the per-distance values of `bias_by_distance` (the positions are not needed)."""
+        return self.bias_by_distance(query_offset, query_length, key_offset, key_length, position_ids.device)
 
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses

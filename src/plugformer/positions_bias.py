@@ -1,5 +1,6 @@
 """Score-bias position schemes: an additive bias on the attention scores that depends on key slot − query slot only,
-fixed (`alibi`) or learned per head and shared by all layers (`t5_bias`, `clamped_bias`)."""
+fixed (`alibi`) or learned per head and shared by all layers (`t5_bias`, `clamped_bias`, `kerple_log`), or also on
+the query's position (`fire`, learned, shared by all layers)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from .biases import QueryPositionBias
 from .positions_base import POSITION_SCHEMES, PositionScheme
 
 
@@ -174,3 +176,95 @@ class KerpleLogBias(PositionScheme):
     def reset_parameters(self, config):
         init.copy_(self.bias_scale, inverse_softplus(torch.ones(self.num_heads)))
         init.copy_(self.bias_rate, inverse_softplus(alibi_slopes(self.num_heads)))
+
+
+@POSITION_SCHEMES.register("fire")
+class FireBias(PositionScheme):
+    """FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context Transformers",
+    §3): the bias of query i on key j ≤ i is f_θ(ψ(i − j) / ψ(max(L, i))), ψ(x) = log(c·x + 1), with f_θ an MLP
+    (1 → `mlp_width` → ReLU → one output per head) and c, L learned; shared by all layers.
+
+    Dividing by ψ of the query's position puts every distance a query sees in [0, 1] at any length (the paper's
+    "progressive interpolation"): past the training length f_θ is asked for inputs it was trained on. The bias
+    depends on the query's position, not on i − j only, so it reaches the kernels as a `QueryPositionBias`, computed
+    per batch row: i is the query's position (`position_ids`: a left-padded row, or a decoding step, gets the
+    positions the same text alone, or the full forward, has), i − j the slot distance (the position distance within
+    a row's text: padding and other packed documents are masked).
+
+    Parametrisation: c = |`distance_scale`|, initialised to 0.1; L = |`threshold_scale`| · 512, the scale
+    initialised to 1 (a multiplier moves L by a useful step at a usual learning rate); ε = 1e-6 keeps the normaliser
+    positive. The initial c and L follow the paper's appendix code as recalled when this was written (the paper was
+    not at hand: re-check them). θ starts at torch's `nn.Linear` default, U(±1/√fan_in) (our choice:
+    transformers' normal(initializer_range) would start every head near 0). f_θ's output bias adds a constant per
+    head to all of a row's scores, which the softmax ignores, so it gets no gradient (kept: with attention sinks it
+    counts). ψ and the division run in fp32 at least (bf16 holds integers exactly only up to 256).
+
+    Bidirectional (an encoder; differs from the paper, which is causal): a key after the query gets the negative
+    input −ψ(j − i) / ψ(max(L, j)), normalised by the later of the two positions as the causal form is (there the
+    query is always the later one), so inputs lie in [−1, 1] and f_θ tells the directions apart.
+    """
+
+    has_bias = True
+    bias_type = QueryPositionBias
+    # f_θ's output layer is one unit per head and no plan shards it: each rank would train its heads' rows only
+    tensor_parallel = False
+    mlp_width = 32
+    initial_distance_scale = 0.1
+    initial_threshold = 512.0
+    eps = 1e-6
+
+    def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
+        super().__init__(config, bidirectional)
+        self.distance_scale = nn.Parameter(torch.empty(()))  # c = |distance_scale|
+        self.threshold_scale = nn.Parameter(torch.empty(()))  # L = |threshold_scale| · initial_threshold
+        self.mlp_in = nn.Linear(1, self.mlp_width)
+        self.mlp_out = nn.Linear(self.mlp_width, self.num_heads)
+        self.reset_parameters(config)
+
+    def threshold(self) -> torch.Tensor:
+        """L, the learned threshold below which positions are normalised by L itself (a 0-d tensor)."""
+        return self.threshold_scale.abs() * self.initial_threshold
+
+    def mlp_inputs(self, query_positions: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
+        """The normalised distances `(B or 1, Q, K)` f_θ reads, for queries at `query_positions` `(B or 1, Q)` over keys
+        `behind` `(Q, K)` = query slot − key slot before them (negative: after them; masked in a causal stack)."""
+        dtype = torch.promote_types(self.distance_scale.dtype, torch.float32)
+        scale, threshold = self.distance_scale.abs().to(dtype), self.threshold().to(dtype)
+        later = query_positions[:, :, None].to(dtype)  # (B', Q, 1): the query's position i
+        if self.bidirectional:
+            later = later + (-behind).clamp(min=0).to(dtype)  # a key after the query: its position j
+            sign = torch.where(behind < 0, -1.0, 1.0).to(dtype)
+        else:
+            sign = 1.0
+        distance = behind.abs() if self.bidirectional else behind.clamp(min=0)  # future keys: 0 keeps ψ finite
+        normaliser = torch.log1p(scale * torch.maximum(later, threshold)) + self.eps  # ψ(max(L, i))
+        return sign * torch.log1p(scale * distance.to(dtype)) / normaliser  # (B', Q, K)
+
+    def fire_bias(self, query_positions: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
+        """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)`."""
+        inputs = self.mlp_inputs(query_positions, behind)[..., None].to(self.mlp_in.weight.dtype)  # (B', Q, K, 1)
+        bias = self.mlp_out(nn.functional.relu(self.mlp_in(inputs)))  # (B', Q, K, H)
+        return bias.permute(0, 3, 1, 2).contiguous()  # (B', H, Q, K)
+
+    def bias(self, query_slots, key_slots):
+        """The bias `(1, H, Q, K)` of queries at `query_slots`, taken for their positions, over keys at `key_slots`."""
+        behind = query_slots[:, None] - key_slots[None, :]  # (Q, K)
+        return self.fire_bias(query_slots[None], behind)
+
+    def bias_by_distance(self, query_offset, query_length, key_offset, key_length, device):
+        raise ValueError("position_scheme='fire' has no bias per distance (it depends on the query position); use "
+                         "bias_values(), which takes the positions")  # fmt: skip
+
+    def bias_values(self, query_offset, query_length, key_offset, key_length, position_ids):
+        device = position_ids.device
+        query_slots = torch.arange(query_length, device=device) + query_offset  # (Q,)
+        key_slots = torch.arange(key_length, device=device) + key_offset  # (K,)
+        return self.fire_bias(position_ids, query_slots[:, None] - key_slots[None, :])  # (B', H, Q, K)
+
+    def reset_parameters(self, config):
+        init.constant_(self.distance_scale, self.initial_distance_scale)
+        init.constant_(self.threshold_scale, 1.0)
+        for layer in (self.mlp_in, self.mlp_out):
+            bound = 1 / math.sqrt(layer.in_features)
+            init.uniform_(layer.weight, -bound, bound)
+            init.uniform_(layer.bias, -bound, bound)

@@ -233,16 +233,19 @@ class PlugformerModel(PlugformerPreTrainedModel):
             hidden_states = hidden_states + absolute
         return dropout_if_active(hidden_states, self.hidden_dropout, self.training)
 
-    def _position_bias(self, cache: Cache | None, query_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-        """The values `(H, Q + K − 1)` of the score bias over the cache slots the kernel will see (same sizes as the
-        mask): a `RelativeBias` kept per distance, shared by the layers."""
+    def _position_bias(
+        self, cache: Cache | None, position_ids: torch.Tensor, query_length: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The values of the score bias over the cache slots the kernel will see (same sizes as the mask), shared by
+        the layers: those of the scheme's `bias_type` (a `RelativeBias` per distance, `(H, Q + K − 1)`; FIRE's
+        `QueryPositionBias` from the queries' `position_ids`, `(B or 1, H, Q, K)`)."""
         if not self.positions.has_bias:
             return None
         if cache is None:
             query_offset, (kv_length, kv_offset) = 0, (query_length, 0)
         else:
             query_offset, (kv_length, kv_offset) = cache.get_query_offset(0), cache.get_mask_sizes(query_length, 0)
-        values = self.positions.bias_by_distance(query_offset, query_length, kv_offset, kv_length, device)
+        values = self.positions.bias_values(query_offset, query_length, kv_offset, kv_length, position_ids)
         return values.to(dtype)
 
     @renamed_cache_kwarg
@@ -305,7 +308,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
             past_length = self_cache.get_seq_length() if self_cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
         encoder_mask = self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
-        position_bias = self._position_bias(self_cache, query_length, inputs_embeds.dtype, inputs_embeds.device)
+        position_bias = self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype)
         hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
         rotary = self.positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
