@@ -15,8 +15,9 @@ import json
 import shlex
 from pathlib import Path
 
+from ..markers import write_blocks
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
-from .markers import BEGIN, END, check_markers, update_readme  # noqa: F401 (check_markers: this module's name for it)
+from .markers import BEGIN, BLOCK, END, check_markers, update_readme  # noqa: F401 (check_markers, update_readme: this module's names for them)
 from .report import markdown_table, plural, ratio_cell
 
 
@@ -168,10 +169,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("bench_json", nargs="+", help="bench.json files, one block per run, in this order")
     parser.add_argument("--readme", default=None, help=f"file whose {BEGIN} ... {END} block is replaced")
     parser.add_argument("--print", action="store_true", help="print the block (also the default without --readme)")
+    parser.add_argument("--block", default=BLOCK,
+                        help=f"the name of the README block to replace (default {BLOCK!r}: {BEGIN} ... {END}); "
+                             "another name keeps a second run's block beside the first")  # fmt: skip
     args = parser.parse_args(argv)
     section = readme_section([json.loads(Path(path).read_text(encoding="utf-8")) for path in args.bench_json])
     if args.readme is not None:
-        update_readme(args.readme, section)
+        write_blocks(args.readme, {args.block: section})
     if args.print or args.readme is None:
         print(section, end="")
     return section
