@@ -97,6 +97,17 @@ def variants() -> list:
             for score in SCORES for scheme in SCHEMES]  # fmt: skip
 
 
+def decode_in_chunks(model, tokens, chunks, cache):
+    """The logits of `tokens` fed through `cache` in pieces of the sizes `chunks` (a prefill, then steps), concatenated
+    along the sequence: what a full forward must equal."""
+    logits, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            logits.append(model(tokens[:, start : start + size], cache=cache, use_cache=True).logits)
+            start += size
+    return torch.cat(logits, dim=1)
+
+
 def trainable_on_this_device(kernel: str) -> bool:
     return kernel in CPU_TRAINING_KERNELS or torch.cuda.is_available()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build, combinations, tiny_config, trainable_on_this_device
+from conftest import build, combinations, decode_in_chunks, tiny_config, trainable_on_this_device
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 
@@ -65,15 +65,6 @@ def test_left_padding_matches_unpadded(score, scheme, kernel, tokens, request):
     for row, length in enumerate(lengths):
         alone = full_logits(model, tokens[row : row + 1, :length])
         torch.testing.assert_close(batched[row : row + 1, 12 - length :], alone, atol=ATOL, rtol=0)
-
-
-def decode_in_chunks(model, tokens, chunks, cache):
-    logits, start = [], 0
-    with torch.no_grad():
-        for size in chunks:
-            logits.append(model(tokens[:, start : start + size], cache=cache, use_cache=True).logits)
-            start += size
-    return torch.cat(logits, dim=1)
 
 
 @pytest.mark.parametrize("score,scheme,kernel", ALL)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import build, tiny_config
-from transformers import LlamaConfig
+from conftest import build, decode_in_chunks, tiny_config
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.t5.modeling_t5 import T5Attention
@@ -134,13 +134,9 @@ def test_rope_partial_rotary_factor_decodes_with_a_cache_as_the_full_forward(ker
     tokens = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens, use_cache=False).logits
-        out = model(tokens[:, :4], use_cache=True)
-        steps = [out.logits]
-        for t in range(4, 9):
-            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
-            steps.append(out.logits)
         eager = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), "eager")(tokens, use_cache=False).logits
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    cached = decode_in_chunks(model, tokens, [4, 1, 1, 1, 1, 1], DynamicCache(config=model.config))
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(full, eager, atol=1e-5, rtol=0)
     legacy = tiny_config(scheme="rope", partial_rotary_factor=0.25)  # Phi's top-level key, as transformers converts it
     assert legacy.rope_parameters["partial_rotary_factor"] == 0.25
@@ -190,12 +186,8 @@ def test_rope_no_rope_layers_make_nope_layers(kernel):
         rotated_1 = attention_by_hand(model.model.layers[1].self_attn, seen[1][0], cos, sin)
         assert (rotated_1 - seen[1][1]).abs().max() > 1e-4
         full = model(tokens, use_cache=False).logits
-        out = model(tokens[:, :3], use_cache=True)
-        steps = [out.logits]
-        for t in range(3, 7):
-            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    cached = decode_in_chunks(model, tokens, [3, 1, 1, 1, 1], DynamicCache(config=model.config))
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
 def test_rope_no_rope_layers_are_checked():
