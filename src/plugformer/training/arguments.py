@@ -26,6 +26,11 @@ class StageArguments:
         default=200, metadata={"help": "test examples (carved from train if the source has none)"}
     )
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded generator and of carved splits"})
+    direct_answer_fraction: float = field(
+        default=0.0,
+        metadata={"help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "
+                          "give the bare answer ('#### 432') without the working, as writers who skip steps do"},
+    )  # fmt: skip
     exact_match_examples: int = field(
         default=200, metadata={"help": "dev examples scored by greedy exact match after training (0: skip)"}
     )
@@ -39,6 +44,8 @@ class StageArguments:
     def __post_init__(self):
         check_counts(self, {"train_examples": 1, "dev_examples": 0, "test_examples": 0, "exact_match_examples": 0,
                             "max_new_tokens": 1})  # fmt: skip
+        if not isinstance(self.direct_answer_fraction, (int, float)) or not 0 <= self.direct_answer_fraction <= 1:
+            raise ValueError(f"--direct_answer_fraction {self.direct_answer_fraction!r}: expected a number in [0, 1]")
 
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}

@@ -71,6 +71,7 @@ def stage_data(stage: str, script_args):
         data_files=script_args.data_files,
         sizes=script_args.sizes(),
         seed=script_args.dataset_seed,
+        direct_fraction=script_args.direct_answer_fraction,
     )
     if script_args.dataset_name is not None:
         source = f"--dataset_name {script_args.dataset_name}" + (

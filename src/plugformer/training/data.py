@@ -56,6 +56,11 @@ class Problem:
         return f"{', '.join(self.steps)}\n{ANSWER_MARKER} {self.answer}"
 
     @property
+    def direct(self) -> str:
+        """The answer without the working (`#### 432`): what a writer who skips the steps hands in."""
+        return f"{ANSWER_MARKER} {self.answer}"
+
+    @property
     def split(self) -> str:
         return split_of(self.operation, self.a, self.b)
 
@@ -174,14 +179,21 @@ def generate_problems(count: int, split: str, seed: int = 0) -> list[Problem]:
     return problems
 
 
-def wrong_answer(problem: Problem, rng: random.Random) -> str:
-    """A plausible wrong solution in the right format: one step's value off by one with the final answer read from
+def near_miss(answer: int, rng: random.Random) -> int:
+    """A misread final answer: off by 1, 10 or 100 in either direction, never negative."""
+    slip = rng.choice((-10, -1, 1, 10, 100))
+    return answer + slip if answer + slip >= 0 else answer + abs(slip)
+
+
+def wrong_answer(problem: Problem, rng: random.Random, direct_fraction: float = 0.0) -> str:
+    """A plausible wrong solution: with probability `direct_fraction` a bare near-miss answer (`#### 442`, the
+    working skipped); else in the worked format, with one step's value off by one and the final answer read from
     the slipped steps (three in four), or right steps with a misread final answer."""
+    if direct_fraction and rng.random() < direct_fraction:
+        return f"{ANSWER_MARKER} {near_miss(problem.answer, rng)}"
     steps = problem.steps
     if rng.random() < 0.25:
-        slip = rng.choice((-10, -1, 1, 10, 100))
-        wrong = problem.answer + slip if problem.answer + slip >= 0 else problem.answer + abs(slip)
-        return f"{', '.join(steps)}\n{ANSWER_MARKER} {wrong}"
+        return f"{', '.join(steps)}\n{ANSWER_MARKER} {near_miss(problem.answer, rng)}"
     index = rng.randrange(len(steps))
     head, value = steps[index].rsplit("=", 1)
     delta = rng.choice((-1, 1)) if int(value) > 0 else 1
@@ -207,16 +219,29 @@ def assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-def stage_rows(stage: str, problems: list[Problem], seed: int) -> list[dict]:
-    """The rows of one stage's dataset (see the module docstring for the columns)."""
+def demonstration(problem: Problem, rng: random.Random, direct_fraction: float) -> str:
+    """An SFT answer: the bare answer with probability `direct_fraction`, else the worked solution."""
+    return problem.direct if direct_fraction and rng.random() < direct_fraction else problem.solution
+
+
+def stage_rows(stage: str, problems: list[Problem], seed: int, direct_fraction: float = 0.0) -> list[dict]:
+    """The rows of one stage's dataset (see the module docstring for the columns); `direct_fraction` of the SFT
+    answers and of the rejected preference answers skip the working (see `StageArguments.direct_answer_fraction`)."""
     rng = random.Random(seed)
     if stage == "pretrain":
         return [{"text": pretraining_texts(p, rng)} for p in problems]
     if stage == "sft":
-        return [{"prompt": user(p.question), "completion": assistant(p.solution)} for p in problems]
+        return [
+            {"prompt": user(p.question), "completion": assistant(demonstration(p, rng, direct_fraction))}
+            for p in problems
+        ]
     if stage in ("reward", "dpo"):
         return [
-            {"prompt": user(p.question), "chosen": assistant(p.solution), "rejected": assistant(wrong_answer(p, rng))}
+            {
+                "prompt": user(p.question),
+                "chosen": assistant(p.solution),
+                "rejected": assistant(wrong_answer(p, rng, direct_fraction)),
+            }
             for p in problems
         ]
     if stage in ("rlhf", "grpo", "evaluation"):
@@ -236,10 +261,12 @@ STAGE_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
-def embedded_dataset(stage: str, sizes: dict[str, int], seed: int = 0) -> DatasetDict:
+def embedded_dataset(stage: str, sizes: dict[str, int], seed: int = 0, direct_fraction: float = 0.0) -> DatasetDict:
     """The embedded arithmetic task for `stage`, with `sizes[split]` examples per split."""
+    if not 0.0 <= direct_fraction <= 1.0:
+        raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
     return DatasetDict({
-        split: Dataset.from_list(stage_rows(stage, generate_problems(count, split, seed), seed))
+        split: Dataset.from_list(stage_rows(stage, generate_problems(count, split, seed), seed, direct_fraction))
         for split, count in sizes.items()
         if count > 0
     })  # fmt: skip
@@ -252,6 +279,7 @@ def load_stage_dataset(
     data_files: list[str] | None = None,
     sizes: dict[str, int] | None = None,
     seed: int = 0,
+    direct_fraction: float = 0.0,
 ) -> DatasetDict:
     """The data of a training stage with `train`/`dev`/`test` splits.
 
@@ -265,10 +293,12 @@ def load_stage_dataset(
         sizes (`dict[str, int]`, *optional*): Examples per split for the embedded data; for other data, the
             sizes of `dev`/`test` carved from `train` when the source has no such split.
         seed (`int`, *optional*, defaults to 0): Generation seed / split seed.
+        direct_fraction (`float`, *optional*, defaults to 0): Embedded data: the fraction of SFT answers and of
+            rejected preference answers that give the bare answer, without the working.
     """
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
-        return embedded_dataset(stage, sizes, seed)
+        return embedded_dataset(stage, sizes, seed, direct_fraction)
     if data_files and dataset_name not in ("json", "csv", "text", "parquet", "arrow"):
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     loaded = load_dataset(dataset_name, dataset_config, data_files=data_files)
