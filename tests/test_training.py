@@ -447,6 +447,17 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     assert results["perplexity"] == pytest.approx(2.718281828459045 ** (total / count), rel=1e-4)
     reward = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output)])
     assert 0.0 <= reward["pairwise_accuracy"] <= 1.0 and reward["examples"] == 6
+    # the pairs are drawn as the reward model's own training pairs were (recorded in run_info.json), unless told
+    trained = json.loads((chain["reward"] / "run_info.json").read_text())["data"]
+    assert trained == {"dataset_seed": 0, "direct_answer_fraction": 0.0} and reward["direct_answer_fraction"] == 0.0
+    bare = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output),
+                      "--direct_answer_fraction", "1.0"])  # fmt: skip
+    from plugformer.training.evaluation import preference_accuracy
+
+    rows = load_stage_dataset("reward", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
+    assert all("\n" not in row["rejected"][0]["content"] for row in rows)
+    scorer = AutoModelForSequenceClassification.from_pretrained(chain["reward"])
+    assert bare["pairwise_accuracy"] == preference_accuracy(scorer, tokenizer, rows)
     # the metrics are local evaluate modules: they load and compute without network
     assert (
         load_metric("numeric_exact_match").compute(predictions=["#### −7", "7"], references=["-7", "8"])["exact_match"]

@@ -81,6 +81,11 @@ def stage_data(stage: str, script_args):
     return data
 
 
+def embedded_data_record(script_args) -> dict:
+    """What shaped the embedded data of a run, so `plugformer eval` scores held-out data drawn the same way."""
+    return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
+
+
 def resume_checkpoint(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest intact checkpoint in the output directory
     (a damaged newer one is skipped with a warning). An explicit PATH that fails its manifest is refused. Resolved
@@ -207,6 +212,7 @@ def train_and_save(
         "distributed_type": trainer.accelerator.distributed_type.value,  # FSDP, DEEPSPEED, MULTI_CPU (DDP), NO, ...
         "parameter_digests": digests,
         "metrics": metrics,
+        **({"data": embedded_data_record(script_args)} if script_args.dataset_name is None else {}),
         **(extra or {}),
         **({"selection": selection.summary()} if selection is not None else {}),
     }

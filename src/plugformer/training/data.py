@@ -14,7 +14,9 @@ Each stage gets the same problems in its own format (TRL's dataset formats):
 | rlhf, grpo, evaluation | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
-`37 + 45 = 82\\n#### 82`.
+`37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
+(`#### 82`) and that share of the rejected preference answers a bare near miss: demonstrations that skip the
+working, which RL with verifiable rewards learns to overcome.
 """
 
 from __future__ import annotations

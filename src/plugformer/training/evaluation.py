@@ -187,6 +187,11 @@ class EvalArguments:
     split: str = field(default="test", metadata={"help": "train | dev | test"})
     examples: int = field(default=300, metadata={"help": "problems of the split to score"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (the pipeline's splits: 0)"})
+    direct_answer_fraction: float | None = field(
+        default=None,
+        metadata={"help": "reward model: the share of rejected answers that are bare near misses in the scored pairs "
+                          "(default: the share it was trained with, from its run_info.json; 0 without one)"},
+    )  # fmt: skip
     max_new_tokens: int = 32
     batch_size: int = 64
     output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
@@ -204,6 +209,13 @@ def check_model_dir(model: str) -> None:
     if missing:
         raise ValueError(f"--model {model} is not a saved model folder (no {' or '.join(missing)}); give a trained "
                          "stage's output directory (e.g. outputs/pipeline/sft)")  # fmt: skip
+
+
+def trained_direct_fraction(model: str) -> float:
+    """The `direct_answer_fraction` of the embedded data a stage directory was trained on (0 when unrecorded)."""
+    info = Path(model, "run_info.json")
+    record = json.loads(info.read_text()).get("data", {}) if info.is_file() else {}
+    return float(record.get("direct_answer_fraction", 0.0))
 
 
 def evaluate_directory(args: EvalArguments) -> dict:
@@ -226,9 +238,12 @@ def evaluate_directory(args: EvalArguments) -> dict:
     results = {"model": args.model, "split": args.split}
     if any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
         model = AutoModelForSequenceClassification.from_pretrained(args.model)
-        rows = load_stage_dataset("reward", sizes=sizes, seed=seed)[args.split]
+        fraction = (
+            trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
+        )
+        rows = load_stage_dataset("reward", sizes=sizes, seed=seed, direct_fraction=fraction)[args.split]
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
-        results["examples"] = len(rows)
+        results["examples"], results["direct_answer_fraction"] = len(rows), fraction
         return results
     model = AutoModelForCausalLM.from_pretrained(args.model)
     rows = load_stage_dataset("evaluation", sizes=sizes, seed=seed)[args.split]
