@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,42 @@ def test_grpo_reward_weights_give_groups_of_equal_rewards_exactly_zero_std(confi
         group = torch.tensor([scores] * 8, dtype=torch.float32)
         rewards = (group * weights[None]).nansum(dim=1)  # as GRPOTrainer sums them
         assert torch.isclose(nanstd(rewards), torch.zeros(())), (scores, nanstd(rewards).item())
+
+
+def test_seed_table_over_pipeline_runs(tmp_path):
+    """`plugformer seeds`: means and t intervals over runs, the paired t-test of the gains, and the per-run bootstrap
+    figures as the pipeline wrote them, checked against scipy's own t distribution and paired test."""
+    from scipy import stats as scipy_stats
+
+    from plugformer.training import seeds
+
+    sft, grpo = [0.10, 0.14, 0.12], [0.40, 0.38, 0.45]
+    directories = []
+    for index, (before, after) in enumerate(zip(sft, grpo, strict=True)):
+        run = {
+            "pretrain": {"train_seconds": 100.0, "exact_match": 0.01, "gain": None},
+            "sft": {"train_seconds": 50.0 + index, "exact_match": before, "gain": {"difference": before - 0.01,
+                                                                               "p_value": 1e-4}},
+            "reward": {"train_seconds": 30.0, "pairwise_accuracy": 0.8 + index / 100, "gain": None},
+            "grpo": {"train_seconds": 60.0, "exact_match": after, "gain": {"difference": after - before,
+                                                                          "p_value": 0.001 * (index + 1)}},
+        }  # fmt: skip
+        directory = tmp_path / f"seed{index}"
+        directory.mkdir()
+        (directory / "results.json").write_text(json.dumps(run))
+        directories.append(str(directory))
+    table = seeds.main([*directories, "--output", str(tmp_path / "seeds.md")])
+    assert (tmp_path / "seeds.md").read_text() == table + "\n"
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(grpo) / 3**0.5
+    mean = statistics.mean(grpo)
+    assert f"{mean * 100:.1f} ({(mean - half) * 100:.1f}, {(mean + half) * 100:.1f})" in rows["grpo"]
+    gains = [a - b for a, b in zip(grpo, sft, strict=True)]
+    gain_half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(gains) / 3**0.5
+    p = scipy_stats.ttest_rel(grpo, sft).pvalue
+    expected = f"{statistics.mean(gains) * 100:+.1f} ({(statistics.mean(gains) - gain_half) * 100:+.1f}, "
+    assert expected in rows["grpo"] and f"p {p:.2g}" in rows["grpo"]
+    assert "+30.0 (p 0.001), +24.0 (p 0.002), +33.0 (p 0.003)" in rows["grpo"]
+    assert "pairwise accuracy 81.0" in rows["reward"] and rows["sft"].endswith("| 51 |")
+    with pytest.raises(ValueError, match=r"no results\.json"):
+        seeds.main([str(tmp_path)])

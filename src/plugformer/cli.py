@@ -64,6 +64,12 @@ def _eval(argv: list[str]) -> None:
     main(argv)
 
 
+def _seeds(argv: list[str]) -> None:
+    from .training.seeds import main
+
+    main(argv)
+
+
 def _compare(argv: list[str]) -> None:
     from .evaluation.compare import main
 
@@ -106,6 +112,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "convert": (_convert, "import a transformers Llama or GPT-2 checkpoint (identical logits)"),
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
+    "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),
     "eval": (_eval, "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy"),
     "compare": (_compare, "train a grid of variants x seeds; mean ± 95% CI, paired significance tests, plot"),
     "extrapolate": (_extrapolate, "perplexity vs evaluation length (0.5x-8x training length) per position scheme"),
