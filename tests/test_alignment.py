@@ -173,6 +173,25 @@ def test_overoptimisation_plot_is_written(tmp_path):
     assert selection.plot_overoptimisation(history[:2], tmp_path / "none.png") is None
 
 
+def test_overoptimisation_plot_starts_the_gold_curve_at_the_reference(tmp_path, monkeypatch):
+    """The gold (dev exact match) line begins at the start's score, at step 0 and at KL 0; the proxy has no
+    point there (no reward is logged before training)."""
+    from plugformer.evaluation import figures
+
+    drawn = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path, dpi: drawn.append(fig) or path)
+    history = [{"step": 0, "dev_exact_match": 0.1}] + [
+        {"step": s, "dev_exact_match": 0.2, "reward": s / 10, "kl": s / 50} for s in (25, 50)
+    ]
+    selection.plot_overoptimisation(history, tmp_path / "curve.png")
+    assert len(drawn[0].axes) == 4
+    gold = [axis.get_lines()[0] for axis in drawn[0].axes if axis.get_ylabel() == "dev exact match (%)"]
+    assert [list(line.get_xdata()) for line in gold] == [[0.0, 25, 50], [0.0, 0.5, 1.0]]
+    assert all(list(line.get_ydata()) == [10.0, 20.0, 20.0] for line in gold)
+    proxies = [axis.get_lines()[0] for axis in drawn[0].axes if axis.get_ylabel() == "reward model score"]
+    assert [list(line.get_xdata()) for line in proxies] == [[25, 50], [0.5, 1.0]]
+
+
 def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
     from plugformer.evaluation.stats import paired_bootstrap
     from plugformer.training.pipeline import gain_over_parent, gain_text

@@ -108,14 +108,16 @@ def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy r
     plt = pyplot()
     panels = [("step", "optimiser step")] + ([("kl", "KL(policy ‖ reference), nats per token")] if all("kl" in e for e in logged) else [])  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    # the start (step 0, the reference itself: KL 0) has a gold score but no logged reward yet
+    start = [entry for entry in history if entry.get("step") == 0 and "reward" not in entry]
     for axis, (key, label) in zip(axes[0], panels, strict=True):
         xs = [entry[key] for entry in logged]
         axis.plot(xs, [entry["reward"] for entry in logged], "o-", color="tab:orange", label="proxy: reward model")
         axis.set_xlabel(label)
         axis.set_ylabel("reward model score", color="tab:orange")
         gold = axis.twinx()
-        gold.plot(xs, [100 * entry["dev_exact_match"] for entry in logged], "s-", color="tab:blue",
-                  label="gold: dev exact match")  # fmt: skip
+        gold.plot([0.0] * len(start) + xs, [100 * entry["dev_exact_match"] for entry in start + logged], "s-",
+                  color="tab:blue", label="gold: dev exact match")  # fmt: skip
         gold.set_ylabel("dev exact match (%)", color="tab:blue")
         axis.grid(alpha=0.3)
     fig.suptitle(title)
