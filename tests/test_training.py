@@ -465,3 +465,21 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     )
     with pytest.raises(ValueError, match="offline metrics"):
         load_metric("bleu")
+
+
+def test_model_card_names_the_share_of_bare_answers(chain):
+    """A stage trained on demonstrations that skip the working says so on its card; the all-worked data does not."""
+    from types import SimpleNamespace
+
+    from plugformer.cards import stage_card
+    from plugformer.training.arguments import StageArguments
+
+    model = AutoModelForCausalLM.from_pretrained(chain["sft"])
+    info = json.loads((chain["sft"] / "run_info.json").read_text())
+
+    def data_line(**fields) -> str:
+        card = stage_card(model, info, SimpleNamespace(), StageArguments(**fields), parent="p", model_path="x/sft")
+        return next(line for line in str(card).splitlines() if line.startswith("- data:"))
+
+    assert "direct_answer_fraction 0.6: that share of the SFT answers" in data_line(direct_answer_fraction=0.6)
+    assert "direct_answer_fraction" not in data_line()

@@ -131,8 +131,12 @@ def stage_card(model, info: dict, training_args, script_args, parent: str | None
         f"`{script_args.dataset_name}`" + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
         if script_args.dataset_name
         else "plugformer's embedded arithmetic generator (sums, differences, products and word problems; "
-        "train/dev/test split by arithmetic fact)"
-    )
+        "train/dev/test split by arithmetic fact"
+        + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the SFT answers, or of "
+           "the rejected answers of preference pairs, is bare, without the working"
+           if getattr(script_args, "direct_answer_fraction", 0) else "")
+        + ")"
+    )  # fmt: skip
     values = {key: getattr(training_args, key, None) for key in HYPERPARAMETERS}
     hyperparameters = ", ".join(
         f"{key}={value.value if isinstance(value, Enum) else value}"
