@@ -134,7 +134,7 @@ def stage_card(model, info: dict, training_args, script_args, parent: str | None
         "train/dev/test split by arithmetic fact"
         + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the SFT answers, or of "
            "the rejected answers of preference pairs, is bare, without the working"
-           if getattr(script_args, "direct_answer_fraction", 0) else "")
+           if script_args.direct_answer_fraction else "")
         + ")"
     )  # fmt: skip
     values = {key: getattr(training_args, key, None) for key in HYPERPARAMETERS}

@@ -78,17 +78,14 @@ def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
 
 def main(argv: list[str]) -> str:
     """`plugformer seeds DIR [DIR ...] [--output FILE]`: prints (and writes) the table."""
-    output = None
-    if "--output" in argv:
-        index = argv.index("--output")
-        if index + 1 >= len(argv):
-            raise ValueError("--output needs a file name")
-        output, argv = argv[index + 1], argv[:index] + argv[index + 2 :]
-    unknown = [a for a in argv if a.startswith("--")]
-    if unknown:
-        raise ValueError(f"unknown options {unknown}; usage: plugformer seeds DIR [DIR ...] [--output FILE]")
-    table = seed_table(load_runs(argv), names=[Path(d).name for d in argv])
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0])
+    parser.add_argument("directories", nargs="+", help="pipeline output directories, each holding results.json")
+    parser.add_argument("--output", default=None, help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    table = seed_table(load_runs(args.directories), names=[Path(d).name for d in args.directories])
     print(table)
-    if output:
-        write_text_atomic(Path(output), table + "\n")
+    if args.output:
+        write_text_atomic(Path(args.output), table + "\n")
     return table
