@@ -6,12 +6,17 @@ are parsed before the first one trains. A finished stage (`run_info.json`) is re
 its YAML and its parents' weights are those it was trained with (`pipeline_stage.json` records them); otherwise it
 retrains and says why. An interrupted stage resumes from its newest intact checkpoint, so an interrupted pipeline
 continues where it stopped.
+
+`--jobs N` (N > 1) uses N CPU cores: each stage runs as its own process as soon as the stages it needs have
+finished, so on two cores reward -> rlhf runs beside dpo and grpo, and a stage that is the only one able to run
+(pretrain, sft) trains data-parallel on the idle cores with the same effective batch (`plugformer.training.parallel`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,11 +58,17 @@ class PipelineArguments:
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain stages that already finished, even if unchanged"})
     prompt: str = field(default="What is 27 + 58?", metadata={"help": "question answered by the final model"})
+    jobs: int = field(
+        default=1,
+        metadata={"help": "CPU cores used at once. 1: every stage in this process, one after the other. N > 1: each "
+                          "stage its own process, independent ones side by side, and a stage that is the only one "
+                          "able to run data-parallel over the idle cores (same effective batch)"},
+    )  # fmt: skip
 
     def __post_init__(self):
         from .arguments import check_counts
 
-        check_counts(self, {"test_examples": 0, "max_new_tokens": 1})  # 0 test examples: no held-out scores
+        check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
 
 
 def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
@@ -148,6 +159,21 @@ def run(args: PipelineArguments) -> dict:
     state = PartialState()
     started_pipeline = time.perf_counter()
     validate_stages(args)
+    if args.jobs > 1:
+        if state.num_processes > 1:
+            raise ValueError(f"--jobs {args.jobs} starts its own processes; run `plugformer pipeline` without "
+                             f"accelerate launch (this is one of {state.num_processes} processes), or with --jobs 1")  # fmt: skip
+        results = run_side_by_side(args)
+    else:
+        results = run_in_order(args, state)
+    if state.is_main_process:
+        report(args, results)
+        print(f"pipeline finished in {time.perf_counter() - started_pipeline:.0f}s; results in {args.output_dir}")
+    return results
+
+
+def run_in_order(args: PipelineArguments, state: PartialState) -> dict:
+    """Every stage in this process (and its `accelerate launch` peers), one after the other."""
     results = {}
     for stage in args.stages:
         argv = stage_argv(args, stage)
@@ -165,21 +191,74 @@ def run(args: PipelineArguments) -> dict:
             print(f"\n=== {stage}: reusing {info_path.parent}: same YAML, seeds and parents (--rerun true retrains)",
                   flush=True)  # fmt: skip
         state.wait_for_everyone()
-        info = json.loads(info_path.read_text())
-        results[stage] = {"train_seconds": info["train_seconds"]}
         if state.is_main_process:
-            results[stage].update(held_out(args, stage))
-            results[stage]["eval_perplexity"] = info["metrics"].get("eval_perplexity")
-            results[stage]["gain"] = gain_over_parent(results, stage)
-            if "dev_pass_at_k" in info:
-                results[stage]["dev_pass_at_k"] = info["dev_pass_at_k"]
-            if "selection" in info:
-                results[stage]["selection"] = {key: info["selection"][key] for key in ("selected", "last")}
+            results[stage] = stage_result(args, stage, results, held_out(args, stage))
         state.wait_for_everyone()
-    if state.is_main_process:
-        report(args, results)
-        print(f"pipeline finished in {time.perf_counter() - started_pipeline:.0f}s; results in {args.output_dir}")
     return results
+
+
+def run_side_by_side(args: PipelineArguments) -> dict:
+    """`--jobs N`: every stage its own process, started as soon as the stages it needs have finished
+    (`plugformer.training.parallel`); the results are those of `run_in_order` on the same stages."""
+    from . import parse_stage_arguments
+    from .parallel import Job, read_scores, requirements, run_jobs, split_batch, train_command
+
+    def make_job(stage: str, free: int) -> Job:
+        argv = stage_argv(args, stage)
+        batch = parse_stage_arguments(stage, argv)[2].per_device_train_batch_size
+        processes = split_batch(stage, batch, free)
+        if processes > 1:  # the same effective batch over more processes
+            argv += ["--per_device_train_batch_size", str(batch // processes)]
+        record = stage_record(args, stage, argv)
+        record.update({"processes": processes} if processes > 1 else {})
+        decision = plan_stage(args, stage, record)
+        commands = []
+        if decision is not None:
+            why, flags = decision
+            print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
+            commands.append(train_command(stage, argv + flags, processes, Path(args.output_dir, "logs")))
+        else:
+            print(f"\n=== {stage}: reusing {stage_dir(args, stage)}: same YAML, seeds and parents (--rerun true "
+                  "retrains)", flush=True)  # fmt: skip
+        if args.test_examples:
+            commands.append([sys.executable, "-m", "plugformer", "eval", "--model", stage_dir(args, stage),
+                             "--split", "test", "--examples", str(args.test_examples), "--dataset_seed",
+                             str(args.dataset_seed), "--max_new_tokens", str(args.max_new_tokens),
+                             "--output", str(scores_path(args, stage))])  # fmt: skip
+
+        def on_trained() -> None:
+            write_json_atomic(Path(stage_dir(args, stage), RECORD), record, indent=2)
+
+        trained = decision is not None
+        return Job(stage, commands, processes=processes if trained else 1, on_trained=on_trained if trained else None)
+
+    needs = requirements(PARENTS, args.stages)
+    jobs = run_jobs(make_job, needs, args.jobs, Path(args.output_dir, "logs"))
+    results = {}
+    for stage in args.stages:
+        held = read_scores(scores_path(args, stage)) if args.test_examples else {}
+        results[stage] = stage_result(args, stage, results, held, jobs[stage].processes)
+    return results
+
+
+def scores_path(args: PipelineArguments, stage: str) -> Path:
+    return Path(stage_dir(args, stage), "eval_test.json")
+
+
+def stage_result(args: PipelineArguments, stage: str, results: dict, held: dict, processes: int = 1) -> dict:
+    """One row of the results table: training time, held-out scores, the gain over the parent (already in
+    `results`), dev perplexity, pass@k and dev selection where the stage recorded them."""
+    info = json.loads(Path(stage_dir(args, stage), "run_info.json").read_text())
+    result = {"train_seconds": info["train_seconds"], **held}
+    result["eval_perplexity"] = info["metrics"].get("eval_perplexity")
+    result["gain"] = gain_over_parent({**results, stage: result}, stage)
+    if "dev_pass_at_k" in info:
+        result["dev_pass_at_k"] = info["dev_pass_at_k"]
+    if "selection" in info:
+        result["selection"] = {key: info["selection"][key] for key in ("selected", "last")}
+    if processes > 1:
+        result["processes"] = processes
+    return result
 
 
 def gain_over_parent(results: dict, stage: str) -> dict | None:
@@ -208,6 +287,8 @@ def other_text(result: dict) -> str:
         parts.append(f"dev perplexity {result['eval_perplexity']:.2f}")
     if result.get("dev_pass_at_k"):
         parts.append(", ".join(f"dev {k} {v:.1%}" for k, v in result["dev_pass_at_k"].items() if k.startswith("pass@")))
+    if result.get("processes"):
+        parts.append(f"trained on {result['processes']} processes (data parallel, same effective batch)")
     if result.get("selection"):
         chosen, last = result["selection"]["selected"], result["selection"]["last"]
         parts.append(f"dev: step {chosen['step']} selected ({chosen['dev_exact_match']:.1%}), "

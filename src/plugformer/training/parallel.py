@@ -1,0 +1,190 @@
+"""Side-by-side stages for `plugformer pipeline --jobs N`: each stage runs as its own `plugformer train` process, as
+soon as the stages it starts from have finished, on at most N CPU cores at once.
+
+pretrain -> sft is a chain, but after SFT three branches are independent (reward -> rlhf, dpo, grpo), so on two
+cores they run two at a time. A stage that is the only one able to run (pretrain, sft) gets every free core as a
+data-parallel job (`accelerate launch`, gloo) with its per-device batch divided by the process count: the effective
+batch, the steps and the learning-rate schedule stay those of its YAML. RL stages (rlhf, grpo) always run in one
+process: their per-device batch is groups of completions, which a split would change. Each job's output goes to
+`<output_dir>/logs/<stage>.log`; its held-out test scores are computed by `plugformer eval` in the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# stages whose per-device batch is a set of examples: split over processes, the effective batch is unchanged
+DATA_PARALLEL = ("pretrain", "sft", "reward", "dpo")
+
+
+@dataclass
+class Job:
+    """One stage's work in the pipeline: its commands, run one after the other (train, then the test scores)."""
+
+    stage: str
+    commands: list[list[str]]
+    processes: int = 1
+    on_trained: Callable[[], None] | None = None  # called once the training command has succeeded
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    finished: float | None = None
+    returncode: int | None = None
+    done_commands: int = 0
+    log: Path | None = None
+    _log_file: object = field(default=None, repr=False)
+
+
+def requirements(parents: dict[str, str | None], stages: list[str]) -> dict[str, set[str]]:
+    """The stages each stage needs finished first: its parent, and the reward model for rlhf."""
+    needs = {}
+    for stage in stages:
+        needed = {parents[stage]} if parents[stage] else set()
+        if stage == "rlhf":
+            needed.add("reward")
+        needs[stage] = needed & set(stages)
+    return needs
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for one data-parallel job's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# configs/accelerate/cpu_2proc.yaml's topology: accelerate starts torch.distributed on gloo only through MULTI_GPU
+# with use_cpu (its own MULTI_CPU needs MPI), and its command line refuses --multi_gpu together with --cpu
+CPU_DATA_PARALLEL = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+                     "machine_rank": 0, "mixed_precision": "no", "rdzv_backend": "static", "same_network": True,
+                     "use_cpu": True}  # fmt: skip
+
+
+def train_command(stage: str, argv: list[str], processes: int, log_dir: Path) -> list[str]:
+    """`plugformer train STAGE ARGV` in this interpreter; under `accelerate launch` (gloo, CPU) for > 1 process,
+    with an accelerate config written to `log_dir`."""
+    import yaml
+
+    train = ["-m", "plugformer", "train", stage, *argv]
+    if processes == 1:
+        return [sys.executable, *train]
+    config = Path(log_dir, f"accelerate_{processes}proc.yaml")
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump({**CPU_DATA_PARALLEL, "num_processes": processes}))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+              "--main_process_port", str(free_port())]  # fmt: skip
+    return [*launch, *train]
+
+
+def split_batch(stage: str, per_device_batch: int, free: int) -> int:
+    """How many processes `stage` trains on when `free` cores are idle and nothing else can run: the most that
+    divide its per-device batch evenly (so the effective batch stays the YAML's); 1 for RL stages."""
+    if stage not in DATA_PARALLEL:
+        return 1
+    return max(k for k in range(1, free + 1) if per_device_batch % k == 0)
+
+
+def subprocess_environment(jobs: int) -> dict[str, str]:
+    """This process's environment, with one thread per process unless the caller chose otherwise: N jobs each
+    using every core would oversubscribe the machine."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    return env
+
+
+def _start_next(job: Job, env: dict[str, str]) -> None:
+    command = job.commands[job.done_commands]
+    job._log_file.write(f"\n$ {' '.join(command)}\n")
+    job._log_file.flush()
+    job.process = subprocess.Popen(command, stdout=job._log_file, stderr=subprocess.STDOUT, env=env)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_jobs(
+    make_job: Callable[[str, int], Job],
+    needs: dict[str, set[str]],
+    jobs: int,
+    log_dir: Path,
+    poll_seconds: float = 0.5,
+) -> dict[str, Job]:
+    """Runs every stage of `needs` (in its order) as soon as what it needs has finished, on at most `jobs` cores.
+
+    `make_job(stage, free_cores)` builds a stage's job when it can start; it is told how many cores are idle when the
+    stage is the only one able to run, else 1. A failed job stops new starts; the running ones finish (their work is
+    kept and reused next time), then a `RuntimeError` names the failed stages and shows their logs' last lines.
+    """
+    env = subprocess_environment(jobs)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    waiting, running, finished = list(needs), [], {}
+    failed: list[Job] = []
+    try:
+        while running or (waiting and not failed):
+            ready = [s for s in waiting if needs[s] <= finished.keys()] if not failed else []
+            free = jobs - sum(job.processes for job in running)
+            while ready and free > 0:
+                stage = ready.pop(0)
+                alone = not running and not ready
+                job = make_job(stage, free if alone else 1)
+                waiting.remove(stage)
+                job.log, job.started = log_dir / f"{stage}.log", time.perf_counter()
+                job._log_file = job.log.open("w")
+                if not job.commands:  # nothing to do (a reused stage without test scores)
+                    job.finished, job.returncode = job.started, 0
+                    job._log_file.close()
+                    finished[stage] = job
+                    continue
+                print(f"=== {stage}: started on {job.processes} process{'es' if job.processes > 1 else ''} "
+                      f"(log: {job.log})", flush=True)  # fmt: skip
+                _start_next(job, env)
+                running.append(job)
+                free -= job.processes
+            time.sleep(poll_seconds)
+            for job in list(running):
+                code = job.process.poll()
+                if code is None:
+                    continue
+                job.done_commands += 1
+                if code == 0 and job.done_commands == 1 and job.on_trained is not None:
+                    job.on_trained()
+                if code == 0 and job.done_commands < len(job.commands):
+                    _start_next(job, env)
+                    continue
+                job.returncode, job.finished = code, time.perf_counter()
+                job._log_file.close()
+                running.remove(job)
+                finished[job.stage] = job
+                status = "finished" if code == 0 else f"FAILED (exit {code})"
+                print(f"=== {job.stage}: {status} after {job.finished - job.started:.0f}s", flush=True)
+                if code != 0:
+                    failed.append(job)
+    except BaseException:
+        for job in running:  # Ctrl-C reached the children too; give them a moment to stop, then make sure
+            try:
+                job.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                job.process.kill()
+        raise
+    if failed:
+        shown = "\n\n".join(f"--- {job.stage} (exit {job.returncode}), last lines of {job.log}:\n{_tail(job.log)}"
+                            for job in failed)  # fmt: skip
+        never = [s for s in waiting]
+        raise RuntimeError(f"pipeline stage(s) {[job.stage for job in failed]} failed"
+                           + (f"; not started: {never}" if never else "") + f"\n{shown}")  # fmt: skip
+    return finished
+
+
+def read_scores(path: Path) -> dict:
+    """The held-out scores a job's `plugformer eval --output` wrote."""
+    return json.loads(path.read_text())

@@ -1,0 +1,118 @@
+"""`plugformer pipeline --jobs N`: stages start only after what they need, never more than N cores busy, a stage that
+is the only one able to run gets the idle cores, a failure stops new starts and names the stage; and on the
+shipped configs the side-by-side run trains the weights the in-order run trains."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from plugformer.training.parallel import Job, requirements, run_jobs, split_batch
+from plugformer.training.pipeline import PARENTS, PipelineArguments
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sleeper(seconds: float, code: int = 0) -> list[str]:
+    return [sys.executable, "-c", f"import time, sys; time.sleep({seconds}); print('slept'); sys.exit({code})"]
+
+
+def test_the_pipelines_requirements():
+    needs = requirements(PARENTS, ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"])
+    assert needs == {"pretrain": set(), "sft": {"pretrain"}, "reward": {"sft"}, "rlhf": {"sft", "reward"},
+                     "dpo": {"sft"}, "grpo": {"sft"}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stage", "batch", "free", "processes"),
+    [("pretrain", 32, 2, 2), ("sft", 32, 4, 4), ("sft", 6, 4, 3), ("dpo", 7, 2, 1), ("grpo", 64, 2, 1),
+     ("rlhf", 64, 2, 1), ("reward", 32, 1, 1)],
+)  # fmt: skip
+def test_only_example_batches_are_split_and_only_evenly(stage, batch, free, processes):
+    assert split_batch(stage, batch, free) == processes
+
+
+def test_jobs_start_after_their_needs_and_never_exceed_the_cores(tmp_path):
+    # the pipeline's shape: a chain, then three branches, one of them two long
+    needs = {"a": set(), "b": {"a"}, "c": {"b"}, "d": {"c", "b"}, "e": {"b"}, "f": {"b"}}
+    offered = {}
+
+    def make_job(stage: str, free: int) -> Job:
+        offered[stage] = free
+        return Job(stage, [sleeper(0.4)], processes=free if stage in "ab" else 1)
+
+    done = run_jobs(make_job, needs, jobs=2, log_dir=tmp_path, poll_seconds=0.02)
+    assert set(done) == set(needs) and all(job.returncode == 0 for job in done.values())
+    assert offered == {"a": 2, "b": 2, "c": 1, "d": 1, "e": 1, "f": 1}  # alone: every idle core; else one
+    for stage, job in done.items():
+        assert all(done[need].finished <= job.started for need in needs[stage])
+    moments = sorted({job.started for job in done.values()})
+    for moment in moments:  # cores busy at each start
+        busy = sum(job.processes for job in done.values() if job.started <= moment < job.finished)
+        assert busy <= 2
+    assert max(sum(1 for j in done.values() if j.started <= m < j.finished) for m in moments) == 2  # side by side
+    assert "slept" in (tmp_path / "d.log").read_text()
+
+
+def test_a_failed_job_stops_new_starts_lets_running_ones_finish_and_names_itself(tmp_path):
+    needs = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b"}}
+    trained = []
+
+    def make_job(stage: str, free: int) -> Job:
+        command = sleeper(0.1, code=3) if stage == "b" else sleeper(0.6)
+        return Job(stage, [command, sleeper(0.05)], on_trained=lambda: trained.append(stage))
+
+    with pytest.raises(RuntimeError) as raised:
+        run_jobs(make_job, needs, jobs=2, log_dir=tmp_path, poll_seconds=0.02)
+    message = str(raised.value)
+    assert "['b'] failed" in message and "not started: ['d']" in message and "slept" in message
+    assert trained == ["a", "c"]  # c, running beside the failure, finished and was recorded; b never was
+    assert (tmp_path / "c.log").read_text().count("\nslept\n") == 2  # both of c's commands ran
+
+
+def test_jobs_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match=r"--jobs 0: expected an integer >= 1"):
+        PipelineArguments(jobs=0)
+
+
+def micro_configs(folder: Path) -> str:
+    """The shipped tiny YAMLs cut to two steps of a 32-wide model (as test_training's pipeline test does)."""
+    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
+             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
+             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
+    for stage in PARENTS:
+        values = yaml.safe_load((ROOT / f"configs/{stage}/tiny.yaml").read_text())
+        values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
+        (folder / f"{stage}.yaml").write_text(yaml.safe_dump(values))
+    return str(folder / "{stage}.yaml")
+
+
+def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path, capsys):
+    """pretrain and sft, each alone, train on 2 processes with half the per-device batch: the same effective batch,
+    the same weights (to float rounding) and the same held-out table as one process."""
+    from plugformer.training.pipeline import main as pipeline_main
+
+    configs = micro_configs(tmp_path)
+    common = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs", configs, "--stages",
+              "pretrain", "sft", "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
+    in_order = pipeline_main([*common, "--output_dir", str(tmp_path / "one")])
+    side = pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])
+    for stage in ("pretrain", "sft"):
+        one, two = (load_file(str(tmp_path / run / stage / "model.safetensors")) for run in ("one", "two"))
+        assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-6
+        batches = [json.loads((tmp_path / run / stage / "run_info.json").read_text())["effective_batch"]
+                   for run in ("one", "two")]  # fmt: skip
+        assert [b["world_size"] for b in batches] == [1, 2] and batches[0]["total"] == batches[1]["total"] == 8
+        assert side[stage]["processes"] == 2 and "processes" not in in_order[stage]
+        assert side[stage]["correct"] == in_order[stage]["correct"]
+    assert "trained on 2 processes" in (tmp_path / "two/results.md").read_text()
+    assert (tmp_path / "two/logs/sft.log").is_file()
+    capsys.readouterr()
+    pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])  # unchanged: reused
+    assert capsys.readouterr().out.count("reusing") == 2
