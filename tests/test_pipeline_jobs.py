@@ -5,6 +5,7 @@ shipped configs the side-by-side run trains the weights the in-order run trains.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -60,6 +61,21 @@ def test_jobs_start_after_their_needs_and_never_exceed_the_cores(tmp_path):
     assert "slept" in (tmp_path / "d.log").read_text()
 
 
+def test_tasks_outside_spread_wait_for_a_free_core_instead_of_splitting_one(tmp_path):
+    """The pipeline's test scores: ready beside the next stage, they neither take its second core nor run first."""
+    needs = {"a": set(), "b": {"a"}, "a.test": {"a"}, "b.test": {"b"}}
+    offered = {}
+
+    def make_job(task: str, free: int) -> Job:
+        offered[task] = free
+        return Job(task, [sleeper(0.3)], processes=free)
+
+    done = run_jobs(make_job, needs, jobs=2, log_dir=tmp_path, poll_seconds=0.02, spread={"a", "b"})
+    assert offered == {"a": 2, "b": 2, "a.test": 1, "b.test": 1}
+    assert done["a.test"].started >= done["b"].finished  # b held both cores
+    assert done["a.test"].started < done["b.test"].finished and done["b.test"].started < done["a.test"].finished
+
+
 def test_a_failed_job_stops_new_starts_lets_running_ones_finish_and_names_itself(tmp_path):
     needs = {"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b"}}
     trained = []
@@ -74,6 +90,21 @@ def test_a_failed_job_stops_new_starts_lets_running_ones_finish_and_names_itself
     assert "['b'] failed" in message and "not started: ['d']" in message and "slept" in message
     assert trained == ["a", "c"]  # c, running beside the failure, finished and was recorded; b never was
     assert (tmp_path / "c.log").read_text().count("\nslept\n") == 2  # both of c's commands ran
+
+
+def test_an_error_in_the_pipeline_itself_stops_the_running_jobs(tmp_path):
+    needs = {"a": set(), "b": set(), "c": {"a"}}
+    made = {}
+
+    def make_job(stage: str, free: int) -> Job:
+        if stage == "c":
+            raise ValueError("stage 'c': a bad YAML")
+        made[stage] = Job(stage, [sleeper(0.2 if stage == "a" else 60)])
+        return made[stage]
+
+    with pytest.raises(ValueError, match="a bad YAML"):
+        run_jobs(make_job, needs, jobs=2, log_dir=tmp_path, poll_seconds=0.02)
+    assert made["b"].process.returncode == -signal.SIGTERM  # stopped, not left running for a minute
 
 
 def test_jobs_must_be_a_positive_integer():
@@ -101,7 +132,7 @@ def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path
     configs = micro_configs(tmp_path)
     common = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs", configs, "--stages",
               "pretrain", "sft", "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
-    in_order = pipeline_main([*common, "--output_dir", str(tmp_path / "one")])
+    in_order = pipeline_main([*common, "--output_dir", str(tmp_path / "one"), "--jobs", "1"])
     side = pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])
     for stage in ("pretrain", "sft"):
         one, two = (load_file(str(tmp_path / run / stage / "model.safetensors")) for run in ("one", "two"))
@@ -112,7 +143,7 @@ def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path
         assert side[stage]["processes"] == 2 and "processes" not in in_order[stage]
         assert side[stage]["correct"] == in_order[stage]["correct"]
     assert "trained on 2 processes" in (tmp_path / "two/results.md").read_text()
-    assert (tmp_path / "two/logs/sft.log").is_file()
+    assert (tmp_path / "two/logs/sft.log").is_file() and (tmp_path / "two/logs/sft.test.log").is_file()
     capsys.readouterr()
     pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])  # unchanged: reused
     assert capsys.readouterr().out.count("reusing") == 2

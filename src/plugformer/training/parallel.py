@@ -6,7 +6,8 @@ cores they run two at a time. A stage that is the only one able to run (pretrain
 data-parallel job (`accelerate launch`, gloo) with its per-device batch divided by the process count: the effective
 batch, the steps and the learning-rate schedule stay those of its YAML. RL stages (rlhf, grpo) always run in one
 process: their per-device batch is groups of completions, which a split would change. Each job's output goes to
-`<output_dir>/logs/<stage>.log`; its held-out test scores are computed by `plugformer eval` in the same job.
+`<output_dir>/logs/<stage>.log`. The held-out test scores (`plugformer eval`, one process each, logs
+`<stage>.test.log`) run on cores no stage is waiting for, mostly while the last branch finishes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ DATA_PARALLEL = ("pretrain", "sft", "reward", "dpo")
 
 @dataclass
 class Job:
-    """One stage's work in the pipeline: its commands, run one after the other (train, then the test scores)."""
+    """One task of the pipeline (a stage's training, or its test scores): its commands, run one after the other."""
 
     stage: str
     commands: list[list[str]]
@@ -118,12 +119,16 @@ def run_jobs(
     jobs: int,
     log_dir: Path,
     poll_seconds: float = 0.5,
+    spread: Collection[str] | None = None,
 ) -> dict[str, Job]:
-    """Runs every stage of `needs` (in its order) as soon as what it needs has finished, on at most `jobs` cores.
+    """Runs every task of `needs` as soon as what it needs has finished, on at most `jobs` cores; where several can
+    start, the first in `needs`'s order goes first.
 
-    `make_job(stage, free_cores)` builds a stage's job when it can start; it is told how many cores are idle when the
-    stage is the only one able to run, else 1. A failed job stops new starts; the running ones finish (their work is
-    kept and reused next time), then a `RuntimeError` names the failed stages and shows their logs' last lines.
+    `make_job(task, free_cores)` builds a task's job when it can start. A task of `spread` (default: every task) is
+    told how many cores are idle when nothing runs and no other task of `spread` can start, else 1: the pipeline's
+    test scores (not in `spread`, after the stages in `needs`) wait for a free core instead of splitting one. A
+    failed job stops new starts; the running ones finish (their work is kept and reused next time), then a
+    `RuntimeError` names the failed tasks and shows their logs' last lines.
     """
     env = subprocess_environment(jobs)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -135,16 +140,17 @@ def run_jobs(
             free = jobs - sum(job.processes for job in running)
             while ready and free > 0:
                 stage = ready.pop(0)
-                alone = not running and not ready
-                job = make_job(stage, free if alone else 1)
+                may_spread = spread is None or stage in spread
+                alone = not running and not [s for s in ready if spread is None or s in spread]
+                job = make_job(stage, free if may_spread and alone else 1)
                 waiting.remove(stage)
-                job.log, job.started = log_dir / f"{stage}.log", time.perf_counter()
-                job._log_file = job.log.open("w")
-                if not job.commands:  # nothing to do (a reused stage without test scores)
+                job.started = time.perf_counter()
+                if not job.commands:  # nothing to do (a reused stage): its log stays that of its run
                     job.finished, job.returncode = job.started, 0
-                    job._log_file.close()
                     finished[stage] = job
                     continue
+                job.log = log_dir / f"{stage}.log"
+                job._log_file = job.log.open("w")
                 print(f"=== {stage}: started on {job.processes} process{'es' if job.processes > 1 else ''} "
                       f"(log: {job.log})", flush=True)  # fmt: skip
                 _start_next(job, env)
@@ -169,8 +175,10 @@ def run_jobs(
                 print(f"=== {job.stage}: {status} after {job.finished - job.started:.0f}s", flush=True)
                 if code != 0:
                     failed.append(job)
-    except BaseException:
-        for job in running:  # Ctrl-C reached the children too; give them a moment to stop, then make sure
+    except BaseException as error:
+        for job in running:  # Ctrl-C reached the children too (same process group); anything else stops them here
+            if not isinstance(error, KeyboardInterrupt):
+                job.process.terminate()
             try:
                 job.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -179,9 +187,8 @@ def run_jobs(
     if failed:
         shown = "\n\n".join(f"--- {job.stage} (exit {job.returncode}), last lines of {job.log}:\n{_tail(job.log)}"
                             for job in failed)  # fmt: skip
-        never = [s for s in waiting]
-        raise RuntimeError(f"pipeline stage(s) {[job.stage for job in failed]} failed"
-                           + (f"; not started: {never}" if never else "") + f"\n{shown}")  # fmt: skip
+        not_started = f"; not started: {waiting}" if waiting else ""
+        raise RuntimeError(f"pipeline stage(s) {[job.stage for job in failed]} failed{not_started}\n{shown}")
     return finished
 
 

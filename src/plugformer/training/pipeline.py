@@ -203,7 +203,12 @@ def run_side_by_side(args: PipelineArguments) -> dict:
     from . import parse_stage_arguments
     from .parallel import Job, read_scores, requirements, run_jobs, split_batch, train_command
 
-    def make_job(stage: str, free: int) -> Job:
+    def make_job(task: str, free: int) -> Job:
+        stage, _, test = task.partition(".")
+        if test:  # held-out scores of a finished stage
+            return Job(task, [[sys.executable, "-m", "plugformer", "eval", "--model", stage_dir(args, stage), "--split",
+                               "test", "--examples", str(args.test_examples), "--dataset_seed", str(args.dataset_seed),
+                               "--max_new_tokens", str(args.max_new_tokens), "--output", str(scores_path(args, stage))]])  # fmt: skip
         argv = stage_argv(args, stage)
         batch = parse_stage_arguments(stage, argv)[2].per_device_train_batch_size
         processes = split_batch(stage, batch, free)
@@ -212,28 +217,22 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         record = stage_record(args, stage, argv)
         record.update({"processes": processes} if processes > 1 else {})
         decision = plan_stage(args, stage, record)
-        commands = []
-        if decision is not None:
-            why, flags = decision
-            print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
-            commands.append(train_command(stage, argv + flags, processes, Path(args.output_dir, "logs")))
-        else:
+        if decision is None:
             print(f"\n=== {stage}: reusing {stage_dir(args, stage)}: same YAML, seeds and parents (--rerun true "
                   "retrains)", flush=True)  # fmt: skip
-        if args.test_examples:
-            commands.append([sys.executable, "-m", "plugformer", "eval", "--model", stage_dir(args, stage),
-                             "--split", "test", "--examples", str(args.test_examples), "--dataset_seed",
-                             str(args.dataset_seed), "--max_new_tokens", str(args.max_new_tokens),
-                             "--output", str(scores_path(args, stage))])  # fmt: skip
+            return Job(stage, [], processes=processes)  # as it trained (its record says so)
+        why, flags = decision
+        print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
 
         def on_trained() -> None:
             write_json_atomic(Path(stage_dir(args, stage), RECORD), record, indent=2)
 
-        trained = decision is not None
-        return Job(stage, commands, processes=processes if trained else 1, on_trained=on_trained if trained else None)
+        command = train_command(stage, argv + flags, processes, Path(args.output_dir, "logs"))
+        return Job(stage, [command], processes=processes, on_trained=on_trained)
 
     needs = requirements(PARENTS, args.stages)
-    jobs = run_jobs(make_job, needs, args.jobs, Path(args.output_dir, "logs"))
+    tests = {f"{stage}.test": {stage} for stage in args.stages} if args.test_examples else {}
+    jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs)
     results = {}
     for stage in args.stages:
         held = read_scores(scores_path(args, stage)) if args.test_examples else {}
