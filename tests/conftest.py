@@ -117,3 +117,21 @@ def tokens() -> torch.Tensor:
     """A fixed (2, 12) batch of ids avoiding the special ids 0-2."""
     generator = torch.Generator().manual_seed(1234)
     return torch.randint(3, 128, (2, 12), generator=generator)
+
+
+def micro_stage_configs(folder) -> str:
+    """The shipped `configs/<stage>/tiny.yaml` cut to two steps of a 32-wide model, written to `folder`; returns the
+    `--stage_configs` template (`folder/{stage}.yaml`) for `plugformer pipeline`."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
+             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
+             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
+    for stage in ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo"):
+        values = yaml.safe_load((root / f"configs/{stage}/tiny.yaml").read_text())
+        values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
+        (Path(folder) / f"{stage}.yaml").write_text(yaml.safe_dump(values))
+    return str(Path(folder) / "{stage}.yaml")

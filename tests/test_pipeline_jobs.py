@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import micro_stage_configs
 from safetensors.torch import load_file
 
 from plugformer.training.parallel import Job, requirements, run_jobs, split_batch
@@ -112,24 +112,12 @@ def test_jobs_must_be_a_positive_integer():
         PipelineArguments(jobs=0)
 
 
-def micro_configs(folder: Path) -> str:
-    """The shipped tiny YAMLs cut to two steps of a 32-wide model (as test_training's pipeline test does)."""
-    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
-             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
-             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
-    for stage in PARENTS:
-        values = yaml.safe_load((ROOT / f"configs/{stage}/tiny.yaml").read_text())
-        values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
-        (folder / f"{stage}.yaml").write_text(yaml.safe_dump(values))
-    return str(folder / "{stage}.yaml")
-
-
 def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path, capsys):
     """pretrain and sft, each alone, train on 2 processes with half the per-device batch: the same effective batch,
     the same weights (to float rounding) and the same held-out table as one process."""
     from plugformer.training.pipeline import main as pipeline_main
 
-    configs = micro_configs(tmp_path)
+    configs = micro_stage_configs(tmp_path)
     common = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs", configs, "--stages",
               "pretrain", "sft", "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
     in_order = pipeline_main([*common, "--output_dir", str(tmp_path / "one"), "--jobs", "1"])

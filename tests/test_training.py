@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import micro_stage_configs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -286,19 +287,10 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
 
 def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     """The README's pipeline on the shipped tiny YAMLs, cut to a few steps; a re-run reuses finished stages."""
-    import yaml
-
     from plugformer.training.pipeline import main as pipeline_main
 
-    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
-             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
-             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
-    for stage in STAGES:
-        values = yaml.safe_load((ROOT / f"configs/{stage}/tiny.yaml").read_text())
-        values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
-        (tmp_path / f"{stage}.yaml").write_text(yaml.safe_dump(values))
     argv = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(tmp_path / "out"),
-            "--stage_configs", str(tmp_path / "{stage}.yaml"), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
+            "--stage_configs", micro_stage_configs(tmp_path), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
     results = pipeline_main(argv)
     assert list(results) == ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]
     assert all(results[s]["examples"] == 6 for s in results if s != "reward")
