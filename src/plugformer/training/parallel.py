@@ -93,7 +93,7 @@ def split_batch(stage: str, per_device_batch: int, free: int) -> int:
     return max(k for k in range(1, free + 1) if per_device_batch % k == 0)
 
 
-def subprocess_environment(jobs: int) -> dict[str, str]:
+def subprocess_environment() -> dict[str, str]:
     """This process's environment, with one thread per process unless the caller chose otherwise: N jobs each
     using every core would oversubscribe the machine."""
     env = dict(os.environ)
@@ -130,7 +130,7 @@ def run_jobs(
     failed job stops new starts; the running ones finish (their work is kept and reused next time), then a
     `RuntimeError` names the failed tasks and shows their logs' last lines.
     """
-    env = subprocess_environment(jobs)
+    env = subprocess_environment()
     log_dir.mkdir(parents=True, exist_ok=True)
     waiting, running, finished = list(needs), [], {}
     failed: list[Job] = []
