@@ -18,7 +18,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from accelerate import PartialState
@@ -100,8 +100,14 @@ def held_out(args: PipelineArguments, stage: str) -> dict:
     the reward model; none with `--test_examples 0`."""
     if args.test_examples == 0:
         return {}
-    return evaluate_directory(EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
-                                            dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens))  # fmt: skip
+    return evaluate_directory(held_out_arguments(args, stage))
+
+
+def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
+    """The `plugformer eval` arguments of a stage's test scores, in this process (`--jobs 1`) or its own."""
+    return EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
+                         dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens,
+                         output=str(scores_path(args, stage)))  # fmt: skip
 
 
 RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json
@@ -205,10 +211,11 @@ def run_side_by_side(args: PipelineArguments) -> dict:
 
     def make_job(task: str, free: int) -> Job:
         stage, _, test = task.partition(".")
-        if test:  # held-out scores of a finished stage
-            return Job(task, [[sys.executable, "-m", "plugformer", "eval", "--model", stage_dir(args, stage), "--split",
-                               "test", "--examples", str(args.test_examples), "--dataset_seed", str(args.dataset_seed),
-                               "--max_new_tokens", str(args.max_new_tokens), "--output", str(scores_path(args, stage))]])  # fmt: skip
+        if test:  # held-out scores of a finished stage: the arguments `held_out` uses in-process, as flags
+            scoring = held_out_arguments(args, stage)
+            flags = [x for f in fields(scoring) if getattr(scoring, f.name) is not None
+                     for x in (f"--{f.name}", str(getattr(scoring, f.name)))]  # fmt: skip
+            return Job(task, [[sys.executable, "-m", "plugformer", "eval", *flags]])
         argv = stage_argv(args, stage)
         batch = parse_stage_arguments(stage, argv)[2].per_device_train_batch_size
         processes = split_batch(stage, batch, free)
