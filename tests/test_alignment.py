@@ -316,6 +316,9 @@ def test_seed_table_over_pipeline_runs(tmp_path):
         directory = tmp_path / f"seed{index}"
         directory.mkdir()
         (directory / "results.json").write_text(json.dumps(run))
+        if index < 2:  # the third run predates pipeline_run.json: left out of the wall-time line
+            record = {"wall_seconds": 300.4 + index, "machine": {"matmul_gflops": 150.0 + index, "threads": 1}}
+            (directory / "pipeline_run.json").write_text(json.dumps(record))
         directories.append(str(directory))
     table = seeds.main([*directories, "--output", str(tmp_path / "seeds.md")])
     assert (tmp_path / "seeds.md").read_text() == table + "\n"
@@ -330,5 +333,7 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     assert expected in rows["grpo"] and f"p {p:.2g}" in rows["grpo"]
     assert "+30.0 (p 0.001), +24.0 (p 0.002), +33.0 (p 0.003)" in rows["grpo"]
     assert "pairwise accuracy 81.0" in rows["reward"] and rows["sft"].endswith("| 51 |")
+    assert table.endswith("wall time per run (torch.mm rate of the machine): seed0 300 s (150 GFLOP/s), "
+                          "seed1 301 s (151 GFLOP/s)")  # fmt: skip
     with pytest.raises(ValueError, match=r"no results\.json"):
         seeds.main([str(tmp_path)])

@@ -573,6 +573,8 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
     import json
     import shutil
 
+    import torch
+
     from plugformer.files import write_json_atomic
     from plugformer.training import pipeline
 
@@ -589,6 +591,10 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
     table = (tmp_path / "pipeline" / "results.md").read_text()
     assert table.startswith("no held-out test scores (--test_examples 0)") and "| pretrain | — |" in table
     assert json.loads((tmp_path / "pipeline" / "results.json").read_text())["pretrain"]["train_seconds"] >= 0
+    # the wall time is recorded beside the machine's matmul rate, without which it compares with nothing
+    run = json.loads((tmp_path / "pipeline" / pipeline.RUN_RECORD).read_text())
+    assert run["wall_seconds"] >= 0 and run["jobs"] == 1 and run["machine"]["matmul_gflops"] > 0
+    assert run["machine"]["threads"] == torch.get_num_threads()
 
 
 @pytest.mark.parametrize(

@@ -161,9 +161,25 @@ def validate_stages(args: PipelineArguments) -> None:
                              "parse (argparse's message above says which)") from error  # fmt: skip
 
 
+RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run and the speed of the machine it ran on
+
+
+def machine_speed(size: int = 1024, repeats: int = 5) -> dict:
+    """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats`): the
+    pipeline's wall time is only comparable between runs, or with a budget, next to it (the same 2-core machine
+    measured 48 and 158 GFLOP/s on different days)."""
+    import torch
+
+    from ..bench.measure import matmul_peak
+
+    peak = matmul_peak("fp32", "cpu", size, repeats, warmup=1)
+    return {"matmul_gflops": round(peak["flops_per_s"] / 1e9, 1), "threads": torch.get_num_threads(), "size": size}
+
+
 def run(args: PipelineArguments) -> dict:
     state = PartialState()
     started_pipeline = time.perf_counter()
+    speed = machine_speed() if state.is_main_process else None
     validate_stages(args)
     if args.jobs > 1:
         if state.num_processes > 1:
@@ -174,7 +190,11 @@ def run(args: PipelineArguments) -> dict:
         results = run_in_order(args, state)
     if state.is_main_process:
         report(args, results)
-        print(f"pipeline finished in {time.perf_counter() - started_pipeline:.0f}s; results in {args.output_dir}")
+        seconds = time.perf_counter() - started_pipeline
+        record = {"wall_seconds": round(seconds, 1), "jobs": args.jobs, "seed": args.seed, "machine": speed}
+        write_json_atomic(Path(args.output_dir, RUN_RECORD), record, indent=2)
+        print(f"pipeline finished in {seconds:.0f}s (torch.mm here: {speed['matmul_gflops']:.0f} GFLOP/s on "
+              f"{speed['threads']} thread(s)); results in {args.output_dir}")  # fmt: skip
     return results
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..evaluation.stats import mean_interval, paired_t_test
 from ..files import write_text_atomic
-from .pipeline import PARENTS
+from .pipeline import PARENTS, RUN_RECORD
 
 
 def load_runs(directories: list[str]) -> list[dict]:
@@ -76,6 +76,19 @@ def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
     return "\n".join(lines + [stage_row(stage, runs) for stage in stages])
 
 
+def wall_times(directories: list[str]) -> str | None:
+    """One line: each run's wall time with the machine's `torch.mm` rate it ran at (`pipeline_run.json`), or None
+    when no run recorded them (runs before that record existed)."""
+    parts = []
+    for directory in directories:
+        path = Path(directory, RUN_RECORD)
+        if path.is_file():
+            record = json.loads(path.read_text())
+            parts.append(f"{Path(directory).name} {record['wall_seconds']:.0f} s "
+                         f"({record['machine']['matmul_gflops']:.0f} GFLOP/s)")  # fmt: skip
+    return "wall time per run (torch.mm rate of the machine): " + ", ".join(parts) if parts else None
+
+
 def main(argv: list[str]) -> str:
     """`plugformer seeds DIR [DIR ...] [--output FILE]`: prints (and writes) the table."""
     import argparse
@@ -85,6 +98,8 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     table = seed_table(load_runs(args.directories), names=[Path(d).name for d in args.directories])
+    times = wall_times(args.directories)
+    table += f"\n\n{times}" if times else ""
     print(table)
     if args.output:
         write_text_atomic(Path(args.output), table + "\n")
