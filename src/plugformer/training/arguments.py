@@ -196,7 +196,11 @@ class PolicyArguments(StageArguments):
 @dataclass
 class RLHFArguments(PolicyArguments):
     reward_model_path: str | None = field(
-        default=None, metadata={"help": "output directory of the reward stage (a num_labels=1 classifier)"}
+        default=None,
+        metadata={
+            "help": "output directory of the reward stage (a num_labels=1 classifier) or of a dpo stage (its "
+            "implicit reward, beta * (log pi - log pi_ref))"
+        },
     )
 
 

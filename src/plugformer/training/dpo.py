@@ -11,4 +11,7 @@ from .common import run_trainer
 
 
 def train(script_args, model_args, training_args) -> dict:
-    return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args)
+    # the reference and beta make the saved policy a reward model too (`implicit_reward`, the rlhf stage's
+    # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory
+    implicit = {"reference": model_args.model_name_or_path, "beta": training_args.beta}
+    return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit)

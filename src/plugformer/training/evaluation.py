@@ -153,6 +153,15 @@ def preference_accuracy(model, tokenizer, rows, batch_size: int = 64) -> float:
     ]
 
 
+def reward_function_accuracy(reward, rows) -> float:
+    """Fraction of preference pairs (`prompt`, `chosen`, `rejected`) that a TRL reward function (such as
+    `ImplicitReward`) scores `chosen` above `rejected`."""
+    prompts = list(rows["prompt"])
+    chosen, rejected = reward(prompts, list(rows["chosen"])), reward(prompts, list(rows["rejected"]))
+    metric = load_metric("pairwise_accuracy")
+    return metric.compute(predictions=chosen, references=rejected)["pairwise_accuracy"]
+
+
 @torch.no_grad()
 def document_losses(model, tokenizer, texts: list[str], batch_size: int = 32) -> tuple[list[float], list[int]]:
     """Each `<bos> text <eos>` document's summed next-token loss (nats) and its number of predicted tokens."""
@@ -189,8 +198,9 @@ class EvalArguments:
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (the pipeline's splits: 0)"})
     direct_answer_fraction: float | None = field(
         default=None,
-        metadata={"help": "reward model: the share of rejected answers that are bare near misses in the scored pairs "
-                          "(default: the share it was trained with, from its run_info.json; 0 without one)"},
+        metadata={"help": "reward model (or a DPO policy's implicit reward): the share of rejected answers that are "
+                          "bare near misses in the scored pairs (default: the share it was trained with, from its "
+                          "run_info.json; 0 without one)"},
     )  # fmt: skip
     max_new_tokens: int = 32
     batch_size: int = 64
@@ -225,6 +235,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
 
     from ..cards import wilson_interval
     from .data import load_stage_dataset
+    from .implicit_reward import ImplicitReward, dpo_record
 
     if args.split not in ("train", "dev", "test"):
         raise ValueError(f"split={args.split!r}: choose train, dev or test")
@@ -251,6 +262,13 @@ def evaluate_directory(args: EvalArguments) -> dict:
     results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
     texts = load_stage_dataset("pretrain", sizes=sizes, seed=seed)[args.split]["text"]
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
+    if dpo_record(args.model) is not None:  # a DPO policy is a reward model too: its implicit reward
+        fraction = (
+            trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
+        )
+        pairs = load_stage_dataset("reward", sizes=sizes, seed=seed, direct_fraction=fraction)[args.split]
+        reward = ImplicitReward.from_dpo_stage(args.model, batch_size=args.batch_size)
+        results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, pairs)
     return results
 
 

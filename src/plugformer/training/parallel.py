@@ -44,13 +44,14 @@ class Job:
     _log_file: object = field(default=None, repr=False)
 
 
-def requirements(parents: dict[str, str | None], stages: list[str]) -> dict[str, set[str]]:
-    """The stages each stage needs finished first: its parent, and the reward model for rlhf."""
+def requirements(parents: dict[str, str | None], stages: list[str], reward: str = "reward") -> dict[str, set[str]]:
+    """The stages each stage needs finished first: its parent, and for rlhf the stage it is rewarded by (`reward`:
+    the reward stage's classifier, or dpo's implicit reward)."""
     needs = {}
     for stage in stages:
         needed = {parents[stage]} if parents[stage] else set()
         if stage == "rlhf":
-            needed.add("reward")
+            needed.add(reward)
         needs[stage] = needed & set(stages)
     return needs
 

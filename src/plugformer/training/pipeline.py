@@ -40,6 +40,10 @@ PARENTS: dict[str, str | None] = {
 }
 
 
+# the stages whose output can reward the rlhf stage: a classifier, or a DPO policy's implicit reward
+REWARD_SOURCES = ("reward", "dpo")
+
+
 @dataclass
 class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "one subdirectory per stage"})
@@ -58,6 +62,11 @@ class PipelineArguments:
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain stages that already finished, even if unchanged"})
     prompt: str = field(default="What is 27 + 58?", metadata={"help": "question answered by the final model"})
+    rlhf_reward: str = field(
+        default="reward",
+        metadata={"help": "what rewards the rlhf stage: reward (the reward stage's classifier) or dpo (the dpo stage's "
+                          "implicit reward, beta * (log pi - log pi_ref))"},
+    )  # fmt: skip
     jobs: int = field(
         default=1,
         metadata={"help": "CPU cores used at once. 1: every stage in this process, one after the other. N > 1: each "
@@ -69,6 +78,8 @@ class PipelineArguments:
         from .arguments import check_counts
 
         check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
+        if self.rlhf_reward not in REWARD_SOURCES:
+            raise ValueError(f"--rlhf_reward {self.rlhf_reward!r}: choose one of {', '.join(REWARD_SOURCES)}")
 
 
 def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
@@ -85,9 +96,13 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
     if parent is not None:
         argv += ["--model_name_or_path", stage_dir(args, parent)]
     if stage == "rlhf":
-        if "reward" not in args.stages:
-            raise ValueError("stage 'rlhf' needs the 'reward' stage (its reward model) in stages")
-        argv += ["--reward_model_path", stage_dir(args, "reward")]
+        source = args.rlhf_reward
+        if source not in args.stages:
+            raise ValueError(f"stage 'rlhf' is rewarded by the {source!r} stage (rlhf_reward={source!r}), which is not "
+                             f"in stages={args.stages}")  # fmt: skip
+        if args.stages.index(source) > args.stages.index(stage):
+            raise ValueError(f"stages={args.stages}: {source!r} (rlhf_reward) must come before 'rlhf'")
+        argv += ["--reward_model_path", stage_dir(args, source)]
     return argv
 
 
@@ -117,7 +132,7 @@ def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
     """What shaped a stage: its command line (seeds, parents' folders), its YAML's sha256, and the weights it started
     from (the parents' parameter digests); a finished stage is reused only when all of it is unchanged."""
     config = Path(argv[argv.index("--config") + 1])
-    parents = [p for p in (PARENTS[stage], "reward" if stage == "rlhf" else None) if p is not None]
+    parents = [p for p in (PARENTS[stage], args.rlhf_reward if stage == "rlhf" else None) if p is not None]
     digests = {}
     for parent in parents:
         info = Path(stage_dir(args, parent), "run_info.json")
@@ -257,7 +272,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         command = train_command(stage, argv + flags, processes, Path(args.output_dir, "logs"))
         return Job(stage, [command], processes=processes, on_trained=on_trained)
 
-    needs = requirements(PARENTS, args.stages)
+    needs = requirements(PARENTS, args.stages, reward=args.rlhf_reward)
     tests = {f"{stage}.test": {stage} for stage in args.stages} if args.test_examples else {}
     jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs)
     results = {}
@@ -309,6 +324,8 @@ def other_text(result: dict) -> str:
     parts = []
     if "pairwise_accuracy" in result:
         parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
+    if "implicit_reward_pairwise_accuracy" in result:
+        parts.append(f"implicit reward pairwise accuracy {result['implicit_reward_pairwise_accuracy']:.1%}")
     if result.get("eval_perplexity"):
         parts.append(f"dev perplexity {result['eval_perplexity']:.2f}")
     if result.get("dev_pass_at_k"):

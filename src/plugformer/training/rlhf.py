@@ -14,12 +14,18 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import RLOOTrainer
 
 from .common import load_tokenizer, run_trainer
+from .implicit_reward import ImplicitReward, dpo_record
 from .selection import plot_overoptimisation
 
 
 def load_reward_model(path: str | None):
+    """(reward function, its tokenizer or None): the reward stage's classifier, or a DPO stage's implicit reward
+    β·(log π − log π_ref), a reward function that tokenizes for itself."""
     if not path:
-        raise ValueError("stage 'rlhf' needs --reward_model_path: the output directory of the reward stage")
+        raise ValueError("stage 'rlhf' needs --reward_model_path: the output directory of the reward stage (a "
+                         "num_labels=1 classifier) or of a dpo stage (its implicit reward)")  # fmt: skip
+    if dpo_record(path) is not None:
+        return ImplicitReward.from_dpo_stage(path), None
     reward_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     return reward_model.eval(), load_tokenizer(path)
 

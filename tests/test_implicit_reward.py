@@ -1,0 +1,109 @@
+"""DPO's implicit reward as the rlhf stage's reward model: β·(log π(y|x) − log π_ref(y|x)), checked against a
+per-sequence log-softmax computed here token by token, and wired through the rlhf stage, eval and the pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build, tiny_config
+
+from plugformer.tokenization import train_tokenizer
+from plugformer.training.data import load_stage_dataset
+
+
+def save_dpo_like(tmp_path, beta: float = 0.1):
+    """A reference and a 'DPO' policy (the reference with other weights), saved with a tokenizer; the policy's
+    run_info.json records what the dpo stage records."""
+    rows = load_stage_dataset("reward", sizes={"train": 40}, seed=0, direct_fraction=0.5)["train"]
+    texts = [m["content"] for row in rows for m in row["prompt"] + row["chosen"] + row["rejected"]]
+    tokenizer = train_tokenizer(texts, vocab_size=300, split_digits=True)
+    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    paths = {}
+    for name, seed in (("reference", 0), ("policy", 1)):
+        paths[name] = tmp_path / name
+        build(config, seed=seed).save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    record = {
+        "stage": "dpo",
+        "reference": str(paths["reference"]),
+        "beta": beta,
+        "data": {"direct_answer_fraction": 0.5},
+    }
+    (paths["policy"] / "run_info.json").write_text(json.dumps(record))
+    return paths, tokenizer, rows
+
+
+def sequence_log_prob(model, tokenizer, prompt, completion) -> float:
+    """log p(completion | prompt), one predicted token at a time, from the full conversation's logits."""
+    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    start = len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(whole, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(ids).logits[0].double(), dim=-1)  # (T, V)
+    return sum(log_probs[t - 1, ids[0, t]].item() for t in range(start, ids.shape[1]))
+
+
+def test_implicit_reward_is_beta_times_the_log_ratio_of_each_completion(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from plugformer.training.implicit_reward import ImplicitReward
+
+    paths, tokenizer, rows = save_dpo_like(tmp_path, beta=0.25)
+    reward = ImplicitReward.from_dpo_stage(str(paths["policy"]), batch_size=3)  # batches of unequal lengths
+    prompts, completions = list(rows["prompt"])[:7], list(rows["rejected"])[:7]
+    policy, reference = (AutoModelForCausalLM.from_pretrained(paths[n]).eval() for n in ("policy", "reference"))
+    expected = [
+        0.25 * (sequence_log_prob(policy, tokenizer, p, c) - sequence_log_prob(reference, tokenizer, p, c))
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    assert reward(prompts, completions) == pytest.approx(expected, rel=1e-4, abs=1e-4)
+    assert any(abs(value) > 1e-2 for value in expected)  # the two models differ: the check has teeth
+
+
+def test_the_reward_models_the_rlhf_stage_loads(tmp_path):
+    from plugformer.training.implicit_reward import ImplicitReward
+    from plugformer.training.rlhf import load_reward_model
+
+    paths, _, _ = save_dpo_like(tmp_path)
+    reward, tokenizer = load_reward_model(str(paths["policy"]))
+    assert isinstance(reward, ImplicitReward) and tokenizer is None and reward.beta == 0.1
+    with pytest.raises(ValueError, match=r"beta=0\.0 must be positive"):
+        ImplicitReward(str(paths["policy"]), str(paths["reference"]), beta=0.0)
+    with pytest.raises(ValueError, match="not a finished DPO stage"):
+        ImplicitReward.from_dpo_stage(str(paths["reference"]))  # no run_info.json
+
+
+def test_eval_scores_a_dpo_policy_as_a_reward_model_too(tmp_path):
+    """`plugformer eval` on a DPO stage adds the implicit reward's pairwise accuracy on test pairs drawn as the stage's
+    training pairs were; the same accuracy as counting the pairs by hand."""
+    from plugformer.training.evaluation import EvalArguments, evaluate_directory
+    from plugformer.training.implicit_reward import ImplicitReward
+
+    paths, _, _ = save_dpo_like(tmp_path)
+    results = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=12, max_new_tokens=4))
+    pairs = load_stage_dataset("reward", sizes={"test": 12}, seed=0, direct_fraction=0.5)["test"]
+    reward = ImplicitReward.from_dpo_stage(str(paths["policy"]))
+    prompts = list(pairs["prompt"])
+    chosen, rejected = reward(prompts, list(pairs["chosen"])), reward(prompts, list(pairs["rejected"]))
+    right = sum(c > r for c, r in zip(chosen, rejected, strict=True))
+    assert results["implicit_reward_pairwise_accuracy"] == right / 12
+    assert "exact_match" in results
+
+
+def test_the_pipeline_rewards_rlhf_with_the_stage_it_names(tmp_path):
+    from plugformer.training import pipeline
+    from plugformer.training.parallel import requirements
+
+    stages = ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
+    args = pipeline.PipelineArguments(output_dir=str(tmp_path), stages=stages, rlhf_reward="dpo")
+    argv = pipeline.stage_argv(args, "rlhf")
+    assert argv[argv.index("--reward_model_path") + 1] == str(tmp_path / "dpo")
+    assert requirements(pipeline.PARENTS, stages, reward="dpo")["rlhf"] == {"sft", "dpo"}
+    assert "dpo" in pipeline.stage_record(args, "rlhf", argv)["parent_digests"]
+    with pytest.raises(ValueError, match="'dpo' \\(rlhf_reward\\) must come before 'rlhf'"):
+        pipeline.stage_argv(pipeline.PipelineArguments(rlhf_reward="dpo"), "rlhf")  # the default order
+    with pytest.raises(ValueError, match="--rlhf_reward 'grpo': choose one of reward, dpo"):
+        pipeline.PipelineArguments(rlhf_reward="grpo")
