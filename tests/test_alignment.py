@@ -310,6 +310,8 @@ def test_seed_table_over_pipeline_runs(tmp_path):
             "sft": {"train_seconds": 50.0 + index, "exact_match": before, "gain": {"difference": before - 0.01,
                                                                                "p_value": 1e-4}},
             "reward": {"train_seconds": 30.0, "pairwise_accuracy": 0.8 + index / 100, "gain": None},
+            "dpo": {"train_seconds": 40.0, "exact_match": after, "implicit_reward_pairwise_accuracy": 0.86 + index / 50,
+                    "gain": {"difference": after - before, "p_value": 1e-4}},
             "grpo": {"train_seconds": 60.0, "exact_match": after, "gain": {"difference": after - before,
                                                                           "p_value": 0.001 * (index + 1)}},
         }  # fmt: skip
@@ -333,6 +335,9 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     assert expected in rows["grpo"] and f"p {p:.2g}" in rows["grpo"]
     assert "+30.0 (p 0.001), +24.0 (p 0.002), +33.0 (p 0.003)" in rows["grpo"]
     assert "pairwise accuracy 81.0" in rows["reward"] and rows["sft"].endswith("| 51 |")
+    implicit = [0.86, 0.88, 0.90]
+    implicit_half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(implicit) / 3**0.5
+    assert f"; implicit reward pairwise accuracy 88.0 ({(0.88 - implicit_half) * 100:.1f}, " in rows["dpo"]
     assert table.endswith("wall time per run (torch.mm rate of the machine): seed0 300 s (150 GFLOP/s), "
                           "seed1 301 s (151 GFLOP/s)")  # fmt: skip
     with pytest.raises(ValueError, match=r"no results\.json"):

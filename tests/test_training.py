@@ -292,14 +292,17 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     argv = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(tmp_path / "out"),
             "--stage_configs", micro_stage_configs(tmp_path), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
     results = pipeline_main(argv)
-    assert list(results) == ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]
+    assert list(results) == ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
     assert all(results[s]["examples"] == 6 for s in results if s != "reward")
     assert 0.0 <= results["reward"]["pairwise_accuracy"] <= 1.0
+    assert 0.0 <= results["dpo"]["implicit_reward_pairwise_accuracy"] <= 1.0  # the reward rlhf_reward: dpo names
     table = (tmp_path / "out/results.md").read_text()
     assert sum(line.startswith("|") for line in table.splitlines()) == 2 + 6  # header, rule, a row per stage
     assert "pipeline('text-generation'" in capsys.readouterr().out
-    # parents are the right directories
-    assert json.loads((tmp_path / "out/rlhf/run_info.json").read_text())["reward_model"] == str(tmp_path / "out/reward")
+    # parents are the right directories: the tiny pipeline rewards rlhf with the dpo stage's implicit reward
+    assert json.loads((tmp_path / "out/rlhf/run_info.json").read_text())["reward_model"] == str(tmp_path / "out/dpo")
+    dpo = json.loads((tmp_path / "out/dpo/run_info.json").read_text())
+    assert dpo["reference"] == str(tmp_path / "out/sft") and dpo["beta"] == 0.1
     capsys.readouterr()
     pipeline_main([*argv, "--stages", "pretrain", "sft"])
     assert capsys.readouterr().out.count("reusing") == 2

@@ -4,7 +4,8 @@
 A DPO stage's output directory records its reference (the model it started from) and β in `run_info.json`, so
 `--reward_model_path` of the `rlhf` stage takes it as it takes a reward stage's classifier. Where a small classifier
 reading the last token does not learn to check the answer, the log-ratio reads every token's likelihood: on the
-embedded arithmetic task it ranks 86–91% of held-out pairs right, against 81–84% for the classifier.
+embedded arithmetic task (three seeds, 300 test pairs each) it ranked 85.0–91.7% of the pairs right, against
+81.3–83.7% for the classifier.
 """
 
 from __future__ import annotations

@@ -49,17 +49,21 @@ def stage_row(stage: str, runs: list[dict]) -> str:
         score = f"pairwise accuracy {interval_text(accuracy)}" if accuracy else "—"
         return f"| {stage} | {score} | — | — | {seconds:.0f} |"
     matches = [r["exact_match"] for r in results]
+    score = interval_text(matches)
+    if all("implicit_reward_pairwise_accuracy" in r for r in results):  # a DPO policy scored as a reward model too
+        implicit = interval_text([r["implicit_reward_pairwise_accuracy"] for r in results])
+        score += f"; implicit reward pairwise accuracy {implicit}"
     parent = PARENTS[stage]
     gains = [r.get("gain") for r in results]
     if parent is None or any(g is None for g in gains):
-        return f"| {stage} | {interval_text(matches)} | — | — | {seconds:.0f} |"
+        return f"| {stage} | {score} | — | — | {seconds:.0f} |"
     per_run = ", ".join(f"{g['difference'] * 100:+.1f} (p {g['p_value']:.2g})" for g in gains)
     if len(runs) > 1:
         test = paired_t_test(matches, [run[parent]["exact_match"] for run in runs])
         over = f"{test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), p {test.p_value:.2g}"
     else:
         over = "—"
-    return f"| {stage} | {interval_text(matches)} | {over} | {per_run} | {seconds:.0f} |"
+    return f"| {stage} | {score} | {over} | {per_run} | {seconds:.0f} |"
 
 
 def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
