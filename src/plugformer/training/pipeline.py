@@ -182,8 +182,8 @@ RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run and the speed
 
 def machine_speed(size: int = 1024, repeats: int = 5) -> dict:
     """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats`): the
-    pipeline's wall time is only comparable between runs, or with a budget, next to it (the same 2-core machine
-    measured 48 and 158 GFLOP/s on different days)."""
+    pipeline's wall time is only comparable between runs, or with a budget, next to it (2-core machines of the same
+    kind here measured 48 and 158 GFLOP/s on different days)."""
     import torch
 
     from ..bench.measure import matmul_peak
