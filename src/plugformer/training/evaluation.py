@@ -129,33 +129,30 @@ def sampled_pass_at_k(
     return {**results, "samples": samples, "temperature": temperature, "examples": len(prompts)}
 
 
-@torch.no_grad()
 def preference_accuracy(model, tokenizer, rows, batch_size: int = 64) -> float:
     """Fraction of preference pairs (`prompt`, `chosen`, `rejected`) where a reward model scores `chosen` higher."""
     model.eval()
 
-    def scores(column: str) -> torch.Tensor:
+    @torch.no_grad()
+    def reward(prompts: list, answers: list) -> list[float]:
         texts = [
             tokenizer.apply_chat_template(prompt + answer, tokenize=False)
             if isinstance(prompt, list)
             else prompt + answer
-            for prompt, answer in zip(rows["prompt"], rows[column], strict=True)
+            for prompt, answer in zip(prompts, answers, strict=True)
         ]
         values = []
         for start in range(0, len(texts), batch_size):
             batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
             values.append(model(**batch.to(model.device)).logits[:, 0].float().cpu())  # (B, 1) -> (B,)
-        return torch.cat(values)
+        return torch.cat(values).tolist()
 
-    metric = load_metric("pairwise_accuracy")
-    return metric.compute(predictions=scores("chosen").tolist(), references=scores("rejected").tolist())[
-        "pairwise_accuracy"
-    ]
+    return reward_function_accuracy(reward, rows)
 
 
 def reward_function_accuracy(reward, rows) -> float:
-    """Fraction of preference pairs (`prompt`, `chosen`, `rejected`) that a TRL reward function (such as
-    `ImplicitReward`) scores `chosen` above `rejected`."""
+    """Fraction of preference pairs (`prompt`, `chosen`, `rejected`) that a reward function
+    (`f(prompts, completions) -> list[float]`, such as `ImplicitReward`) scores `chosen` above `rejected`."""
     prompts = list(rows["prompt"])
     chosen, rejected = reward(prompts, list(rows["chosen"])), reward(prompts, list(rows["rejected"]))
     metric = load_metric("pairwise_accuracy")
@@ -228,6 +225,19 @@ def trained_direct_fraction(model: str) -> float:
     return float(record.get("direct_answer_fraction", 0.0))
 
 
+def scored_pairs(args: EvalArguments):
+    """(preference pairs of `args.split`, their share of bare rejected answers): drawn as the scored model's own
+    training pairs were (`--direct_answer_fraction` overrides the share its run_info.json records)."""
+    from .data import load_stage_dataset
+
+    fraction = (
+        trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
+    )
+    rows = load_stage_dataset("reward", sizes={args.split: args.examples}, seed=args.dataset_seed,
+                              direct_fraction=fraction)[args.split]  # fmt: skip
+    return rows, fraction
+
+
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
@@ -249,10 +259,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
     results = {"model": args.model, "split": args.split}
     if any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
         model = AutoModelForSequenceClassification.from_pretrained(args.model)
-        fraction = (
-            trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
-        )
-        rows = load_stage_dataset("reward", sizes=sizes, seed=seed, direct_fraction=fraction)[args.split]
+        rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
         results["examples"], results["direct_answer_fraction"] = len(rows), fraction
         return results
@@ -263,10 +270,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
     texts = load_stage_dataset("pretrain", sizes=sizes, seed=seed)[args.split]["text"]
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
     if dpo_record(args.model) is not None:  # a DPO policy is a reward model too: its implicit reward
-        fraction = (
-            trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
-        )
-        pairs = load_stage_dataset("reward", sizes=sizes, seed=seed, direct_fraction=fraction)[args.split]
+        pairs, _ = scored_pairs(args)
         reward = ImplicitReward.from_dpo_stage(args.model, batch_size=args.batch_size)
         results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, pairs)
     return results
