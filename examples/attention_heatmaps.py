@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 import plugformer  # noqa: F401  (registers plugformer with the Auto classes)
 from plugformer import PlugformerConfig, PlugformerForCausalLM, train_tokenizer
-from plugformer.corpus import arithmetic_sentences, nli_examples, sentiment_examples
+from plugformer.data.corpus import arithmetic_sentences, nli_examples, sentiment_examples
 from plugformer.evaluation.attention_maps import EXAMPLE_TEXT, attention_weights, load_model, save_attention_maps
 from plugformer.evaluation.plots import plot_position_bias, plot_sinusoidal
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plugformer.evaluation.compare import CompareArguments, run
+from plugformer.experiments.compare import CompareArguments, run
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs" / "{stage}" / "tiny.yaml")

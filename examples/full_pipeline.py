@@ -20,9 +20,9 @@ import yaml
 
 from plugformer.evaluation.attention_maps import attention_weights, save_attention_maps
 from plugformer.evaluation.plots import plot_training_curves
+from plugformer.evaluation.scoring import prompt_text
+from plugformer.experiments.pipeline import PipelineArguments, run
 from plugformer.training.common import load_tokenizer
-from plugformer.training.evaluation import prompt_text
-from plugformer.training.pipeline import PipelineArguments, run
 
 
 ROOT = Path(__file__).resolve().parents[1]

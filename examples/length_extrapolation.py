@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from plugformer import POSITION_SCHEMES
-from plugformer.evaluation.extrapolation import ExtrapolationArguments, run
+from plugformer.experiments.extrapolation import ExtrapolationArguments, run
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs" / "{stage}" / "tiny.yaml")

@@ -26,7 +26,7 @@ from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, pi
 
 import plugformer  # registers model_type "plugformer" with the Auto classes, so pipeline() can load the output
 from plugformer import PlugformerConfig, PlugformerForSequenceClassification, train_tokenizer
-from plugformer.corpus import SENTIMENT_LABELS, sentiment_examples
+from plugformer.data.corpus import SENTIMENT_LABELS, sentiment_examples
 from plugformer.evaluation.classification import compute_metrics, evaluate_classifier
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from plugformer.training import rewards, run_stage
+from plugformer.evaluation import rewards
+from plugformer.training import run_stage
 
 
 rewards.REWARD_FUNCTIONS["length"] = lambda completions, **kwargs: [

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugformer.training import data as task
-from plugformer.training import evaluation, selection
+from plugformer.data import sources as task
+from plugformer.evaluation import scoring as evaluation
+from plugformer.evaluation.rewards import exact_match_reward, format_reward
+from plugformer.training import selection
 from plugformer.training.arguments import StageArguments
-from plugformer.training.rewards import exact_match_reward, format_reward
 
 
 # one-digit operands, then an optional carry or borrow and an optional +10, then the value
@@ -194,7 +195,7 @@ def test_overoptimisation_plot_starts_the_gold_curve_at_the_reference(tmp_path, 
 
 def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
     from plugformer.evaluation.stats import paired_bootstrap
-    from plugformer.training.pipeline import gain_over_parent, gain_text
+    from plugformer.experiments.pipeline import gain_over_parent, gain_text
 
     results = {"sft": {"correct": [1, 0, 0, 1, 0, 0]}, "grpo": {"correct": [1, 1, 0, 1, 1, 0]}, "reward": {}}
     gain = gain_over_parent(results, "grpo")
@@ -206,7 +207,7 @@ def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
 
 
 def pipeline_args(tmp_path, **overrides):
-    from plugformer.training.pipeline import PipelineArguments
+    from plugformer.experiments.pipeline import PipelineArguments
 
     configs = tmp_path / "configs"
     configs.mkdir(exist_ok=True)
@@ -217,7 +218,7 @@ def pipeline_args(tmp_path, **overrides):
 
 def finish(args, stage, digests=(1,)):
     """A stage folder as the pipeline leaves a finished stage: run_info.json and the record of what shaped it."""
-    from plugformer.training.pipeline import RECORD, stage_argv, stage_record
+    from plugformer.experiments.pipeline import RECORD, stage_argv, stage_record
 
     folder = Path(args.output_dir, stage)
     folder.mkdir(parents=True, exist_ok=True)
@@ -226,7 +227,7 @@ def finish(args, stage, digests=(1,)):
 
 
 def test_a_finished_stage_is_reused_only_while_its_yaml_seeds_and_parents_are_unchanged(tmp_path):
-    from plugformer.training.pipeline import plan_stage, stage_argv, stage_record
+    from plugformer.experiments.pipeline import plan_stage, stage_argv, stage_record
 
     args = pipeline_args(tmp_path)
 
@@ -249,7 +250,7 @@ def test_a_finished_stage_is_reused_only_while_its_yaml_seeds_and_parents_are_un
 
 
 def test_an_interrupted_stage_resumes_and_a_foreign_unfinished_folder_is_replaced(tmp_path):
-    from plugformer.training.pipeline import RECORD, plan_stage, stage_argv, stage_record
+    from plugformer.experiments.pipeline import RECORD, plan_stage, stage_argv, stage_record
 
     args = pipeline_args(tmp_path)
     folder = tmp_path / "out/pretrain"
@@ -262,7 +263,7 @@ def test_an_interrupted_stage_resumes_and_a_foreign_unfinished_folder_is_replace
 
 
 def test_a_typo_in_the_last_stage_yaml_fails_before_the_first_stage_trains(tmp_path, monkeypatch):
-    from plugformer.training import pipeline
+    from plugformer.experiments import pipeline
 
     args = pipeline_args(tmp_path)
     (tmp_path / "configs/grpo.yaml").write_text("learnig_rate: 0.1\n")
@@ -300,7 +301,7 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     figures as the pipeline wrote them, checked against scipy's own t distribution and paired test."""
     from scipy import stats as scipy_stats
 
-    from plugformer.training import seeds
+    from plugformer.experiments import seeds
 
     sft, grpo = [0.10, 0.14, 0.12], [0.40, 0.38, 0.45]
     directories = []

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from plugformer import ATTENTION_SCORES, POSITION_SCHEMES, PlugformerConfig, PlugformerForCausalLM
-from plugformer.arguments import parse_arguments
 from plugformer.bench import BenchArguments
 from plugformer.bench.measure import (
     GenerateRun,
@@ -35,7 +34,8 @@ from plugformer.bench.readme import main as readme_main
 from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
 from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
-from plugformer.variants import ATTENTION_MODIFIERS
+from plugformer.runtime.arguments import parse_arguments
+from plugformer.runtime.variants import ATTENTION_MODIFIERS
 
 
 @pytest.mark.parametrize("pair", ["llama", "gpt2"])

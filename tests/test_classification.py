@@ -14,12 +14,12 @@ import torch
 from transformers import EvalPrediction, pipeline
 
 import plugformer.evaluation.classification
-import plugformer.metrics.classification
+import plugformer.evaluation.metrics.classification
 from plugformer import PlugformerConfig, PlugformerForSequenceClassification, train_tokenizer
-from plugformer.cards import wilson_interval
-from plugformer.corpus import sentiment_examples
+from plugformer.data.corpus import sentiment_examples
+from plugformer.evaluation.cards import wilson_interval
 from plugformer.evaluation.classification import compute_metrics, evaluate_classifier
-from plugformer.metrics import load_metric
+from plugformer.evaluation.metrics import load_metric
 
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "sentiment_finetune.py"
@@ -73,7 +73,7 @@ def test_perfect_predictions(metric):
     assert scores["f1_per_class"] == {0: 1.0, 1: 1.0, 2: 1.0}
 
 
-@pytest.mark.parametrize("module", [plugformer.metrics.classification, plugformer.evaluation.classification])
+@pytest.mark.parametrize("module", [plugformer.evaluation.metrics.classification, plugformer.evaluation.classification])
 def test_docstring_examples(module):
     assert doctest.testmod(module).failed == 0
 

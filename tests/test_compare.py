@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from plugformer.evaluation import compare as compare_module
-from plugformer.evaluation.compare import CompareArguments, parse_grid, route, run, variants
 from plugformer.evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from plugformer.experiments import compare as compare_module
+from plugformer.experiments.compare import CompareArguments, parse_grid, route, run, variants
 
 
 SAMPLES = [[0.61, 0.55, 0.70], [1.0, 2.0, 3.0, 4.0, 10.0], [0.2, 0.2, 0.21, 0.19, 0.2, 0.25]]
@@ -173,7 +173,7 @@ def test_compare_identical_variants_are_not_significant(tmp_path):
 
 
 def test_command_line_options_are_not_abbreviated():
-    from plugformer.arguments import parse_arguments
+    from plugformer.runtime.arguments import parse_arguments
 
     with pytest.raises(ValueError, match=r"unknown arguments \['--seed'"):  # not silently read as --seeds
         parse_arguments(CompareArguments, ["--seed", "3"], prog="plugformer compare")

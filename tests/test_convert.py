@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 from plugformer import PlugformerForCausalLM
 from plugformer.cli import main as cli_main
-from plugformer.convert import convert
+from plugformer.integrations.convert import convert
 
 
 def llama(tie: bool):
@@ -62,7 +62,7 @@ def test_switching_the_position_scheme_keeps_every_other_weight(tmp_path, tokens
     torch.manual_seed(0)
     source = gpt2()
     source.save_pretrained(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="plugformer.convert"):
+    with caplog.at_level(logging.WARNING, logger="plugformer.integrations.convert"):
         model = convert(tmp_path, position_scheme="alibi", attention_score="multiplicative")
     assert "model.positions.embed_positions.weight" in caplog.text  # dropped: ALiBi has no position table
     assert "score.weight" in caplog.text  # new: the bilinear W, initialised as I/sqrt(d)

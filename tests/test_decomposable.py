@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, pipeline
 
 from plugformer import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification, train_tokenizer
-from plugformer.corpus import NLI_LABELS, nli_examples
+from plugformer.data.corpus import NLI_LABELS, nli_examples
 
 
 SEP = 3

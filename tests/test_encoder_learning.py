@@ -7,7 +7,7 @@ import torch
 from transformers import pipeline
 
 from plugformer import PlugformerConfig, PlugformerForSequenceClassification, train_tokenizer
-from plugformer.corpus import SENTIMENT_LABELS, sentiment_examples
+from plugformer.data.corpus import SENTIMENT_LABELS, sentiment_examples
 
 
 @pytest.fixture(scope="module")

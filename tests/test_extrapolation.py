@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForCausalLM, train_tokenizer
-from plugformer.evaluation.extrapolation import ExtrapolationArguments, run, token_stream, window_perplexity
+from plugformer.experiments.extrapolation import ExtrapolationArguments, run, token_stream, window_perplexity
 from plugformer.training.pretrain import pack
 
 

@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM, PlugformerModel, train_tokenizer
-from plugformer.corpus import arithmetic_sentences
-from plugformer.tokenization import generation_eos_token_ids
+from plugformer.data.corpus import arithmetic_sentences
+from plugformer.data.tokenization import generation_eos_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import build, tiny_config
 
-from plugformer.tokenization import train_tokenizer
-from plugformer.training.data import load_stage_dataset
+from plugformer.data.sources import load_stage_dataset
+from plugformer.data.tokenization import train_tokenizer
 
 
 def save_dpo_like(tmp_path, beta: float = 0.1):
@@ -49,7 +49,7 @@ def sequence_log_prob(model, tokenizer, prompt, completion) -> float:
 def test_implicit_reward_is_beta_times_the_log_ratio_of_each_completion(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from plugformer.training.implicit_reward import ImplicitReward
+    from plugformer.evaluation.implicit_reward import ImplicitReward
 
     paths, tokenizer, rows = save_dpo_like(tmp_path, beta=0.25)
     reward = ImplicitReward.from_dpo_stage(str(paths["policy"]), batch_size=3)  # batches of unequal lengths
@@ -64,7 +64,7 @@ def test_implicit_reward_is_beta_times_the_log_ratio_of_each_completion(tmp_path
 
 
 def test_the_reward_models_the_rlhf_stage_loads(tmp_path):
-    from plugformer.training.implicit_reward import ImplicitReward
+    from plugformer.evaluation.implicit_reward import ImplicitReward
     from plugformer.training.rlhf import load_reward_model
 
     paths, _, _ = save_dpo_like(tmp_path)
@@ -79,8 +79,8 @@ def test_the_reward_models_the_rlhf_stage_loads(tmp_path):
 def test_eval_scores_a_dpo_policy_as_a_reward_model_too(tmp_path):
     """`plugformer eval` on a DPO stage adds the implicit reward's pairwise accuracy on test pairs drawn as the stage's
     training pairs were; the same accuracy as counting the pairs by hand."""
-    from plugformer.training.evaluation import EvalArguments, evaluate_directory
-    from plugformer.training.implicit_reward import ImplicitReward
+    from plugformer.evaluation.implicit_reward import ImplicitReward
+    from plugformer.evaluation.scoring import EvalArguments, evaluate_directory
 
     paths, _, _ = save_dpo_like(tmp_path)
     results = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=12, max_new_tokens=4))
@@ -94,8 +94,8 @@ def test_eval_scores_a_dpo_policy_as_a_reward_model_too(tmp_path):
 
 
 def test_the_pipeline_rewards_rlhf_with_the_stage_it_names(tmp_path):
-    from plugformer.training import pipeline
-    from plugformer.training.parallel import requirements
+    from plugformer.experiments import pipeline
+    from plugformer.experiments.parallel import requirements
 
     stages = ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
     args = pipeline.PipelineArguments(output_dir=str(tmp_path), stages=stages, rlhf_reward="dpo")

@@ -172,7 +172,7 @@ def test_register_attention_kernel_reaches_transformers_and_checks_its_record(ke
 
 
 def test_a_kernel_adding_alibi_itself_computes_alibi_only_and_gets_no_bias(kernel_name, tmp_path):
-    """`bias="alibi"` (vLLM's attention built with ALiBi slopes, `plugformer.vllm_plugin`): the kernel adds ALiBi
+    """`bias="alibi"` (vLLM's attention built with ALiBi slopes, `plugformer.integrations.vllm_plugin`): the kernel adds ALiBi
     from its own slopes, so it gets no `position_bias`, and every other scheme is refused — T5/clamped biases it
     cannot add, and schemes without a bias, which it would change."""
     spec = KernelSpec(kernel_name, scores="dot_product", bias="alibi")
@@ -217,7 +217,7 @@ def test_the_vllm_plugin_entry_point_names_its_register_hook():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     target = project["entry-points"]["vllm.general_plugins"]["plugformer"]
     module, _, name = target.partition(":")
-    assert (module, name) == ("plugformer.vllm_plugin", "register")
+    assert (module, name) == ("plugformer.integrations.vllm_plugin", "register")
     assert callable(getattr(importlib.import_module(module), name))
     assert not any(dependency.startswith("vllm") for dependency in project["dependencies"])
 

@@ -12,7 +12,7 @@ import torch
 from conftest import build, tiny_config
 
 from plugformer import PlugformerForConditionalGeneration, train_tokenizer
-from plugformer.corpus import arithmetic_sentences
+from plugformer.data.corpus import arithmetic_sentences
 
 
 STEPS = 10  # new tokens per prompt

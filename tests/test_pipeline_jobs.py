@@ -13,8 +13,8 @@ import pytest
 from conftest import micro_stage_configs
 from safetensors.torch import load_file
 
-from plugformer.training.parallel import Job, requirements, run_jobs, split_batch
-from plugformer.training.pipeline import PARENTS, PipelineArguments
+from plugformer.experiments.parallel import Job, requirements, run_jobs, split_batch
+from plugformer.experiments.pipeline import PARENTS, PipelineArguments
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_jobs_must_be_a_positive_integer():
 def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path, capsys):
     """pretrain and sft, each alone, train on 2 processes with half the per-device batch: the same effective batch,
     the same weights (to float rounding) and the same held-out table as one process."""
-    from plugformer.training.pipeline import main as pipeline_main
+    from plugformer.experiments.pipeline import main as pipeline_main
 
     configs = micro_stage_configs(tmp_path)
     common = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs", configs, "--stages",

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from plugformer import POSITION_SCHEMES, PlugformerForConditionalGeneration, PlugformerForMaskedLM, train_tokenizer
 from plugformer.cli import main as cli_main
-from plugformer.corpus import arithmetic_sentences
+from plugformer.data.corpus import arithmetic_sentences
 from plugformer.evaluation import attention_maps, plots
 from plugformer.evaluation.attention_maps import EXAMPLE_TEXT, attention_weights, default_figsize, save_attention_maps
 from plugformer.positions import t5_relative_position_bucket

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import plugformer
-from plugformer import demo
-from plugformer.arguments import load_yaml, parse_arguments
 from plugformer.cli import COMMANDS
 from plugformer.cli import main as cli_main
+from plugformer.experiments import demo
+from plugformer.runtime.arguments import load_yaml, parse_arguments
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,8 +150,8 @@ README = ROOT / "README.md"
 def test_readme_tables_are_generated_from_the_registries():
     """The README's `variants` and `kernels` blocks are what `plugformer info --readme README.md` writes: a variant
     registered or a kernel record changed without regenerating them fails here."""
-    from plugformer.markers import read_block
-    from plugformer.readme_tables import COMMAND, blocks
+    from plugformer.runtime.markers import read_block
+    from plugformer.runtime.readme_tables import COMMAND, blocks
 
     for name, text in blocks().items():
         assert read_block(README, name) == text.strip("\n"), (
@@ -160,7 +160,7 @@ def test_readme_tables_are_generated_from_the_registries():
 
 
 def test_info_rewrites_only_the_generated_blocks(tmp_path, capsys):
-    from plugformer.readme_tables import blocks
+    from plugformer.runtime.readme_tables import blocks
 
     text = "# x\n\n<!-- variants:begin -->\nold\n<!-- variants:end -->\nkept\n<!-- kernels:begin -->\n<!-- kernels:end -->\n"
     readme = tmp_path / "README.md"
@@ -190,8 +190,8 @@ def test_the_readme_example_variant_runs_and_passes_its_reference_test(monkeypat
     from conftest import build, tiny_config
 
     from plugformer import POSITION_SCHEMES
-    from plugformer.readme_tables import blocks
-    from plugformer.variants import summary
+    from plugformer.runtime.readme_tables import blocks
+    from plugformer.runtime.variants import summary
 
     monkeypatch.setattr(POSITION_SCHEMES, "_table", dict(POSITION_SCHEMES._table))  # restored after the test
     variant_code, test_code = readme_code("Adding a variant")

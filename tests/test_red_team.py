@@ -31,7 +31,7 @@ def refuse_training(*_, **__):
     ],
 )
 def test_compare_refuses_options_it_sets_per_run(tmp_path, monkeypatch, where, entry, allowed):
-    from plugformer.evaluation import compare
+    from plugformer.experiments import compare
 
     monkeypatch.setattr("plugformer.training.run_stage", refuse_training)
     kwargs = {"set": [entry]} if where == "set" else {"grid": [entry]}
@@ -73,7 +73,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     ids=["source", "inside-source", "a-source-file", "a-file", "occupied"],
 )
 def test_convert_refuses_to_overwrite_the_source_or_save_nothing(llama_source, target, pattern):
-    from plugformer.convert import convert
+    from plugformer.integrations.convert import convert
 
     (llama_source.parent / "afile").write_text("keep me\n")
     (llama_source.parent / "occupied").mkdir()
@@ -85,7 +85,7 @@ def test_convert_refuses_to_overwrite_the_source_or_save_nothing(llama_source, t
 
 
 def test_convert_overwrite_replaces_an_occupied_folder(llama_source):
-    from plugformer.convert import convert
+    from plugformer.integrations.convert import convert
 
     occupied = llama_source.parent / "occupied"
     convert(llama_source, occupied)
@@ -427,7 +427,7 @@ def test_a_failed_state_write_keeps_the_previous_file_and_leaves_no_temporary(tm
     import errno
     import json
 
-    from plugformer import files
+    from plugformer.runtime import files
 
     state = tmp_path / "run_info.json"
     files.write_json_atomic(state, {"step": 1})
@@ -478,7 +478,7 @@ def test_a_split_shorter_than_one_block_is_refused_before_training(tmp_path, mon
 
 
 def test_no_json_file_is_written_in_place():
-    """Every JSON file plugformer writes goes through `plugformer.files` (a temporary file renamed over the target):
+    """Every JSON file plugformer writes goes through `plugformer.runtime.files` (a temporary file renamed over the target):
     no `write_text(json.dumps(...))` or `json.dump(..., handle)` is left in the package."""
     import re
 
@@ -492,7 +492,7 @@ def test_no_json_file_is_written_in_place():
 
 
 def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
-    from plugformer.evaluation.compare import route
+    from plugformer.experiments.compare import route
 
     argv = route({"config_overrides": "ffn_type=mlp", "norm_type": "layernorm"}, ["pretrain"])
     assert argv["pretrain"] == ["--config_overrides", "ffn_type=mlp,norm_type=layernorm"]  # one flag, both fields
@@ -502,8 +502,8 @@ def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
 
 def test_shipped_configs_are_found_from_any_directory(tmp_path, monkeypatch):
     """`plugformer demo --config configs/demo.yaml` worked only from the repository root (issue 17 item 9)."""
-    from plugformer.arguments import config_path, parse_arguments
-    from plugformer.demo import DemoArguments
+    from plugformer.experiments.demo import DemoArguments
+    from plugformer.runtime.arguments import config_path, parse_arguments
     from plugformer.training import parse_stage_arguments
 
     monkeypatch.chdir(tmp_path)
@@ -575,8 +575,8 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
 
     import torch
 
-    from plugformer.files import write_json_atomic
-    from plugformer.training import pipeline
+    from plugformer.experiments import pipeline
+    from plugformer.runtime.files import write_json_atomic
 
     args = pipeline.PipelineArguments(output_dir=str(tmp_path / "pipeline"), stages=["pretrain"], test_examples=0,
                                       stage_configs=CONFIGS, max_new_tokens=4)  # fmt: skip
@@ -607,9 +607,9 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
     ],
 )
 def test_zero_test_examples_is_refused_where_a_test_split_is_needed(entry, field, value, pattern):
-    from plugformer.evaluation.compare import CompareArguments
-    from plugformer.evaluation.extrapolation import ExtrapolationArguments
-    from plugformer.training.pipeline import PipelineArguments
+    from plugformer.experiments.compare import CompareArguments
+    from plugformer.experiments.extrapolation import ExtrapolationArguments
+    from plugformer.experiments.pipeline import PipelineArguments
 
     arguments = {"pipeline": PipelineArguments, "compare": CompareArguments, "extrapolate": ExtrapolationArguments}
     with pytest.raises(ValueError, match=pattern):
@@ -647,8 +647,8 @@ def test_a_wrong_typed_yaml_value_is_refused_naming_file_key_and_type(tmp_path, 
 
     monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
     monkeypatch.setattr(common, "load_model", refuse_training)
-    monkeypatch.setattr("plugformer.training.pipeline.run", refuse_training)
-    monkeypatch.setattr("plugformer.demo.run", refuse_training)
+    monkeypatch.setattr("plugformer.experiments.pipeline.run", refuse_training)
+    monkeypatch.setattr("plugformer.experiments.demo.run", refuse_training)
     config = tmp_path / "config.yaml"
     config.write_text(text + "\n")
     argv = {"pretrain": ["train", "pretrain", "--output_dir", str(tmp_path / "run")],
@@ -662,9 +662,9 @@ def test_a_wrong_typed_yaml_value_is_refused_naming_file_key_and_type(tmp_path, 
 
 
 def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_path):
-    from plugformer.arguments import parse_arguments
+    from plugformer.experiments.pipeline import PipelineArguments
+    from plugformer.runtime.arguments import parse_arguments
     from plugformer.training import parse_stage_arguments
-    from plugformer.training.pipeline import PipelineArguments
 
     config = tmp_path / "config.yaml"
     config.write_text("learning_rate: 1e-3\nnum_train_epochs: 2\nreport_to: none\n")  # PyYAML alone: '1e-3' a str
@@ -735,7 +735,7 @@ def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_check
     import transformers.modeling_utils
     from safetensors import SafetensorError
 
-    from plugformer import files
+    from plugformer.runtime import files
 
     real_save_file = transformers.modeling_utils.safe_save_file
 
@@ -767,7 +767,7 @@ def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_check
 def test_only_out_of_space_errors_are_renamed():
     import errno
 
-    from plugformer.files import is_out_of_space
+    from plugformer.runtime.files import is_out_of_space
 
     assert is_out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"), "/")
     assert not is_out_of_space(OSError(errno.EACCES, "Permission denied"), "/")
@@ -809,7 +809,7 @@ def test_the_closed_form_parameter_count_equals_real_models():
         PlugformerForSequenceClassification,
         PlugformerForTokenClassification,
     )
-    from plugformer.memory import parameter_count
+    from plugformer.runtime.memory import parameter_count
     from tests.conftest import tiny_config
 
     classes = {"causal_lm": PlugformerForCausalLM, "masked_lm": PlugformerForMaskedLM,
@@ -832,9 +832,9 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, mo
     """A config that would allocate tens of GB went ahead until the allocator failed, or the machine swapped."""
     from transformers import Trainer
 
-    from plugformer import memory
-    from plugformer.convert import convert
-    from plugformer.demo import DemoArguments, build_model
+    from plugformer.experiments.demo import DemoArguments, build_model
+    from plugformer.integrations.convert import convert
+    from plugformer.runtime import memory
 
     monkeypatch.setattr(memory, "available_memory", lambda device=None: (2**30, "this machine has"))
     monkeypatch.setattr(Trainer, "train", refuse_training)

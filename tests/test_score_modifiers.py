@@ -101,7 +101,7 @@ def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, mo
 @pytest.mark.parametrize("head", ["causal_lm", "seq2seq"])
 def test_qk_norm_and_sink_parameters_are_counted(head):
     from plugformer import PlugformerForConditionalGeneration
-    from plugformer.memory import parameter_count
+    from plugformer.runtime.memory import parameter_count
 
     seq2seq = head == "seq2seq"
     config = tiny_config(

@@ -6,8 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from plugformer import train_tokenizer
-from plugformer.corpus import arithmetic_sentences
-from plugformer.tokenization import IM_END, generation_eos_token_ids
+from plugformer.data.corpus import arithmetic_sentences
+from plugformer.data.tokenization import IM_END, generation_eos_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from conftest import micro_stage_configs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from plugformer.evaluation import rewards as reward_module
 from plugformer.training import STAGES, parse_stage_arguments, run_stage
-from plugformer.training import rewards as reward_module
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +208,8 @@ def test_every_accelerate_topology_is_a_valid_accelerate_config(path):
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("configs/pipeline/*.yaml")), ids=lambda p: p.name)
 def test_every_pipeline_yaml_names_existing_stage_configs(path):
-    from plugformer.arguments import parse_arguments
-    from plugformer.training.pipeline import PipelineArguments, stage_argv
+    from plugformer.experiments.pipeline import PipelineArguments, stage_argv
+    from plugformer.runtime.arguments import parse_arguments
 
     arguments = parse_arguments(PipelineArguments, ["--config", str(path)], prog="test")
     for stage in arguments.stages:
@@ -287,7 +287,7 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
 
 def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     """The README's pipeline on the shipped tiny YAMLs, cut to a few steps; a re-run reuses finished stages."""
-    from plugformer.training.pipeline import main as pipeline_main
+    from plugformer.experiments.pipeline import main as pipeline_main
 
     argv = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(tmp_path / "out"),
             "--stage_configs", micro_stage_configs(tmp_path), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
@@ -309,7 +309,7 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
 
 
 def test_embedded_splits_never_share_a_fact_and_are_deterministic():
-    from plugformer.training.data import generate_problems, load_stage_dataset
+    from plugformer.data.sources import generate_problems, load_stage_dataset
 
     facts = {
         split: {(p.operation, p.a, p.b) for p in generate_problems(3000, split)} for split in ("train", "dev", "test")
@@ -394,7 +394,7 @@ def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
     from huggingface_hub import ModelCard
     from scipy.stats import binomtest
 
-    from plugformer.cards import wilson_interval
+    from plugformer.evaluation.cards import wilson_interval
 
     card = ModelCard.load(chain["sft"] / "README.md")
     info = json.loads((chain["sft"] / "run_info.json").read_text())
@@ -420,9 +420,9 @@ def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, length_rew
 
 
 def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
-    from plugformer.metrics import load_metric
-    from plugformer.training.data import load_stage_dataset
-    from plugformer.training.evaluation import main as eval_main
+    from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.metrics import load_metric
+    from plugformer.evaluation.scoring import main as eval_main
 
     output = tmp_path / "eval.json"
     results = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "6", "--max_new_tokens", "6",
@@ -447,7 +447,7 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     assert trained == {"dataset_seed": 0, "direct_answer_fraction": 0.0} and reward["direct_answer_fraction"] == 0.0
     bare = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output),
                       "--direct_answer_fraction", "1.0"])  # fmt: skip
-    from plugformer.training.evaluation import preference_accuracy
+    from plugformer.evaluation.scoring import preference_accuracy
 
     rows = load_stage_dataset("reward", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
     assert all("\n" not in row["rejected"][0]["content"] for row in rows)
@@ -466,7 +466,7 @@ def test_model_card_names_the_share_of_bare_answers(chain):
     """A stage trained on demonstrations that skip the working says so on its card; the all-worked data does not."""
     from types import SimpleNamespace
 
-    from plugformer.cards import stage_card
+    from plugformer.evaluation.cards import stage_card
     from plugformer.training.arguments import StageArguments
 
     model = AutoModelForCausalLM.from_pretrained(chain["sft"])

@@ -6,7 +6,7 @@ runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where importing plugf
 classes; the checkpoint also carries its code (`trust_remote_code`). The table of outcomes and times is written to
 `$PLUGFORMER_VLLM_TABLE` when set.
 
-plugformer's vLLM plugin (`plugformer.vllm_plugin`): greedy tokens and log-probabilities equal to transformers' with
+plugformer's vLLM plugin (`plugformer.integrations.vllm_plugin`): greedy tokens and log-probabilities equal to transformers' with
 vLLM compiling the stack, ALiBi included (vLLM's attention with plugformer's slopes), the rest still refused; and the
 GRPO stage with TRL's `use_vllm=True, vllm_mode="colocate"` on it.
 """
@@ -78,7 +78,7 @@ def refusal_of(error: BaseException) -> str | None:
     return None
 
 
-# plugformer's vLLM plugin (`plugformer.vllm_plugin`, entry point `vllm.general_plugins`): the architecture resolves to
+# plugformer's vLLM plugin (`plugformer.integrations.vllm_plugin`, entry point `vllm.general_plugins`): the architecture resolves to
 # plugformer's own vLLM model, ALiBi computed by vLLM's attention from plugformer's slopes. These run first: the
 # Transformers-backend tests below make vLLM decorate `PlugformerModel` in place; the plugin builds a private subclass.
 PLUGIN_VARIANTS = [("scaled_dot", "rope"), ("scaled_dot", "alibi"), ("multiplicative", "alibi")]
@@ -113,7 +113,7 @@ def reference(score: str, scheme: str, directory) -> dict:
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory) -> dict:
-    from plugformer import vllm_plugin
+    from plugformer.integrations import vllm_plugin
 
     vllm_plugin.register()  # what vLLM's plugin loader calls where plugformer is installed with its entry points
     saved = {}
@@ -166,7 +166,7 @@ def test_plugin_still_refuses_what_vllm_cannot_compute(score, scheme, plugin):
 
 GRPO_RUN = r"""
 import json, sys
-from plugformer import vllm_plugin
+from plugformer.integrations import vllm_plugin
 vllm_plugin.register()
 from plugformer.training import run_stage
 import plugformer

@@ -16,6 +16,7 @@ from transformers import (
 
 from .capabilities import KERNELS, KernelSpec, combination_matrix, register_attention_kernel, supported_kernels
 from .configuration import PRESETS, PlugformerConfig
+from .data.tokenization import PlugformerTokenizer, train_tokenizer
 from .decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
 from .modeling import (  # importing it registers PEFT's default LoRA targets (LORA_TARGET_MODULES)
@@ -32,7 +33,6 @@ from .modeling import (  # importing it registers PEFT's default LoRA targets (L
 from .positions import POSITION_SCHEMES
 from .registry import Registry
 from .scores import ATTENTION_SCORES
-from .tokenization import PlugformerTokenizer, train_tokenizer
 
 
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ on this machine. The model asks the table, never a kernel's name:
 | `sdpa` | dot product | relative, query_position | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
 | `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
-| `vllm_alibi` (registered by `plugformer.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
+| `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
 Logit soft-capping (`attn_logit_softcapping`) runs where a record declares `softcap` (`eager`, `flex_attention`),
 attention sinks (`use_attention_sinks`) where it declares `sinks` (`eager`, `sdpa`), a score whose values are wider than

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from .files import DiskFullError
+from .runtime.files import DiskFullError
 
 
 def _demo(argv: list[str]) -> None:
-    from .demo import main
+    from .experiments.demo import main
 
     main(argv)
 
@@ -20,7 +20,7 @@ def _convert(argv: list[str]) -> None:
 
     import yaml
 
-    from .convert import convert
+    from .integrations.convert import convert
 
     parser = argparse.ArgumentParser(prog="plugformer convert", description="Import a Llama or GPT-2 checkpoint.")
     parser.add_argument("source", help="transformers checkpoint directory (model_type llama or gpt2)")
@@ -53,31 +53,31 @@ def _train(argv: list[str]) -> None:
 
 
 def _pipeline(argv: list[str]) -> None:
-    from .training.pipeline import main
+    from .experiments.pipeline import main
 
     main(argv)
 
 
 def _eval(argv: list[str]) -> None:
-    from .training.evaluation import main
+    from .evaluation.scoring import main
 
     main(argv)
 
 
 def _seeds(argv: list[str]) -> None:
-    from .training.seeds import main
+    from .experiments.seeds import main
 
     main(argv)
 
 
 def _compare(argv: list[str]) -> None:
-    from .evaluation.compare import main
+    from .experiments.compare import main
 
     main(argv)
 
 
 def _extrapolate(argv: list[str]) -> None:
-    from .evaluation.extrapolation import main
+    from .experiments.extrapolation import main
 
     main(argv)
 
@@ -102,7 +102,7 @@ def _bench(argv: list[str]) -> None:
 
 def _info(argv: list[str]) -> None:
     """plugformer info [--markdown | --readme README.md]"""
-    from .readme_tables import main
+    from .runtime.readme_tables import main
 
     main(argv)
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     status 2; `--debug` (before the command) or `PLUGFORMER_DEBUG=1` shows the traceback instead."""
     import os
 
-    from .offline import apply_offline_defaults
+    from .runtime.offline import apply_offline_defaults
 
     apply_offline_defaults()  # nothing leaves the machine unless the user set HF_HUB_OFFLINE / ..._TELEMETRY itself
     argv = sys.argv[1:] if argv is None else argv

@@ -9,7 +9,7 @@ Sections:
 
 - `train` / `decode`, the A/B pairs: plugformer `scaled_dot + rope` with GQA against `LlamaForCausalLM`, and
   `scaled_dot + learned` against `GPT2LMHeadModel`, both on sdpa. The reference is built from a transformers config
-  (random init, no download), saved and converted with `plugformer.convert`; logits must agree to 1e-4 before
+  (random init, no download), saved and converted with `plugformer.integrations.convert`; logits must agree to 1e-4 before
   anything is timed. `train` times forward + backward + AdamW and measures peak memory and MFU; `decode` times
   greedy `generate` with the KV cache, split into prefill and decode.
 - `variants`: every registered score function x position scheme, and scaled_dot + none with each attention modifier
@@ -34,7 +34,7 @@ __all__ = ["BenchArguments", "main", "run"]
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     argv = sys.argv[1:] if argv is None else argv
     return run(parse_arguments(BenchArguments, argv, prog="plugformer bench"))

@@ -10,8 +10,8 @@ import torch
 
 from ..configuration import PRESETS, PlugformerConfig
 from ..positions import POSITION_SCHEMES
+from ..runtime.variants import ATTENTION_MODIFIERS
 from ..scores import ATTENTION_SCORES
-from ..variants import ATTENTION_MODIFIERS
 from .markers import check_markers
 
 

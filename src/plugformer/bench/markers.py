@@ -1,4 +1,4 @@
-"""The marker lines around the README's generated performance block (`plugformer.markers`' block `bench`), checked
+"""The marker lines around the README's generated performance block (`plugformer.runtime.markers`' block `bench`), checked
 before a bench run and rewritten after it.
 
 Below both `arguments` (which checks a `--readme` before measuring) and `readme` (which writes the block): neither
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..markers import check_block, markers, write_blocks
+from ..runtime.markers import check_block, markers, write_blocks
 
 
 BLOCK = "bench"

@@ -12,9 +12,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from ..capabilities import supported_kernels
 from ..configuration import PlugformerConfig
-from ..convert import convert
-from ..memory import check_model_fits
+from ..integrations.convert import convert
 from ..modeling import PlugformerForCausalLM
+from ..runtime.memory import check_model_fits
 from .measure import random_tokens
 
 
@@ -85,7 +85,7 @@ def check_parity(model: nn.Module, reference: nn.Module, tokens: torch.Tensor, n
 def build_pair(
     pair: str, config: PlugformerConfig, seed: int, device: str, parity_length: int
 ) -> tuple[PlugformerForCausalLM, PreTrainedModel, float]:
-    """The reference, saved and converted by `plugformer.convert` (identical weights), both on sdpa and `device`,
+    """The reference, saved and converted by `plugformer.integrations.convert` (identical weights), both on sdpa and `device`,
     and their logit difference on one random sequence of `parity_length` tokens (at most `PARITY_TOLERANCE`)."""
     reference = reference_model(pair, config, seed)
     with tempfile.TemporaryDirectory() as directory:

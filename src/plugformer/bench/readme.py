@@ -15,7 +15,7 @@ import json
 import shlex
 from pathlib import Path
 
-from ..markers import write_blocks
+from ..runtime.markers import write_blocks
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
 from .markers import BEGIN, BLOCK, END, check_markers, update_readme  # noqa: F401 (check_markers, update_readme: this module's names for them)
 from .report import markdown_table, plural, ratio_cell

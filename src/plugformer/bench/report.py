@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..files import write_json_atomic
+from ..runtime.files import write_json_atomic
 from .measure import median
 
 
@@ -174,7 +174,7 @@ METHOD = """## Method
 
 - A/B: both models run once per repeat, in alternating order (A, B, B, A, ...), for the warm-up and the timed
   repeats; medians are reported.
-  Pairs: a randomly initialised transformers model (no download) is saved and converted by `plugformer.convert`;
+  Pairs: a randomly initialised transformers model (no download) is saved and converted by `plugformer.integrations.convert`;
   max |logit difference| ≤ 1e-4 (fp32) is asserted before any timing.
 - Training step: forward + backward (loss over all positions, labels = inputs) + AdamW step, gradients freed;
   tokens/s = batch · seq / step time. bf16/fp16 run under `torch.autocast` (fp32 weights and optimiser).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..capabilities import supported_kernels
 from ..positions import POSITION_SCHEMES
-from ..variants import ATTENTION_MODIFIERS
+from ..runtime.variants import ATTENTION_MODIFIERS
 from .arguments import BenchArguments
 from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
 from .models import build_pair, build_variant, matmul_parameters

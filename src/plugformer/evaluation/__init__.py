@@ -2,5 +2,5 @@
 the length-extrapolation study, attention heatmaps and plots of position schemes and training curves.
 
 `classification` scores sequence classifiers (accuracy with a Wilson interval, macro F1). Scoring a pipeline stage on
-the embedded arithmetic task lives beside the stages, in `plugformer.training.evaluation` (`plugformer eval`).
+the embedded arithmetic task lives beside the stages, in `plugformer.evaluation.scoring` (`plugformer eval`).
 """

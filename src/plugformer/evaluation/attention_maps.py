@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_json_atomic
+from ..runtime.files import write_json_atomic
 from .figures import pyplot
 
 
@@ -279,7 +279,7 @@ def main(argv: list[str]) -> list[Path]:
     """`plugformer attention-map --model DIR [--text ...] [--layers 0 1] [--heads 0 2] [--output attention.png]`"""
     from transformers import AutoTokenizer
 
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     args = parse_arguments(AttentionMapArguments, argv, prog="plugformer attention-map")
     model, tokenizer = load_model(args.model), AutoTokenizer.from_pretrained(args.model)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..arguments import check_yaml_types, config_path, read_yaml
 from ..compat import (
     accept_renamed_trainer_options,
     renamed_trainer_flags,
     renamed_trainer_options,
     trainer_option_aliases,
 )
+from ..runtime.arguments import check_yaml_types, config_path, read_yaml
 from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
 
 

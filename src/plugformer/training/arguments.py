@@ -208,5 +208,5 @@ class RLHFArguments(PolicyArguments):
 class GRPOArguments(PolicyArguments):
     reward_functions: list[str] = field(
         default_factory=lambda: ["exact_match", "format"],
-        metadata={"help": "verifiable rewards from plugformer.training.rewards (weights: --reward_weights)"},
+        metadata={"help": "verifiable rewards from plugformer.evaluation.rewards (weights: --reward_weights)"},
     )

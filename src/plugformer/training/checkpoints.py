@@ -22,7 +22,7 @@ import shutil
 from functools import cache
 from pathlib import Path
 
-from ..files import naming_a_full_disk, write_json_atomic
+from ..runtime.files import naming_a_full_disk, write_json_atomic
 
 
 logger = logging.getLogger(__name__)

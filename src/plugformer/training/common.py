@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..files import naming_a_full_disk, write_json_atomic
-from ..tokenization import generation_eos_token_ids, load_tokenizer
+from ..data.sources import load_stage_dataset
+from ..data.tokenization import generation_eos_token_ids, load_tokenizer
+from ..data.validation import check_data_files, check_rows
+from ..evaluation.scoring import exact_match, sampled_pass_at_k
+from ..runtime.files import naming_a_full_disk, write_json_atomic
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
-from .data import load_stage_dataset
-from .datafiles import check_data_files, check_rows
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
-from .evaluation import exact_match, sampled_pass_at_k
 from .outputs import claim_output_dir, release_lock
 from .selection import DevSelection
 from .sharding import is_sharded, refuse_unsharded_fallback
@@ -292,7 +292,7 @@ def dev_selection(script_args, tokenizer, model) -> DevSelection | None:
 
 def write_card(trainer, info: dict, script_args) -> None:
     """README.md (a huggingface_hub model card) beside the weights."""
-    from ..cards import stage_card
+    from ..evaluation.cards import stage_card
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     parent = model.config._name_or_path or None

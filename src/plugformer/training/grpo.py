@@ -6,8 +6,8 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
+from ..evaluation.rewards import REWARD_FUNCTIONS
 from .common import run_trainer
-from .rewards import REWARD_FUNCTIONS
 
 
 def reward_functions(names: list[str]) -> list:

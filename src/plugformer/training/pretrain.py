@@ -17,9 +17,9 @@ from transformers import (
 )
 
 from ..configuration import PlugformerConfig
-from ..memory import check_model_fits
+from ..data.tokenization import train_tokenizer
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
-from ..tokenization import train_tokenizer
+from ..runtime.memory import check_model_fits
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save

@@ -13,8 +13,8 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from trl import RLOOTrainer
 
+from ..evaluation.implicit_reward import ImplicitReward, dpo_record
 from .common import load_tokenizer, run_trainer
-from .implicit_reward import ImplicitReward, dpo_record
 from .selection import plot_overoptimisation
 
 

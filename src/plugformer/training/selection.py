@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers import TrainerCallback
 
-from .evaluation import exact_match
+from ..evaluation.scoring import exact_match
 from .sharding import is_sharded
 
 

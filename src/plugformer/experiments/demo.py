@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments, pipeline, set_seed
 
-from .arguments import parse_arguments
-from .configuration import PlugformerConfig
-from .corpus import arithmetic_sentences
-from .files import naming_a_full_disk
-from .memory import check_model_fits
-from .modeling import PlugformerForCausalLM
-from .positions import POSITION_SCHEMES
-from .scores import ATTENTION_SCORES
-from .tokenization import generation_eos_token_ids, train_tokenizer
+from ..configuration import PlugformerConfig
+from ..data.corpus import arithmetic_sentences
+from ..data.tokenization import generation_eos_token_ids, train_tokenizer
+from ..modeling import PlugformerForCausalLM
+from ..positions import POSITION_SCHEMES
+from ..runtime.arguments import parse_arguments
+from ..runtime.files import naming_a_full_disk
+from ..runtime.memory import check_model_fits
+from ..scores import ATTENTION_SCORES
 
 
 @dataclass

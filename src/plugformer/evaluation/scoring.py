@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_json_atomic
-from ..metrics import load_metric
-from ..tokenization import generation_eos_token_ids, load_tokenizer
+from ..data.tokenization import generation_eos_token_ids, load_tokenizer
+from ..runtime.files import write_json_atomic
+from .metrics import load_metric
 from .rewards import exact_match_reward, format_reward
 
 
@@ -228,7 +228,7 @@ def trained_direct_fraction(model: str) -> float:
 def scored_pairs(args: EvalArguments):
     """(preference pairs of `args.split`, their share of bare rejected answers): drawn as the scored model's own
     training pairs were (`--direct_answer_fraction` overrides the share its run_info.json records)."""
-    from .data import load_stage_dataset
+    from ..data.sources import load_stage_dataset
 
     fraction = (
         trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
@@ -243,8 +243,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from ..cards import wilson_interval
-    from .data import load_stage_dataset
+    from ..data.sources import load_stage_dataset
+    from .cards import wilson_interval
     from .implicit_reward import ImplicitReward, dpo_record
 
     if args.split not in ("train", "dev", "test"):
@@ -278,7 +278,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
 
 def main(argv: list[str]) -> dict:
     """`plugformer eval --model DIR [--split test] ...`: prints the scores and writes them as JSON."""
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     args = parse_arguments(EvalArguments, argv, prog="plugformer eval")
     results = evaluate_directory(args)

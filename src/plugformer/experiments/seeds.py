@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..evaluation.stats import mean_interval, paired_t_test
-from ..files import write_text_atomic
+from ..runtime.files import write_text_atomic
 from .pipeline import PARENTS, RUN_RECORD
 
 

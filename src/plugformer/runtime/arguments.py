@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 
 # the source checkout this package runs from (a clone or an editable install): where the shipped configs/ live
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]
 
 
 def config_path(path: str | Path) -> str:

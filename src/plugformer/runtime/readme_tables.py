@@ -1,6 +1,6 @@
 """The README's variant and kernel tables, generated from the registries and the kernel records.
 
-    plugformer info --readme README.md     # rewrites the blocks `variants` and `kernels` (`plugformer.markers`)
+    plugformer info --readme README.md     # rewrites the blocks `variants` and `kernels` (`plugformer.runtime.markers`)
     plugformer info --markdown             # prints them
 
 - `variants` (section "What it is"): one row per registered class of each axis (`variants.AXES`) with the first
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .capabilities import KERNELS, supported_kernels
-from .configuration import PlugformerConfig
+from ..capabilities import KERNELS, supported_kernels
+from ..configuration import PlugformerConfig
+from ..positions import POSITION_SCHEMES
+from ..scores import ATTENTION_SCORES
 from .markers import markers, write_blocks
-from .positions import POSITION_SCHEMES
-from .scores import ATTENTION_SCORES
 from .variants import ATTENTION_MODIFIERS, AXES, field_summary, summary
 
 
@@ -138,7 +138,7 @@ def blocks() -> dict[str, str]:
 
 def print_matrix() -> None:
     """`plugformer info` without options: the kernels that run each (attention_score, position_scheme), as text."""
-    from .capabilities import combination_matrix
+    from ..capabilities import combination_matrix
 
     widths = [max(len(kernel) + 2, 8) for kernel in KERNELS]
     print(f"{'attention_score':16s}{'position_scheme':16s}"

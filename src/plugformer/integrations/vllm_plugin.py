@@ -31,9 +31,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .capabilities import KERNELS, register_attention_kernel
-from .configuration import PlugformerConfig
-from .positions import alibi_slopes
+from ..capabilities import KERNELS, register_attention_kernel
+from ..configuration import PlugformerConfig
+from ..positions import alibi_slopes
 
 
 ARCHITECTURE = "PlugformerForCausalLM"
@@ -77,7 +77,7 @@ def private_decoder_class() -> type:
     """A subclass of `PlugformerModel` that only vLLM builds (and decorates for torch.compile)."""
     global _PRIVATE_DECODER
     if _PRIVATE_DECODER is None:
-        from .modeling import PlugformerModel
+        from ..modeling import PlugformerModel
 
         _PRIVATE_DECODER = type("PlugformerModel", (PlugformerModel,), {"__module__": __name__,
                                                                          "__qualname__": "PlugformerModel"})  # fmt: skip
@@ -89,7 +89,7 @@ def building_private_decoder():
     """`AutoModel` builds the private subclass for a `PlugformerConfig` while vLLM builds its model."""
     from transformers import AutoModel
 
-    from .modeling import PlugformerModel
+    from ..modeling import PlugformerModel
 
     AutoModel.register(PlugformerConfig, private_decoder_class(), exist_ok=True)
     try:
@@ -169,7 +169,7 @@ def _vllm_model_class() -> type:
 
 
 def __getattr__(name: str):
-    # vLLM imports "plugformer.vllm_plugin:PlugformerForCausalLMvLLM" when it builds a model; defined on first use so
+    # vLLM imports "plugformer.integrations.vllm_plugin:PlugformerForCausalLMvLLM" when it builds a model; defined on first use so
     # that importing this module (to register) does not import vLLM's model code
     if name == "PlugformerForCausalLMvLLM":
         cls = _vllm_model_class()

@@ -13,9 +13,9 @@ import os
 
 import torch
 
+from ..positions import POSITION_SCHEMES
+from ..scores import ATTENTION_SCORES
 from .files import size_text
-from .positions import POSITION_SCHEMES
-from .scores import ATTENTION_SCORES
 
 
 OVERRIDE = "PLUGFORMER_SKIP_MEMORY_CHECK"

@@ -56,7 +56,7 @@ def _check_text_file(path: Path) -> None:
 def required_columns(stage: str, columns: list[str], source: str) -> tuple[str, ...]:
     """The columns of `stage` that must hold a value in every row; for SFT the first of TRL's formats present,
     refused (`ValueError` naming what is needed) when none is."""
-    from .data import STAGE_COLUMNS
+    from .sources import STAGE_COLUMNS
 
     if stage != "sft":
         return tuple(c for c in STAGE_COLUMNS.get(stage, ()) if c in columns)

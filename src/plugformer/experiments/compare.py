@@ -26,9 +26,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..files import write_json_atomic, write_text_atomic
-from .figures import pyplot
-from .stats import mean_interval, paired_bootstrap, paired_t_test
+from ..evaluation.figures import pyplot
+from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from ..runtime.files import write_json_atomic, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
     """Trains the stages of one (variant, seed) run, reusing finished stages; returns the last stage's directory."""
     from ..training import run_stage
     from ..training.outputs import run_files
-    from ..training.pipeline import PARENTS
+    from .pipeline import PARENTS
 
     run_dir = directory / f"seed{seed}"
     for stage in args.stages:
@@ -263,10 +263,10 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
 def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tuple[list[float], list[float]]:
     from transformers import AutoModelForCausalLM
 
-    from ..tokenization import load_tokenizer
-    from ..training.data import load_stage_dataset
-    from ..training.evaluation import document_losses, generate_answers
-    from ..training.rewards import exact_match_reward
+    from ..data.sources import load_stage_dataset
+    from ..data.tokenization import load_tokenizer
+    from ..evaluation.rewards import exact_match_reward
+    from ..evaluation.scoring import document_losses, generate_answers
 
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -420,6 +420,6 @@ def write_results(args, summary: dict, text: str, plot_summary) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     return run(parse_arguments(CompareArguments, argv, prog="plugformer compare"))

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_json_atomic
+from ..evaluation.figures import pyplot
+from ..evaluation.stats import mean_interval
+from ..runtime.files import write_json_atomic
 from .compare import CompareArguments, run_plan, train_run, write_results
-from .figures import pyplot
-from .stats import mean_interval
 
 
 @dataclass
@@ -108,9 +108,9 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     length), cached in the run directory."""
     from transformers import AutoModelForCausalLM
 
+    from ..data.sources import load_stage_dataset
+    from ..data.tokenization import load_tokenizer
     from ..positions import POSITION_SCHEMES
-    from ..tokenization import load_tokenizer
-    from ..training.data import load_stage_dataset
 
     lengths = args.lengths()
     cache = model_dir / "extrapolation.json"
@@ -217,6 +217,6 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     return run(parse_arguments(ExtrapolationArguments, argv, prog="plugformer extrapolate"))

@@ -4,7 +4,7 @@ the reference as a number — `-7`, `−7`, `-7.0` and `-14/2` all match `-7`.""
 import datasets
 import evaluate
 
-from plugformer.training.rewards import exact_match_reward
+from plugformer.evaluation.rewards import exact_match_reward
 
 
 class NumericExactMatch(evaluate.Metric):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .configuration import PlugformerConfig
-from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
-from .positions import POSITION_SCHEMES
-from .registry import Registry
-from .scores import ATTENTION_SCORES
+from ..configuration import PlugformerConfig
+from ..layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from ..positions import POSITION_SCHEMES
+from ..registry import Registry
+from ..scores import ATTENTION_SCORES
 
 
 AXES: dict[str, Registry[Any]] = {

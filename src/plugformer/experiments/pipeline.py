@@ -10,7 +10,7 @@ continues where it stopped.
 
 `--jobs N` (N > 1) uses N CPU cores: each stage runs as its own process as soon as the stages it needs have
 finished, so on two cores reward -> rlhf runs beside dpo and grpo, and a stage that is the only one able to run
-(pretrain, sft) trains data-parallel on the idle cores with the same effective batch (`plugformer.training.parallel`).
+(pretrain, sft) trains data-parallel on the idle cores with the same effective batch (`plugformer.experiments.parallel`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from ..arguments import config_path
-from ..files import write_json_atomic, write_text_atomic
-from . import STAGES, run_stage
-from .evaluation import EvalArguments, evaluate_directory
+from ..evaluation.scoring import EvalArguments, evaluate_directory
+from ..runtime.arguments import config_path
+from ..runtime.files import write_json_atomic, write_text_atomic
+from ..training import STAGES, run_stage
 
 
 # stage -> the stage whose output it starts from
@@ -76,7 +76,7 @@ class PipelineArguments:
     )  # fmt: skip
 
     def __post_init__(self):
-        from .arguments import check_counts
+        from ..training.arguments import check_counts
 
         check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
         if self.rlhf_reward not in REWARD_SOURCES:
@@ -165,7 +165,7 @@ def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, 
 def validate_stages(args: PipelineArguments) -> None:
     """Parses every stage's YAML and command line before the first stage trains: a typo in the last stage's YAML
     fails now, not after the others have trained."""
-    from . import parse_stage_arguments
+    from ..training import parse_stage_arguments
 
     for stage in args.stages:
         try:
@@ -241,8 +241,8 @@ def run_in_order(args: PipelineArguments, state: PartialState) -> dict:
 
 def run_side_by_side(args: PipelineArguments) -> dict:
     """`--jobs N`: every stage its own process, started as soon as the stages it needs have finished
-    (`plugformer.training.parallel`); the results are those of `run_in_order` on the same stages."""
-    from . import parse_stage_arguments
+    (`plugformer.experiments.parallel`); the results are those of `run_in_order` on the same stages."""
+    from ..training import parse_stage_arguments
     from .parallel import Job, read_scores, requirements, run_jobs, split_batch, train_command
 
     def make_job(task: str, free: int) -> Job:
@@ -370,6 +370,6 @@ def report(args: PipelineArguments, results: dict) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    from ..arguments import parse_arguments
+    from ..runtime.arguments import parse_arguments
 
     return run(parse_arguments(PipelineArguments, argv, prog="plugformer pipeline"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..tokenization import load_tokenizer
+from ..data.tokenization import load_tokenizer
 from .rewards import completion_text
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .configuration import PlugformerConfig
-from .files import naming_a_full_disk
-from .memory import check_model_fits
-from .modeling import PlugformerForCausalLM
+from ..configuration import PlugformerConfig
+from ..modeling import PlugformerForCausalLM
+from ..runtime.files import naming_a_full_disk
+from ..runtime.memory import check_model_fits
 
 
 logger = logging.getLogger(__name__)
