@@ -17,9 +17,9 @@ import plugformer.evaluation.classification
 import plugformer.evaluation.metrics.classification
 from plugformer import PlugformerConfig, PlugformerForSequenceClassification, train_tokenizer
 from plugformer.data.corpus import sentiment_examples
-from plugformer.evaluation.cards import wilson_interval
 from plugformer.evaluation.classification import compute_metrics, evaluate_classifier
 from plugformer.evaluation.metrics import load_metric
+from plugformer.evaluation.stats import wilson_interval
 
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "sentiment_finetune.py"

@@ -394,7 +394,7 @@ def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
     from huggingface_hub import ModelCard
     from scipy.stats import binomtest
 
-    from plugformer.evaluation.cards import wilson_interval
+    from plugformer.evaluation.stats import wilson_interval
 
     card = ModelCard.load(chain["sft"] / "README.md")
     info = json.loads((chain["sft"] / "run_info.json").read_text())

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .cards import wilson_interval
 from .metrics import load_metric
+from .stats import wilson_interval
 
 
 @torch.no_grad()

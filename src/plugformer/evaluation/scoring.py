@@ -244,8 +244,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data.sources import load_stage_dataset
-    from .cards import wilson_interval
     from .implicit_reward import ImplicitReward, dpo_record
+    from .stats import wilson_interval
 
     if args.split not in ("train", "dev", "test"):
         raise ValueError(f"split={args.split!r}: choose train, dev or test")

@@ -162,3 +162,26 @@ def _paired(values: Sequence[float], reference: np.ndarray, name: str = "b") -> 
     if array.shape != reference.shape:
         raise ValueError(f"{name}: paired values must have the same length, got {array.size} and {reference.size}")
     return array
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% by default).
+
+    Preferred to the normal approximation: it stays inside [0, 1] and keeps its coverage near 0 and 1 and for
+    the few hundred examples a small held-out split has.
+
+    Example:
+
+    >>> [round(x, 4) for x in wilson_interval(20, 100)]
+    [0.1334, 0.2888]
+    """
+    if trials <= 0 or not 0 <= successes <= trials:
+        raise ValueError(f"wilson_interval: need 0 <= successes ({successes}) <= trials ({trials}) and trials > 0")
+    p = successes / trials
+    denominator = 1 + z**2 / trials
+    centre = (p + z**2 / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z**2 / (4 * trials**2)) / denominator
+    # exact at the ends (the formula leaves rounding noise there)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high
