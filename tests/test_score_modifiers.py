@@ -180,7 +180,7 @@ def test_sinks_match_gpt_oss_eager_attention(kernel):
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
     from plugformer.kernels import eager_attention_forward
-    from plugformer.kernels_sinks import sdpa_forward
+    from plugformer.kernels_sdpa import sdpa_forward
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 6, 8, generator=generator)

@@ -8,7 +8,7 @@ on this machine. The model asks the table, never a kernel's name:
 | `attn_implementation` | scores | bias (kinds) | function |
 |---|---|---|---|
 | `eager` | any | relative, query_position | the score's own kernel (`AttentionScore.eager_kernel`) |
-| `sdpa` | dot product | relative, query_position | `kernels_sinks.sdpa_forward` (blockwise with a bias; sinks as a key column) |
+| `sdpa` | dot product | relative, query_position | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
 | `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
@@ -41,7 +41,7 @@ from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
 from .biases import BIAS_KINDS
-from .kernels_sinks import sdpa_forward
+from .kernels_sdpa import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 

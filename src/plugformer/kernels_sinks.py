@@ -1,5 +1,5 @@
-"""Attention sinks (gpt-oss) on SDPA, exactly, and plugformer's `sdpa` entry: with sinks `sdpa_sinks_forward`, else
-`kernels.sdpa_attention_forward`."""
+"""Attention sinks (gpt-oss) on SDPA, exactly: `sdpa_sinks_forward`, which plugformer's `sdpa` entry
+(`kernels_sdpa.sdpa_forward`) calls when a model has sinks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .biases import RelativeBias
-from .kernels import bias_rows, repeat_kv, sdpa_attention_forward
+from .kernels import bias_rows, repeat_kv
 
 
 def sdpa_sinks_forward(
@@ -50,23 +50,3 @@ def sdpa_sinks_forward(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )  # (B, H, Q, D)
     return output.transpose(1, 2).contiguous(), None
-
-
-def sdpa_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    position_bias: RelativeBias | None = None,
-    s_aux: torch.Tensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`), else
-    `kernels.sdpa_attention_forward`."""
-    if s_aux is not None:
-        return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
-                                  **kwargs)  # fmt: skip
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)

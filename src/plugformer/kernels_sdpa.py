@@ -1,0 +1,32 @@
+"""plugformer's `sdpa` entry point, the function every `attn_implementation="sdpa"` call goes through (the kernel
+table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa_sinks_forward`, else
+`kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .biases import RelativeBias
+from .kernels import sdpa_attention_forward
+from .kernels_sinks import sdpa_sinks_forward
+
+
+def sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_bias: RelativeBias | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`), else
+    `kernels.sdpa_attention_forward`."""
+    if s_aux is not None:
+        return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
+                                  **kwargs)  # fmt: skip
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
