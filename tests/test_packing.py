@@ -16,7 +16,12 @@ from conftest import build, combinations, tiny_config
 from transformers import DynamicCache
 
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
-from plugformer.training.pretrain import pack
+from plugformer.data.packing import pack as pack_arrays
+
+
+def pack(*args, **kwargs) -> dict:
+    """`pack`'s blocks as lists (it returns numpy arrays, which `datasets` stores as they are)."""
+    return {name: array.tolist() for name, array in pack_arrays(*args, **kwargs).items()}
 
 
 ATOL = 1e-5

@@ -72,6 +72,7 @@ def train_tokenizer(
     min_frequency: int = 2,
     model_max_length: int = 2048,
     split_digits: bool = False,
+    show_progress: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Trains a byte-level BPE tokenizer on `texts`, with no network access.
 
@@ -84,6 +85,8 @@ def train_tokenizer(
         model_max_length (`int`, *optional*, defaults to 2048): Recorded for truncation by pipelines / trainers.
         split_digits (`bool`, *optional*, defaults to `False`): Keep every digit a token of its own (as Llama
             does), so numbers are read digit by digit instead of as arbitrary merged chunks — arithmetic needs it.
+        show_progress (`bool`, *optional*, defaults to `False`): Show the trainer's progress bars (word counting,
+            merges) on the terminal: worth it for a real corpus, noise for the embedded one.
 
     Returns:
         [`PlugformerTokenizer`] (a `PreTrainedTokenizerFast`): pad `<|pad|>`, bos `<|bos|>`, eos `<|endoftext|>`,
@@ -108,7 +111,7 @@ def train_tokenizer(
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # A sentence pair (premise, hypothesis) is encoded as `a <|sep|> b`; single texts are left as they are.

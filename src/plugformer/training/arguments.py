@@ -83,10 +83,35 @@ class PretrainArguments(StageArguments):
         metadata={"help": "any other PlugformerConfig fields, as in transformers' run_clm: "
                           "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
     )  # fmt: skip
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "read --dataset_name lazily and tokenize and pack on the fly, for corpora that do not fit "
+                          "on disk (needs --max_steps); dev and test are the stream's first --dev_examples and next "
+                          "--test_examples documents, never trained on"},
+    )  # fmt: skip
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "processes that tokenize and pack a corpus (default: every core available)"}
+    )
+    tokenizer_sample_mb: float = field(
+        default=64.0,
+        metadata={"help": "the new tokenizer trains on a seeded random sample of this many MB of training text"},
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "where a prepared corpus (its tokenizer, its packed blocks) is kept and reused; default: "
+                          "$PLUGFORMER_CACHE or ~/.cache/plugformer"},
+    )  # fmt: skip
 
     def __post_init__(self):
         super().__post_init__()
-        check_counts(self, {"vocab_size": 1, "block_size": 2})
+        check_counts(self, {"vocab_size": 1, "block_size": 2, "preprocessing_num_workers": 1})
+        if isinstance(self.tokenizer_sample_mb, bool) or not (
+            isinstance(self.tokenizer_sample_mb, (int, float)) and 0 < self.tokenizer_sample_mb < float("inf")
+        ):
+            raise ValueError(f"--tokenizer_sample_mb {self.tokenizer_sample_mb!r}: expected a positive number of MB")
+        if self.streaming and self.dataset_name is None:
+            raise ValueError("--streaming true reads a --dataset_name source lazily; the embedded generator is "
+                             "already in memory: give --dataset_name (and --data_files), or drop --streaming")  # fmt: skip
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
 

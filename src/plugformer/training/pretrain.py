@@ -5,9 +5,9 @@ tokenizer first when none is given."""
 from __future__ import annotations
 
 import dataclasses
-from itertools import accumulate, chain
 from pathlib import Path
 
+from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
@@ -17,7 +17,10 @@ from transformers import (
 )
 
 from ..configuration import PlugformerConfig
+from ..data.packing import pack
+from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
 from ..data.tokenization import train_tokenizer
+from ..data.validation import check_data_files
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..runtime.memory import check_model_fits
 from .arguments import check_trainer_arguments
@@ -38,12 +41,53 @@ def check_tokenizer_source(script_args, model_args) -> None:
                          "tokenizer")  # fmt: skip
 
 
-def build_tokenizer(script_args, model_args, texts):
-    """The previous model's tokenizer, a named one, or a new byte-level BPE (digits split) on `texts`."""
+def load_corpus(script_args) -> Corpus:
+    """The pretraining text: the embedded generator's (not cached: it is regenerated in seconds), a `datasets`
+    source loaded into Arrow once (`datasets`' own cache) and identified for the corpus cache, or a stream."""
+    if script_args.streaming:
+        check_data_files(script_args.dataset_name, script_args.data_files)
+        source = {"path": script_args.dataset_name, "name": script_args.dataset_config,
+                  "data_files": script_args.data_files}  # fmt: skip
+        return stream_corpus(source, script_args.dev_examples, script_args.test_examples)
+    data = stage_data("pretrain", script_args)
+    if script_args.dataset_name is None:
+        return Corpus(data)
+    source = {"dataset_name": script_args.dataset_name, "dataset_config": script_args.dataset_config,
+              "data_files": script_args.data_files, "sizes": script_args.sizes(), "seed": script_args.dataset_seed}  # fmt: skip
+    return Corpus(data, corpus_fingerprint(source, data))
+
+
+def build_tokenizer(script_args, model_args, corpus: Corpus):
+    """The previous model's tokenizer, a named one, or a new byte-level BPE (digits split) trained on the corpus:
+    on all of the embedded data, on a bounded sample of any other corpus (trained once per corpus, then reused)."""
     source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
     if source is not None:
         return load_tokenizer(source)
-    return train_tokenizer(texts, vocab_size=script_args.vocab_size, split_digits=True)
+    if corpus.fingerprint is None:
+        return train_tokenizer(corpus.splits["train"]["text"], vocab_size=script_args.vocab_size, split_digits=True)
+    root = cache_root(script_args.data_cache_dir)
+    return prepared_tokenizer(corpus, script_args.vocab_size, script_args.tokenizer_sample_mb,
+                              script_args.dataset_seed, root)  # fmt: skip
+
+
+def pack_corpus(corpus: Corpus, tokenizer, script_args, causal: bool) -> dict:
+    """The corpus's splits packed into blocks (`pack`): prepared on every core and cached for a loaded corpus, in
+    this process for the embedded data, on the fly for a stream's training split."""
+    options = {"tokenizer": tokenizer, "block_size": script_args.block_size, "causal": causal,
+               "document_positions": script_args.document_positions}  # fmt: skip
+    if corpus.fingerprint is None:
+        blocks = corpus.splits.map(pack, batched=True, remove_columns=corpus.splits["train"].column_names,
+                                   fn_kwargs=options)  # fmt: skip
+    else:
+        root = cache_root(script_args.data_cache_dir)
+        blocks = prepared_blocks(corpus.splits, corpus.fingerprint, root=root,
+                                 num_proc=script_args.preprocessing_num_workers, **options)  # fmt: skip
+    blocks = dict(blocks)
+    if corpus.stream is not None:
+        columns = corpus.stream.column_names or list(next(iter(corpus.stream.take(1))))
+        blocks["train"] = corpus.stream.map(pack, batched=True, batch_size=200, remove_columns=columns,
+                                            fn_kwargs=options)  # fmt: skip
+    return blocks
 
 
 def build_model(script_args, model_args, tokenizer):
@@ -73,46 +117,11 @@ def build_model(script_args, model_args, tokenizer):
     return (PlugformerForCausalLM if config.is_causal else PlugformerForMaskedLM)(config)
 
 
-def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_positions: bool = True) -> dict:
-    """Concatenates `<bos> text <eos>` documents and cuts blocks of `block_size` tokens (a shorter tail is
-    dropped). With `document_positions`, blocks carry `position_ids` restarting at each document, and the model
-    reads each restart as a document boundary (as with TRL's packing): a document attends to itself only, causal
-    or bidirectional (masked LM). A
-    document continued from the previous block restarts at 0 too, so every position lies within 0..block_size-1;
-    without, the block is one contiguous text at positions 0..block_size-1."""
-    documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in examples["text"]],
-                          add_special_tokens=False)["input_ids"]  # fmt: skip
-    tokens = list(chain.from_iterable(documents))
-    usable = len(tokens) // block_size * block_size
-    blocks = {"input_ids": [tokens[i : i + block_size] for i in range(0, usable, block_size)]}
-    if document_positions:
-        starts = set(accumulate((len(d) for d in documents[:-1]), initial=0))  # token index of each `<bos>`
-        blocks["position_ids"] = [
-            block_positions(range(i, i + block_size), starts) for i in range(0, usable, block_size)
-        ]
-    if causal:
-        # labels = inputs (the loss shifts them): the first token of a block, continued or not, is never a target
-        # (nothing before it in the block sees it), and a document's `<eos>` predicts the next `<bos>`
-        blocks["labels"] = [list(block) for block in blocks["input_ids"]]
-    return blocks
-
-
-def block_positions(indices: range, starts: set[int]) -> list[int]:
-    """Positions of the tokens `indices` of one block: counted from the last document start, or from the block's
-    first token for the piece of a document that began in an earlier block (it attends within the block only, so
-    its positions are relative to what it sees)."""
-    positions, position = [], 0
-    for index in indices:
-        position = 0 if index in starts or index == indices.start else position + 1
-        positions.append(position)
-    return positions
-
-
 def check_blocks(data, blocks, block_size: int) -> None:
     """Raises `ValueError` before training when the train or dev split packs into no block: a dev split shorter
     than one block used to train to the end and then fail in evaluation, before the model was saved."""
     for split in ("train", "dev"):
-        if split in blocks and len(blocks[split]) == 0:
+        if isinstance(blocks.get(split), Dataset) and len(blocks[split]) == 0:  # a stream's length is unknown
             flag = "--dev_examples 0 (no dev loss), " if split == "dev" else ""
             raise ValueError(f"the {split} split ({len(data[split])} documents) holds fewer than block_size="
                              f"{block_size} tokens, so it packs into no block; give more {split} text (--"
@@ -124,25 +133,18 @@ def train(script_args, model_args, training_args) -> dict:
     check_tokenizer_source(script_args, model_args)
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
     claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
-    data = stage_data("pretrain", script_args)
-    tokenizer = build_tokenizer(script_args, model_args, data["train"]["text"])
+    if script_args.streaming and training_args.max_steps <= 0:
+        raise ValueError("--streaming true has no epochs to count (the stream's length is unknown): give --max_steps")
+    with training_args.main_process_first(desc="corpus and tokenizer"):  # one process prepares, the others reuse
+        corpus = load_corpus(script_args)
+        tokenizer = build_tokenizer(script_args, model_args, corpus)
     model = build_model(script_args, model_args, tokenizer)
     if model.can_generate():
         set_generation_eos(model, tokenizer)
     causal = model.config.is_causal
     with training_args.main_process_first(desc="packing"):
-        blocks = data.map(
-            pack,
-            batched=True,
-            remove_columns=data["train"].column_names,
-            fn_kwargs={
-                "tokenizer": tokenizer,
-                "block_size": script_args.block_size,
-                "causal": causal,
-                "document_positions": script_args.document_positions,
-            },
-        )
-    check_blocks(data, blocks, script_args.block_size)
+        blocks = pack_corpus(corpus, tokenizer, script_args, causal)
+    check_blocks(corpus.splits, blocks, script_args.block_size)
     collator = (
         default_data_collator
         if causal

@@ -1,0 +1,231 @@
+"""A pretraining corpus prepared once: the tokenizer trained on a bounded sample, the documents tokenized and packed
+on every core into Arrow blocks on disk, reused by every later run, every run of a `compare` grid and every rank.
+
+Layout of the cache (`--data_cache_dir`, default `$PLUGFORMER_CACHE` or `~/.cache/plugformer`):
+
+    tokenizers/<key>/   the tokenizer trained for (corpus, vocab_size, sample size, seed)
+    blocks/<key>/       `DatasetDict.save_to_disk` of the packed splits for (corpus, tokenizer, block_size,
+                        document positions, causal labels, packing version)
+
+A key is a digest of what the content depends on; the corpus part digests each data file's path, size and
+modification time and the loaded splits' `datasets` fingerprints, so a changed corpus or tokenizer never reuses stale
+blocks. A folder appears only complete (written beside it, then renamed), so an interrupted preparation is redone,
+never read half-written. Deleting the cache folder is always safe: it is rebuilt on the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+
+from .packing import pack
+
+
+logger = logging.getLogger(__name__)
+
+# bump when `pack` changes what it writes: blocks prepared by an older version are then prepared again
+PACKING_VERSION = 2
+DEFAULT_TOKENIZER_SAMPLE_MB = 64
+
+
+def cache_root(data_cache_dir: str | None = None) -> Path:
+    """`data_cache_dir`, else `$PLUGFORMER_CACHE`, else `~/.cache/plugformer`."""
+    if data_cache_dir:
+        return Path(data_cache_dir).expanduser()
+    return Path(os.environ.get("PLUGFORMER_CACHE", Path.home() / ".cache" / "plugformer")).expanduser()
+
+
+def digest(*parts) -> str:
+    """A short hex digest of JSON-serialisable `parts`."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def file_signature(path: str) -> list:
+    """(resolved path, size, modification time in ns) of a local file: changes whenever its content is rewritten."""
+    stat = os.stat(path)
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def corpus_fingerprint(source: dict, splits: DatasetDict) -> str:
+    """The identity of a loaded corpus: its source (name, config, files with their size and mtime, split sizes and
+    seed) and each split's `datasets` fingerprint."""
+    files = [file_signature(f) for f in source.get("data_files") or [] if os.path.isfile(f)]
+    return digest(source, files, {name: split._fingerprint for name, split in splits.items()})
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The identity of a tokenizer: its whole backend (vocabulary, merges, normalisation) and special tokens."""
+    return digest(tokenizer.backend_tokenizer.to_str(), tokenizer.special_tokens_map)
+
+
+def publish(build, target: Path) -> Path:
+    """Runs `build(tmp_dir)` into a folder beside `target`, then renames it to `target` (atomic on one file system);
+    if another process published `target` meanwhile, keeps theirs."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.partial"
+    try:
+        build(partial)
+        try:
+            os.rename(partial, target)
+        except OSError:
+            if not (target / "complete").exists():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+@dataclass
+class Corpus:
+    """A pretraining corpus: its splits, and what identifies it in the cache.
+
+    Args:
+        splits (`DatasetDict`): Map-style splits with a `text` column: `train`, `dev`, `test`; with a `stream`, only
+            the held-out `dev` and `test`.
+        fingerprint (`str`, *optional*): The cache key of its content; `None` for data regenerated in seconds (the
+            embedded generator), which is not cached.
+        stream (`IterableDataset`, *optional*): The training documents read lazily (`--streaming`).
+    """
+
+    splits: DatasetDict
+    fingerprint: str | None = None
+    stream: IterableDataset | None = None
+
+    def sample(self, max_bytes: int, seed: int) -> Iterator[str]:
+        """Training texts up to `max_bytes` of UTF-8: a seeded random sample of the map-style train split, or the
+        stream's first documents. Only one batch of texts is held at a time."""
+        if self.stream is None:
+            batches = random_batches(self.splits["train"], seed)
+        else:
+            batches = ([row["text"]] for row in self.stream)
+        taken, documents = 0, 0
+        for batch in batches:
+            for text in batch:
+                yield text
+                documents += 1
+                taken += len(text.encode("utf-8", "surrogatepass"))
+                if taken >= max_bytes:
+                    logger.info("tokenizer sample: %d documents, %.1f MB", documents, taken / 1e6)
+                    return
+        logger.info("tokenizer sample: the whole training split, %d documents, %.1f MB", documents, taken / 1e6)
+
+
+def random_batches(train: Dataset, seed: int, batch: int = 1000) -> Iterator[list[str]]:
+    """The texts of `train` in a seeded random order, `batch` at a time."""
+    order = np.random.default_rng(seed).permutation(len(train))
+    for start in range(0, len(order), batch):
+        yield train.select(order[start : start + batch])["text"]
+
+
+def stream_corpus(source: dict, dev: int, test: int) -> Corpus:
+    """`source` (`load_dataset` keyword arguments) read lazily: `dev` and `test` are the first `dev` and the next
+    `test` documents of its train split, held in memory; training reads the documents after them."""
+    stream = load_dataset(**source, split="train", streaming=True)
+    held_out = list(stream.take(dev + test))
+    if len(held_out) < dev + test:
+        raise ValueError(f"--streaming: the source holds {len(held_out)} documents, fewer than --dev_examples {dev} "
+                         f"+ --test_examples {test} held out before training")  # fmt: skip
+    texts = [row["text"] for row in held_out]
+    splits = DatasetDict({name: Dataset.from_dict({"text": part})
+                          for name, part in (("dev", texts[:dev]), ("test", texts[dev:])) if part})  # fmt: skip
+    files = [file_signature(f) for f in source.get("data_files") or [] if os.path.isfile(f)]
+    return Corpus(splits, digest("stream", source, files, dev, test), stream.skip(dev + test))
+
+
+def prepared_tokenizer(corpus: Corpus, vocab_size: int, sample_mb: float, seed: int, root: Path):
+    """The byte-level BPE tokenizer (digits split) trained on at most `sample_mb` MB of the corpus's training text,
+    trained once per (corpus, vocab_size, sample, seed) and reused from the cache."""
+    from .tokenization import load_tokenizer, train_tokenizer
+
+    key = digest("tokenizer", corpus.fingerprint, vocab_size, sample_mb, seed)
+    folder = root / "tokenizers" / key
+    if (folder / "complete").exists():
+        logger.info("tokenizer reused from %s", folder)
+        return load_tokenizer(str(folder))
+    started = time.perf_counter()
+    logger.info("training a %d-token tokenizer on at most %s MB of the training text", vocab_size, sample_mb)
+
+    def build(tmp: Path) -> None:
+        texts = corpus.sample(int(sample_mb * 1e6), seed)
+        train_tokenizer(texts, vocab_size=vocab_size, split_digits=True, show_progress=True).save_pretrained(tmp)
+        (tmp / "complete").write_text("")
+
+    publish(build, folder)
+    logger.info("tokenizer trained in %.1f s: %s", time.perf_counter() - started, folder)
+    return load_tokenizer(str(folder))
+
+
+def default_num_proc() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepared_blocks(
+    data: DatasetDict,
+    corpus: str,
+    tokenizer,
+    block_size: int,
+    causal: bool,
+    document_positions: bool,
+    root: Path,
+    num_proc: int | None = None,
+) -> DatasetDict:
+    """The splits of `data` tokenized and packed into blocks, prepared with `num_proc` processes the first time and
+    memory-mapped from the cache every later time.
+
+    Args:
+        data (`DatasetDict`): Splits with a `text` column.
+        corpus (`str`): The corpus fingerprint ([`corpus_fingerprint`]).
+        tokenizer ([`PreTrainedTokenizerFast`]): The tokenizer; its fingerprint is part of the key.
+        block_size (`int`): Tokens per block.
+        causal (`bool`): Whether blocks carry `labels`.
+        document_positions (`bool`): Whether blocks carry `position_ids` restarting per document.
+        root (`Path`): The cache root ([`cache_root`]).
+        num_proc (`int`, *optional*): Worker processes; defaults to the cores available.
+    """
+    key = digest("blocks", corpus, tokenizer_fingerprint(tokenizer), block_size, causal, document_positions,
+                 PACKING_VERSION)  # fmt: skip
+    folder = root / "blocks" / key
+    if (folder / "complete").exists():
+        logger.info("packed blocks reused from %s", folder)
+        return load_from_disk(str(folder / "blocks"))
+    num_proc = num_proc or default_num_proc()
+    started = time.perf_counter()
+
+    options = {"tokenizer": tokenizer, "block_size": block_size, "causal": causal,
+               "document_positions": document_positions}  # fmt: skip
+
+    def pack_split(name: str, split: Dataset, tmp: Path) -> Dataset:
+        return split.map(
+            pack,
+            batched=True,
+            batch_size=200,  # bounds each worker's memory: a batch of documents and its blocks
+            remove_columns=split.column_names,
+            num_proc=min(num_proc, max(1, len(split) // 200)),
+            cache_file_name=str(tmp / "map" / f"{name}.arrow"),  # beside the result, not in datasets' cache
+            desc=f"tokenizing and packing {name}",
+            fn_kwargs=options,
+        )
+
+    def build(tmp: Path) -> None:
+        (tmp / "map").mkdir(parents=True)
+        blocks = DatasetDict({name: pack_split(name, split, tmp) for name, split in data.items()})
+        blocks.save_to_disk(str(tmp / "blocks"))
+        del blocks  # the map files are memory-mapped until released
+        shutil.rmtree(tmp / "map")
+        (tmp / "complete").write_text("")
+
+    publish(build, folder)
+    logger.info("tokenized and packed in %.1f s with %d processes: %s", time.perf_counter() - started, num_proc, folder)
+    return load_from_disk(str(folder / "blocks"))
