@@ -366,5 +366,13 @@ def test_bench_readme_option_and_module_cli_write_the_same_block(quick_run, tmp_
     assert capsys.readouterr().out == "" and readme.read_text() == (quick_run / "README.md").read_text()
 
 
-def test_the_project_readme_has_one_generated_performance_block():
-    check_markers(Path(__file__).resolve().parents[1] / "README.md")
+def test_the_benchmarks_page_has_its_generated_performance_blocks():
+    """The blocks live in `model_cards/BENCHMARKS.md` (`PAGE`), the target the generator documents; the README has none."""
+    from plugformer.bench.markers import PAGE
+    from plugformer.runtime.markers import check_block, markers
+
+    root = Path(__file__).resolve().parents[1]
+    check_markers(root / PAGE)
+    check_block(root / PAGE, "bench-variants")
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert not any(marker in readme for name in ("bench", "bench-variants") for marker in markers(name))

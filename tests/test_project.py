@@ -176,6 +176,31 @@ def test_info_rewrites_only_the_generated_blocks(tmp_path, capsys):
     assert capsys.readouterr().out.count(":begin -->") == 2
 
 
+DOCUMENTS = [README, ROOT / "examples/README.md", ROOT / "tests/README.md", *sorted(ROOT.glob("model_cards/**/*.md"))]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_of_the_guides_resolves(document):
+    """A page moved or renamed leaves no dead link in the README or the pages it links to (anchors not checked)."""
+    text = re.sub(r"```.*?```", "", document.read_text(encoding="utf-8"), flags=re.S)
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    missing = [t for t in targets if t and not (document.parent / t).exists()]
+    assert missing == [], f"{document.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def test_the_readme_is_a_guide_of_at_most_400_lines():
+    """Measured figures live in model_cards/, walkthroughs in examples/README.md, test notes in tests/README.md."""
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 400
+
+
+def test_the_readme_opening_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it saves "my-model" in the working directory
+    opening = README.read_text(encoding="utf-8").split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.+?)\n```", opening, re.S)
+    exec(compile(code, "README.md (opening example)", "exec"), {})
+    assert (tmp_path / "my-model" / "config.json").exists()
+
+
 def readme_code(section: str) -> list[str]:
     """The python blocks of the README section titled `section`, in order."""
     text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]

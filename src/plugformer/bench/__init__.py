@@ -3,7 +3,7 @@
     plugformer bench --quick --output_dir outputs/bench              # CI: everything on tiny sizes, < 1 min
     plugformer bench --sizes tiny small --seq_lens 512 2048 --dtypes fp32 bf16 --sections train decode variants
     python -m plugformer.bench --sections variants --seq_lens 512 2048 4096 --repeats 7
-    plugformer bench --sizes small --seq_lens 512 --sections train decode --readme README.md  # its generated block
+    plugformer bench --sizes small --seq_lens 512 --sections train decode --readme model_cards/BENCHMARKS.md
 
 Sections:
 
@@ -20,8 +20,9 @@ Sections:
 Every comparison runs its two models once per repeat in alternating order (A, B, B, A), so a shared machine's drift
 hits both and neither always follows the other; the report gives ratios first (with the range of per-repeat paired
 ratios), then absolute medians, then the machine.
-How each number is measured is in `bench.md`'s Method section and in `measure.py`. The README's performance block
-is generated from `bench.json` by `readme.py` (`python -m plugformer.bench.readme BENCH_JSON ... --readme README.md`).
+How each number is measured is in `bench.md`'s Method section and in `measure.py`. The performance blocks of
+`model_cards/BENCHMARKS.md` are generated from `bench.json` by `readme.py` (`python -m plugformer.bench.readme
+BENCH_JSON ... --readme model_cards/BENCHMARKS.md`).
 """
 
 from .arguments import BenchArguments

@@ -81,8 +81,8 @@ class BenchArguments:
     quick: bool = field(default=False, metadata={"help": f"CI preset, in well under a minute: {QUICK} for the "
                         "options left at their defaults"})  # fmt: skip
     readme: str | None = field(default=None, metadata={"help": "after the run, regenerate the block between "
-                               "<!-- bench:begin --> and <!-- bench:end --> in this file (e.g. README.md) from it; "
-                               "the markers are checked before anything runs"})  # fmt: skip
+                               "<!-- bench:begin --> and <!-- bench:end --> in this file (the project's: "
+                               "model_cards/BENCHMARKS.md) from it; the markers are checked before anything runs"})  # fmt: skip
 
     def __post_init__(self):
         if self.quick:

@@ -1,5 +1,5 @@
-"""The marker lines around the README's generated performance block (`plugformer.runtime.markers`' block `bench`), checked
-before a bench run and rewritten after it.
+"""The marker lines around the generated performance block (`plugformer.runtime.markers`' block `bench`) of the
+benchmarks page, `model_cards/BENCHMARKS.md` (`PAGE`), checked before a bench run and rewritten after it.
 
 Below both `arguments` (which checks a `--readme` before measuring) and `readme` (which writes the block): neither
 imports the other for it.
@@ -14,6 +14,7 @@ from ..runtime.markers import check_block, markers, write_blocks
 
 BLOCK = "bench"
 BEGIN, END = markers(BLOCK)
+PAGE = "model_cards/BENCHMARKS.md"  # the project's page with the block (and `bench-variants`), from the repo root
 
 
 def check_markers(readme_path: str | Path) -> None:

@@ -1,10 +1,11 @@
-"""The README's performance block, generated from `bench.json` files: ratios of the run(s), with their commands.
+"""The benchmarks page's performance block, generated from `bench.json` files: ratios of the run(s), with their
+commands. The project's page is `model_cards/BENCHMARKS.md` (`bench.markers.PAGE`).
 
-    python -m plugformer.bench.readme outputs/bench/bench.json --readme README.md
+    python -m plugformer.bench.readme outputs/bench/bench.json --readme model_cards/BENCHMARKS.md
     python -m plugformer.bench.readme pairs/bench.json variants/bench.json --print
 
 `update_readme` (`bench.markers`) rewrites only the text between the lines `<!-- bench:begin -->` and `<!-- bench:end -->`;
-`plugformer bench --readme README.md` does the same right after a run.
+`plugformer bench --readme model_cards/BENCHMARKS.md` does the same right after a run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ..runtime.markers import write_blocks
 from .arguments import DEFAULT_DTYPES, QUICK, BenchArguments
-from .markers import BEGIN, BLOCK, END, check_markers, update_readme  # noqa: F401 (check_markers, update_readme: this module's names for them)
+from .markers import BEGIN, BLOCK, END, PAGE, check_markers, update_readme  # noqa: F401 (check_markers, update_readme: this module's names for them)
 from .report import markdown_table, plural, ratio_cell
 
 
@@ -152,8 +153,8 @@ def dtype_lines(results: dict) -> list[str]:
 
 
 def readme_section(results_list: list[dict]) -> str:
-    """Markdown for the README from one or more `bench.json` results: per run, its command and machine, then the
-    A/B pairs table, the autocast speed-ups and matmul peaks, then the variants tables, as far as the run has them."""
+    """Markdown for the benchmarks page from one or more `bench.json` results: per run, its command and machine, then
+    the A/B pairs table, the autocast speed-ups and matmul peaks, then the variants tables, as far as the run has them."""
     lines = ["<!-- generated from bench.json by `python -m plugformer.bench.readme`; edit outside the markers -->", ""]
     for results in results_list:
         lines += [f"`{command_line(results['arguments'])}`", "", machine_line(results), ""]
@@ -164,13 +165,15 @@ def readme_section(results_list: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
         prog="python -m plugformer.bench.readme", allow_abbrev=False,
-        description="The README's performance block from bench.json files written by `plugformer bench`.",
+        description=f"The performance block of {PAGE} from bench.json files written by `plugformer bench`.",
     )  # fmt: skip
     parser.add_argument("bench_json", nargs="+", help="bench.json files, one block per run, in this order")
-    parser.add_argument("--readme", default=None, help=f"file whose {BEGIN} ... {END} block is replaced")
+    parser.add_argument(
+        "--readme", default=None, help=f"file whose {BEGIN} ... {END} block is replaced (the project's: {PAGE})"
+    )
     parser.add_argument("--print", action="store_true", help="print the block (also the default without --readme)")
     parser.add_argument("--block", default=BLOCK,
-                        help=f"the name of the README block to replace (default {BLOCK!r}: {BEGIN} ... {END}); "
+                        help=f"the name of the block to replace (default {BLOCK!r}: {BEGIN} ... {END}); "
                              "another name keeps a second run's block beside the first")  # fmt: skip
     args = parser.parse_args(argv)
     section = readme_section([json.loads(Path(path).read_text(encoding="utf-8")) for path in args.bench_json])

@@ -1,8 +1,8 @@
 """Generated blocks of a markdown file: the text between the lines `<!-- NAME:begin -->` and `<!-- NAME:end -->`, read,
 checked and rewritten in place, every byte outside the blocks kept.
 
-The README has three: `variants` and `kernels` (`readme_tables`, from the registries and the kernel records) and
-`bench` (`bench.readme`, from `bench.json` files).
+README.md has two, `variants` and `kernels` (`readme_tables`, from the registries and the kernel records);
+`model_cards/BENCHMARKS.md` has `bench` and `bench-variants` (`bench.readme`, from `bench.json` files).
 """
 
 from __future__ import annotations
