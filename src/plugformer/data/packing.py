@@ -39,11 +39,12 @@ def pack(examples: dict, tokenizer, block_size: int, causal: bool, document_posi
         document_positions (`bool`, *optional*, defaults to `True`): Add `position_ids` restarting per document.
 
     Returns:
-        `dict` of `np.ndarray` of shape (num_blocks, block_size): `input_ids`, and `position_ids` / `labels`.
+        `dict` of int64 `np.ndarray` of shape (num_blocks, block_size): `input_ids`, and `position_ids` / `labels`.
     """
     documents = encode_documents(examples["text"], tokenizer)
     lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
-    tokens = np.fromiter((t for d in documents for t in d), dtype=np.int32, count=int(lengths.sum()))
+    # int64: what embeddings and the loss take; a prepared corpus stores them as int32 (`prepare.BLOCK_FEATURES`)
+    tokens = np.fromiter((t for d in documents for t in d), dtype=np.int64, count=int(lengths.sum()))
     blocks = len(tokens) // block_size
     input_ids = tokens[: blocks * block_size].reshape(blocks, block_size)  # (blocks, block_size)
     packed = {"input_ids": input_ids}
@@ -73,4 +74,4 @@ def document_position_ids(lengths: np.ndarray, blocks: int, block_size: int) -> 
     restart[starts[starts < total]] = True
     restart[::block_size] = True  # a block's first token starts its count, whatever precedes it
     last_restart = np.maximum.accumulate(np.where(restart, index, 0))
-    return (index - last_restart).reshape(blocks, block_size).astype(np.int32)  # (blocks, block_size)
+    return (index - last_restart).reshape(blocks, block_size)  # (blocks, block_size)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, Features, IterableDataset, List, Value, load_dataset, load_from_disk
 
 from .packing import pack
 
@@ -79,8 +79,10 @@ def publish(build, target: Path) -> Path:
         try:
             os.rename(partial, target)
         except OSError:
-            if not (target / "complete").exists():
-                raise
+            if (target / "complete").exists():
+                return target  # another process published it first: theirs is kept
+            shutil.rmtree(target)  # a folder without its marker was not written by `publish`: not trusted
+            os.rename(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
@@ -206,6 +208,10 @@ def prepared_blocks(
     options = {"tokenizer": tokenizer, "block_size": block_size, "causal": causal,
                "document_positions": document_positions}  # fmt: skip
 
+    # token ids and positions fit int32: half the disk and page cache of int64; rows read back as Python ints
+    columns = ["input_ids", *(["position_ids"] if document_positions else []), *(["labels"] if causal else [])]
+    features = Features({column: List(Value("int32")) for column in columns})
+
     def pack_split(name: str, split: Dataset, tmp: Path) -> Dataset:
         return split.map(
             pack,
@@ -215,6 +221,7 @@ def prepared_blocks(
             num_proc=min(num_proc, max(1, len(split) // 200)),
             cache_file_name=str(tmp / "map" / f"{name}.arrow"),  # beside the result, not in datasets' cache
             desc=f"tokenizing and packing {name}",
+            features=features,
             fn_kwargs=options,
         )
 
