@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from plugformer.data import prepare
 from plugformer.data.packing import encode_documents, pack
-from plugformer.data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepared_tokenizer
+from plugformer.data.prepare import corpus_fingerprint, prepared_blocks, prepared_tokenizer
 from plugformer.data.tokenization import train_tokenizer
 from plugformer.training import parse_stage_arguments
 from plugformer.training.pretrain import build_tokenizer, load_corpus, pack_corpus
@@ -241,8 +241,24 @@ def test_a_resumed_run_sees_exactly_the_uninterrupted_batches(tmp_path, streamin
     resumed_against_whole(tmp_path, corpus_file, 1, "--streaming", str(streaming).lower())
 
 
-@pytest.mark.slow  # ~2 min: four 2-process launches
-@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])  # ~50-70 s each
 def test_a_resumed_two_process_run_sees_exactly_the_uninterrupted_batches(tmp_path, streaming):
     corpus_file = write_corpus(tmp_path / "corpus.jsonl", 400)
     resumed_against_whole(tmp_path, corpus_file, 2, "--streaming", str(streaming).lower())
+
+
+def test_the_shipped_own_text_recipe_trains_on_a_jsonl_file(tmp_path):
+    """configs/pretrain/own_text.yaml with only the corpus given (and the sizes cut for a test)."""
+    from plugformer.training import run_stage
+
+    corpus_file = write_corpus(tmp_path / "corpus.jsonl", 120)
+    info = run_stage("pretrain", [
+        "--config", str(ROOT / "configs/pretrain/own_text.yaml"), "--data_files", str(corpus_file),
+        "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache"), "--max_steps", "2",
+        "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "2",
+        "--vocab_size", "300", "--block_size", "32", "--dev_examples", "10", "--test_examples", "10",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--eval_strategy", "no",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+    ])  # fmt: skip
+    assert info["stage"] == "pretrain" and (tmp_path / "out" / "model.safetensors").exists()
+    assert len(folders(tmp_path / "cache", "blocks")) == 1
