@@ -76,7 +76,7 @@ def test_cached_decoding_equals_full_forward(score, scheme, kernel, tokens):
         # Compiled flex builds one kernel per (query, key) shape on CPU (~4 s each): prefill, one step, a chunk.
         cached = decode_in_chunks(model, tokens, [6, 1, 5], DynamicCache(config=model.config))
         torch.testing.assert_close(cached, reference, atol=ATOL, rtol=0)
-        # refused: transformers' flex mask misreads static caches (see `refuse_flex_with_static_cache`)
+        # refused: transformers' flex mask misreads static caches (its kernel record: `static_cache=False`)
         with pytest.raises(ValueError, match=r"flex_attention.*StaticCache"):
             decode_in_chunks(model, tokens, [6, 6], StaticCache(config=model.config, max_cache_len=16))
         return

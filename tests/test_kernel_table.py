@@ -5,10 +5,13 @@ additive scoring and bias schemes with the score and the bias silently dropped (
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import SCHEMES, SCORES, build, tiny_config
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -254,3 +257,116 @@ def test_a_score_with_wide_values_runs_only_on_kernels_declaring_them(kernel_nam
         assert "attention_score='scaled_dot'" in reason and "2·head_dim wide" in reason, (kernel, reason)
         assert "['eager', 'sdpa', 'flex_attention']" in reason
     assert supported_kernels(config) == ["eager", "sdpa", "flex_attention"]
+
+
+# --- the kernel table owns its rules ------------------------------------------------------------------------------
+
+PACKAGE = Path(plugformer.__file__).parent
+# The kernel table: the records (capabilities.py) and the kernel functions they name.
+KERNEL_TABLE_MODULES = {"capabilities.py", "kernels.py", "kernels_sdpa.py", "kernels_sinks.py"}
+# (module, string) pairs that match a name by coincidence: `plugformer plot sinusoidal` is a command named after the
+# encoding it draws, not a config's position scheme.
+COINCIDENCES = {("evaluation/plots.py", "sinusoidal")}
+
+
+def constant_strings(node: ast.AST) -> list[str]:
+    """The string literals of a comparison operand, including those of a literal tuple, list or set (`x in (...)`)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [value for element in node.elts for value in constant_strings(element)]
+    return []
+
+
+def name_comparisons(source: str, names: set[str]) -> list[tuple[int, str, str]]:
+    """(line, name, code) of each comparison (`==`, `!=`, `in`, a `match` case) of a string literal in `names`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            continue
+        found += [(node.lineno, value, ast.unparse(node)) for operand in operands for value in constant_strings(operand)
+                  if value in names]  # fmt: skip
+    return found
+
+
+def test_no_module_outside_the_kernel_table_compares_kernel_or_scheme_names():
+    """A kernel's rules live in its record and a scheme's in its class: every other module asks them (`KERNELS.of`,
+    `KernelSpec.position_bias`, `PositionScheme.linear_bias_slopes`), never tests a name."""
+    from plugformer.integrations.vllm_plugin import ALIBI_KERNEL
+
+    names = set(KERNELS) | set(POSITION_SCHEMES) | {ALIBI_KERNEL}
+    assert name_comparisons('if config.position_scheme == "alibi":\n    pass', names)  # the scan sees one
+    assert name_comparisons('match kernel:\n    case "sdpa":\n        pass', names)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module in KERNEL_TABLE_MODULES:
+            continue
+        found += [f"{module}:{line}: {code}" for line, name, code in name_comparisons(path.read_text("utf-8"), names)
+                  if (module, name) not in COINCIDENCES]  # fmt: skip
+    assert not found, "compare a record's or a scheme class's property instead:\n" + "\n".join(found)
+
+
+# Reads of `_attn_implementation` not yet moved to `KERNELS.of` (modules other work was changing at the time).
+ATTN_IMPLEMENTATION_READS_LEFT = {"evaluation/cards.py", "experiments/demo.py"}
+
+
+def test_the_kernel_table_is_the_one_reader_of_attn_implementation():
+    """`KERNELS.of(config)` reads `config._attn_implementation`; other modules may set it (transformers' way for an
+    engine), not read it."""
+    readers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "_attn_implementation":
+                readers |= {module} if isinstance(node.ctx, ast.Load) else set()
+    assert readers - ATTN_IMPLEMENTATION_READS_LEFT == {"capabilities.py"}
+
+
+def test_a_kernel_declaring_cache_and_padding_limits_is_refused_them(kernel_name):
+    """`static_cache=False` / `padding=False` in a record refuse a static cache / a padded batch at the forward,
+    naming the field, for that kernel only (flex's record declares the first)."""
+    register_attention_kernel(kernel_name, sdpa_attention_forward, static_cache=False, padding=False)
+    model = build(tiny_config("scaled_dot", "rope"), kernel_name)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with pytest.raises(ValueError, match=rf"attn_implementation='{kernel_name}' cannot decode with a StaticCache "
+                                         r"\(its record says static_cache=False"):  # fmt: skip
+        model(ids, cache=StaticCache(config=model.config, max_cache_len=8), use_cache=True)
+    with pytest.raises(ValueError, match=rf"'{kernel_name}' with padding .* padding=False\); use one of \['eager'"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with torch.no_grad():  # no padding, a dynamic cache: computed
+        torch.testing.assert_close(model(ids).logits, build(tiny_config("scaled_dot", "rope"))(ids).logits,
+                                   atol=1e-5, rtol=0)  # fmt: skip
+    static = KERNELS.decoding_with_static_caches()
+    assert kernel_name not in static and "flex_attention" not in static and "sdpa" in static
+
+
+def test_the_alibi_kernel_computes_the_schemes_that_give_linear_slopes():
+    """`bias="alibi"` reads ALiBi-ness off the scheme class (`linear_bias_slopes`), not its name."""
+    config = tiny_config("scaled_dot", "alibi")
+    for scheme in SCHEMES:
+        slopes = POSITION_SCHEMES.get(scheme).linear_bias_slopes(config)
+        assert (slopes is not None) == (scheme == "alibi"), scheme
+    torch.testing.assert_close(
+        POSITION_SCHEMES.get("alibi").linear_bias_slopes(config), plugformer.positions.alibi_slopes(4)
+    )
+
+
+def test_the_readme_example_kernel_runs_as_printed(monkeypatch):
+    """'Adding a kernel' as printed: the kernel registers (in this test only), matches eager on a T5 bias it gets
+    dense, and its record refuses a score that is not a dot product. Fails until README.md has the section."""
+    from test_project import readme_code
+
+    monkeypatch.setattr(KERNELS, "_table", dict(KERNELS._table))  # restored after the test
+    monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
+    monkeypatch.setattr(AttentionMaskInterface, "_global_mapping", dict(AttentionMaskInterface._global_mapping))
+    (code,) = readme_code("Adding a kernel")
+    before = set(KERNELS)
+    exec(compile(code, "README.md (Adding a kernel)", "exec"), {})
+    (name,) = set(KERNELS) - before
+    assert name in supported_kernels(tiny_config("scaled_dot", "t5_bias"))
+    assert "is not a dot product" in KERNELS.get(name).unsupported_reason(tiny_config("additive", "rope"))

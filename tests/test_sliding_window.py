@@ -82,7 +82,7 @@ def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kerne
     """Prefill 5 tokens, then one token at a time past the window: the cache keeps only the window (transformers'
     sliding layers), the logits equal the full forward's."""
     if kernel == "flex_attention" and cache_class == "static":
-        pytest.skip("flex_attention refuses a static cache (stack.refuse_flex_with_static_cache)")
+        pytest.skip("flex_attention refuses a static cache (its kernel record: static_cache=False)")
     model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
     full = logits(model, tokens)
     if cache_class == "dynamic":

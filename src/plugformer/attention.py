@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS
+from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig
 from .layers import RMSNorm
@@ -95,35 +95,25 @@ class PlugformerAttention(nn.Module):
         the module from that expression in `forward`'s source (a literal or `self.<attr>` only)."""
         return self.score.scaling
 
-    def checked_kernel(self) -> str:
-        """`config._attn_implementation`, refused by the kernel table if it cannot compute this attention (one set by
-        hand on the config, or by an engine such as vLLM, skips `from_pretrained`'s check); checked once per
-        implementation."""
-        implementation = self.config._attn_implementation
-        if implementation != self._checked_implementation and not torch.compiler.is_compiling():
-            self._check_kernel(implementation)
-        return implementation
+    def checked_kernel(self) -> KernelSpec:
+        """The record of the config's kernel (`KERNELS.of`), refused by the kernel table if it cannot compute this
+        attention (one set by hand on the config, or by an engine such as vLLM, skips `from_pretrained`'s check);
+        checked once per implementation. While torch.compile / torch.export trace, nothing is checked or recorded."""
+        kernel = KERNELS.of(self.config)
+        if self._kernel is not None and kernel.name == self._checked_implementation:
+            return self._kernel
+        if not torch.compiler.is_compiling():
+            kernel.check(self.config)
+            self._kernel, self._checked_implementation = kernel, kernel.name
+        return kernel
 
-    def _check_kernel(self, implementation: str) -> None:
-        kernel = KERNELS.get(implementation)
-        reason = kernel.unsupported_reason(self.config)
-        if reason is not None:
-            raise ValueError(reason)
-        self._kernel, self._checked_implementation = kernel, implementation
-
-    def kernel_kwargs(self, query, key, position_bias, kwargs) -> dict:
-        """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form the kernel takes,
-        the score's own (e.g. the additive energy vector) and the caller's."""
+    def kernel_kwargs(self, kernel: KernelSpec, query, key, position_bias, kwargs) -> dict:
+        """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form `kernel`'s record
+        takes (`KernelSpec.position_bias`), the score's own (e.g. the additive energy vector) and the caller's."""
         if position_bias is not None:
             # The layers get the bias values as a plain tensor: (reentrant) gradient checkpointing sees it as an input.
-            position_bias = self.bias_type(position_bias, query.shape[2], key.shape[2])
-            # (while torch.compile / torch.export trace, `checked_kernel` records nothing: read the table here)
-            implementation = self.config._attn_implementation
-            kernel = self._kernel if implementation == self._checked_implementation else KERNELS.get(implementation)
-            if kernel.bias == "dense":  # a registered kernel that adds a (B, H, Q, K) tensor
-                position_bias = position_bias.dense().expand(query.shape[0], -1, -1, -1)
-            elif kernel.bias == "alibi":  # a kernel adding ALiBi itself (vLLM's, with the slopes): no bias to pass
-                position_bias = None
+            position_bias = kernel.position_bias(self.bias_type(position_bias, query.shape[2], key.shape[2]),
+                                                 batch=query.shape[0])  # fmt: skip
         softcap = self.config.attn_logit_softcapping  # the kernel table refused the kernels that cannot apply it
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
@@ -171,10 +161,11 @@ class PlugformerAttention(nn.Module):
             position_bias = position_bias.narrow(head_axis, first, local_heads)  # H -> H_local heads
         # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
         # transformers backend look for this very lookup, and one call of it with `scaling=self.<attr>`, in `forward`
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        kernel = self.checked_kernel()
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, self.score.eager_kernel)
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
-            **self.kernel_kwargs(query, key, position_bias, kwargs),
+            **self.kernel_kwargs(kernel, query, key, position_bias, kwargs),
         )  # fmt: skip
         return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights
 
@@ -209,8 +200,10 @@ class PlugformerCrossAttention(PlugformerAttention):
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True
         value = self.score.prepare_value(value)  # (B, H_kv, S, value_width·D)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.checked_kernel(), self.score.eager_kernel)
+        kernel = self.checked_kernel()
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, self.score.eager_kernel)
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask, scaling=self.scaling, **self.kernel_kwargs(query, key, None, kwargs)
+            self, query, key, value, attention_mask, scaling=self.scaling,
+            **self.kernel_kwargs(kernel, query, key, None, kwargs),
         )  # fmt: skip
         return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights

@@ -1,15 +1,18 @@
 """The kernel axis as a table: what each attention kernel can compute, and the rule that refuses the rest.
 
 A kernel is a registered `KernelSpec` record. Its fields say which scores it computes (any score, or a dot product
-of the prepared query and key only), which score bias it takes (a bias object of `biases` it expands itself, of the
-kinds it lists, a dense `(B, H, Q, K)` tensor, or none), whether it returns attention weights and whether it exists
-on this machine. The model asks the table, never a kernel's name:
+of the prepared query and key only), how a score bias reaches it (`bias`: a bias object of `biases` it expands itself,
+of the kinds it lists; a dense `(B, H, Q, K)` tensor; nothing, because it adds ALiBi's linear bias from the scheme's
+slopes itself; or no bias at all), what it cannot decode with (a static cache, padding), whether it returns attention
+weights and whether it exists on this machine. As in transformers' T5, the model hands every kernel one
+`position_bias=` and the record converts it (`KernelSpec.position_bias`, by `BIAS_DELIVERY`); the model and the tools
+ask the table (`KERNELS.of(config)`, the one reader of `config._attn_implementation`), never a kernel's name:
 
 | `attn_implementation` | scores | bias (kinds) | function |
 |---|---|---|---|
 | `eager` | any | relative, query_position | the score's own kernel (`AttentionScore.eager_kernel`) |
 | `sdpa` | dot product | relative, query_position | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
-| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
+| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`); no static cache |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
@@ -35,23 +38,49 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import transformers
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
 from .biases import BIAS_KINDS
+from .compat import FLEX_PADDING_VERIFIED
 from .kernels_sdpa import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .scores import ATTENTION_SCORES
 
 
 if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from .biases import QueryPositionBias, RelativeBias
     from .configuration import PlugformerConfig
 
 
 SCORE_SUPPORT = ("any", "dot_product")
-BIAS_SUPPORT = ("relative", "dense", "alibi", "none")
+
+
+def bias_object(bias: RelativeBias | QueryPositionBias, batch: int) -> RelativeBias | QueryPositionBias:
+    """`bias="relative"`: the bias object itself; the kernel asks it for the rows it works on."""
+    return bias
+
+
+def dense_bias(bias: RelativeBias | QueryPositionBias, batch: int) -> torch.Tensor:
+    """`bias="dense"`: the whole `(B, H, Q, K)` tensor, expanded over the batch (flex-style kernels index `bias[b]`)."""
+    return bias.dense().expand(batch, -1, -1, -1)
+
+
+def no_bias(bias: RelativeBias | QueryPositionBias, batch: int) -> None:
+    """`bias="alibi"` (the kernel adds ALiBi itself, from the slopes its engine holds) and `bias="none"`: nothing."""
+    return None
+
+
+# How the scheme's bias reaches each kind of kernel as its `position_bias` (transformers' T5 passes one
+# `position_bias=` to whichever kernel runs, and the kernel decides; here the record decides, so a kernel function
+# written for transformers' interface gets the form it declared).
+BIAS_DELIVERY = {"relative": bias_object, "dense": dense_bias, "alibi": no_bias, "none": no_bias}
+BIAS_SUPPORT = tuple(BIAS_DELIVERY)
 
 
 @dataclass(frozen=True)
@@ -64,8 +93,9 @@ class KernelSpec:
             scaling · q·k: every score whose `dot_product` is true).
         bias (`str`): `"relative"` (takes a bias object of `biases` as `position_bias`, of the `bias_kinds` it
             lists), `"dense"` (takes the `(B, H, Q, K)` tensor as `position_bias` and adds it to the scores: every
-            kind), `"alibi"` (adds ALiBi's bias itself, from slopes the engine holds, and gets no `position_bias`:
-            every scheme but `alibi` refused) or `"none"` (no score bias: bias schemes refused).
+            kind), `"alibi"` (adds ALiBi's linear bias itself, from slopes the engine holds, and gets no
+            `position_bias`: every scheme without `PositionScheme.linear_bias_slopes` refused) or `"none"` (no score
+            bias: bias schemes refused). `BIAS_DELIVERY` converts the bias accordingly.
         function (`Callable`, *optional*): The attention function; `None` for `eager`, which is the score's own.
         softcap (`bool`, *optional*, defaults to `False`): Caps the logits as `softcap`·tanh(logits / `softcap`)
             before the mask and bias (Gemma 2's `attn_logit_softcapping`), given a `softcap=` keyword.
@@ -82,6 +112,11 @@ class KernelSpec:
             bias object it takes (`biases.BIAS_KINDS`): `"relative"` (`RelativeBias`, per distance; a kernel may read
             its per-distance values) and `"query_position"` (`QueryPositionBias`, per batch row: FIRE). A scheme
             whose `bias_type` is of another kind is refused.
+        static_cache (`bool`, *optional*, defaults to `True`): Decodes with a static cache (`StaticCache`, whose
+            length is a tensor updated in place). `False` for transformers' flex: its block mask reads the cache length
+            after layer 0's update changed it and masks every chunk after the first at the wrong offset.
+        padding (`bool`, *optional*, defaults to `True`): Computes rows with padding (a 2-D `attention_mask` with
+            zeros) right. `False` for transformers' flex before 5.24 (`compat.FLEX_PADDING_VERIFIED`).
     """
 
     name: str
@@ -95,6 +130,8 @@ class KernelSpec:
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
     bias_kinds: tuple[str, ...] = ("relative",)
+    static_cache: bool = True
+    padding: bool = True
 
     def __post_init__(self):
         if self.scores not in SCORE_SUPPORT:
@@ -109,6 +146,36 @@ class KernelSpec:
     def takes_bias(self, kind: str) -> bool:
         """Whether it adds a scheme's bias of `kind` (`biases.BIAS_KINDS`) given as `position_bias`."""
         return self.bias == "dense" or (self.bias == "relative" and kind in self.bias_kinds)
+
+    def position_bias(
+        self, bias: RelativeBias | QueryPositionBias, batch: int
+    ) -> RelativeBias | QueryPositionBias | torch.Tensor | None:
+        """The scheme's bias object in the form this kernel takes as `position_bias` (`BIAS_DELIVERY`), for a batch of
+        `batch` rows."""
+        return BIAS_DELIVERY[self.bias](bias, batch)
+
+    def check(self, config: PlugformerConfig) -> None:
+        """Raises a `ValueError` naming the field if this kernel cannot compute `config`'s attention exactly."""
+        reason = self.unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def check_inputs(self, cache: Cache | None, attention_mask: torch.Tensor | None) -> None:
+        """Raises a `ValueError` for a cache or padding this kernel would compute wrong outputs with (`static_cache`,
+        `padding`): fail loudly instead of decoding wrong tokens."""
+        if not self.static_cache and getattr(cache, "is_compileable", False):
+            raise ValueError(
+                f"attn_implementation={self.name!r} cannot decode with a {type(cache).__name__} (its record says "
+                "static_cache=False: it would mask wrong positions); use a DynamicCache (the default) or one of "
+                f"{KERNELS.decoding_with_static_caches()} with the static cache"
+            )
+        padded = attention_mask is not None and attention_mask.ndim == 2
+        if not self.padding and padded and not attention_mask.all():
+            raise ValueError(
+                f"attn_implementation={self.name!r} with padding (an attention_mask with zeros) computes wrong outputs "
+                f"on transformers {transformers.__version__} (its record says padding=False); use one of "
+                f"{KERNELS.taking_padding()}"
+            )
 
     def unsupported_reason(self, config: PlugformerConfig) -> str | None:
         """Why this kernel cannot compute `config`'s attention exactly, or `None` if it can."""
@@ -140,12 +207,16 @@ class KernelSpec:
                 f"attn_implementation={self.name!r} does not apply plugformer's attention mask, so it would drop "
                 f"sliding_window={config.sliding_window!r}; use one of {KERNELS.windowing()}"
             )
-        if self.bias == "alibi" and config.position_scheme != "alibi":
+        scheme = POSITION_SCHEMES.get(config.position_scheme)
+        if self.bias == "alibi" and scheme.linear_bias_slopes(config) is None:
+            linear = [
+                name for name in POSITION_SCHEMES if POSITION_SCHEMES.get(name).linear_bias_slopes(config) is not None
+            ]
             return (
                 f"attn_implementation={self.name!r} adds ALiBi's bias itself, which "
-                f"position_scheme={config.position_scheme!r} does not have; it computes position_scheme='alibi' only"
+                f"position_scheme={config.position_scheme!r} does not have; it computes "
+                f"{' or '.join(f'position_scheme={name!r}' for name in linear)} only"
             )
-        scheme = POSITION_SCHEMES.get(config.position_scheme)
         if self.bias == "none" and scheme.has_bias:
             return (
                 f"attn_implementation={self.name!r} takes no additive score bias, which "
@@ -179,6 +250,11 @@ class KernelTable:
         transformers' interface computes)."""
         return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none", sliding_window=False)
 
+    def of(self, config: PlugformerConfig) -> KernelSpec:
+        """The record of the kernel `config` runs on: the one place plugformer reads `config._attn_implementation`
+        (set by transformers at load and by `set_attn_implementation`, or by an engine such as vLLM by hand)."""
+        return self.get(config._attn_implementation)
+
     def names(self) -> list[str]:
         return list(self._table)
 
@@ -204,6 +280,14 @@ class KernelTable:
         """The kernels that add `use_attention_sinks`' sink logits."""
         return [name for name, spec in self._table.items() if spec.sinks]
 
+    def decoding_with_static_caches(self) -> list[str]:
+        """The kernels that decode with a static cache."""
+        return [name for name, spec in self._table.items() if spec.static_cache]
+
+    def taking_padding(self) -> list[str]:
+        """The kernels that compute padded rows right."""
+        return [name for name, spec in self._table.items() if spec.padding]
+
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
@@ -222,8 +306,8 @@ KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=E
 KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
                             function=sdpa_forward, sinks=True, wide_values=True))  # fmt: skip
 KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
-                            function=flex_attention_forward, softcap=True,
-                            wide_values=True))  # fmt: skip
+                            function=flex_attention_forward, softcap=True, wide_values=True,
+                            static_cache=False, padding=FLEX_PADDING_VERIFIED))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
     KERNELS.register(KernelSpec(
@@ -244,6 +328,8 @@ def register_attention_kernel(
     sinks: bool = False,
     wide_values: bool = False,
     attention_weights: bool = False,
+    static_cache: bool = True,
+    padding: bool = True,
     mask: str | None = "sdpa",
 ) -> KernelSpec:
     """Registers an attention function under `name` with what it can compute, for plugformer and transformers.
@@ -253,7 +339,8 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, bias_kinds, softcap, sinks, wide_values, attention_weights: As in [`KernelSpec`].
+        scores, bias, bias_kinds, softcap, sinks, wide_values, attention_weights, static_cache, padding: As in
+            [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one, so
@@ -265,7 +352,8 @@ def register_attention_kernel(
     spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, bias_kinds=bias_kinds, function=function,
                                        softcap=softcap, sinks=sinks, wide_values=wide_values,
                                        sliding_window=mask is not None,
-                                       attention_weights=attention_weights))  # fmt: skip
+                                       attention_weights=attention_weights, static_cache=static_cache,
+                                       padding=padding))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])

@@ -51,7 +51,7 @@ __all__ = [
 CACHE_NAMED_CACHE = "cache" in modeling_outputs.BaseModelOutputWithPast.__dataclass_fields__  # 5.24.0 and later
 # transformers' flex attention with a padding mask gives wrong outputs on 5.19 (plugformer's encoder differs by O(1)
 # from the unpadded text; transformers' own LlamaModel returns NaN there) and right ones on 5.24; 5.20-5.23 are not
-# verified. Where it is not verified, plugformer refuses flex with padding (`stack.refuse_flex_with_padding`).
+# verified. Where it is not verified, plugformer refuses flex with padding (its kernel record, `capabilities`).
 FLEX_PADDING_VERIFIED = Version(transformers.__version__).release >= (5, 24)
 
 

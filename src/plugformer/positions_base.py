@@ -62,6 +62,13 @@ class PositionScheme(ConfigHooks, nn.Module):
         """The longest sequence this scheme can encode, or `None` when any length works."""
         return None
 
+    @classmethod
+    def linear_bias_slopes(cls, config: PlugformerConfig) -> torch.Tensor | None:
+        """The per-head slopes m_h `(H,)` when this scheme's bias is ALiBi's linear −m_h · |i − j| and nothing else,
+        else `None`. An engine that adds that bias itself from the slopes (vLLM's attention, kernel record
+        `bias="alibi"`) computes exactly the schemes that answer here."""
+        return None
+
     def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 

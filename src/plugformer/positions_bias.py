@@ -40,6 +40,10 @@ class AlibiPositions(PositionScheme):
         super().__init__(config, bidirectional)
         self.slopes = nn.Buffer(alibi_slopes(self.num_heads), persistent=False)
 
+    @classmethod
+    def linear_bias_slopes(cls, config):
+        return alibi_slopes(config.num_attention_heads)
+
     def distance_bias(self, distances):
         return -self.slopes[:, None] * distances.abs().float()  # (H, M)
 

@@ -1,13 +1,13 @@
 """`PlugformerModel`, the bare stack: embeddings (+ the position scheme's `embed`) -> blocks -> final norm.
 
 Besides the stack itself: the masks it builds (causal, bidirectional, packed documents), the positions it derives
-from the mask or the cache, and the refusals of kernel/cache combinations that would compute wrong outputs.
+from the mask or the cache, and the check of its cache and padding against the kernel's record
+(`KernelSpec.check_inputs`).
 """
 
 from __future__ import annotations
 
 import torch
-import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
@@ -15,8 +15,8 @@ from transformers.utils import logging
 from transformers.utils.output_capturing import capture_outputs
 
 from .block import PlugformerDecoderLayer, dropout_if_active
+from .capabilities import KERNELS
 from .compat import (
-    FLEX_PADDING_VERIFIED,
     BaseModelOutputWithPastAndCrossAttentions,
     create_bidirectional_mask,
     create_bidirectional_sliding_window_mask,
@@ -73,38 +73,6 @@ def document_mask_function(
         return None
     documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # (B, Q): each token's document
     return None if documents is None else packed_sequence_mask_function(documents)
-
-
-def refuse_flex_with_static_cache(config: PlugformerConfig, cache: Cache | None) -> None:
-    """Fail loudly instead of decoding wrong tokens.
-
-    transformers 5.24's flex block mask captures a static cache's live length tensor as its query offset and
-    evaluates it inside the kernel, after layer 0's `cache.update` has advanced it: every chunk after the first is
-    masked with the wrong offset (its Llama shows the same). Dynamic caches return plain ints and are unaffected.
-    """
-    if config._attn_implementation == "flex_attention" and getattr(cache, "is_compileable", False):
-        raise ValueError(
-            f"attn_implementation='flex_attention' cannot decode with a {type(cache).__name__}: transformers' flex "
-            "block mask reads the cache length after it changed and masks wrong positions; use a DynamicCache "
-            "(the default) or attn_implementation='sdpa' with the static cache"
-        )
-
-
-def refuse_flex_with_padding(config: PlugformerConfig, attention_mask: torch.Tensor | None) -> None:
-    """Before transformers 5.24 (`compat.FLEX_PADDING_VERIFIED`), flex attention with a padding mask is refused:
-    5.19's flex block mask masks padded batches wrongly (transformers' own Llama returns NaN there)."""
-    if (
-        not FLEX_PADDING_VERIFIED
-        and config._attn_implementation == "flex_attention"
-        and attention_mask is not None
-        and attention_mask.ndim == 2
-        and not attention_mask.all()
-    ):
-        raise ValueError(
-            f"attn_implementation='flex_attention' with padding (an attention_mask with zeros) computes wrong outputs "
-            f"on transformers {transformers.__version__} (verified right from 5.24); use attn_implementation='sdpa' "
-            "or 'eager', or transformers>=5.24"
-        )
 
 
 class PlugformerModel(PlugformerPreTrainedModel):
@@ -202,13 +170,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
 
     def _checked_cache(self, cache: Cache | None, use_cache: bool, attention_mask: torch.Tensor | None) -> Cache | None:
         """`cache`, a new one when `use_cache` asks for one in a causal stack (an encoder has nothing to decode);
-        refused with a kernel that would compute wrong outputs with it (`refuse_flex_with_static_cache`, and before
-        transformers 5.24 `refuse_flex_with_padding`)."""
+        refused, with the padding of `attention_mask`, where the kernel's record says it would compute wrong outputs
+        (`KernelSpec.check_inputs`: flex with a static cache)."""
         if use_cache and cache is None and self.is_causal:
             cache = self._new_cache()
-        refuse_flex_with_static_cache(self.config, cache)
-        if not FLEX_PADDING_VERIFIED:  # transformers < 5.24 only: no check on a decoding step otherwise
-            refuse_flex_with_padding(self.config, attention_mask)
+        KERNELS.of(self.config).check_inputs(cache, attention_mask)
         return cache
 
     def _encoder_mask(

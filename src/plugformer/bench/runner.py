@@ -6,7 +6,7 @@ import dataclasses
 import gc
 from pathlib import Path
 
-from ..capabilities import supported_kernels
+from ..capabilities import KERNELS, supported_kernels, unsupported_reason
 from ..positions import POSITION_SCHEMES
 from ..runtime.variants import ATTENTION_MODIFIERS
 from .arguments import BenchArguments
@@ -21,7 +21,7 @@ BASELINE = {"attention_score": "scaled_dot", "position_scheme": "none"}
 
 def kernel_label(model, profile: Profile) -> str:
     """The kernel that actually ran: the model's resolved implementation, with the SDPA backend seen (`sdpa:math`)."""
-    implementation = model.config._attn_implementation
+    implementation = KERNELS.of(model.config).name
     return f"{implementation}:{'+'.join(profile.sdpa_backends)}" if profile.sdpa_backends else implementation
 
 
@@ -29,7 +29,7 @@ def train_measurement(model, samples: list[dict], profile: Profile, tokens: int,
     seconds = [sample["seconds"] for sample in samples]
     return {
         "class": type(model).__name__,
-        "attn_implementation": model.config._attn_implementation,
+        "attn_implementation": KERNELS.of(model.config).name,
         "sdpa_backends": profile.sdpa_backends,
         "kernel": kernel_label(model, profile),
         "seconds": seconds,
@@ -117,7 +117,7 @@ def pair_rows(args: BenchArguments, spec: str, pair: str, peaks: dict) -> tuple[
 def variant_note(model, sdpa_backends: list[str]) -> str:
     """Why the kernel is not plain fused SDPA, from plugformer's capabilities and the model's parameters."""
     config = model.config
-    if config._attn_implementation != "sdpa" and "sdpa" not in supported_kernels(config):
+    if unsupported_reason(config, "sdpa") is not None:
         return "capabilities: no sdpa"
     scheme = POSITION_SCHEMES.get(config.position_scheme)
     learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..capabilities import KERNELS
 from ..runtime.files import write_json_atomic
 from .figures import pyplot
 
@@ -72,16 +73,17 @@ def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
 
 @contextmanager
 def eager_attention(model) -> Iterator[None]:
-    """Runs the body on the eager kernel, the only one returning weights, and restores the previous kernel."""
-    previous = model.config._attn_implementation
-    if previous == "eager":
+    """Runs the body on the eager kernel, which returns weights for every score, unless the model's kernel returns
+    them already (its record's `attention_weights`), and restores the previous kernel."""
+    previous = KERNELS.of(model.config)
+    if previous.attention_weights:
         yield
         return
     model.set_attn_implementation("eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation(previous.name)
 
 
 def select_indices(field_name: str, chosen: Sequence[int] | None, count: int, owner: str) -> list[int]:

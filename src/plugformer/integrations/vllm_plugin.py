@@ -4,9 +4,10 @@ vLLM loads `register` in each of its processes. It registers the architecture `P
 `ModelRegistry` as `PlugformerForCausalLMvLLM`: vLLM's Transformers-backend causal LM (plugformer's own modules,
 vLLM's linear layers, KV cache and attention) with two differences.
 
-- **ALiBi runs natively.** For `position_scheme="alibi"` each layer's vLLM `Attention` is built with
-  `alibi_slopes` from plugformer's own `positions.alibi_slopes`, and plugformer's attention dispatches to the
-  kernel `vllm_alibi` (kernel table: a dot product whose engine adds ALiBi itself, nothing else). vLLM's attention
+- **ALiBi runs natively.** For a position scheme whose bias is ALiBi's linear one (its class answers
+  `linear_bias_slopes`: `position_scheme="alibi"`) each layer's vLLM `Attention` is built with `alibi_slopes` from
+  that answer, and plugformer's attention dispatches to the kernel `vllm_alibi` (kernel table: a dot product whose
+  engine adds ALiBi itself, nothing else). vLLM's attention
   adds `slope_h · (j − i)` for key j ≤ query i, which is plugformer's `−slope_h · |i − j|` of a causal model.
   Built without slopes (another attention backend, say) it raises instead of attending without the bias.
 - **The training process's classes stay untouched.** vLLM's backend decorates the decoder class it builds for
@@ -33,7 +34,7 @@ import torch
 
 from ..capabilities import KERNELS, register_attention_kernel
 from ..configuration import PlugformerConfig
-from ..positions import alibi_slopes
+from ..positions import POSITION_SCHEMES
 
 
 ARCHITECTURE = "PlugformerForCausalLM"
@@ -108,10 +109,12 @@ def _vllm_model_class() -> type:
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             config = vllm_config.model_config.hf_config
-            self._alibi = getattr(config, "position_scheme", None) == "alibi"
+            # the per-head slopes of a scheme whose bias is ALiBi's linear one, which vLLM's attention adds itself
+            self._slopes = POSITION_SCHEMES.get(config.position_scheme).linear_bias_slopes(config)
+            self._alibi = self._slopes is not None
             if self._alibi and vllm_config.parallel_config.tensor_parallel_size != 1:
                 raise ValueError(
-                    f"position_scheme='alibi' with tensor_parallel_size="
+                    f"position_scheme={config.position_scheme!r} with tensor_parallel_size="
                     f"{vllm_config.parallel_config.tensor_parallel_size}: plugformer's vLLM model passes ALiBi "
                     "slopes for all heads, verified on one rank only; use tensor_parallel_size=1"
                 )
@@ -128,7 +131,7 @@ def _vllm_model_class() -> type:
         def recursive_replace(self):
             # vLLM's backend serves the attention of modules whose config names its own implementation ("vllm");
             # plugformer's attention names the ALiBi kernel everywhere else (construction, every forward)
-            implementation = self.text_config._attn_implementation
+            implementation = KERNELS.of(self.text_config).name
             if self._alibi:
                 self.text_config._attn_implementation = VLLM_ATTN_IMPL
             try:
@@ -142,10 +145,10 @@ def _vllm_model_class() -> type:
                 return attention_class
             if attention_class is not Attention:
                 raise ValueError(
-                    f"position_scheme='alibi': vLLM chose {attention_class.__name__}, which takes no alibi_slopes"
+                    f"position_scheme={self.text_config.position_scheme!r}: vLLM chose {attention_class.__name__}, "
+                    "which takes no alibi_slopes"
                 )
-            slopes = alibi_slopes(self.text_config.num_attention_heads).tolist()
-            return functools.partial(attention_class, alibi_slopes=slopes)
+            return functools.partial(attention_class, alibi_slopes=self._slopes.tolist())
 
         def _create_attention_instances(self, prefix: str = ""):
             super()._create_attention_instances(prefix)
@@ -153,15 +156,14 @@ def _vllm_model_class() -> type:
                 return
             from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 
-            expected = alibi_slopes(self.text_config.num_attention_heads)
             for name, module in self.named_modules():
                 attention = getattr(module, VLLM_ATTN_ATTR, None)
                 if attention is None:
                     continue
                 slopes = getattr(attention.impl, "alibi_slopes", None)
-                if slopes is None or not torch.equal(torch.as_tensor(slopes, dtype=torch.float32).cpu(), expected):
+                if slopes is None or not torch.equal(torch.as_tensor(slopes, dtype=torch.float32).cpu(), self._slopes):
                     raise ValueError(
-                        f"position_scheme='alibi': vLLM's attention backend {type(attention.impl).__name__} at "
+                        f"position_scheme={self.text_config.position_scheme!r}: vLLM's attention backend {type(attention.impl).__name__} at "
                         f"{name} did not keep plugformer's ALiBi slopes ({slopes!r}); refusing to run without them"
                     )
 
