@@ -1,0 +1,135 @@
+"""`runtime.memory.parameter_count` (the model built on the meta device) against counts worked out independently:
+transformers' own models of the same shape, also built on the meta device, and hand formulas for the parameters of
+position schemes no transformers model has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from plugformer.positions import FireBias
+from plugformer.runtime.memory import parameter_count
+
+
+def meta_count(model_class, config) -> int:
+    """Parameters of transformers' `model_class(config)`, tied ones once, built without memory."""
+    with torch.device("meta"):
+        model = model_class(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def llama(config, model_class=LlamaForCausalLM, **fields) -> int:
+    """Llama of the plugformer config's shape: pre-RMSNorm, SwiGLU, RoPE (no parameters), GQA."""
+    reference = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias, **fields,
+    )  # fmt: skip
+    return meta_count(model_class, reference)
+
+
+# (plugformer fields, the scheme's own parameters per stack by hand, H heads): added to Llama's count
+SCHEME_PARAMETERS = {
+    "none": lambda config: 0,
+    "alibi": lambda config: 0,  # fixed slopes: a buffer
+    "t5_bias": lambda config: config.relative_attention_num_buckets * config.num_attention_heads,
+    "clamped_bias": lambda config: (config.max_relative_distance + 1) * config.num_attention_heads,  # causal: 0..max
+    "kerple_log": lambda config: 2 * config.num_attention_heads,  # r1, r2 per head
+    # c and L; the MLP 1 -> width -> H with biases (Li et al. 2024, FIRE)
+    "fire": lambda config: 2 + 2 * FireBias.mlp_width + (FireBias.mlp_width + 1) * config.num_attention_heads,
+}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scheme", sorted(SCHEME_PARAMETERS))
+def test_a_llama_shaped_model_counts_as_llama_plus_its_scheme(scheme, tied):
+    config = tiny_config("scaled_dot", scheme, tie_word_embeddings=tied)
+    assert parameter_count(config) == llama(config) + SCHEME_PARAMETERS[scheme](config)
+
+
+@pytest.mark.parametrize("fields", [{"attention_bias": True, "mlp_bias": True}, {"num_key_value_heads": 1},
+                                    {"num_key_value_heads": 4, "head_dim": 12}])  # fmt: skip
+def test_biases_and_head_layouts_count_as_llama(fields):
+    config = tiny_config("scaled_dot", "rope", **fields)
+    assert parameter_count(config) == llama(config)
+
+
+def test_qk_norm_counts_as_qwen3():
+    config = tiny_config("scaled_dot", "rope", use_qk_norm=True, tie_word_embeddings=False)
+    reference = Qwen3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert parameter_count(config) == meta_count(Qwen3ForCausalLM, reference)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_a_gpt2_shaped_model_counts_as_gpt2(placement):
+    """LayerNorm (gain and bias), a GELU MLP, learned positions, biases everywhere, a tied head; post-norm blocks
+    have no final norm (GPT-2's `ln_f`, 2·d)."""
+    config = tiny_config(
+        "scaled_dot", "learned", norm_type="layernorm", norm_placement=placement, ffn_type="mlp",
+        hidden_act="gelu_new", attention_bias=True, mlp_bias=True, num_key_value_heads=4,
+    )  # fmt: skip
+    reference = GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, n_inner=config.intermediate_size,
+    )  # fmt: skip
+    final_norm = 2 * config.hidden_size if placement == "post" else 0
+    assert parameter_count(config) == meta_count(GPT2LMHeadModel, reference) - final_norm
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("ffn_type", ["mlp", "glu"])
+def test_a_t5_shaped_seq2seq_model_counts_as_t5(ffn_type, tied):
+    """Encoder and decoder stacks (the decoder with cross-attention), one T5 bucket table per stack, RMSNorm, no
+    biases, an embedding shared by both stacks. transformers 5.24's T5 always ties its head to that embedding (an
+    untied `tie_word_embeddings=False` only stops scaling the decoder output): an untied head adds V·d."""
+    config = tiny_config(
+        "scaled_dot", "t5_bias", is_encoder_decoder=True, pad_token_id=0, num_decoder_layers=3, norm_type="rmsnorm",
+        ffn_type=ffn_type, hidden_act="relu" if ffn_type == "mlp" else "gelu_new", num_key_value_heads=4,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    reference = T5Config(
+        vocab_size=config.vocab_size, d_model=config.hidden_size, d_kv=config.head_dim, d_ff=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_decoder_layers=3, num_heads=config.num_attention_heads,
+        relative_attention_num_buckets=config.relative_attention_num_buckets,
+        feed_forward_proj="relu" if ffn_type == "mlp" else "gated-gelu", tie_word_embeddings=tied,
+    )  # fmt: skip
+    untied_head = 0 if tied else config.vocab_size * config.hidden_size
+    assert parameter_count(config, "seq2seq") == meta_count(T5ForConditionalGeneration, reference) + untied_head
+
+
+@pytest.mark.parametrize("head,model_class", [("sequence_classification", LlamaForSequenceClassification),
+                                              ("token_classification", LlamaForTokenClassification)])  # fmt: skip
+def test_classification_heads_count_as_llamas(head, model_class):
+    config = tiny_config("scaled_dot", "rope", num_labels=3, pad_token_id=0)
+    assert parameter_count(config, head) == llama(config, model_class, num_labels=3, pad_token_id=0)
+
+
+def test_an_unknown_head_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"head='regression': choose one of \['causal_lm', 'masked_lm', 'seq2seq'"):
+        parameter_count(tiny_config(), "regression")
+
+
+def test_the_count_leaves_the_config_as_it_was():
+    config = tiny_config()
+    config._attn_implementation = "sdpa"
+    parameter_count(config)
+    assert config.to_dict() == tiny_config().to_dict() and config._attn_implementation == "sdpa"
