@@ -12,7 +12,7 @@ ask the table (`KERNELS.of(config)`, the one reader of `config._attn_implementat
 |---|---|---|---|
 | `eager` | any | relative, query_position | the score's own kernel (`AttentionScore.eager_kernel`) |
 | `sdpa` | dot product | relative, query_position | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
-| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`); no static cache |
+| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 

@@ -7,8 +7,8 @@ vLLM's linear layers, KV cache and attention) with two differences.
 - **ALiBi runs natively.** For a position scheme whose bias is ALiBi's linear one (its class answers
   `linear_bias_slopes`: `position_scheme="alibi"`) each layer's vLLM `Attention` is built with `alibi_slopes` from
   that answer, and plugformer's attention dispatches to the kernel `vllm_alibi` (kernel table: a dot product whose
-  engine adds ALiBi itself, nothing else). vLLM's attention
-  adds `slope_h · (j − i)` for key j ≤ query i, which is plugformer's `−slope_h · |i − j|` of a causal model.
+  engine adds ALiBi itself, nothing else). vLLM's attention adds `slope_h · (j − i)` for key j ≤ query i, which is
+  plugformer's `−slope_h · |i − j|` of a causal model.
   Built without slopes (another attention backend, say) it raises instead of attending without the bias.
 - **The training process's classes stay untouched.** vLLM's backend decorates the decoder class it builds for
   `torch.compile` in place (new bases, `__init__` and `__call__`); in a trainer that runs vLLM in its own process
@@ -110,8 +110,10 @@ def _vllm_model_class() -> type:
         def __init__(self, *, vllm_config, prefix: str = ""):
             config = vllm_config.model_config.hf_config
             # the per-head slopes of a scheme whose bias is ALiBi's linear one, which vLLM's attention adds itself
-            self._slopes = POSITION_SCHEMES.get(config.position_scheme).linear_bias_slopes(config)
-            self._alibi = self._slopes is not None
+            # (kept as floats: vLLM may build the model under a device context)
+            slopes = POSITION_SCHEMES.get(config.position_scheme).linear_bias_slopes(config)
+            self._alibi = slopes is not None
+            self._slopes = slopes.tolist() if self._alibi else None
             if self._alibi and vllm_config.parallel_config.tensor_parallel_size != 1:
                 raise ValueError(
                     f"position_scheme={config.position_scheme!r} with tensor_parallel_size="
@@ -148,7 +150,7 @@ def _vllm_model_class() -> type:
                     f"position_scheme={self.text_config.position_scheme!r}: vLLM chose {attention_class.__name__}, "
                     "which takes no alibi_slopes"
                 )
-            return functools.partial(attention_class, alibi_slopes=self._slopes.tolist())
+            return functools.partial(attention_class, alibi_slopes=self._slopes)
 
         def _create_attention_instances(self, prefix: str = ""):
             super()._create_attention_instances(prefix)
@@ -161,10 +163,10 @@ def _vllm_model_class() -> type:
                 if attention is None:
                     continue
                 slopes = getattr(attention.impl, "alibi_slopes", None)
-                if slopes is None or not torch.equal(torch.as_tensor(slopes, dtype=torch.float32).cpu(), self._slopes):
+                if slopes is None or torch.as_tensor(slopes, dtype=torch.float32).cpu().tolist() != self._slopes:
                     raise ValueError(
-                        f"position_scheme={self.text_config.position_scheme!r}: vLLM's attention backend {type(attention.impl).__name__} at "
-                        f"{name} did not keep plugformer's ALiBi slopes ({slopes!r}); refusing to run without them"
+                        f"position_scheme={self.text_config.position_scheme!r}: vLLM's attention backend "
+                        f"{type(attention.impl).__name__} at {name} did not keep plugformer's ALiBi slopes ({slopes!r}); refusing to run without them"
                     )
 
     return PlugformerForCausalLMvLLM
