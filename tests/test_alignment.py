@@ -68,23 +68,23 @@ def test_direct_answer_fraction_mixes_bare_answers_into_demonstrations_and_rejec
     """SFT answers skip the working at the given rate (binomial 95% band over 2000 rows), a bare answer is right,
     every rejected answer stays wrong, and fraction 0 gives the data of the all-worked task row for row."""
     sizes = {"train": 2000}
-    sft = task.embedded_dataset("sft", sizes, direct_fraction=0.6)["train"]
+    sft = task.embedded_dataset("conversation", sizes, direct_fraction=0.6)["train"]
     answers = [row["completion"][0]["content"] for row in sft]
     bare = [a for a in answers if "\n" not in a]
     assert abs(len(bare) / 2000 - 0.6) < 1.96 * (0.6 * 0.4 / 2000) ** 0.5 * 1.5
     problems = task.generate_problems(2000, "train")
     expected = [p.direct if "\n" not in a else p.solution for p, a in zip(problems, answers, strict=True)]
     assert answers == expected and all(re.fullmatch(r"#### \d+", a) for a in bare)
-    pairs = task.embedded_dataset("dpo", sizes, direct_fraction=0.6)["train"]
+    pairs = task.embedded_dataset("preference", sizes, direct_fraction=0.6)["train"]
     rejected = [row["rejected"][0]["content"] for row in pairs]
     assert exact_match_reward(rejected, answer=[str(p.answer) for p in problems]) == [0.0] * 2000
     assert 0.5 < sum("\n" not in r for r in rejected) / 2000 < 0.7
     assert [row["chosen"][0]["content"] for row in pairs] == [p.solution for p in problems]
-    plain = task.embedded_dataset("sft", sizes)["train"]
-    assert list(plain) == list(task.embedded_dataset("sft", sizes, direct_fraction=0.0)["train"])
+    plain = task.embedded_dataset("conversation", sizes)["train"]
+    assert list(plain) == list(task.embedded_dataset("conversation", sizes, direct_fraction=0.0)["train"])
     assert [row["completion"][0]["content"] for row in plain] == [p.solution for p in problems]
     with pytest.raises(ValueError, match=r"direct_answer_fraction=1\.5"):
-        task.embedded_dataset("sft", sizes, direct_fraction=1.5)
+        task.embedded_dataset("conversation", sizes, direct_fraction=1.5)
     with pytest.raises(ValueError, match=r"--direct_answer_fraction -0.1: expected a number in \[0, 1\]"):
         StageArguments(direct_answer_fraction=-0.1)
 

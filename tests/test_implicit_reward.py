@@ -16,7 +16,7 @@ from plugformer.data.tokenization import train_tokenizer
 def save_dpo_like(tmp_path, beta: float = 0.1):
     """A reference and a 'DPO' policy (the reference with other weights), saved with a tokenizer; the policy's
     run_info.json records what the dpo stage records."""
-    rows = load_stage_dataset("reward", sizes={"train": 40}, seed=0, direct_fraction=0.5)["train"]
+    rows = load_stage_dataset("preference", sizes={"train": 40}, seed=0, direct_fraction=0.5)["train"]
     texts = [m["content"] for row in rows for m in row["prompt"] + row["chosen"] + row["rejected"]]
     tokenizer = train_tokenizer(texts, vocab_size=300, split_digits=True)
     config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
@@ -84,7 +84,7 @@ def test_eval_scores_a_dpo_policy_as_a_reward_model_too(tmp_path):
 
     paths, _, _ = save_dpo_like(tmp_path)
     results = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=12, max_new_tokens=4))
-    pairs = load_stage_dataset("reward", sizes={"test": 12}, seed=0, direct_fraction=0.5)["test"]
+    pairs = load_stage_dataset("preference", sizes={"test": 12}, seed=0, direct_fraction=0.5)["test"]
     reward = ImplicitReward.from_dpo_stage(str(paths["policy"]))
     prompts = list(pairs["prompt"])
     chosen, rejected = reward(prompts, list(pairs["chosen"])), reward(prompts, list(pairs["rejected"]))
@@ -95,13 +95,12 @@ def test_eval_scores_a_dpo_policy_as_a_reward_model_too(tmp_path):
 
 def test_the_pipeline_rewards_rlhf_with_the_stage_it_names(tmp_path):
     from plugformer.experiments import pipeline
-    from plugformer.experiments.parallel import requirements
 
     stages = ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
     args = pipeline.PipelineArguments(output_dir=str(tmp_path), stages=stages, rlhf_reward="dpo")
     argv = pipeline.stage_argv(args, "rlhf")
     assert argv[argv.index("--reward_model_path") + 1] == str(tmp_path / "dpo")
-    assert requirements(pipeline.PARENTS, stages, reward="dpo")["rlhf"] == {"sft", "dpo"}
+    assert pipeline.requirements(args)["rlhf"] == {"sft", "dpo"}
     assert "dpo" in pipeline.stage_record(args, "rlhf", argv)["parent_digests"]
     with pytest.raises(ValueError, match="'dpo' \\(rlhf_reward\\) must come before 'rlhf'"):
         pipeline.stage_argv(pipeline.PipelineArguments(rlhf_reward="dpo"), "rlhf")  # the default order

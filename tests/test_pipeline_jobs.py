@@ -13,8 +13,8 @@ import pytest
 from conftest import micro_stage_configs
 from safetensors.torch import load_file
 
-from plugformer.experiments.parallel import Job, requirements, run_jobs, split_batch
-from plugformer.experiments.pipeline import PARENTS, PipelineArguments
+from plugformer.experiments.parallel import Job, run_jobs, split_batch
+from plugformer.experiments.pipeline import PipelineArguments, requirements
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def sleeper(seconds: float, code: int = 0) -> list[str]:
 
 
 def test_the_pipelines_requirements():
-    needs = requirements(PARENTS, ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"])
+    needs = requirements(PipelineArguments(stages=["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]))
     assert needs == {"pretrain": set(), "sft": {"pretrain"}, "reward": {"sft"}, "rlhf": {"sft", "reward"},
                      "dpo": {"sft"}, "grpo": {"sft"}}  # fmt: skip
 

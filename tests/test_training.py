@@ -316,7 +316,7 @@ def test_embedded_splits_never_share_a_fact_and_are_deterministic():
     }
     assert not facts["train"] & facts["dev"] and not facts["train"] & facts["test"] and not facts["dev"] & facts["test"]
     assert generate_problems(50, "test", seed=3) == generate_problems(50, "test", seed=3)
-    data = load_stage_dataset("dpo", sizes={"train": 20, "dev": 5, "test": 5})
+    data = load_stage_dataset("preference", sizes={"train": 20, "dev": 5, "test": 5})
     assert {name: len(split) for name, split in data.items()} == {"train": 20, "dev": 5, "test": 5}
     row = data["train"][0]
     assert row["chosen"][0]["content"] != row["rejected"][0]["content"]
@@ -434,7 +434,7 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(chain["sft"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(chain["sft"])
     total, count = 0.0, 0
-    for text in load_stage_dataset("pretrain", sizes={"dev": 6})["dev"]["text"]:
+    for text in load_stage_dataset("text", sizes={"dev": 6})["dev"]["text"]:
         ids = tokenizer(tokenizer.bos_token + text + tokenizer.eos_token, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             loss = model(**ids, labels=ids["input_ids"]).loss.item()
@@ -449,7 +449,7 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
                       "--direct_answer_fraction", "1.0"])  # fmt: skip
     from plugformer.evaluation.scoring import preference_accuracy
 
-    rows = load_stage_dataset("reward", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
+    rows = load_stage_dataset("preference", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
     assert all("\n" not in row["rejected"][0]["content"] for row in rows)
     scorer = AutoModelForSequenceClassification.from_pretrained(chain["reward"])
     assert bare["pairwise_accuracy"] == preference_accuracy(scorer, tokenizer, rows)
@@ -473,7 +473,8 @@ def test_model_card_names_the_share_of_bare_answers(chain):
     info = json.loads((chain["sft"] / "run_info.json").read_text())
 
     def data_line(**fields) -> str:
-        card = stage_card(model, info, SimpleNamespace(), StageArguments(**fields), parent="p", model_path="x/sft")
+        card = stage_card(model, info, SimpleNamespace(), StageArguments(**fields), parent="p", model_path="x/sft",
+                          card=STAGES["sft"].card)  # fmt: skip
         return next(line for line in str(card).splitlines() if line.startswith("- data:"))
 
     assert "direct_answer_fraction 0.6: that share of the SFT answers" in data_line(direct_answer_fraction=0.6)

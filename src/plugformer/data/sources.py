@@ -4,14 +4,14 @@
 The generator needs no network and is deterministic. A problem is an arithmetic fact (operation, a, b) told as
 a bare sum or as a short word problem; its split (train / dev / test) is a function of the fact alone, so a
 fact seen in training never appears in dev or test, whatever the phrasing and however many examples are drawn.
-Each stage gets the same problems in its own format (TRL's dataset formats):
+Each stage gets the same problems in the format its record names (TRL's dataset formats):
 
-| stage | columns |
-|---|---|
-| pretrain | `text` (facts and worked problems as plain text) |
-| sft | `prompt`, `completion` (conversational: completion-only loss) |
-| reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
-| rlhf, grpo, evaluation | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
+| format | read by | columns |
+|---|---|---|
+| text | pretrain | `text` (facts and worked problems as plain text) |
+| conversation | sft | `prompt`, `completion` (conversational: completion-only loss) |
+| preference | reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
+| prompt, prompt_answer | rlhf, grpo; dev selection and scoring | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
@@ -226,56 +226,68 @@ def demonstration(problem: Problem, rng: random.Random, direct_fraction: float) 
     return problem.direct if direct_fraction and rng.random() < direct_fraction else problem.solution
 
 
-def stage_rows(stage: str, problems: list[Problem], seed: int, direct_fraction: float = 0.0) -> list[dict]:
-    """The rows of one stage's dataset (see the module docstring for the columns); `direct_fraction` of the SFT
-    answers and of the rejected preference answers skip the working (see `StageArguments.direct_answer_fraction`)."""
-    rng = random.Random(seed)
-    if stage == "pretrain":
-        return [{"text": pretraining_texts(p, rng)} for p in problems]
-    if stage == "sft":
-        return [
-            {"prompt": user(p.question), "completion": assistant(demonstration(p, rng, direct_fraction))}
-            for p in problems
-        ]
-    if stage in ("reward", "dpo"):
-        return [
-            {
-                "prompt": user(p.question),
-                "chosen": assistant(p.solution),
-                "rejected": assistant(wrong_answer(p, rng, direct_fraction)),
-            }
-            for p in problems
-        ]
-    if stage in ("rlhf", "grpo", "evaluation"):
-        return [{"prompt": user(p.question), "answer": str(p.answer), "solution": p.solution} for p in problems]
-    raise ValueError(f"stage={stage!r} has no embedded data; known: {sorted(STAGE_COLUMNS)}")
+def text_row(problem: Problem, rng: random.Random, direct_fraction: float) -> dict:
+    return {"text": pretraining_texts(problem, rng)}
 
 
-# the columns each stage needs from any dataset (TRL's formats)
-STAGE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "pretrain": ("text",),
-    "sft": (),  # TRL accepts text | messages | prompt + completion
-    "reward": ("chosen", "rejected"),
-    "dpo": ("chosen", "rejected"),
-    "rlhf": ("prompt",),
-    "grpo": ("prompt",),
-    "evaluation": ("prompt", "answer"),
+def conversation_row(problem: Problem, rng: random.Random, direct_fraction: float) -> dict:
+    return {"prompt": user(problem.question), "completion": assistant(demonstration(problem, rng, direct_fraction))}
+
+
+def preference_row(problem: Problem, rng: random.Random, direct_fraction: float) -> dict:
+    return {
+        "prompt": user(problem.question),
+        "chosen": assistant(problem.solution),
+        "rejected": assistant(wrong_answer(problem, rng, direct_fraction)),
+    }
+
+
+def prompt_row(problem: Problem, rng: random.Random, direct_fraction: float) -> dict:
+    return {"prompt": user(problem.question), "answer": str(problem.answer), "solution": problem.solution}
+
+
+# TRL's dataset formats, which a stage's record names (`Stage.data_format`): each format's embedded rows, and the
+# columns it needs from any dataset (`conversation`: one of TRL's SFT column sets, checked by `data.validation`)
+FORMAT_ROWS: dict[str, Callable[[Problem, random.Random, float], dict]] = {
+    "text": text_row,
+    "conversation": conversation_row,
+    "preference": preference_row,
+    "prompt": prompt_row,
+    "prompt_answer": prompt_row,  # a prompt with its ground truth: dev selection and held-out scoring
+}
+FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "conversation": (),  # TRL accepts text | messages | prompt + completion
+    "preference": ("chosen", "rejected"),
+    "prompt": ("prompt",),
+    "prompt_answer": ("prompt", "answer"),
 }
 
 
-def embedded_dataset(stage: str, sizes: dict[str, int], seed: int = 0, direct_fraction: float = 0.0) -> DatasetDict:
-    """The embedded arithmetic task for `stage`, with `sizes[split]` examples per split."""
+def format_rows(data_format: str, problems: list[Problem], seed: int, direct_fraction: float = 0.0) -> list[dict]:
+    """The rows of one data format (see the module docstring for the columns); `direct_fraction` of the SFT
+    answers and of the rejected preference answers skip the working (see `StageArguments.direct_answer_fraction`)."""
+    if data_format not in FORMAT_ROWS:
+        raise ValueError(f"data format {data_format!r} has no embedded data; formats: {sorted(FORMAT_ROWS)}")
+    rng = random.Random(seed)
+    return [FORMAT_ROWS[data_format](problem, rng, direct_fraction) for problem in problems]
+
+
+def embedded_dataset(
+    data_format: str, sizes: dict[str, int], seed: int = 0, direct_fraction: float = 0.0
+) -> DatasetDict:
+    """The embedded arithmetic task in `data_format`, with `sizes[split]` examples per split."""
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
     return DatasetDict({
-        split: Dataset.from_list(stage_rows(stage, generate_problems(count, split, seed), seed, direct_fraction))
+        split: Dataset.from_list(format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction))
         for split, count in sizes.items()
         if count > 0
     })  # fmt: skip
 
 
 def load_stage_dataset(
-    stage: str,
+    data_format: str,
     dataset_name: str | None = None,
     dataset_config: str | None = None,
     data_files: list[str] | None = None,
@@ -283,10 +295,11 @@ def load_stage_dataset(
     seed: int = 0,
     direct_fraction: float = 0.0,
 ) -> DatasetDict:
-    """The data of a training stage with `train`/`dev`/`test` splits.
+    """The data a stage reads, in its TRL format, with `train`/`dev`/`test` splits.
 
     Args:
-        stage (`str`): One of `pretrain`, `sft`, `reward`, `dpo`, `rlhf`, `grpo`, `evaluation`.
+        data_format (`str`): A key of `FORMAT_COLUMNS`: `text`, `conversation`, `preference`, `prompt` or
+            `prompt_answer` (a stage's record names its format).
         dataset_name (`str`, *optional*): Anything `datasets.load_dataset` takes — a local directory, a builder name
             (`json`, `csv`, `text`, `parquet`) with `data_files`, or a Hub id when online. `None` uses the embedded
             arithmetic generator.
@@ -300,7 +313,7 @@ def load_stage_dataset(
     """
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
-        return embedded_dataset(stage, sizes, seed, direct_fraction)
+        return embedded_dataset(data_format, sizes, seed, direct_fraction)
     if data_files and dataset_name not in ("json", "csv", "text", "parquet", "arrow"):
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     loaded = load_dataset(dataset_name, dataset_config, data_files=data_files)
@@ -311,10 +324,10 @@ def load_stage_dataset(
         if held_out not in splits and sizes.get(held_out, 0) > 0:
             parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
             splits["train"], splits[held_out] = parts["train"], parts["test"]
-    missing = [c for c in STAGE_COLUMNS[stage] if c not in splits["train"].column_names]
+    missing = [c for c in FORMAT_COLUMNS[data_format] if c not in splits["train"].column_names]
     if missing:
         raise ValueError(
-            f"dataset {dataset_name!r} lacks the columns {missing} that stage {stage!r} needs "
+            f"dataset {dataset_name!r} lacks the columns {missing} of the {data_format!r} format "
             f"(it has {splits['train'].column_names})"
         )
     return splits

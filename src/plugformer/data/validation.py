@@ -12,8 +12,8 @@ from pathlib import Path
 
 
 TEXT_BUILDERS = ("json", "csv", "text")  # builders that read text files (parquet and arrow are binary)
-# the column sets TRL's SFTTrainer accepts (one of them)
-SFT_FORMATS = (("text",), ("messages",), ("prompt", "completion"))
+# data formats whose data may come in one of several column sets: those TRL's SFTTrainer accepts
+FORMAT_ALTERNATIVES = {"conversation": (("text",), ("messages",), ("prompt", "completion"))}
 
 
 def check_data_files(dataset_name: str | None, data_files: list[str] | None) -> None:
@@ -53,30 +53,30 @@ def _check_text_file(path: Path) -> None:
         raise ValueError(f"--data_files {path}: the file is empty (no rows)")
 
 
-def required_columns(stage: str, columns: list[str], source: str) -> tuple[str, ...]:
-    """The columns of `stage` that must hold a value in every row; for SFT the first of TRL's formats present,
-    refused (`ValueError` naming what is needed) when none is."""
-    from .sources import STAGE_COLUMNS
+def required_columns(data_format: str, columns: list[str], source: str, reader: str) -> tuple[str, ...]:
+    """The columns of `data_format` that must hold a value in every row; for a format with alternatives (TRL's SFT
+    column sets) the first one present, refused (`ValueError` naming what `reader` needs) when none is."""
+    from .sources import FORMAT_COLUMNS
 
-    if stage != "sft":
-        return tuple(c for c in STAGE_COLUMNS.get(stage, ()) if c in columns)
-    for format_columns in SFT_FORMATS:
+    if data_format not in FORMAT_ALTERNATIVES:
+        return tuple(c for c in FORMAT_COLUMNS.get(data_format, ()) if c in columns)
+    for format_columns in FORMAT_ALTERNATIVES[data_format]:
         if all(c in columns for c in format_columns):
             return format_columns
-    needed = " | ".join("+".join(format_columns) for format_columns in SFT_FORMATS)
-    raise ValueError(f"{source}: stage 'sft' needs the columns {needed} (TRL's formats); it has {columns}")
+    needed = " | ".join("+".join(format_columns) for format_columns in FORMAT_ALTERNATIVES[data_format])
+    raise ValueError(f"{source}: {reader} needs the columns {needed} (TRL's formats); it has {columns}")
 
 
-def check_rows(stage: str, data, source: str) -> None:
-    """Raises `ValueError` naming the split, column and row where a required column of `stage` is null (`None`),
-    or where a split has no rows."""
+def check_rows(data_format: str, data, source: str, reader: str) -> None:
+    """Raises `ValueError` naming the split, column and row where a required column of `data_format` is null
+    (`None`), or where a split has no rows; `reader` (e.g. "stage 'sft'") is named as what needs the value."""
     for split_name, split in data.items():
         if len(split) == 0:
             raise ValueError(f"{source}: the {split_name} split has no rows")
-        for column in required_columns(stage, split.column_names, source):
+        for column in required_columns(data_format, split.column_names, source, reader):
             if split.data.column(column).null_count == 0:
                 continue  # Arrow counts nulls without reading the values: a large corpus is checked at once
             row = next((i for i, value in enumerate(split[column]) if value is None), None)
             if row is not None:
                 raise ValueError(f"{source}: column {column!r} is null in row {row} of the {split_name} split "
-                                 f"(stage {stage!r} needs a value in every row)")  # fmt: skip
+                                 f"({reader} needs a value in every row)")  # fmt: skip

@@ -3,6 +3,7 @@ weights so the directory documents itself (what it is, how it was trained, how w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -54,14 +55,22 @@ model = {{ auto_class }}.from_pretrained("{{ model_path }}", trust_remote_code=T
 ```
 """
 
-STAGE_SUMMARIES = {
-    "pretrain": ("pretrained from scratch on plain text", "Trainer"),
-    "sft": ("fine-tuned on conversations, loss on the answers", "trl.SFTTrainer"),
-    "reward": ("a reward model scoring answers, trained on preference pairs", "trl.RewardTrainer"),
-    "rlhf": ("aligned online against a learned reward model (RLOO, KL to the SFT model)", "trl.RLOOTrainer"),
-    "dpo": ("aligned offline on preference pairs (DPO)", "trl.DPOTrainer"),
-    "grpo": ("trained with verifiable rewards (GRPO)", "trl.GRPOTrainer"),
-}
+
+@dataclass(frozen=True)
+class StageCard:
+    """What a stage's model card says about it; each stage's record (`plugformer.training.stages.Stage`) holds one.
+
+    Args:
+        summary (`str`): What the model is, after its head class: "pretrained from scratch on plain text".
+        trainer (`str`): The trainer that trained it, e.g. `"trl.SFTTrainer"`.
+        pipeline_tag (`str`, *optional*, defaults to `"text-generation"`): The Hub's pipeline tag of the model.
+    """
+
+    summary: str
+    trainer: str
+    pipeline_tag: str = "text-generation"
+
+
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                    "lr_scheduler_type", "warmup_steps", "weight_decay", "seed", "beta", "num_generations",
                    "max_completion_length", "temperature", "loss_type")  # fmt: skip
@@ -98,11 +107,12 @@ def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
 
 
-def stage_card(model, info: dict, training_args, script_args, parent: str | None, model_path: str) -> ModelCard:
-    """The card of one trained stage (see `TEMPLATE`)."""
+def stage_card(
+    model, info: dict, training_args, script_args, parent: str | None, model_path: str, card: StageCard
+) -> ModelCard:
+    """The card of one trained stage (see `TEMPLATE`); `card` is the text its stage record gives."""
     config = model.config
     stage = info["stage"]
-    summary, trainer = STAGE_SUMMARIES[stage]
     evaluation, eval_results = evaluation_section(info)
     name = Path(model_path).name or "plugformer"
     data = (
@@ -125,7 +135,7 @@ def stage_card(model, info: dict, training_args, script_args, parent: str | None
         library_name="transformers",
         license="apache-2.0",
         model_name=name,
-        pipeline_tag="text-classification" if stage == "reward" else "text-generation",
+        pipeline_tag=card.pipeline_tag,
         tags=["plugformer", stage, f"attention_score:{config.attention_score}", f"position_scheme:{config.position_scheme}"],
         base_model=parent if parent and not Path(parent).exists() else None,
         datasets=[script_args.dataset_name] if script_args.dataset_name and not Path(script_args.dataset_name).exists() else None,
@@ -136,9 +146,9 @@ def stage_card(model, info: dict, training_args, script_args, parent: str | None
         template_str=TEMPLATE,
         model_name=name,
         head=type(model).__name__,
-        summary=summary,
+        summary=card.summary,
         stage=stage,
-        trainer=trainer,
+        trainer=card.trainer,
         parent=parent or "a new model",
         attention_score=config.attention_score,
         position_scheme=config.position_scheme,

@@ -20,12 +20,13 @@ from .rewards import completion_text
 
 
 def dpo_record(path: str | Path) -> dict | None:
-    """`{"reference": ..., "beta": ...}` when `path` is a finished DPO stage that recorded them, else None."""
+    """`{"reference": ..., "beta": ...}` when `path` is a finished stage that recorded them (DPO: its policy is a
+    reward model too), else None."""
     info = Path(path, "run_info.json")
     if not info.is_file():
         return None
     record = json.loads(info.read_text())
-    if record.get("stage") != "dpo" or "reference" not in record or "beta" not in record:
+    if "reference" not in record or "beta" not in record:
         return None
     return {"reference": record["reference"], "beta": float(record["beta"])}
 

@@ -233,7 +233,7 @@ def scored_pairs(args: EvalArguments):
     fraction = (
         trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
     )
-    rows = load_stage_dataset("reward", sizes={args.split: args.examples}, seed=args.dataset_seed,
+    rows = load_stage_dataset("preference", sizes={args.split: args.examples}, seed=args.dataset_seed,
                               direct_fraction=fraction)[args.split]  # fmt: skip
     return rows, fraction
 
@@ -264,10 +264,10 @@ def evaluate_directory(args: EvalArguments) -> dict:
         results["examples"], results["direct_answer_fraction"] = len(rows), fraction
         return results
     model = AutoModelForCausalLM.from_pretrained(args.model)
-    rows = load_stage_dataset("evaluation", sizes=sizes, seed=seed)[args.split]
+    rows = load_stage_dataset("prompt_answer", sizes=sizes, seed=seed)[args.split]
     results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
     results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
-    texts = load_stage_dataset("pretrain", sizes=sizes, seed=seed)[args.split]["text"]
+    texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]["text"]
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
     if dpo_record(args.model) is not None:  # a DPO policy is a reward model too: its implicit reward
         pairs, _ = scored_pairs(args)

@@ -127,10 +127,13 @@ def stage_options(stage: str) -> set[str]:
 
 
 def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
-    """Command-line options per stage for `settings` (grid values and `--set` values)."""
+    """Command-line options per stage for `settings` (grid values and `--set` values). `PlugformerConfig` fields go
+    into the `config_overrides` of the stage that builds the model (the first without a parent: pretrain)."""
     from ..configuration import PlugformerConfig
+    from ..training import STAGES
 
     config_fields = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None), None)
     options = {stage: stage_options(stage) for stage in stages}
     argv = {stage: [] for stage in stages}
     config_overrides = []
@@ -139,13 +142,13 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
         targets = [stage] if stage else [s for s in stages if name in options[s]]
         if stage and (stage not in stages or name not in options[stage]):
             raise ValueError(f"{key}={value}: stage {stage!r} is not in stages={stages} or has no option {name!r}")
-        if name == "config_overrides" and stage in ("", "pretrain") and "pretrain" in stages:
+        if name == "config_overrides" and builder is not None and stage in ("", builder):
             # merged with the PlugformerConfig fields routed below: a second --config_overrides would replace the first
             config_overrides += [item.strip() for item in value.split(",") if item.strip()]
         elif targets:
             for target in targets:
                 argv[target] += [f"--{name}", value]
-        elif name in config_fields and "pretrain" in stages:
+        elif name in config_fields and builder is not None:
             config_overrides.append(f"{name}={value}")
         else:
             raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
@@ -156,7 +159,7 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
         if twice:
             raise ValueError(f"config_overrides {','.join(config_overrides)}: {twice} set more than once (a grid key "
                              "and --set config_overrides, or twice); set each PlugformerConfig field once")  # fmt: skip
-        argv["pretrain"] += ["--config_overrides", ",".join(config_overrides)]
+        argv[builder] += ["--config_overrides", ",".join(config_overrides)]
     return argv
 
 
@@ -217,9 +220,8 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
 
 def train_run(args: CompareArguments, directory: Path, options: dict[str, list[str]], seed: int) -> Path:
     """Trains the stages of one (variant, seed) run, reusing finished stages; returns the last stage's directory."""
-    from ..training import run_stage
+    from ..training import STAGES, run_stage
     from ..training.outputs import run_files
-    from .pipeline import PARENTS
 
     run_dir = directory / f"seed{seed}"
     for stage in args.stages:
@@ -234,13 +236,13 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
             argv += ["--resume_from_checkpoint", "last"]
         elif run_files(output):
             argv += ["--overwrite_output_dir", "true"]
-        parent = PARENTS[stage]
+        parent = STAGES[stage].parent
         if parent is not None:
             if parent not in args.stages:
                 raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
             argv += ["--model_name_or_path", str(run_dir / parent)]
-        if stage == "rlhf":
-            argv += ["--reward_model_path", str(run_dir / "reward")]
+        for needed in STAGES[stage].inputs:  # rlhf: the run's own stage of the input's default (reward)
+            argv += [needed.flag, str(run_dir / needed.default)]
         print(f"=== {directory.name} seed {seed}: plugformer train {stage} {' '.join(argv + options[stage])}")
         run_stage(stage, argv + options[stage])
     return run_dir / args.stages[-1]
@@ -271,10 +273,10 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if args.metric == "perplexity":
-        texts = load_stage_dataset("pretrain", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
+        texts = load_stage_dataset("text", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
         losses, counts = document_losses(model, tokenizer, list(texts))
         return losses, [float(c) for c in counts]
-    rows = load_stage_dataset("evaluation", sizes={split: size}, seed=args.dataset_seed)[split]
+    rows = load_stage_dataset("prompt_answer", sizes={split: size}, seed=args.dataset_seed)[split]
     completions = generate_answers(model, tokenizer, list(rows["prompt"]), args.max_new_tokens)
     return exact_match_reward(completions, answer=[str(a) for a in rows["answer"]]), [1.0] * len(completions)
 

@@ -122,7 +122,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
             return cached["limit"], {int(length): value for length, value in cached["perplexity"].items()}
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = load_tokenizer(str(model_dir))
-    texts = load_stage_dataset("pretrain", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
+    texts = load_stage_dataset("text", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
     stream = token_stream(tokenizer, list(texts), key["tokens"])
     limit = POSITION_SCHEMES.get(model.config.position_scheme).max_length(model.config)
     results = {

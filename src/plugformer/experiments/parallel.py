@@ -22,9 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-# stages whose per-device batch is a set of examples: split over processes, the effective batch is unchanged
-DATA_PARALLEL = ("pretrain", "sft", "reward", "dpo")
+from ..training import STAGES
 
 
 @dataclass
@@ -42,18 +40,6 @@ class Job:
     done_commands: int = 0
     log: Path | None = None
     _log_file: object = field(default=None, repr=False)
-
-
-def requirements(parents: dict[str, str | None], stages: list[str], reward: str = "reward") -> dict[str, set[str]]:
-    """The stages each stage needs finished first: its parent, and for rlhf the stage it is rewarded by (`reward`:
-    the reward stage's classifier, or dpo's implicit reward)."""
-    needs = {}
-    for stage in stages:
-        needed = {parents[stage]} if parents[stage] else set()
-        if stage == "rlhf":
-            needed.add(reward)
-        needs[stage] = needed & set(stages)
-    return needs
 
 
 def free_port() -> int:
@@ -88,8 +74,9 @@ def train_command(stage: str, argv: list[str], processes: int, log_dir: Path) ->
 
 def split_batch(stage: str, per_device_batch: int, free: int) -> int:
     """How many processes `stage` trains on when `free` cores are idle and nothing else can run: the most that
-    divide its per-device batch evenly (so the effective batch stays the YAML's); 1 for RL stages."""
-    if stage not in DATA_PARALLEL:
+    divide its per-device batch evenly (so the effective batch stays the YAML's); 1 for a stage whose record is not
+    `data_parallel` (online RL)."""
+    if not STAGES.get_stage(stage).data_parallel:
         return 1
     return max(k for k in range(1, free + 1) if per_device_batch % k == 0)
 

@@ -28,29 +28,15 @@ from ..evaluation.scoring import EvalArguments, evaluate_directory
 from ..runtime.arguments import config_path
 from ..runtime.files import write_json_atomic, write_text_atomic
 from ..training import STAGES, run_stage
-
-
-# stage -> the stage whose output it starts from
-PARENTS: dict[str, str | None] = {
-    "pretrain": None,
-    "sft": "pretrain",
-    "reward": "sft",
-    "rlhf": "sft",
-    "dpo": "sft",
-    "grpo": "sft",
-}
-
-
-# the stages whose output can reward the rlhf stage: a classifier, or a DPO policy's implicit reward
-REWARD_SOURCES = ("reward", "dpo")
+from ..training.stages import StageInput
 
 
 @dataclass
 class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "one subdirectory per stage"})
     stages: list[str] = field(
-        default_factory=lambda: ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"],
-        metadata={"help": "stages to run, parents before children"},
+        default_factory=lambda: list(STAGES),
+        metadata={"help": "stages to run, parents before children (default: every registered stage)"},
     )
     stage_configs: str = field(
         default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML; {stage} is replaced"}
@@ -79,15 +65,34 @@ class PipelineArguments:
         from ..training.arguments import check_counts
 
         check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
-        if self.rlhf_reward not in REWARD_SOURCES:
-            raise ValueError(f"--rlhf_reward {self.rlhf_reward!r}: choose one of {', '.join(REWARD_SOURCES)}")
+        for stage in STAGES.values():
+            for needed in stage.inputs:
+                source = input_source(self, needed)
+                if source not in needed.sources:
+                    raise ValueError(f"--{needed.option} {source!r}: choose one of {', '.join(needed.sources)}")
+
+
+def input_source(args: PipelineArguments, needed: StageInput) -> str:
+    """The stage whose output goes to `needed.flag`: the pipeline option that chooses it, else the input's default."""
+    return getattr(args, needed.option, needed.default)
+
+
+def needed_stages(args: PipelineArguments, stage: str) -> list[str]:
+    """The stages `stage` reads: its parent, then the sources of its inputs (rlhf: the stage that rewards it)."""
+    record = STAGES[stage]
+    return [s for s in (record.parent, *(input_source(args, i) for i in record.inputs)) if s is not None]
+
+
+def requirements(args: PipelineArguments) -> dict[str, set[str]]:
+    """The stages of `args.stages` each stage needs finished first (`needed_stages`, within the run)."""
+    return {stage: set(needed_stages(args, stage)) & set(args.stages) for stage in args.stages}
 
 
 def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
     """The command line of one stage: its YAML, its directory, its parent's directory, the shared seeds."""
-    if stage not in PARENTS:
+    if stage not in STAGES:
         raise ValueError(f"stages={args.stages}: {stage!r} is not one of {list(STAGES)}")
-    parent = PARENTS[stage]
+    parent = STAGES[stage].parent
     if parent is not None and parent not in args.stages:
         raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
     if parent is not None and args.stages.index(parent) > args.stages.index(stage):
@@ -96,14 +101,14 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
     argv += ["--seed", str(args.seed), "--dataset_seed", str(args.dataset_seed)]
     if parent is not None:
         argv += ["--model_name_or_path", stage_dir(args, parent)]
-    if stage == "rlhf":
-        source = args.rlhf_reward
+    for needed in STAGES[stage].inputs:  # rlhf: the stage that rewards it
+        source = input_source(args, needed)
         if source not in args.stages:
-            raise ValueError(f"stage 'rlhf' is rewarded by the {source!r} stage (rlhf_reward={source!r}), which is not "
-                             f"in stages={args.stages}")  # fmt: skip
+            raise ValueError(f"stage {stage!r} reads the {source!r} stage through {needed.flag} ({needed.option}="
+                             f"{source!r}), which is not in stages={args.stages}")  # fmt: skip
         if args.stages.index(source) > args.stages.index(stage):
-            raise ValueError(f"stages={args.stages}: {source!r} (rlhf_reward) must come before 'rlhf'")
-        argv += ["--reward_model_path", stage_dir(args, source)]
+            raise ValueError(f"stages={args.stages}: {source!r} ({needed.option}) must come before {stage!r}")
+        argv += [needed.flag, stage_dir(args, source)]
     return argv
 
 
@@ -133,9 +138,8 @@ def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
     """What shaped a stage: its command line (seeds, parents' folders), its YAML's sha256, and the weights it started
     from (the parents' parameter digests); a finished stage is reused only when all of it is unchanged."""
     config = Path(argv[argv.index("--config") + 1])
-    parents = [p for p in (PARENTS[stage], args.rlhf_reward if stage == "rlhf" else None) if p is not None]
     digests = {}
-    for parent in parents:
+    for parent in needed_stages(args, stage):
         info = Path(stage_dir(args, parent), "run_info.json")
         digests[parent] = json.loads(info.read_text()).get("parameter_digests") if info.exists() else None
     sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
@@ -243,7 +247,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
     """`--jobs N`: every stage its own process, started as soon as the stages it needs have finished
     (`plugformer.experiments.parallel`); the results are those of `run_in_order` on the same stages."""
     from ..training import parse_stage_arguments
-    from .parallel import Job, read_scores, requirements, run_jobs, split_batch, train_command
+    from .parallel import Job, read_scores, run_jobs, split_batch, train_command
 
     def make_job(task: str, free: int) -> Job:
         stage, _, test = task.partition(".")
@@ -273,7 +277,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         command = train_command(stage, argv + flags, processes, Path(args.output_dir, "logs"))
         return Job(stage, [command], processes=processes, on_trained=on_trained)
 
-    needs = requirements(PARENTS, args.stages, reward=args.rlhf_reward)
+    needs = requirements(args)
     tests = {f"{stage}.test": {stage} for stage in args.stages} if args.test_examples else {}
     jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs)
     results = {}
@@ -308,7 +312,7 @@ def gain_over_parent(results: dict, stage: str) -> dict | None:
     bootstrap: interval and two-sided p), or None where either has no per-problem scores."""
     from ..evaluation.stats import paired_bootstrap
 
-    parent = PARENTS[stage]
+    parent = STAGES[stage].parent
     if parent not in results or "correct" not in results[stage] or "correct" not in results[parent]:
         return None
     return paired_bootstrap(results[stage]["correct"], results[parent]["correct"]).to_dict()
@@ -355,14 +359,15 @@ def report(args: PipelineArguments, results: dict) -> None:
     for stage, result in results.items():
         match = f"{result['exact_match']:.1%}" if "exact_match" in result else "—"
         form = f"{result['format']:.1%}" if "format" in result else "—"
-        row = (f"| {stage} | {PARENTS[stage] or '—'} | {result['train_seconds']:.0f} | {match} | "
+        row = (f"| {stage} | {STAGES[stage].parent or '—'} | {result['train_seconds']:.0f} | {match} | "
                f"{gain_text(result.get('gain'))} | {form} | {other_text(result)} |")  # fmt: skip
         lines.append(row)
     table = "\n".join(lines)
     print("\n" + table)
     write_text_atomic(Path(args.output_dir, "results.md"), table + "\n")
     write_json_atomic(Path(args.output_dir, "results.json"), results, indent=2, default=str)
-    final = stage_dir(args, [s for s in args.stages if s != "reward"][-1])
+    generating = [s for s in args.stages if STAGES[s].card.pipeline_tag == "text-generation"]
+    final = stage_dir(args, generating[-1])
     generator = pipeline("text-generation", model=final)
     reply = generator([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens, do_sample=False)
     print(f"\npipeline('text-generation', model={final!r}):\n  user: {args.prompt}\n  assistant: "

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..evaluation.stats import mean_interval, paired_t_test
 from ..runtime.files import write_text_atomic
-from .pipeline import PARENTS, RUN_RECORD
+from ..training import STAGES
+from .pipeline import RUN_RECORD
 
 
 def load_runs(directories: list[str]) -> list[dict]:
@@ -53,7 +54,7 @@ def stage_row(stage: str, runs: list[dict]) -> str:
     if all("implicit_reward_pairwise_accuracy" in r for r in results):  # a DPO policy scored as a reward model too
         implicit = interval_text([r["implicit_reward_pairwise_accuracy"] for r in results])
         score += f"; implicit reward pairwise accuracy {implicit}"
-    parent = PARENTS[stage]
+    parent = STAGES[stage].parent
     gains = [r.get("gain") for r in results]
     if parent is None or any(g is None for g in gains):
         return f"| {stage} | {score} | — | — | {seconds:.0f} |"
@@ -68,7 +69,7 @@ def stage_row(stage: str, runs: list[dict]) -> str:
 
 def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
     """The markdown table over `runs` (each a pipeline's results.json), stages in pipeline order."""
-    stages = [stage for stage in PARENTS if all(stage in run for run in runs)]
+    stages = [stage for stage in STAGES if all(stage in run for run in runs)]
     lines = [
         f"{len(runs)} runs" + (f" ({', '.join(names)})" if names else "") + "; held-out test exact match in %, "
         "mean (95% t interval over runs)",

@@ -2,13 +2,13 @@
 
 `plugformer train <stage> --config configs/<stage>/<name>.yaml [--key value ...]`, also under
 `accelerate launch -m plugformer train <stage> ...`. Each stage's `--model_name_or_path` is the previous stage's
-output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo.
+output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo. A stage is one `Stage` record
+(`training/stages.py`) that its module registers.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 from ..compat import (
     accept_renamed_trainer_options,
@@ -17,33 +17,15 @@ from ..compat import (
     trainer_option_aliases,
 )
 from ..runtime.arguments import check_yaml_types, config_path, read_yaml
-from .arguments import GRPOArguments, PolicyArguments, PretrainArguments, RLHFArguments, StageArguments
+from .stages import STAGES, Stage, StageInput, register_stage
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A stage: its script arguments, the name of its trainer config class in `module`, and what it does."""
+__all__ = ["STAGES", "Stage", "StageInput", "check_stage_yaml", "parse_stage_arguments", "register_stage", "run_stage"]
 
-    script_arguments: type
-    config_class: str
-    description: str
-
-    def config_type(self) -> type:
-        if self.config_class == "TrainingArguments":
-            from transformers import TrainingArguments
-
-            return TrainingArguments
-        return getattr(importlib.import_module("trl"), self.config_class)
-
-
-STAGES: dict[str, Stage] = {
-    "pretrain": Stage(PretrainArguments, "TrainingArguments", "causal/masked LM from scratch (Trainer), tokenizer too"),
-    "sft": Stage(PolicyArguments, "SFTConfig", "supervised fine-tuning on conversations (TRL SFTTrainer)"),
-    "reward": Stage(StageArguments, "RewardConfig", "reward model on preference pairs (TRL RewardTrainer)"),
-    "rlhf": Stage(RLHFArguments, "RLOOConfig", "online RL against the learned reward model (TRL RLOOTrainer)"),
-    "dpo": Stage(PolicyArguments, "DPOConfig", "direct preference optimisation (TRL DPOTrainer)"),
-    "grpo": Stage(GRPOArguments, "GRPOConfig", "RL with verifiable rewards (TRL GRPOTrainer)"),
-}
+# the modules that register the shipped stages, in the pipeline's default order; each registers its record on import
+STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo")
+for _module in STAGE_MODULES:
+    importlib.import_module(f".{_module}", __name__)
 
 
 def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
@@ -52,9 +34,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
 
     from .sharding import DEEPSPEED_ON_CPU_DEFAULTS, deepspeed_on_cpu
 
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
-    entry = STAGES[stage]
+    entry = STAGES.get_stage(stage)
 
     class StageParser(TrlParser):
         """TRL's parser; a YAML's renamed trainer options go to the fields the installed trainer reads (compat)."""
@@ -109,8 +89,7 @@ def run_stage(stage: str, argv: list[str]) -> dict:
     refuse_unshardable_request(training_args)
     # before any model is built: new weights (a fresh model, a reward head) are part of the seeded run
     set_seed(training_args.seed)
-    module = importlib.import_module(f".{stage}", __name__)
-    return module.train(script_args, model_args, training_args)
+    return STAGES[stage].train(script_args, model_args, training_args)
 
 
 def _accelerator_available() -> bool:

@@ -24,6 +24,7 @@ from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .outputs import claim_output_dir, release_lock
 from .selection import DevSelection
 from .sharding import is_sharded, refuse_unsharded_fallback
+from .stages import STAGES
 
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,23 @@ def peft_config(model_args):
 
 
 def stage_data(stage: str, script_args):
-    """The stage's splits; user data is checked first (files missing, empty, not UTF-8) and after loading (SFT's
-    columns, null values in the columns the stage needs, empty splits), each error naming the file or split."""
+    """The splits of `stage`, in the data format its record names (`format_data`)."""
+    return format_data(STAGES.get_stage(stage).data_format, script_args, f"stage {stage!r}")
+
+
+def evaluation_data(script_args):
+    """Prompts with their ground truth, for dev selection and dev exact match (`format_data`)."""
+    return format_data("prompt_answer", script_args, "stage 'evaluation'")
+
+
+def format_data(data_format: str, script_args, reader: str):
+    """The splits of `data_format`; user data is checked first (files missing, empty, not UTF-8) and after loading
+    (SFT's columns, null values in the columns the format needs, empty splits), each error naming the file or split
+    and `reader`, what needs them."""
     if script_args.dataset_name is not None:
         check_data_files(script_args.dataset_name, script_args.data_files)
     data = load_stage_dataset(
-        stage,
+        data_format,
         dataset_name=script_args.dataset_name,
         dataset_config=script_args.dataset_config,
         data_files=script_args.data_files,
@@ -77,7 +89,7 @@ def stage_data(stage: str, script_args):
         source = f"--dataset_name {script_args.dataset_name}" + (
             f" --data_files {' '.join(script_args.data_files)}" if script_args.data_files else ""
         )
-        check_rows(stage, data, source)
+        check_rows(data_format, data, source, reader)
     return data
 
 
@@ -203,7 +215,7 @@ def train_and_save(
     if lora:
         with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
             save_final_model(trainer, tokenizer, args.output_dir)
-    if "eval_loss" in metrics and stage in ("pretrain", "sft"):  # language-model losses (DPO's is not one)
+    if "eval_loss" in metrics and STAGES.get_stage(stage).language_model_loss:  # exp of it is a perplexity
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
         "stage": stage,
@@ -283,7 +295,7 @@ def dev_selection(script_args, tokenizer, model) -> DevSelection | None:
         raise ValueError(
             f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
         )
-    rows = stage_data("evaluation", script_args).get("dev")
+    rows = evaluation_data(script_args).get("dev")
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
     rows = rows.select(range(min(script_args.selection_examples, len(rows))))
@@ -296,7 +308,8 @@ def write_card(trainer, info: dict, script_args) -> None:
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     parent = model.config._name_or_path or None
-    card = stage_card(model, info, trainer.args, script_args, parent=parent, model_path=trainer.args.output_dir)
+    card = stage_card(model, info, trainer.args, script_args, parent=parent, model_path=trainer.args.output_dir,
+                      card=STAGES.get_stage(info["stage"]).card)  # fmt: skip
     card.save(Path(trainer.args.output_dir) / "README.md")
 
 
@@ -335,7 +348,7 @@ def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False)
         if script_args.exact_match_examples <= 0 or not base.can_generate():
             return None
         try:
-            rows = stage_data("evaluation", script_args).get("dev")
+            rows = evaluation_data(script_args).get("dev")
         except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
             logger.info("no exact-match evaluation: %s", error)
             return None

@@ -4,14 +4,33 @@ base."""
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM
-from trl import DPOTrainer
-
-from .common import run_trainer
+from ..evaluation.cards import StageCard
+from .arguments import PolicyArguments
+from .stages import Stage, register_stage
 
 
 def train(script_args, model_args, training_args) -> dict:
+    from transformers import AutoModelForCausalLM
+    from trl import DPOTrainer
+
+    from .common import run_trainer
+
     # the reference and beta make the saved policy a reward model too (`implicit_reward`, the rlhf stage's
     # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory
     implicit = {"reference": model_args.model_name_or_path, "beta": training_args.beta}
     return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit)
+
+
+STAGE = register_stage(
+    Stage(
+        name="dpo",
+        parent="sft",
+        script_arguments=PolicyArguments,
+        config_class="DPOConfig",
+        description="direct preference optimisation (TRL DPOTrainer)",
+        data_format="preference",
+        data_parallel=True,
+        card=StageCard("aligned offline on preference pairs (DPO)", "trl.DPOTrainer"),
+        train=train,
+    )
+)

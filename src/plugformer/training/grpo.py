@@ -3,11 +3,10 @@ rewards (exact numeric answer, answer format), generated with plain `generate`."
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM
-from trl import GRPOTrainer
-
+from ..evaluation.cards import StageCard
 from ..evaluation.rewards import REWARD_FUNCTIONS
-from .common import run_trainer
+from .arguments import GRPOArguments
+from .stages import Stage, register_stage
 
 
 def reward_functions(names: list[str]) -> list:
@@ -18,8 +17,28 @@ def reward_functions(names: list[str]) -> list:
 
 
 def train(script_args, model_args, training_args) -> dict:
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from .common import run_trainer
+
     rewards = reward_functions(script_args.reward_functions)
     return run_trainer(
         "grpo", GRPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
         evaluate=False, reward_funcs=rewards,
     )  # fmt: skip
+
+
+STAGE = register_stage(
+    Stage(
+        name="grpo",
+        parent="sft",
+        script_arguments=GRPOArguments,
+        config_class="GRPOConfig",
+        description="RL with verifiable rewards (TRL GRPOTrainer)",
+        data_format="prompt",
+        data_parallel=False,  # its per-device batch is groups of completions, which a split would change
+        card=StageCard("trained with verifiable rewards (GRPO)", "trl.GRPOTrainer"),
+        train=train,
+    )
+)

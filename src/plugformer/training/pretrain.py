@@ -21,13 +21,15 @@ from ..data.packing import pack
 from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
 from ..data.tokenization import train_tokenizer
 from ..data.validation import check_data_files
+from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..runtime.memory import check_model_fits
-from .arguments import check_trainer_arguments
+from .arguments import PretrainArguments, check_trainer_arguments
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
 from .distributed import check_launch, log_effective_batch
 from .outputs import claim_output_dir
+from .stages import Stage, register_stage
 
 
 def check_tokenizer_source(script_args, model_args) -> None:
@@ -160,3 +162,19 @@ def train(script_args, model_args, training_args) -> dict:
     )
     extra = {"effective_batch": log_effective_batch(trainer, "pretrain")}
     return train_and_save(trainer, "pretrain", script_args, tokenizer, extra)
+
+
+STAGE = register_stage(
+    Stage(
+        name="pretrain",
+        parent=None,
+        script_arguments=PretrainArguments,
+        config_class="TrainingArguments",
+        description="causal/masked LM from scratch (Trainer), tokenizer too",
+        data_format="text",
+        data_parallel=True,
+        card=StageCard("pretrained from scratch on plain text", "Trainer"),
+        language_model_loss=True,
+        train=train,
+    )
+)

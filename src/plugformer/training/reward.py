@@ -3,15 +3,36 @@ trained on preference pairs (Bradley-Terry: the chosen answer should score highe
 
 from __future__ import annotations
 
-from transformers import AutoModelForSequenceClassification
-from trl import RewardTrainer
-
-from .common import run_trainer
+from ..evaluation.cards import StageCard
+from .arguments import StageArguments
+from .stages import Stage, register_stage
 
 
 def train(script_args, model_args, training_args) -> dict:
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardTrainer
+
+    from .common import run_trainer
+
     # the language-model head is dropped; the scalar `score` head is new
     return run_trainer(
         "reward", RewardTrainer, AutoModelForSequenceClassification, script_args, model_args, training_args,
         model_kwargs={"num_labels": 1},
     )  # fmt: skip
+
+
+STAGE = register_stage(
+    Stage(
+        name="reward",
+        parent="sft",
+        script_arguments=StageArguments,
+        config_class="RewardConfig",
+        description="reward model on preference pairs (TRL RewardTrainer)",
+        data_format="preference",
+        data_parallel=True,
+        card=StageCard(
+            "a reward model scoring answers, trained on preference pairs", "trl.RewardTrainer", "text-classification"
+        ),
+        train=train,
+    )
+)

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-from trl import RLOOTrainer
-
-from ..evaluation.implicit_reward import ImplicitReward, dpo_record
-from .common import load_tokenizer, run_trainer
-from .selection import plot_overoptimisation
+from ..evaluation.cards import StageCard
+from .arguments import RLHFArguments
+from .stages import Stage, StageInput, register_stage
 
 
 def load_reward_model(path: str | None):
     """(reward function, its tokenizer or None): the reward stage's classifier, or a DPO stage's implicit reward
     β·(log π − log π_ref), a reward function that tokenizes for itself."""
+    from transformers import AutoModelForSequenceClassification
+
+    from ..evaluation.implicit_reward import ImplicitReward, dpo_record
+    from .common import load_tokenizer
+
     if not path:
         raise ValueError("stage 'rlhf' needs --reward_model_path: the output directory of the reward stage (a "
                          "num_labels=1 classifier) or of a dpo stage (its implicit reward)")  # fmt: skip
@@ -33,6 +34,13 @@ def load_reward_model(path: str | None):
 def train(script_args, model_args, training_args) -> dict:
     """RLOO against the reward model; with `--selection_steps`, also `overoptimisation.png` in the output directory:
     the reward model's score and dev exact match against KL and steps."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+    from trl import RLOOTrainer
+
+    from .common import run_trainer
+    from .selection import plot_overoptimisation
+
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
     info = run_trainer(
         "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
@@ -46,3 +54,23 @@ def train(script_args, model_args, training_args) -> dict:
         if path is not None:
             print(f"[rlhf] proxy reward and gold dev score: {path}")
     return info
+
+
+STAGE = register_stage(
+    Stage(
+        name="rlhf",
+        parent="sft",
+        script_arguments=RLHFArguments,
+        config_class="RLOOConfig",
+        description="online RL against the learned reward model (TRL RLOOTrainer)",
+        data_format="prompt",
+        data_parallel=False,  # its per-device batch is groups of completions, which a split would change
+        card=StageCard("aligned online against a learned reward model (RLOO, KL to the SFT model)", "trl.RLOOTrainer"),
+        # the reward: the reward stage's classifier or a dpo stage's implicit reward (`plugformer pipeline
+        # --rlhf_reward`); `plugformer compare` uses the reward stage
+        inputs=(
+            StageInput(flag="--reward_model_path", option="rlhf_reward", sources=("reward", "dpo"), default="reward"),
+        ),
+        train=train,
+    )
+)
