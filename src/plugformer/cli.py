@@ -45,7 +45,8 @@ def _train(argv: list[str]) -> None:
     from .training import STAGES, run_stage
 
     if not argv or argv[0] not in STAGES:
-        stages = "\n".join(f"  {name:10s}{stage.description}" for name, stage in STAGES.items())
+        width = max(map(len, STAGES)) + 2  # a name never runs into its description
+        stages = "\n".join(f"  {name:{width}s}{stage.description}" for name, stage in STAGES.items())
         print(f"usage: plugformer train <stage> [--config FILE.yaml] [--key value ...]\n\nstages:\n{stages}",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
