@@ -262,3 +262,25 @@ def test_the_shipped_own_text_recipe_trains_on_a_jsonl_file(tmp_path):
     ])  # fmt: skip
     assert info["stage"] == "pretrain" and (tmp_path / "out" / "model.safetensors").exists()
     assert len(folders(tmp_path / "cache", "blocks")) == 1
+
+
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (['{"text": "a b"}', '{"text": 5}'], r"column 'text' holds a int \(5\) in row 1 \(counted from 0"),
+        (['{"text": "a b"}', '{"text": "c"', '{"text": "d"}'], r"corpus.jsonl line 2: not valid JSON"),
+        (
+            ['{"body": "a b"}', '{"body": "c"}'],
+            r"lacks the columns \['text'\] of the 'text' format \(it has \['body'\]",
+        ),
+        (['{"text": "a b"}'] * 30, r"30 rows left in train cannot give --test_examples 30 and still train"),
+    ],
+    ids=["not a string", "malformed line", "missing column", "held out too much"],
+)
+def test_errors_in_user_data_name_the_file_and_row(tmp_path, lines, message):
+    corpus_file = tmp_path / "corpus.jsonl"
+    corpus_file.write_text("\n".join(lines) + "\n")
+    script_args, _ = arguments(corpus_file, tmp_path / "cache", "--test_examples", "30")
+    with pytest.raises(ValueError, match=message) as caught:
+        load_corpus(script_args)
+    assert f"--data_files {corpus_file}" in str(caught.value) and "\n" not in str(caught.value)

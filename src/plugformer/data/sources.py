@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, Value, load_dataset
 
 
 SPLITS = ("train", "dev", "test")
@@ -316,21 +316,52 @@ def load_stage_dataset(
         return embedded_dataset(data_format, sizes, seed, direct_fraction)
     if data_files and dataset_name not in ("json", "csv", "text", "parquet", "arrow"):
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
-    loaded = load_dataset(dataset_name, dataset_config, data_files=data_files)
+    source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
+    loaded = load_user_dataset(dataset_name, dataset_config, data_files, source)
     splits = DatasetDict({_canonical_split(name): split for name, split in loaded.items()})
     if "train" not in splits:
         raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
-    for held_out in ("test", "dev"):
-        if held_out not in splits and sizes.get(held_out, 0) > 0:
-            parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
-            splits["train"], splits[held_out] = parts["train"], parts["test"]
     missing = [c for c in FORMAT_COLUMNS[data_format] if c not in splits["train"].column_names]
     if missing:
-        raise ValueError(
-            f"dataset {dataset_name!r} lacks the columns {missing} of the {data_format!r} format "
-            f"(it has {splits['train'].column_names})"
-        )
+        raise ValueError(f"{source}: lacks the columns {missing} of the {data_format!r} format (it has "
+                         f"{splits['train'].column_names})")  # fmt: skip
+    if data_format == "text":
+        check_text_column(splits["train"], source)  # before carving: its row is the row of the files
+    for held_out in ("test", "dev"):
+        if held_out not in splits and sizes.get(held_out, 0) > 0:
+            if len(splits["train"]) <= sizes[held_out]:
+                raise ValueError(f"{source}: {len(splits['train'])} rows left in train cannot give --{held_out}"
+                                 f"_examples {sizes[held_out]} and still train; hold out fewer")  # fmt: skip
+            parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
+            splits["train"], splits[held_out] = parts["train"], parts["test"]
     return splits
+
+
+def load_user_dataset(dataset_name: str, dataset_config: str | None, data_files: list[str] | None, source: str):
+    """`datasets.load_dataset`, with a malformed line of a json file reported as its file and line number."""
+    from datasets.exceptions import DatasetGenerationError
+
+    from .validation import first_malformed_json_line
+
+    try:
+        return load_dataset(dataset_name, dataset_config, data_files=data_files)
+    except DatasetGenerationError as error:
+        where = first_malformed_json_line(data_files) if dataset_name == "json" and data_files else None
+        if where is None:
+            raise
+        raise ValueError(f"{source}: {where}") from error
+
+
+def check_text_column(train, source: str) -> None:
+    """Raises `ValueError` naming the row (counted from 0 across the files, in order) of the first `text` value that
+    is not a string; `datasets` loads a column of mixed types as JSON values, which tokenisation cannot read."""
+    if train.features["text"] == Value("string") or train.features["text"] == Value("large_string"):
+        return
+    for start in range(0, len(train), 1000):
+        for offset, value in enumerate(train[start : start + 1000]["text"]):
+            if not isinstance(value, str) and value is not None:  # nulls are named by `check_rows`
+                raise ValueError(f"{source}: column 'text' holds a {type(value).__name__} ({value!r:.40}) in row "
+                                 f"{start + offset} (counted from 0 across the files); every value must be text")  # fmt: skip
 
 
 def _canonical_split(name: str) -> str:
