@@ -284,3 +284,33 @@ def test_errors_in_user_data_name_the_file_and_row(tmp_path, lines, message):
     with pytest.raises(ValueError, match=message) as caught:
         load_corpus(script_args)
     assert f"--data_files {corpus_file}" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_compare_on_your_corpus_trains_on_it_and_scores_the_documents_pretraining_held_out(tmp_path):
+    from plugformer.experiments.compare import CompareArguments
+    from plugformer.experiments.compare import run as compare
+
+    corpus_file = write_corpus(tmp_path / "corpus.jsonl", 200)
+    tiny = ["max_steps=2", "eval_strategy=no", "save_strategy=no", "report_to=none", "hidden_size=32",
+            "num_hidden_layers=1", "vocab_size=300", "block_size=32", "per_device_train_batch_size=4"]  # fmt: skip
+    args = CompareArguments(output_dir=str(tmp_path / "study"), grid=["position_scheme=rope,alibi"], seeds=[0, 1],
+                            set=tiny, dev_examples=10, test_examples=12, bootstrap_samples=200,
+                            stage_configs=str(ROOT / "configs/{stage}/tiny.yaml"), dataset_name="json",
+                            data_files=[str(corpus_file)], data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    summary = compare(args)
+    assert set(summary["variants"]) == {"position_scheme=rope", "position_scheme=alibi"}
+    # every run trained on the corpus: one tokenizer and one set of blocks, prepared once for the four runs
+    assert len(folders(tmp_path / "cache", "tokenizers")) == len(folders(tmp_path / "cache", "blocks")) == 1
+    script_args, _ = arguments(corpus_file, tmp_path / "cache", "--dev_examples", "10", "--test_examples", "12")
+    held_out = load_corpus(script_args).splits
+    assert args.held_out_texts("test", 10, 12, 0) == list(held_out["test"]["text"])
+    assert not set(held_out["test"]["text"]) & set(held_out["train"]["text"])
+    scored = json.loads(next((tmp_path / "study" / "runs").glob("*/seed0/pretrain/compare_perplexity_test.json"))
+                        .read_text())  # fmt: skip
+    assert len(scored["scores"]) == 12 and scored["corpus"] == args.corpus_key()
+    with pytest.raises(ValueError, match="compare sets 'data_files' itself for every run"):
+        compare(CompareArguments(**{**vars(args), "set": [*tiny, f"data_files={corpus_file}"]}))
+    with pytest.raises(ValueError, match="set compare's --test_examples instead"):
+        compare(CompareArguments(**{**vars(args), "set": [*tiny, "test_examples=5"]}))
+    with pytest.raises(ValueError, match=r"on your corpus .* compare scores perplexity"):
+        CompareArguments(**{**vars(args), "metric": "exact_match"})

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
 from ..runtime.files import write_json_atomic, write_text_atomic
@@ -51,7 +52,7 @@ SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
 
 
 @dataclass
-class CompareArguments:
+class CompareArguments(CorpusArguments):
     output_dir: str = field(default="outputs/compare", metadata={"help": "runs, table, JSON and plot go here"})
     grid: list[str] = field(
         default_factory=lambda: ["attention_score=scaled_dot,additive", "position_scheme=rope,alibi"],
@@ -72,6 +73,9 @@ class CompareArguments:
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
     def __post_init__(self):
+        if self.dataset_name is not None and self.metric != "perplexity":
+            raise ValueError(f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
+                             f"(--dataset_name {self.dataset_name}) compare scores perplexity: drop --metric")  # fmt: skip
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
         if self.significance not in SIGNIFICANCE_TESTS:
@@ -185,7 +189,15 @@ CONTROLLED = {
     "config": "--stage_configs",
     "resume_from_checkpoint": "--rerun false (an interrupted stage resumes from its newest checkpoint by itself)",
     "overwrite_output_dir": "--rerun true",
+    # the corpus: the runs train on it and compare scores its held-out documents, so both read compare's own options
+    "dataset_name": "compare's --dataset_name (with --data_files, --dataset_config, --streaming, --data_cache_dir)",
+    "dataset_config": "compare's --dataset_config",
+    "data_files": "compare's --data_files",
+    "streaming": "compare's --streaming",
+    "data_cache_dir": "compare's --data_cache_dir",
 }
+# with your corpus, the documents pretraining holds out are the ones compare scores: one size for both
+HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"}
 
 
 def refuse_controlled(settings: dict[str, str], source: str) -> None:
@@ -203,6 +215,8 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
     refuse_controlled(variant, "--grid")
     settings = {**parse_settings(args.set), **variant}
     options = route(settings, args.stages)
+    if args.dataset_name is not None:
+        add_corpus_options(args, settings, options)
     configs = {stage: args.stage_configs.format(stage=stage) for stage in args.stages}
     for stage, path in configs.items():
         if not Path(path).is_file():
@@ -212,10 +226,30 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
         "options": options,
         "configs": {stage: Path(path).read_text() for stage, path in configs.items()},
         "dataset_seed": args.dataset_seed,
+        **({"corpus": args.corpus_key()} if args.dataset_name is not None else {}),
     }
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
     slug = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", variant_name(variant))
     return Path(args.output_dir, "runs", f"{slug}-{digest}"), options
+
+
+def add_corpus_options(args: CompareArguments, settings: dict[str, str], options: dict[str, list[str]]) -> None:
+    """Points the stages that read plain text (pretrain) at the user's corpus, holding out the documents compare
+    scores; refuses a run plan where no stage would read it."""
+    from ..training import STAGES
+
+    for key, value in settings.items():
+        name = key.rpartition(".")[2]
+        if name in HELD_OUT:
+            raise ValueError(f"{key}={value}: on your corpus the documents pretraining holds out are those compare "
+                             f"scores; set compare's {HELD_OUT[name]} instead")  # fmt: skip
+    readers = [stage for stage in args.stages if STAGES[stage].data_format == "text"]
+    if not readers:
+        raise ValueError(f"--dataset_name {args.dataset_name}: none of stages={args.stages} trains on plain text; "
+                         "include pretrain")  # fmt: skip
+    held_out = ["--dev_examples", str(args.dev_examples), "--test_examples", str(args.test_examples)]
+    for stage in readers:
+        options[stage] = [*args.corpus_flags(), *held_out, *options[stage]]
 
 
 def train_run(args: CompareArguments, directory: Path, options: dict[str, list[str]], seed: int) -> Path:
@@ -254,10 +288,12 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
     cache = model_dir / f"compare_{args.metric}_{split}.json"
     if cache.exists() and not args.rerun:
         cached = json.loads(cache.read_text())
-        if cached["examples"] == size and cached["dataset_seed"] == args.dataset_seed:
+        if (cached["examples"], cached["dataset_seed"], cached.get("corpus")) == (size, args.dataset_seed,
+                                                                                   args.corpus_key()):  # fmt: skip
             return cached
     scores, weights = _score(args, model_dir, split, size)
-    result = {"examples": size, "dataset_seed": args.dataset_seed, "scores": scores, "weights": weights}
+    result = {"examples": size, "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(), "scores": scores,
+              "weights": weights}  # fmt: skip
     write_json_atomic(cache, result)
     return result
 
@@ -273,7 +309,10 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if args.metric == "perplexity":
-        texts = load_stage_dataset("text", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
+        if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
+            texts = args.held_out_texts(split, args.dev_examples, args.test_examples, args.dataset_seed)
+        else:
+            texts = load_stage_dataset("text", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
         losses, counts = document_losses(model, tokenizer, list(texts))
         return losses, [float(c) for c in counts]
     rows = load_stage_dataset("prompt_answer", sizes={split: size}, seed=args.dataset_seed)[split]

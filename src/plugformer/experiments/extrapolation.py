@@ -14,6 +14,7 @@ exactly as `plugformer compare` does (same run directories and settings hash).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval
 from ..runtime.files import write_json_atomic
@@ -28,7 +30,7 @@ from .compare import CompareArguments, run_plan, train_run, write_results
 
 
 @dataclass
-class ExtrapolationArguments:
+class ExtrapolationArguments(CorpusArguments):
     output_dir: str = field(default="outputs/extrapolation", metadata={"help": "runs, table, JSON and plot"})
     position_schemes: list[str] = field(
         default_factory=lambda: ["sinusoidal", "learned", "rope", "alibi", "t5_bias"],
@@ -75,7 +77,9 @@ def training_plan(args: ExtrapolationArguments) -> CompareArguments:
         stage_configs=args.stage_configs,
         set=[*fixed, *args.set],
         dataset_seed=args.dataset_seed,
+        test_examples=args.test_examples,
         rerun=args.rerun,
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(CorpusArguments)},
     )
 
 
@@ -115,14 +119,18 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     lengths = args.lengths()
     cache = model_dir / "extrapolation.json"
     key = {"lengths": lengths, "tokens": max(lengths) * args.eval_windows, "test_examples": args.test_examples,
-           "dataset_seed": args.dataset_seed}  # fmt: skip
+           "dataset_seed": args.dataset_seed, **({"corpus": args.corpus_key()} if args.dataset_name else {})}  # fmt: skip
     if cache.exists() and not args.rerun:
         cached = json.loads(cache.read_text())
         if cached["key"] == key:
             return cached["limit"], {int(length): value for length, value in cached["perplexity"].items()}
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = load_tokenizer(str(model_dir))
-    texts = load_stage_dataset("text", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
+    if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
+        plan = training_plan(args)
+        texts = args.held_out_texts("test", plan.dev_examples, plan.test_examples, args.dataset_seed)
+    else:
+        texts = load_stage_dataset("text", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
     stream = token_stream(tokenizer, list(texts), key["tokens"])
     limit = POSITION_SCHEMES.get(model.config.position_scheme).max_length(model.config)
     results = {
