@@ -11,6 +11,10 @@ process and its workers sampled every 0.1 s:
 - `reuse`: the same call again, served from the cache.
 
 The report gives `prepare_vs_encode`, the ratio of the two throughputs (1.0: packing and writing cost nothing).
+
+`python -m plugformer.bench.corpus --time_to_first_step -- plugformer train pretrain ... --logging_steps 1` runs a
+training command instead and reports the seconds until its first logged loss (the first optimizer step) and the peak
+anonymous memory of the command's processes until then.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class CorpusBenchArguments:
     num_proc: int | None = field(default=None, metadata={"help": "processes (default: every core available)"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "the corpus cache (default: plugformer's)"})
     output: str | None = field(default=None, metadata={"help": "also write the report here as JSON"})
+    time_to_first_step: bool = field(
+        default=False, metadata={"help": "time the training command after `--` to its first logged loss instead"}
+    )
 
 
 def anonymous_bytes(pid: int) -> int:
@@ -106,7 +113,7 @@ def run(args: CorpusBenchArguments) -> dict:
     report: dict = {"num_proc": num_proc, "files": args.data_files}
     report["corpus_mb"] = round(sum(os.path.getsize(f) for f in args.data_files) / 1e6, 1)
     with peak_memory(report, "load"):
-        data = load_stage_dataset("pretrain", dataset_name=args.dataset_name, data_files=args.data_files,
+        data = load_stage_dataset("text", dataset_name=args.dataset_name, data_files=args.data_files,
                                   sizes={"dev": 0, "test": 0})  # fmt: skip
     source = {"dataset_name": args.dataset_name, "data_files": args.data_files, "bench": True}
     corpus = Corpus(data, corpus_fingerprint(source, data))
@@ -131,13 +138,34 @@ def run(args: CorpusBenchArguments) -> dict:
     return report
 
 
+def time_to_first_step(command: list[str]) -> dict:
+    """Runs `command` (a training run logging every step) until its first logged loss, then stops it; the seconds
+    to that line and the peak anonymous memory of its processes meanwhile."""
+    import subprocess
+
+    report: dict = {"command": command}
+    with peak_memory(report, "first_step"):
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            if "'loss'" in line or '"loss"' in line:
+                break
+        process.kill()
+        process.wait()
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
     from ..runtime.arguments import parse_arguments
 
-    args = parse_arguments(CorpusBenchArguments, sys.argv[1:] if argv is None else argv, "plugformer.bench.corpus")
-    report = run(args)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    args = parse_arguments(CorpusBenchArguments, argv, "plugformer.bench.corpus")
+    if args.time_to_first_step and not command:
+        raise ValueError("--time_to_first_step times the training command given after `--`; none was given")
+    report = time_to_first_step(command) if args.time_to_first_step else run(args)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
