@@ -135,3 +135,31 @@ def micro_stage_configs(folder) -> str:
         values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
         (Path(folder) / f"{stage}.yaml").write_text(yaml.safe_dump(values))
     return str(Path(folder) / "{stage}.yaml")
+
+
+# The quick tier (`pytest -m smoke`): the per-variant reference files whole, and from the shared combination suite
+# every score with RoPE and every scheme with scaled_dot, on eager and sdpa: each registered variant runs the
+# model's whole contract (shapes, causality, padding, cache, fused = eager, gradients, save/load) at least once.
+SMOKE_FILES = {"test_layout.py", "test_config.py", "test_scores.py", "test_positions.py", "test_kernel_table.py",
+               "test_memory.py", "test_stages.py", "test_tokenizer.py", "test_decomposable.py", "test_load.py"}  # fmt: skip
+SMOKE_SUITE = "test_combinations.py"
+
+
+def smoke(item) -> bool:
+    name = item.path.name
+    if item.get_closest_marker("slow") is not None:
+        return False
+    if name in SMOKE_FILES:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return (
+        name == SMOKE_SUITE
+        and params.get("kernel") in ("eager", "sdpa")
+        and (params.get("scheme") == "rope" or params.get("score") == "scaled_dot")
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if smoke(item):
+            item.add_marker(pytest.mark.smoke)
