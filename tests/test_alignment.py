@@ -1,6 +1,6 @@
 """The alignment stages' contracts: the worked-arithmetic task, pass@k, dev selection of the best step, the gain
 table and the over-optimisation plot. Numbers are checked against independent computations; no accuracy or
-timing thresholds (the recorded 3-seed runs in the README show those)."""
+timing thresholds (the recorded 3-seed runs in model_cards/pipeline-tiny/RESULTS.md show those)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ token classification) and the seq2seq model.
 Written for plugformer, modelled on what transformers' per-model tests check (ModelTesterMixin, the causal-LM tester,
 the configuration tests); none of their code. Tiny configs and one model per class and variant (class-scoped
 fixtures) keep the module fast: about a minute on one thread. What transformers' suites check that plugformer
-legitimately does not support is listed, with the reason, in the README ("Conformance").
+legitimately does not support is listed, with the reason, in tests/README.md ("Conformance").
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, requ
         # Seen on 2026-12-01 (torch 2.13.0+cpu, transformers 5.24.0, also on the commit that last passed CI and in a
         # fresh venv): transformers' flex with a padding mask gives NaN logits under pytest here, while the same
         # calls in a plain script and transformers' Llama under pytest do not. Not understood yet: kept visible
-        # (xfail, not strict) rather than deleted; see the README's known limits.
+        # (xfail, not strict) rather than deleted; see tests/README.md's known limits of the kernels.
         request.applymarker(pytest.mark.xfail(reason="flex_attention + padding mask: NaN under pytest", strict=False))
     model = encoder(score, scheme, kernel)
     alone = logits(model, tokens[:1, :8])

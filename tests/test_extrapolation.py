@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForCausalLM, train_tokenizer
-from plugformer.experiments.extrapolation import ExtrapolationArguments, run, token_stream, window_perplexity
 from plugformer.data.packing import pack
+from plugformer.experiments.extrapolation import ExtrapolationArguments, run, token_stream, window_perplexity
 
 
 CONFIGS = str(Path(__file__).parents[1] / "configs" / "{stage}" / "tiny.yaml")

@@ -311,10 +311,6 @@ def test_no_module_outside_the_kernel_table_compares_kernel_or_scheme_names():
     assert not found, "compare a record's or a scheme class's property instead:\n" + "\n".join(found)
 
 
-# Reads of `_attn_implementation` not yet moved to `KERNELS.of` (modules other work was changing at the time).
-ATTN_IMPLEMENTATION_READS_LEFT = {"evaluation/cards.py", "experiments/demo.py"}
-
-
 def test_the_kernel_table_is_the_one_reader_of_attn_implementation():
     """`KERNELS.of(config)` reads `config._attn_implementation`; other modules may set it (transformers' way for an
     engine), not read it."""
@@ -324,7 +320,7 @@ def test_the_kernel_table_is_the_one_reader_of_attn_implementation():
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr == "_attn_implementation":
                 readers |= {module} if isinstance(node.ctx, ast.Load) else set()
-    assert readers - ATTN_IMPLEMENTATION_READS_LEFT == {"capabilities.py"}
+    assert readers == {"capabilities.py"}
 
 
 def test_a_kernel_declaring_cache_and_padding_limits_is_refused_them(kernel_name):

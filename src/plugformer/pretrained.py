@@ -99,7 +99,7 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
     # config's answer from the kernel table. An additive model says `_supports_sdpa=False` as a model without sdpa
     # does in transformers: no request resolves to eager, an explicit sdpa request (`from_pretrained`,
     # `set_attn_implementation`) raises. Read off the class, the flags are property objects (truthy): the class runs
-    # sdpa/flex/flash for some configs. (README, "Conformance".)
+    # sdpa/flex/flash for some configs. (tests/README.md, "Conformance".)
     @property
     def _supports_sdpa(self) -> bool:
         return unsupported_reason(self.config, "sdpa") is None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..capabilities import KERNELS
 from .stats import wilson_interval
 
 
@@ -152,7 +153,7 @@ def stage_card(
         parent=parent or "a new model",
         attention_score=config.attention_score,
         position_scheme=config.position_scheme,
-        attn_implementation=config._attn_implementation,
+        attn_implementation=KERNELS.of(config).name,
         parameters=f"{sum(p.numel() for p in model.parameters()):,}",
         num_hidden_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,

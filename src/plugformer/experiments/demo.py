@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments, pipeline, set_seed
 
+from ..capabilities import KERNELS
 from ..configuration import PlugformerConfig
 from ..data.corpus import arithmetic_sentences
 from ..data.tokenization import generation_eos_token_ids, train_tokenizer
@@ -82,7 +83,7 @@ def run(args: DemoArguments) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     print(
         f"model: {parameters / 1e6:.2f}M parameters, attention_score={model.config.attention_score}, "
-        f"position_scheme={model.config.position_scheme}, kernel={model.config._attn_implementation}"
+        f"position_scheme={model.config.position_scheme}, kernel={KERNELS.of(model.config).name}"
     )
     # each sentence is a document: <bos> text <eos>
     encode = lambda text: tokenizer(tokenizer.bos_token + text + tokenizer.eos_token)  # noqa: E731
