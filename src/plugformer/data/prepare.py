@@ -4,8 +4,8 @@ on every core into Arrow blocks on disk, reused by every later run, every run of
 Layout of the cache (`--data_cache_dir`, default `$PLUGFORMER_CACHE` or `~/.cache/plugformer`):
 
     tokenizers/<key>/   the tokenizer trained for (corpus, vocab_size, sample size, seed)
-    blocks/<key>/       `DatasetDict.save_to_disk` of the packed splits for (corpus, tokenizer, block_size,
-                        document positions, causal labels, packing version)
+    blocks/<key>/       the packed splits' Arrow files, as the workers wrote them, for (corpus, tokenizer,
+                        block_size, document positions, causal labels, packing version)
 
 A key is a digest of what the content depends on; the corpus part digests each data file's path, size and
 modification time and the loaded splits' `datasets` fingerprints, so a changed corpus or tokenizer never reuses stale
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import time
@@ -27,16 +26,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, DatasetDict, Features, IterableDataset, List, Value, load_dataset, load_from_disk
+from datasets import (
+    Dataset,
+    DatasetDict,
+    Features,
+    IterableDataset,
+    List,
+    Value,
+    concatenate_datasets,
+    load_dataset,
+)
 
 from .packing import pack
 
 
-logger = logging.getLogger(__name__)
+def say(message: str, *args) -> None:
+    """A phase of the preparation on the terminal, as `[corpus] ...` (a long corpus must never look stuck)."""
+    print("[corpus] " + message % args, flush=True)
+
 
 # bump when `pack` changes what it writes: blocks prepared by an older version are then prepared again
 PACKING_VERSION = 2
-DEFAULT_TOKENIZER_SAMPLE_MB = 64
 
 
 def cache_root(data_cache_dir: str | None = None) -> Path:
@@ -118,9 +128,9 @@ class Corpus:
                 documents += 1
                 taken += len(text.encode("utf-8", "surrogatepass"))
                 if taken >= max_bytes:
-                    logger.info("tokenizer sample: %d documents, %.1f MB", documents, taken / 1e6)
+                    say("tokenizer sample: %d documents, %.1f MB", documents, taken / 1e6)
                     return
-        logger.info("tokenizer sample: the whole training split, %d documents, %.1f MB", documents, taken / 1e6)
+        say("tokenizer sample: the whole training split, %d documents, %.1f MB", documents, taken / 1e6)
 
 
 def random_batches(train: Dataset, seed: int, batch: int = 1000) -> Iterator[list[str]]:
@@ -153,10 +163,10 @@ def prepared_tokenizer(corpus: Corpus, vocab_size: int, sample_mb: float, seed: 
     key = digest("tokenizer", corpus.fingerprint, vocab_size, sample_mb, seed)
     folder = root / "tokenizers" / key
     if (folder / "complete").exists():
-        logger.info("tokenizer reused from %s", folder)
+        say("tokenizer reused from %s", folder)
         return load_tokenizer(str(folder))
     started = time.perf_counter()
-    logger.info("training a %d-token tokenizer on at most %s MB of the training text", vocab_size, sample_mb)
+    say("training a %d-token tokenizer on at most %s MB of the training text", vocab_size, sample_mb)
 
     def build(tmp: Path) -> None:
         texts = corpus.sample(int(sample_mb * 1e6), seed)
@@ -164,7 +174,7 @@ def prepared_tokenizer(corpus: Corpus, vocab_size: int, sample_mb: float, seed: 
         (tmp / "complete").write_text("")
 
     publish(build, folder)
-    logger.info("tokenizer trained in %.1f s: %s", time.perf_counter() - started, folder)
+    say("tokenizer trained in %.1f s: %s", time.perf_counter() - started, folder)
     return load_tokenizer(str(folder))
 
 
@@ -200,8 +210,8 @@ def prepared_blocks(
                  PACKING_VERSION)  # fmt: skip
     folder = root / "blocks" / key
     if (folder / "complete").exists():
-        logger.info("packed blocks reused from %s", folder)
-        return load_from_disk(str(folder / "blocks"))
+        say("packed blocks reused from %s", folder)
+        return load_blocks(folder)
     num_proc = num_proc or default_num_proc()
     started = time.perf_counter()
 
@@ -219,20 +229,31 @@ def prepared_blocks(
             batch_size=200,  # bounds each worker's memory: a batch of documents and its blocks
             remove_columns=split.column_names,
             num_proc=min(num_proc, max(1, len(split) // 200)),
-            cache_file_name=str(tmp / "map" / f"{name}.arrow"),  # beside the result, not in datasets' cache
+            # the workers write the cached Arrow files themselves, in the folder (not datasets' cache): no copy
+            cache_file_name=str(tmp / f"{name}.arrow"),
             desc=f"tokenizing and packing {name}",
             features=features,
             fn_kwargs=options,
         )
 
     def build(tmp: Path) -> None:
-        (tmp / "map").mkdir(parents=True)
-        blocks = DatasetDict({name: pack_split(name, split, tmp) for name, split in data.items()})
-        blocks.save_to_disk(str(tmp / "blocks"))
-        del blocks  # the map files are memory-mapped until released
-        shutil.rmtree(tmp / "map")
-        (tmp / "complete").write_text("")
+        tmp.mkdir(parents=True)
+        files = {}
+        for name, split in data.items():
+            packed = pack_split(name, split, tmp)
+            files[name] = [Path(f["filename"]).name for f in packed.cache_files]  # the shards, in order
+            del packed  # memory-mapped until released
+        (tmp / "complete").write_text(json.dumps(files, indent=1))
 
     publish(build, folder)
-    logger.info("tokenized and packed in %.1f s with %d processes: %s", time.perf_counter() - started, num_proc, folder)
-    return load_from_disk(str(folder / "blocks"))
+    say("tokenized and packed in %.1f s with %d processes: %s", time.perf_counter() - started, num_proc, folder)
+    return load_blocks(folder)
+
+
+def load_blocks(folder: Path) -> DatasetDict:
+    """The packed splits of a published blocks folder, memory-mapped from the shards its `complete` file lists."""
+    files = json.loads((folder / "complete").read_text())
+    return DatasetDict({
+        name: concatenate_datasets([Dataset.from_file(str(folder / shard)) for shard in shards])
+        for name, shards in files.items()
+    })  # fmt: skip
