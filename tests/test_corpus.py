@@ -147,6 +147,10 @@ def test_the_corpus_fingerprint_follows_the_file(corpus_file):
     assert corpus_fingerprint(source, data) == before
     os.utime(corpus_file, ns=(1, 1))  # same bytes, another modification time: treated as changed
     assert corpus_fingerprint(source, data) != before
+    pattern = str(corpus_file.parent / "*.jsonl")  # a glob: a file added to it changes the corpus
+    matched = prepare.file_signatures([pattern])
+    write_corpus(corpus_file.parent / "more.jsonl", 3)
+    assert len(prepare.file_signatures([pattern])) == len(matched) + 1
 
 
 def test_streaming_holds_out_the_first_documents_and_needs_max_steps(corpus_file, tmp_path):

@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     import sys
 
     from ..runtime.arguments import parse_arguments
+    from ..runtime.files import write_text_atomic
 
     argv = sys.argv[1:] if argv is None else argv
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        Path(args.output).write_text(text + "\n")
+        write_text_atomic(args.output, text + "\n")
     return report
 
 

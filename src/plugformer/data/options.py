@@ -3,10 +3,9 @@ every run's pretraining, and used to read back exactly the held-out documents th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from .prepare import digest, file_signature
+from .prepare import digest, file_signatures
 
 
 @dataclass
@@ -37,7 +36,7 @@ class CorpusArguments:
         """What the runs and scores depend on: the source and its files' size and modification time."""
         if self.dataset_name is None:
             return None
-        files = [file_signature(f) for f in self.data_files or [] if os.path.isfile(f)]
+        files = file_signatures(self.data_files)
         return digest(self.dataset_name, self.dataset_config, self.data_files, self.streaming, files)
 
     def held_out_texts(self, split: str, dev: int, test: int, seed: int) -> list[str]:

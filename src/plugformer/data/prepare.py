@@ -15,6 +15,7 @@ never read half-written. Deleting the cache folder is always safe: it is rebuilt
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from datasets import (
     load_dataset,
 )
 
+from ..runtime.files import write_json_atomic
 from .packing import pack
 
 
@@ -61,16 +63,22 @@ def digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def file_signature(path: str) -> list:
-    """(resolved path, size, modification time in ns) of a local file: changes whenever its content is rewritten."""
-    stat = os.stat(path)
-    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+def file_signatures(data_files: list[str] | None) -> list[list]:
+    """(resolved path, size, modification time in ns) of each local file `data_files` names, globs expanded: changes
+    whenever a file is rewritten, added or removed."""
+    paths = sorted({path for pattern in data_files or [] for path in glob.glob(pattern) or [pattern]})
+    signatures = []
+    for path in paths:
+        if os.path.isfile(path):
+            stat = os.stat(path)
+            signatures.append([str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns])
+    return signatures
 
 
 def corpus_fingerprint(source: dict, splits: DatasetDict) -> str:
     """The identity of a loaded corpus: its source (name, config, files with their size and mtime, split sizes and
     seed) and each split's `datasets` fingerprint."""
-    files = [file_signature(f) for f in source.get("data_files") or [] if os.path.isfile(f)]
+    files = file_signatures(source.get("data_files"))
     return digest(source, files, {name: split._fingerprint for name, split in splits.items()})
 
 
@@ -151,7 +159,7 @@ def stream_corpus(source: dict, dev: int, test: int) -> Corpus:
     texts = [row["text"] for row in held_out]
     splits = DatasetDict({name: Dataset.from_dict({"text": part})
                           for name, part in (("dev", texts[:dev]), ("test", texts[dev:])) if part})  # fmt: skip
-    files = [file_signature(f) for f in source.get("data_files") or [] if os.path.isfile(f)]
+    files = file_signatures(source.get("data_files"))
     return Corpus(splits, digest("stream", source, files, dev, test), stream.skip(dev + test))
 
 
@@ -243,7 +251,7 @@ def prepared_blocks(
             packed = pack_split(name, split, tmp)
             files[name] = [Path(f["filename"]).name for f in packed.cache_files]  # the shards, in order
             del packed  # memory-mapped until released
-        (tmp / "complete").write_text(json.dumps(files, indent=1))
+        write_json_atomic(tmp / "complete", files, indent=1)
 
     publish(build, folder)
     say("tokenized and packed in %.1f s with %d processes: %s", time.perf_counter() - started, num_proc, folder)

@@ -21,7 +21,9 @@ working, which RL with verifiable rewards learns to overcome.
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -341,8 +343,6 @@ def load_user_dataset(dataset_name: str, dataset_config: str | None, data_files:
     """`datasets.load_dataset`, with a malformed line of a json file reported as its file and line number."""
     from datasets.exceptions import DatasetGenerationError
 
-    from .validation import first_malformed_json_line
-
     try:
         return load_dataset(dataset_name, dataset_config, data_files=data_files)
     except DatasetGenerationError as error:
@@ -366,3 +366,22 @@ def check_text_column(train, source: str) -> None:
 
 def _canonical_split(name: str) -> str:
     return {"validation": "dev", "valid": "dev", "eval": "dev"}.get(name, name)
+
+
+def first_malformed_json_line(data_files: list[str]) -> str | None:
+    """`"<file> line <n>: <error>"` for the first line of the json-lines `data_files` that is not JSON, or `None`.
+    Read only after `datasets` failed, so a good corpus is never parsed twice."""
+    for name in data_files:
+        for path in sorted(glob.glob(name)) or [name]:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                if file.read(4096).lstrip().startswith("["):
+                    continue  # one JSON array over many lines, not JSON lines
+                file.seek(0)
+                for number, line in enumerate(file, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as error:
+                        return f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
+    return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import glob
-import json
 from pathlib import Path
 
 
@@ -81,22 +80,3 @@ def check_rows(data_format: str, data, source: str, reader: str) -> None:
             if row is not None:
                 raise ValueError(f"{source}: column {column!r} is null in row {row} of the {split_name} split "
                                  f"({reader} needs a value in every row)")  # fmt: skip
-
-
-def first_malformed_json_line(data_files: list[str]) -> str | None:
-    """`"<file> line <n>: <error>"` for the first line of the json-lines `data_files` that is not JSON, or `None`.
-    Read only after `datasets` failed, so a good corpus is never parsed twice."""
-    for name in data_files:
-        for path in sorted(glob.glob(name)) or [name]:
-            with open(path, encoding="utf-8", errors="replace") as file:
-                if file.read(4096).lstrip().startswith("["):
-                    continue  # one JSON array over many lines, not JSON lines
-                file.seek(0)
-                for number, line in enumerate(file, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        json.loads(line)
-                    except json.JSONDecodeError as error:
-                        return f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
-    return None
