@@ -14,6 +14,7 @@ from plugformer import PlugformerConfig, PlugformerForCausalLM, supported_kernel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25 fetches Hub kernels in from_pretrained otherwise
 
 # Compiled flex_attention on CPU: torch 2.13's inductor emits C++ that does not compile once it switches to dynamic
 # shapes for a score_mod that reads a captured bias; static shapes compile (one kernel per shape, cached).

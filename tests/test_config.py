@@ -131,6 +131,18 @@ def test_explicit_fused_kernel_for_additive_raises(kernel, tmp_path):
         model.set_attn_implementation(kernel)
 
 
+def test_a_saved_config_carries_no_kernel_choice(tmp_path):
+    """transformers 5.25 ignores `_attn_implementation` in a loaded config.json (5.24 applied it): a checkpoint that
+    never holds it loads alike on both, with the kernel chosen at load (compat.py)."""
+    model = build(tiny_config("scaled_dot", "rope"), "eager")
+    model.save_pretrained(tmp_path)
+    assert not [key for key in (tmp_path / "config.json").read_text().split('"') if "attn_implementation" in key]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").config._attn_implementation == (
+        "eager"
+    )
+
+
 def test_kernel_switches_at_run_time():
     model = build(tiny_config("multiplicative", "t5_bias"), "eager")
     for kernel in ("sdpa", "eager"):

@@ -3,6 +3,7 @@ gets a one-line error naming the input and what is allowed, before any training 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -305,7 +306,7 @@ def test_a_stage_through_the_cli_opens_no_connection_off_the_machine(finished, t
     from plugformer.cli import main
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
-                 "DISABLE_TELEMETRY", "CI"):  # fmt: skip
+                 "DISABLE_TELEMETRY", "USE_HUB_KERNELS", "CI"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", False)
@@ -341,6 +342,44 @@ def test_a_stage_through_the_cli_opens_no_connection_off_the_machine(finished, t
         time.sleep(0.05)
     assert (tmp_path / "sft" / "run_info.json").exists()
     assert attempts == []
+
+
+def hub_kernels_enabled(environ: dict[str, str], monkeypatch) -> bool:
+    """transformers' own answer to "fetch Hub kernels?" under `environ`: 5.25 reads `USE_HUB_KERNELS` at each call
+    (`_kernels_enabled()`, default on), 5.19-5.24 once at import, against `ENV_VARS_TRUE_VALUES` (default on)."""
+    from transformers.integrations import hub_kernels
+    from transformers.utils.import_utils import ENV_VARS_TRUE_VALUES
+
+    if callable(hub_kernels._kernels_enabled):
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        return hub_kernels._kernels_enabled()
+    return environ.get("USE_HUB_KERNELS", "YES").upper() in ENV_VARS_TRUE_VALUES
+
+
+def test_the_offline_defaults_turn_hub_kernels_off_unless_the_user_turned_them_on(monkeypatch):
+    from plugformer.runtime.offline import apply_offline_defaults
+
+    environ: dict[str, str] = {}
+    assert apply_offline_defaults(environ) == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                                               "USE_HUB_KERNELS": "NO"}  # fmt: skip
+    assert not hub_kernels_enabled(environ, monkeypatch)
+    assert hub_kernels_enabled({}, monkeypatch)  # transformers' default, which the defaults override
+    mine = {"USE_HUB_KERNELS": "YES"}
+    assert "USE_HUB_KERNELS" not in apply_offline_defaults(mine) and mine["USE_HUB_KERNELS"] == "YES"
+    assert not hub_kernels_enabled({"USE_HUB_KERNELS": os.environ["USE_HUB_KERNELS"]}, monkeypatch)  # conftest's
+
+
+@pytest.mark.parametrize("score,scheme", [("scaled_dot", "rope"), ("additive", "t5_bias"), ("multiplicative", "alibi")])
+def test_no_plugformer_layer_names_a_hub_kernel(score, scheme):
+    """transformers 5.25 kernelizes, by default at load, the layers its `use_kernel_forward_from_hub` marked (the
+    mark is a `kernel_layer_name` class attribute): plugformer's layers carry none, so nothing is fetched for them."""
+    from conftest import tiny_config
+
+    from plugformer import PlugformerForCausalLM
+
+    model = PlugformerForCausalLM(tiny_config(score, scheme))
+    assert [name for name, module in model.named_modules() if hasattr(type(module), "kernel_layer_name")] == []
 
 
 # --- late and unclear errors ---------------------------------------------------------------------------------------

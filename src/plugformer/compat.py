@@ -12,6 +12,25 @@ is transformers' own object (no wrapper, no per-call work).
   the new names; either name works on every supported release (`trainer_option_aliases`).
 - 5.21.0 added `modeling_utils.slice_logits_to_keep`, and `PreTrainedConfig.__post_init__` stopped assigning
   `base_model_tp_plan` (before, it added `embed_tokens` to the plan of a config with tied embeddings).
+
+5.25.0 is outside the range: it requires `kernels>=0.19.1,<0.20`, which the package registry does not have yet, so
+it cannot be installed and tested. Read against its released sources (the wheel), it changes four things here:
+- Hub kernels are on by default: `from_pretrained(use_kernels=None)` kernelizes every layer that names a Hub kernel
+  (Llama's RMSNorm, ...), fetching it, unless `USE_HUB_KERNELS` is false, which it now reads at each call (before:
+  `use_kernels=False` by default, and the variable only read at import, when `kernels` is installed). plugformer's
+  layers name none, but its tests and commands load transformers' reference models: its offline defaults
+  (`runtime.offline`) and `tests/conftest.py` set `USE_HUB_KERNELS=NO`; a user's `USE_HUB_KERNELS=YES` opts in.
+- `create_bidirectional_mask` (and the sliding variant) take `position_ids` and keep packed documents apart, as
+  `create_causal_mask` already did without a mask and a cache. plugformer passes no `position_ids` to the mask
+  builders and keeps documents apart itself (`stack.document_mask_function`, with a mask and a cache too), so the
+  masks are the same; passing both would only repeat the same `and` of document ids.
+- `PreTrainedConfig` ignores `_attn_implementation` found in a loaded `config.json` (5.24 applied it). plugformer
+  never writes it there (`save_pretrained` drops it) and reads the kernel from `config._attn_implementation` as
+  transformers set it at load (`capabilities.KERNELS.of`), so only a hand-edited `config.json` loads differently:
+  pass `attn_implementation=` to `from_pretrained` instead.
+- T5's relative bias through the attention interface: `models/t5/modeling_t5.py` is identical in 5.24 and 5.25
+  (5.24 already passes it to `ALL_ATTENTION_FUNCTIONS`); plugformer reads only its `_relative_position_bucket`, in
+  tests, and its parameter layout, for memory estimates.
 """
 
 from __future__ import annotations
