@@ -121,7 +121,7 @@ def test_the_fused_loss_runs_only_in_training_with_labels():
     assert evaluated.logits is not None and evaluated.loss is not None
     assert model.train()(input_ids=ids).logits is not None  # no labels: the logits
     fresh = PlugformerForCausalLM(copy.deepcopy(model.config)).train()
-    assert fresh.fused_loss is False and fresh(input_ids=ids, labels=ids).logits is not None  # off by default
+    assert fresh(input_ids=ids, labels=ids).logits is not None  # off by default
 
 
 def test_a_lora_adapter_on_the_head_keeps_the_unfused_loss():
@@ -162,3 +162,63 @@ def test_the_fused_loss_under_bf16_autocast_matches_the_unfused_one():
     for name, grad in plain_grads.items():
         cosine = nn.functional.cosine_similarity(fused_grads[name].flatten(), grad.flatten(), dim=0)
         assert cosine > 0.99, name
+
+
+# the training stages: fused by default, the same training as the unfused loss, Liger refused
+STAGE_FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--max_steps", "3",
+               "--per_device_train_batch_size", "4", "--train_examples", "48", "--dev_examples", "8",
+               "--test_examples", "8", "--exact_match_examples", "0", "--dataloader_pin_memory", "false",
+               "--learning_rate", "1e-3", "--seed", "3"]  # fmt: skip
+PRETRAIN = ["--preset", "tiny", "--vocab_size", "300", "--block_size", "32", "--max_position_embeddings", "128"]
+SFT = ["--bf16", "false", "--activation_checkpointing", "false", "--max_length", "64"]
+
+
+def trained_weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(f"{directory}/model.safetensors")
+
+
+def count_fused_calls(monkeypatch) -> list:
+    import plugformer.losses
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(plugformer.losses, "linear_cross_entropy", counted)
+    return calls
+
+
+def test_pretrain_and_sft_train_the_same_weights_fused_and_unfused(tmp_path, monkeypatch):
+    from plugformer.training import run_stage
+
+    calls = count_fused_calls(monkeypatch)
+    for fused in ("true", "false"):
+        before = len(calls)
+        run_stage("pretrain", ["--output_dir", str(tmp_path / f"pretrain-{fused}"), *STAGE_FLAGS, *PRETRAIN,
+                               "--fused_loss", fused])  # fmt: skip
+        assert (len(calls) > before) == (fused == "true")  # the default stage's model computes the fused loss
+    unfused = trained_weights(tmp_path / "pretrain-false")
+    for name, tensor in trained_weights(tmp_path / "pretrain-true").items():
+        torch.testing.assert_close(tensor, unfused[name], rtol=1e-4, atol=1e-5, msg=name)
+    # SFT: TRL's own chunked head (the default) against the model's unfused loss
+    parent = str(tmp_path / "pretrain-true")
+    for fused in ("true", "false"):
+        run_stage("sft", ["--output_dir", str(tmp_path / f"sft-{fused}"), *STAGE_FLAGS, *SFT,
+                          "--model_name_or_path", parent, "--fused_loss", fused])  # fmt: skip
+    unfused = trained_weights(tmp_path / "sft-false")
+    for name, tensor in trained_weights(tmp_path / "sft-true").items():
+        torch.testing.assert_close(tensor, unfused[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(unfused["model.embed_tokens.weight"], trained_weights(parent)["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+def test_use_liger_kernel_is_refused_not_ignored(stage, tmp_path):
+    from plugformer.training import run_stage
+
+    flags = PRETRAIN if stage == "pretrain" else [*SFT, "--model_name_or_path", str(tmp_path / "missing")]
+    with pytest.raises(ValueError, match="--use_liger_kernel true: Liger's kernels do not patch plugformer models"):
+        run_stage(stage, ["--output_dir", str(tmp_path / "out"), *STAGE_FLAGS, *flags, "--use_liger_kernel", "true"])

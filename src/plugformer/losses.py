@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .inputs import IGNORE_INDEX
+from .inputs import IGNORE_INDEX, check_labels
 
 
 # Logit elements per chunk (32 MiB in float32): rows per chunk = this // vocab_size. Large enough that each chunk's
@@ -127,13 +127,36 @@ def causal_targets(
     return nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
-def fused_head_weight(module: nn.Module, labels: torch.Tensor | None) -> torch.Tensor | None:
-    """The weight of `module.lm_head` when `module(..., labels=...)` should compute the fused loss: `labels` given,
-    `module.fused_loss` set (the training stages set it) and the module training. `None` otherwise, and for a head
-    that is not a plain bias-free `nn.Linear` (a PEFT adapter on it, whose update the weight alone would miss)."""
+def fused_head_loss(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor | None,
+    logits_to_keep: int | torch.Tensor = 0,
+    shift: bool = False,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The loss of a head's forward computed by `linear_cross_entropy`, or `None` where the head computes its logits.
+
+    Fused when `labels` are given, `module.fused_loss` is set (`plugformer train pretrain` sets it; off by default),
+    the module is training, every logit is asked for (`logits_to_keep=0`) and `module.lm_head` is a plain bias-free
+    `nn.Linear` (not a PEFT adapter, whose update the weight alone would miss). The forward then returns
+    `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation keep the logits.
+
+    `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
+    `ignore_index` from `kwargs`). `shift=False` (masked LM): the mean over the labelled positions, as its unfused loss.
+    """
     head = getattr(module, "lm_head", None)
     if labels is None or not getattr(module, "fused_loss", False) or not module.training:
         return None
-    if type(head) is not nn.Linear or head.bias is not None:
+    if (
+        type(head) is not nn.Linear
+        or head.bias is not None
+        or not (isinstance(logits_to_keep, int) and not logits_to_keep)
+    ):
         return None
-    return head.weight
+    check_labels(labels, module.config.vocab_size)
+    if not shift:
+        return linear_cross_entropy(hidden_states, head.weight, labels)
+    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+    targets = causal_targets(labels, kwargs.get("shift_labels"), ignore_index)
+    return linear_cross_entropy(hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index)

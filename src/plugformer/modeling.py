@@ -37,7 +37,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
-from .losses import causal_targets, fused_head_weight, linear_cross_entropy
+from .losses import fused_head_loss
 from .pretrained import PlugformerPreTrainedModel
 from .stack import PlugformerModel, document_mask_function, position_ids_from_mask
 
@@ -107,15 +107,10 @@ def require_encoder(config: PlugformerConfig, head: str) -> None:
 
 
 class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin):
-    """The stack with a language-modelling head (tied to the input embedding when `tie_word_embeddings`).
-
-    With `fused_loss = True` (set by `plugformer train pretrain`; off by default), a training-mode forward given
-    `labels` computes the loss from the hidden states in chunks (`losses.linear_cross_entropy`) and returns
-    `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation still return the logits."""
+    """The stack with a language-modelling head (tied to the input embedding when `tie_word_embeddings`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    fused_loss = False
 
     def __init__(self, config: PlugformerConfig):
         require_decoder(config, type(self).__name__)
@@ -142,7 +137,8 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
         r"""
         Args:
             labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets for the
-                next-token loss; shifted inside, -100 is ignored.
+                next-token loss; shifted inside, -100 is ignored. With `model.fused_loss = True` (set by `plugformer
+                train`), a training-mode forward computes the loss in chunks and returns `logits=None`.
             logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): Compute logits for the last `n`
                 positions only (0 = all), or for the given indices.
 
@@ -158,17 +154,9 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        weight = fused_head_weight(self, labels) if isinstance(logits_to_keep, int) and logits_to_keep == 0 else None
-        if weight is not None:  # the loss without the (B, T, V) logits
-            check_labels(labels, self.config.vocab_size)
-            targets = causal_targets(labels, kwargs.get("shift_labels"), kwargs.get("ignore_index", -100))
-            loss = linear_cross_entropy(hidden_states, weight, targets, kwargs.get("num_items_in_batch"),
-                                        kwargs.get("ignore_index", -100))  # fmt: skip
-            return CausalLMOutputWithPast(loss=loss, logits=None, cache=outputs.cache,
-                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
-        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
-        loss = None
-        if labels is not None:
+        loss = fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True, **kwargs)  # None: unfused
+        logits = None if loss is not None else self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
@@ -210,15 +198,9 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
         )  # fmt: skip
-        weight = fused_head_weight(self, labels)
-        if weight is not None:  # a masked LM's loss without the (B, T, V) logits (see PlugformerForCausalLM)
-            check_labels(labels, self.config.vocab_size)
-            loss = linear_cross_entropy(outputs.last_hidden_state, weight, labels)
-            return self.output_class(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                     attentions=outputs.attentions)  # fmt: skip
-        logits = self.head(outputs.last_hidden_state)
-        loss = None
-        if labels is not None:
+        loss = fused_head_loss(self, outputs.last_hidden_state, labels)  # a masked LM's, as the causal LM's
+        logits = None if loss is not None else self.head(outputs.last_hidden_state)
+        if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
         return self.output_class(
@@ -233,7 +215,6 @@ class PlugformerForMaskedLM(PlugformerTokenHead):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     output_class = MaskedLMOutput
-    fused_loss = False  # as PlugformerForCausalLM's (set by `plugformer train pretrain` for an encoder)
 
     def __init__(self, config: PlugformerConfig):
         require_encoder(config, type(self).__name__)
