@@ -37,6 +37,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
+from .losses import fused_head_loss
 from .pretrained import PlugformerPreTrainedModel
 from .stack import PlugformerModel, document_mask_function, position_ids_from_mask
 
@@ -136,7 +137,8 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
         r"""
         Args:
             labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Targets for the
-                next-token loss; shifted inside, -100 is ignored.
+                next-token loss; shifted inside, -100 is ignored. With `model.fused_loss = True` (set by `plugformer
+                train`), a training-mode forward computes the loss in chunks and returns `logits=None`.
             logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): Compute logits for the last `n`
                 positions only (0 = all), or for the given indices.
 
@@ -152,9 +154,9 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
-        loss = None
-        if labels is not None:
+        loss = fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True, **kwargs)  # None: unfused
+        logits = None if loss is not None else self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
@@ -196,9 +198,9 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
         )  # fmt: skip
-        logits = self.head(outputs.last_hidden_state)
-        loss = None
-        if labels is not None:
+        loss = fused_head_loss(self, outputs.last_hidden_state, labels)  # a masked LM's, as the causal LM's
+        logits = None if loss is not None else self.head(outputs.last_hidden_state)
+        if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
         return self.output_class(

@@ -51,6 +51,11 @@ class StageArguments:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
 
 
+FUSED_LOSS_HELP = ("compute the training loss from the hidden states in chunks, never holding the (batch, tokens, "
+                   "vocab) logits or their gradient (plugformer.losses); false: the full logits, as transformers' "
+                   "heads")  # fmt: skip
+
+
 @dataclass
 class PretrainArguments(StageArguments):
     """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
@@ -101,6 +106,7 @@ class PretrainArguments(StageArguments):
         metadata={"help": "where a prepared corpus (its tokenizer, its packed blocks) is kept and reused; default: "
                           "$PLUGFORMER_CACHE or ~/.cache/plugformer"},
     )  # fmt: skip
+    fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
 
     def __post_init__(self):
         super().__post_init__()
@@ -176,6 +182,15 @@ def check_trainer_arguments(training_args) -> None:
     check_counts(training_args, TRAINER_COUNTS)
 
 
+def refuse_liger_kernel(training_args) -> None:
+    """`--use_liger_kernel true` would fuse nothing on a plugformer model (Liger's patch table does not know its
+    model type, and says so at info level only): refused, naming plugformer's own fused loss."""
+    if getattr(training_args, "use_liger_kernel", False):
+        raise ValueError("--use_liger_kernel true: Liger's kernels do not patch plugformer models; the fused "
+                         "linear cross-entropy is plugformer's own --fused_loss (on by default): drop "
+                         "--use_liger_kernel")  # fmt: skip
+
+
 def parse_overrides(text: str | None, name: str) -> dict:
     """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values parsed as YAML scalars).
 
@@ -235,3 +250,12 @@ class GRPOArguments(PolicyArguments):
         default_factory=lambda: ["exact_match", "format"],
         metadata={"help": "verifiable rewards from plugformer.evaluation.rewards (weights: --reward_weights)"},
     )
+
+
+@dataclass
+class SFTArguments(PolicyArguments):
+    fused_loss: bool = field(
+        default=True,
+        metadata={"help": FUSED_LOSS_HELP + "; true is TRL's own chunked LM head (SFTTrainer's loss and its entropy "
+                          "and token-accuracy metrics), false the model's unfused loss (without those metrics)"},
+    )  # fmt: skip

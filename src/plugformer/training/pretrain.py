@@ -24,7 +24,7 @@ from ..data.validation import check_data_files
 from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..runtime.memory import check_model_fits
-from .arguments import PretrainArguments, check_trainer_arguments
+from .arguments import PretrainArguments, check_trainer_arguments, refuse_liger_kernel
 from .checkpoints import atomic_checkpoints
 from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
 from .distributed import check_launch, log_effective_batch
@@ -132,6 +132,7 @@ def check_blocks(data, blocks, block_size: int) -> None:
 
 def train(script_args, model_args, training_args) -> dict:
     check_trainer_arguments(training_args)
+    refuse_liger_kernel(training_args)
     check_tokenizer_source(script_args, model_args)
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
     claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
@@ -141,6 +142,7 @@ def train(script_args, model_args, training_args) -> dict:
         corpus = load_corpus(script_args)
         tokenizer = build_tokenizer(script_args, model_args, corpus)
     model = build_model(script_args, model_args, tokenizer)
+    model.fused_loss = script_args.fused_loss  # the heads' chunked loss in training (plugformer.losses)
     if model.can_generate():
         set_generation_eos(model, tokenizer)
     causal = model.config.is_causal

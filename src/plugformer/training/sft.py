@@ -1,11 +1,27 @@
 """Supervised fine-tuning with TRL's `SFTTrainer`: conversations through the model's chat template, loss on the
-completion (the assistant's answer) only."""
+completion (the assistant's answer) only.
+
+TRL 1.16's `SFTTrainer` computes its loss through its own chunked LM head (`trl.trainer.utils.add_fused_lm_head`,
+patched onto any model), so the (batch, tokens, vocab) logits are never built: that is `--fused_loss true`.
+`--fused_loss false` trains on the model's own unfused loss instead (`Trainer.compute_loss`)."""
 
 from __future__ import annotations
 
 from ..evaluation.cards import StageCard
-from .arguments import PolicyArguments
+from .arguments import SFTArguments, refuse_liger_kernel
 from .stages import Stage, register_stage
+
+
+def unfused_trainer(sft_trainer: type) -> type:
+    """`sft_trainer` with `Trainer`'s loss: the model's forward with the labels (the full logits), not TRL's fused
+    head; TRL's entropy and token-accuracy metrics, which that head computes, are not logged."""
+    from transformers import Trainer
+
+    class UnfusedSFTTrainer(sft_trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+    return UnfusedSFTTrainer
 
 
 def train(script_args, model_args, training_args) -> dict:
@@ -14,14 +30,16 @@ def train(script_args, model_args, training_args) -> dict:
 
     from .common import run_trainer
 
-    return run_trainer("sft", SFTTrainer, AutoModelForCausalLM, script_args, model_args, training_args)
+    refuse_liger_kernel(training_args)
+    trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
+    return run_trainer("sft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args)
 
 
 STAGE = register_stage(
     Stage(
         name="sft",
         parent="pretrain",
-        script_arguments=PolicyArguments,
+        script_arguments=SFTArguments,
         config_class="SFTConfig",
         description="supervised fine-tuning on conversations (TRL SFTTrainer)",
         data_format="conversation",
