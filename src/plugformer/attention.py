@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
-from .configuration import VARIANT_REGISTRIES, PlugformerConfig
+from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
 from .layers import RMSNorm
 from .positions import POSITION_SCHEMES, apply_rotary
 from .scores import ATTENTION_SCORES
@@ -80,10 +80,12 @@ class PlugformerAttention(nn.Module):
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
-        # `sliding_window`: eager, sdpa and flex get it through the mask; transformers' flash kernels as an argument
-        # (as Mistral passes it), a window of `sliding_window − 1` keys on each side of the query. transformers'
-        # bidirectional sliding mask lets a query see keys up to `sliding_window` away: one more for an encoder.
-        window = config.sliding_window
+        # `sliding_window`, in the layers `layer_types` marks sliding: eager, sdpa and flex get it through the mask;
+        # transformers' flash kernels as an argument (as Mistral and Qwen3 pass it), a window of `sliding_window − 1`
+        # keys on each side of the query. transformers' bidirectional sliding mask lets a query see keys up to
+        # `sliding_window` away: one more for an encoder.
+        self.layer_type = layer_type(config, layer_idx)
+        window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.window_kwargs = {} if window is None else {"sliding_window": window + (0 if is_causal else 1)}
 
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
@@ -178,7 +180,7 @@ class PlugformerCrossAttention(PlugformerAttention):
 
     def __init__(self, config: PlugformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, is_causal=False)
-        self.window_kwargs = {}  # every encoder key (`sliding_window` is for self-attention)
+        self.layer_type, self.window_kwargs = "full_attention", {}  # every encoder key (the window is self-attention's)
 
     def forward(
         self,

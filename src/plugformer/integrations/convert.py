@@ -1,4 +1,4 @@
-"""Import transformers' Llama and GPT-2 causal LM checkpoints into plugformer with identical logits.
+"""Import transformers' Llama, Qwen3 and GPT-2 causal LM checkpoints into plugformer with identical logits.
 
 That is the path from a pretrained public checkpoint to a variant study: convert, then switch `position_scheme` or
 `attention_score` (the weights that still fit are kept, new variant parameters start fresh) and fine-tune.
@@ -54,7 +54,7 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         rope_parameters=dict(source.rope_parameters),
         rms_norm_eps=source.rms_norm_eps,
         attention_bias=source.attention_bias,
-        mlp_bias=source.mlp_bias,
+        mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
         attention_dropout=source.attention_dropout,
         tie_word_embeddings=source.tie_word_embeddings,
         initializer_range=source.initializer_range,
@@ -65,6 +65,17 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         ffn_type="glu",
         **_special_tokens(source),
     )
+
+
+def qwen3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Qwen3 is Llama with QK-norm, an MLP without biases and, with `use_sliding_window`, sliding layers where its
+    `layer_types` says (transformers derives them from `max_window_layers`)."""
+    return {
+        **llama_config(source),
+        "use_qk_norm": True,
+        "sliding_window": source.sliding_window,
+        "layer_types": list(source.layer_types),
+    }
 
 
 def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
@@ -149,6 +160,7 @@ def check_output_dir(source: str | Path, output_dir: str | Path, overwrite: bool
 
 CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
     "llama": (llama_config, llama_weights),
+    "qwen3": (qwen3_config, llama_weights),
     "gpt2": (gpt2_config, gpt2_weights),
 }
 
@@ -159,7 +171,7 @@ def convert(
     """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
 
     Args:
-        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama or gpt2).
+        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3 or gpt2).
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
             source or a folder inside it, nor an existing file; a folder that already holds a model only with
             `overwrite`.
