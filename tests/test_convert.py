@@ -104,7 +104,7 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     BertConfig(
         vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
     ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'qwen3', 'gpt2'\]"):
+    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'qwen3', 'qwen3_next', 'gpt2'\]"):
         convert(tmp_path)
 
 

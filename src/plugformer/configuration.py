@@ -196,6 +196,10 @@ class PlugformerConfig(PreTrainedConfig):
             one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
             field for them); dot-product scores only, on the kernels whose record declares `sinks`
             (`plugformer info --markdown`; the others are refused).
+        use_gated_attention (`bool`, *optional*, defaults to `False`): Multiplies each head's attention output by a
+            sigmoid gate computed from the hidden state, before `o_proj` (Qwen3-Next; Qiu et al. 2025, "Gated
+            Attention for Large Language Models"): `q_proj` is twice as wide, each head's query followed by its gate
+            (transformers' `qwen3_next` layout); composes with every score, scheme and kernel.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
@@ -268,6 +272,7 @@ class PlugformerConfig(PreTrainedConfig):
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
     use_attention_sinks: bool = False
+    use_gated_attention: bool = False
     additive_chunk_size: int | None = None
     sliding_window: int | None = None
     layer_types: list[str] | None = None
