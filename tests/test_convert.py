@@ -1,4 +1,4 @@
-"""Weight import from transformers' Llama and GPT-2: identical logits, then variant switches."""
+"""Weight import from transformers' Llama, Qwen3 (with sliding layers) and GPT-2: identical logits, then variant switches."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from plugformer import PlugformerForCausalLM
 from plugformer.cli import main as cli_main
@@ -22,6 +30,23 @@ def llama(tie: bool):
     return LlamaForCausalLM(config)
 
 
+def qwen3_sliding():
+    """A Qwen3 whose `use_sliding_window` makes its last two layers sliding (`max_window_layers=1`): a window of 3
+    shorter than the prompts, so the layer kinds decide the logits."""
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=3, max_window_layers=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # Qwen3 starts its QK-norms at 1: move them, or a missed norm would go unseen
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
 def gpt2(tie: bool = True):
     config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tie)
     return GPT2LMHeadModel(config)
@@ -29,8 +54,8 @@ def gpt2(tie: bool = True):
 
 @pytest.mark.parametrize(
     "reference",
-    [lambda: llama(False), lambda: llama(True), lambda: gpt2(True), lambda: gpt2(False)],
-    ids=["llama", "llama-tied", "gpt2", "gpt2-untied"],
+    [lambda: llama(False), lambda: llama(True), qwen3_sliding, lambda: gpt2(True), lambda: gpt2(False)],
+    ids=["llama", "llama-tied", "qwen3-sliding", "gpt2", "gpt2-untied"],
 )
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_converted_model_gives_the_reference_logits(reference, kernel, tmp_path, tokens):
@@ -55,7 +80,8 @@ def test_converted_model_gives_the_reference_logits(reference, kernel, tmp_path,
         source.generate(prompt, max_new_tokens=6, do_sample=False),
     )
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == source.config.tie_word_embeddings
-    assert model.config.position_scheme == ("rope" if source.config.model_type == "llama" else "learned")
+    assert model.config.position_scheme == ("learned" if source.config.model_type == "gpt2" else "rope")
+    assert model.config.layer_types == getattr(source.config, "layer_types", ["full_attention"] * 2)
 
 
 def test_switching_the_position_scheme_keeps_every_other_weight(tmp_path, tokens, caplog):
@@ -78,7 +104,7 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     BertConfig(
         vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
     ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'gpt2'\]"):
+    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'qwen3', 'qwen3_next', 'gpt2'\]"):
         convert(tmp_path)
 
 

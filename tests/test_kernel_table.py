@@ -243,6 +243,28 @@ def test_a_kernel_that_masks_by_itself_is_refused_a_sliding_window():
         KERNELS._table.pop("self_masking_test")
 
 
+def test_vllm_plugin_lets_a_causal_window_through_by_layer_types():
+    """vLLM's Transformers backend windows the layers `config.layer_types` marks sliding (a window of
+    `sliding_window` keys, the query's included): with the plugin's record of its kernel, a causal window is computed;
+    an encoder's (bidirectional) window is still refused."""
+    from plugformer.capabilities import unsupported_reason
+    from plugformer.integrations import vllm_plugin
+
+    assert "vllm" not in KERNELS
+    vllm_plugin.register_vllm_kernel()
+    try:
+        mixed = plugformer.PlugformerConfig.from_preset(
+            "tiny", sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+        )
+        assert unsupported_reason(mixed, "vllm") is None
+        assert unsupported_reason(plugformer.PlugformerConfig.from_preset("tiny", sliding_window=3), "vllm") is None
+        encoder = plugformer.PlugformerConfig.from_preset("tiny", sliding_window=3, is_causal=False)
+        assert "sliding_window=3" in unsupported_reason(encoder, "vllm")
+        assert "vllm" not in supported_kernels(mixed)  # runs only inside vLLM's engine
+    finally:
+        KERNELS._table.pop("vllm")
+
+
 def test_a_score_with_wide_values_runs_only_on_kernels_declaring_them(kernel_name, monkeypatch):
     """A score whose `prepare_value` widens the values (`value_width` 2, as differential attention's) is refused, naming
     the field, by every kernel whose record does not declare `wide_values`: flash-attn's, one registered without it,

@@ -50,7 +50,10 @@ def without_window(model):
     for module in model.modules():
         if hasattr(module, "window_kwargs"):
             module.window_kwargs = {}
+        if hasattr(module, "attention_type"):
+            module.attention_type = "full_attention"
     model.config.sliding_window = None
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
     return model
 
 

@@ -164,6 +164,28 @@ def test_plugin_still_refuses_what_vllm_cannot_compute(score, scheme, plugin):
     gc.collect()
 
 
+def test_plugin_generates_with_per_layer_sliding_windows(tmp_path):
+    """`layer_types` mixing sliding and full layers (a window shorter than the prompts): vLLM's backend windows the
+    layers it marks, and greedy tokens equal transformers' (formerly refused: vLLM reads the window per layer)."""
+    from plugformer.integrations import vllm_plugin
+
+    vllm_plugin.register()
+    fields = dict(sliding_window=3, num_hidden_layers=3, initializer_range=0.1,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **fields, **SIZES)).eval()
+    model.save_pretrained(tmp_path)
+    full = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **{**fields, "layer_types": None,
+                                                                         "sliding_window": None}, **SIZES)).eval()  # fmt: skip
+    full.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected, without_window = ([m.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                min_new_tokens=NEW_TOKENS)[0, len(p) :].tolist() for p in PROMPTS]
+                                    for m in (model, full))  # fmt: skip
+    assert expected != without_window  # the windows decide the tokens
+    assert vllm_greedy(tmp_path) == expected
+
+
 GRPO_RUN = r"""
 import json, sys
 from plugformer.integrations import vllm_plugin

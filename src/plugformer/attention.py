@@ -1,7 +1,8 @@
 """Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
 
     project (-> QK-norm) -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache
-    update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` -> merge heads -> o_proj
+    update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` -> merge heads (-> output
+    gate) -> o_proj
 
 The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward; it holds the
 projected values, which `prepare_value` (a function of each key slot's own values) turns into the kernel's. The kernel is
@@ -16,7 +17,7 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
-from .configuration import VARIANT_REGISTRIES, PlugformerConfig
+from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
 from .layers import RMSNorm
 from .positions import POSITION_SCHEMES, apply_rotary
 from .scores import ATTENTION_SCORES
@@ -64,7 +65,9 @@ class PlugformerAttention(nn.Module):
         self.is_causal = is_causal
         check_tensor_parallel(config)
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=config.attention_bias)
+        # gated attention (`use_gated_attention`, Qwen3-Next): q_proj also yields each head's output gate
+        self.gated = config.use_gated_attention
+        self.q_proj = nn.Linear(config.hidden_size, q_width * (2 if self.gated else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
@@ -80,14 +83,36 @@ class PlugformerAttention(nn.Module):
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
-        # `sliding_window`: eager, sdpa and flex get it through the mask; transformers' flash kernels as an argument
-        # (as Mistral passes it), a window of `sliding_window − 1` keys on each side of the query. transformers'
-        # bidirectional sliding mask lets a query see keys up to `sliding_window` away: one more for an encoder.
-        window = config.sliding_window
+        # `sliding_window`, in the layers `layer_types` marks sliding: eager, sdpa and flex get it through the mask;
+        # transformers' flash kernels as an argument (as Mistral and Qwen3 pass it), a window of `sliding_window − 1`
+        # keys on each side of the query. transformers' bidirectional sliding mask lets a query see keys up to
+        # `sliding_window` away: one more for an encoder.
+        self.layer_type = layer_type(config, layer_idx)
+        window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.window_kwargs = {} if window is None else {"sliding_window": window + (0 if is_causal else 1)}
 
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
+
+    def project_query(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The queries `(B, H, T, D)` (QK-normed) and, with `use_gated_attention`, the output gate's logits
+        `(B, T, H·D)`: transformers' `qwen3_next` lays `q_proj`'s output out per head, its D query columns then its D
+        gate columns (so a column-parallel q_proj leaves each rank its heads' queries and gates)."""
+        projected = self.q_proj(hidden_states)
+        gate = None
+        if self.gated:
+            per_head = projected.view(*projected.shape[:-1], -1, 2 * self.head_dim)  # (B, T, H, 2·D)
+            query, gate = per_head.chunk(2, dim=-1)  # (B, T, H, D) each
+            projected, gate = query.flatten(-2), gate.flatten(-2)  # (B, T, H·D) each
+        return self.q_norm(self.split_heads(projected)), gate
+
+    def output(self, attn_output: torch.Tensor, query: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The kernel's output through the score's `prepare_output`, merged to `(B, Q, H·D)`, gated (Qwen3-Next's
+        `output · sigmoid(gate)`), then `o_proj`."""
+        merged = self.merge_heads(self.score.prepare_output(attn_output), query)  # (B, Q, H·D)
+        if gate is not None:
+            merged = merged * torch.sigmoid(gate)
+        return self.o_proj(merged)
 
     @property
     def scaling(self) -> float:
@@ -143,7 +168,7 @@ class PlugformerAttention(nn.Module):
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.q_norm(self.split_heads(self.q_proj(hidden_states)))  # (B, H, T, D)
+        query, gate = self.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
         key = self.k_norm(self.split_heads(self.k_proj(hidden_states)))  # (B, H_kv, T, D)
         value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
         if position_embeddings is not None and self.use_rope:
@@ -167,7 +192,7 @@ class PlugformerAttention(nn.Module):
             self, query, key, value, attention_mask, scaling=self.scaling,
             **self.kernel_kwargs(kernel, query, key, position_bias, kwargs),
         )  # fmt: skip
-        return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights
+        return self.output(attn_output, query, gate), attn_weights
 
 
 class PlugformerCrossAttention(PlugformerAttention):
@@ -178,7 +203,7 @@ class PlugformerCrossAttention(PlugformerAttention):
 
     def __init__(self, config: PlugformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, is_causal=False)
-        self.window_kwargs = {}  # every encoder key (`sliding_window` is for self-attention)
+        self.layer_type, self.window_kwargs = "full_attention", {}  # every encoder key (the window is self-attention's)
 
     def forward(
         self,
@@ -188,7 +213,8 @@ class PlugformerCrossAttention(PlugformerAttention):
         cache: EncoderDecoderCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.score.prepare_query(self.q_norm(self.split_heads(self.q_proj(hidden_states))))  # (B, H, T, ·)
+        query, gate = self.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
+        query = self.score.prepare_query(query)  # (B, H, T, ·)
         if cache is not None and cache.is_updated.get(self.layer_idx):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             key, value = layer.keys, layer.values
@@ -206,4 +232,4 @@ class PlugformerCrossAttention(PlugformerAttention):
             self, query, key, value, attention_mask, scaling=self.scaling,
             **self.kernel_kwargs(kernel, query, key, None, kwargs),
         )  # fmt: skip
-        return self.o_proj(self.merge_heads(self.score.prepare_output(attn_output), query)), attn_weights
+        return self.output(attn_output, query, gate), attn_weights

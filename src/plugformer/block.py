@@ -29,6 +29,7 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True, cross_attention: bool = False):
         super().__init__()
         self.self_attn = PlugformerAttention(config, layer_idx, is_causal)
+        self.attention_type = self.self_attn.layer_type  # transformers' attribute: which mask and bias it takes
         self.mlp = FEED_FORWARDS.get(config.ffn_type)(config)
         norm = NORMS.get(config.norm_type)
         self.input_layernorm = norm(config)  # around attention (before it when pre, after the add when post)

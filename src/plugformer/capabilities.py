@@ -106,6 +106,9 @@ class KernelSpec:
         sliding_window (`bool`, *optional*, defaults to `True`): Applies the attention mask plugformer builds, so a
             `sliding_window` (part of that mask) is computed; `False` for a kernel that masks by itself (an engine's,
             such as vLLM's, which windows only by its own settings) and for kernels without a record.
+        windows_layer_types (`bool`, *optional*, defaults to `False`): Masks by itself, but slides a window of
+            `sliding_window` keys (the query's included) in the causal layers `layer_types` marks sliding, as vLLM's
+            Transformers backend builds each layer's attention from `config.layer_types`.
         attention_weights (`bool`, *optional*, defaults to `False`): Returns the weights (`output_attentions`).
         available (`Callable[[], bool]`, *optional*): Whether it runs on this machine (packages, device).
         bias_kinds (`tuple[str, ...]`, *optional*, defaults to `("relative",)`): With `bias="relative"`, the kinds of
@@ -127,6 +130,7 @@ class KernelSpec:
     sinks: bool = False
     wide_values: bool = False
     sliding_window: bool = True
+    windows_layer_types: bool = False
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
     bias_kinds: tuple[str, ...] = ("relative",)
@@ -202,7 +206,8 @@ class KernelSpec:
                 f"attn_implementation={self.name!r} cannot add attention sinks (use_attention_sinks=True, gpt-oss's "
                 f"learned logit per head); use one of {KERNELS.with_sinks()}"
             )
-        if config.sliding_window is not None and not self.sliding_window:
+        windowed_by_layer_types = self.windows_layer_types and config.is_causal
+        if config.sliding_window is not None and not (self.sliding_window or windowed_by_layer_types):
             return (
                 f"attn_implementation={self.name!r} does not apply plugformer's attention mask, so it would drop "
                 f"sliding_window={config.sliding_window!r}; use one of {KERNELS.windowing()}"

@@ -116,6 +116,16 @@ DEFAULT_AUTO_MAP = {
 }
 
 
+# transformers' names of the attention kinds a layer can be (`layer_types`): plugformer computes these two.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_type(config: "PlugformerConfig", layer_idx: int) -> str:
+    """The attention kind of self-attention layer `layer_idx` (`config.layer_types`). A seq2seq decoder, whose layers
+    `layer_types` does not count, has no sliding window (refused there) and so only full layers."""
+    return "full_attention" if config.sliding_window is None else config.layer_types[layer_idx]
+
+
 def _choice(field: str, value: Any, choices: list[str]) -> None:
     if value not in choices:
         raise ValueError(f"{field}={value!r} is not one of {choices}")
@@ -186,9 +196,14 @@ class PlugformerConfig(PreTrainedConfig):
             one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
             field for them); dot-product scores only, on the kernels whose record declares `sinks`
             (`plugformer info --markdown`; the others are refused).
+        use_gated_attention (`bool`, *optional*, defaults to `False`): Multiplies each head's attention output by a
+            sigmoid gate computed from the hidden state, before `o_proj` (Qwen3-Next; Qiu et al. 2025, "Gated
+            Attention for Large Language Models"): `q_proj` is twice as wide, each head's query followed by its gate
+            (transformers' `qwen3_next` layout); composes with every score, scheme and kernel.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
-        sliding_window (`int`, *optional*): Local attention in every layer, as Mistral's (transformers' name and
+        sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
+            every layer), as Mistral's (transformers' name and
             masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
             keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
             (`DynamicCache(config=...)`) then keeps only the window. `None`: full attention. Not for seq2seq models
@@ -257,8 +272,10 @@ class PlugformerConfig(PreTrainedConfig):
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
     use_attention_sinks: bool = False
+    use_gated_attention: bool = False
     additive_chunk_size: int | None = None
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
     attention_dropout: float | int = 0.0
@@ -279,6 +296,7 @@ class PlugformerConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         self._validate_variants()
         self._validate_sizes()
+        self._validate_layer_types()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_decoder_layers is None:
@@ -331,6 +349,26 @@ class PlugformerConfig(PreTrainedConfig):
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
             _in_range(self, field, 1e-12, 1.0, closed_high=True)
         self._validate_softcapping()
+
+    def _validate_layer_types(self) -> None:
+        """Derives `layer_types` from `sliding_window` when absent (transformers' Mistral-style every-layer window),
+        then checks it: one of `LAYER_TYPES` per layer, and sliding layers only with a window to slide."""
+        if self.layer_types is None:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+            return
+        if not isinstance(self.layer_types, list) or any(kind not in LAYER_TYPES for kind in self.layer_types):
+            raise ValueError(f"layer_types={self.layer_types!r} must be a list of {list(LAYER_TYPES)}, one per layer")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries; it needs one per layer (num_hidden_layers="
+                f"{self.num_hidden_layers})"
+            )
+        if self.sliding_window is None and "sliding_attention" in self.layer_types:
+            raise ValueError(
+                f"layer_types={self.layer_types!r} has sliding layers but sliding_window=None; set the window size "
+                "or make every layer 'full_attention'"
+            )
 
     def _validate_softcapping(self) -> None:
         cap = self.attn_logit_softcapping
@@ -386,6 +424,7 @@ class PlugformerConfig(PreTrainedConfig):
         text_config = super().get_text_config(decoder=decoder, encoder=encoder)
         if decoder and not encoder and self.is_encoder_decoder and text_config is not self:  # a copy: safe to edit
             text_config.num_hidden_layers = self.num_decoder_layers
+            text_config.layer_types = [layer_type(self, i) for i in range(self.num_decoder_layers)]
         return text_config
 
     @classmethod

@@ -130,27 +130,30 @@ class PlugformerModel(PlugformerPreTrainedModel):
             return False
         return bool(use_cache)
 
-    def _self_attention_mask(self, inputs_embeds, attention_mask, cache, position_ids):
-        # `sliding_window` (Mistral's local attention in every layer): transformers' sliding-window masks, which
-        # size themselves by the sliding cache layers `DynamicCache(config=...)` makes from the same field
-        sliding = self.config.sliding_window is not None
+    def _self_attention_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
+        """The self-attention mask of each attention kind among the layers (`layer_types`), by kind, as transformers'
+        Qwen3 and Gemma build them: the sliding-window masks size themselves by the sliding cache layers
+        `DynamicCache(config=...)` makes from the same fields, the full ones by the full layers."""
         batch, query_length = inputs_embeds.shape[:2]
         documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        kinds = {layer.attention_type for layer in self.layers}
         if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
-            bidirectional = create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask
-            return bidirectional(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                 and_mask_function=documents)  # fmt: skip
+            functions = {"full_attention": create_bidirectional_mask,
+                         "sliding_attention": create_bidirectional_sliding_window_mask}  # fmt: skip
+            return {kind: functions[kind](config=self.config, inputs_embeds=inputs_embeds,
+                                          attention_mask=attention_mask, and_mask_function=documents)
+                    for kind in kinds}  # fmt: skip
         # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                          and_mask_function=documents)  # fmt: skip
-        causal = create_sliding_window_causal_mask if sliding else create_causal_mask
+        functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         if self.config.is_causal:
-            return causal(**arguments)
+            return {kind: functions[kind](**arguments) for kind in kinds}
         # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
         # bidirectional when config.is_causal is False: pin it for the call.
         self.config.is_causal = True
         try:
-            return causal(**arguments)
+            return {kind: functions[kind](**arguments) for kind in kinds}
         finally:
             self.config.is_causal = False
 
@@ -200,17 +203,18 @@ class PlugformerModel(PlugformerPreTrainedModel):
         return dropout_if_active(hidden_states, self.hidden_dropout, self.training)
 
     def _position_bias(
-        self, cache: Cache | None, position_ids: torch.Tensor, query_length: int, dtype: torch.dtype
+        self, cache: Cache | None, position_ids: torch.Tensor, query_length: int, dtype: torch.dtype, layer_idx: int
     ) -> torch.Tensor | None:
-        """The values of the score bias over the cache slots the kernel will see (same sizes as the mask), shared by
-        the layers: those of the scheme's `bias_type` (a `RelativeBias` per distance, `(H, Q + K − 1)`; FIRE's
-        `QueryPositionBias` from the queries' `position_ids`, `(B or 1, H, Q, K)`)."""
+        """The values of the score bias over the cache slots the kernel will see in layer `layer_idx` (same sizes as
+        its mask), shared by the layers of its attention kind: those of the scheme's `bias_type` (a `RelativeBias` per
+        distance, `(H, Q + K − 1)`; FIRE's `QueryPositionBias` from the queries' `position_ids`, `(B or 1, H, Q, K)`)."""
         if not self.positions.has_bias:
             return None
         if cache is None:
             query_offset, (kv_length, kv_offset) = 0, (query_length, 0)
         else:
-            query_offset, (kv_length, kv_offset) = cache.get_query_offset(0), cache.get_mask_sizes(query_length, 0)
+            query_offset = cache.get_query_offset(layer_idx)
+            kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
         values = self.positions.bias_values(query_offset, query_length, kv_offset, kv_length, position_ids)
         return values.to(dtype)
 
@@ -268,19 +272,24 @@ class PlugformerModel(PlugformerPreTrainedModel):
         cache = self._checked_cache(cache, use_cache, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # from the caller's position_ids (the packing), before they are derived from the mask
-        mask = self._self_attention_mask(inputs_embeds, attention_mask, self_cache, position_ids)
+        masks = self._self_attention_masks(inputs_embeds, attention_mask, self_cache, position_ids)
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
             past_length = self_cache.get_seq_length() if self_cache is not None else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
         encoder_mask = self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
-        position_bias = self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype)
+        first_layers = {}  # the first layer of each attention kind, whose cache slots size that kind's bias
+        for i, layer in enumerate(self.layers):
+            first_layers.setdefault(layer.attention_type, i)
+        biases = {kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
+                  for kind, i in first_layers.items()}  # fmt: skip
         hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
         rotary = self.positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_bias, encoder_hidden_states, attention_mask=mask,
+                hidden_states, biases[layer.attention_type], encoder_hidden_states,
+                attention_mask=masks[layer.attention_type],
                 encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
             )  # fmt: skip

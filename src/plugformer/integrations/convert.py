@@ -1,4 +1,5 @@
-"""Import transformers' Llama and GPT-2 causal LM checkpoints into plugformer with identical logits.
+"""Import transformers' Llama, Qwen3, Qwen3-Next (its full-attention, dense form) and GPT-2 causal LM checkpoints into
+plugformer with identical logits.
 
 That is the path from a pretrained public checkpoint to a variant study: convert, then switch `position_scheme` or
 `attention_score` (the weights that still fit are kept, new variant parameters start fresh) and fine-tune.
@@ -54,7 +55,7 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         rope_parameters=dict(source.rope_parameters),
         rms_norm_eps=source.rms_norm_eps,
         attention_bias=source.attention_bias,
-        mlp_bias=source.mlp_bias,
+        mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
         attention_dropout=source.attention_dropout,
         tie_word_embeddings=source.tie_word_embeddings,
         initializer_range=source.initializer_range,
@@ -65,6 +66,36 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         ffn_type="glu",
         **_special_tokens(source),
     )
+
+
+def qwen3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Qwen3 is Llama with QK-norm, an MLP without biases and, with `use_sliding_window`, sliding layers where its
+    `layer_types` says (transformers derives them from `max_window_layers`)."""
+    return {
+        **llama_config(source),
+        "use_qk_norm": True,
+        "sliding_window": source.sliding_window,
+        "layer_types": list(source.layer_types),
+    }
+
+
+def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Qwen3-Next where every layer is plugformer's: full attention (its gated, QK-normed attention) and a dense MLP.
+    Its linear-attention (Gated DeltaNet) and mixture-of-experts layers have no plugformer equivalent: refused."""
+    linear = [i for i, kind in enumerate(source.layer_types) if kind != "full_attention"]
+    if linear:
+        raise ValueError(f"layer_types of Qwen3-Next has {source.layer_types[linear[0]]!r} layers {linear}; "
+                         "plugformer converts it only with every layer 'full_attention'")  # fmt: skip
+    sparse = [i for i in range(source.num_hidden_layers) if i not in source.mlp_only_layers]
+    if sparse and source.num_experts > 0:
+        raise ValueError(f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
+                         "plugformer converts Qwen3-Next only with a dense MLP in every layer")  # fmt: skip
+    return {**llama_config(source), "use_qk_norm": True, "use_gated_attention": True}
+
+
+def qwen3_next_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """The same module names; Qwen3-Next's RMSNorms scale by (1 + w) where plugformer's scale by w."""
+    return {name: tensor + 1 if name.endswith("norm.weight") else tensor for name, tensor in state.items()}
 
 
 def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
@@ -149,6 +180,8 @@ def check_output_dir(source: str | Path, output_dir: str | Path, overwrite: bool
 
 CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
     "llama": (llama_config, llama_weights),
+    "qwen3": (qwen3_config, llama_weights),
+    "qwen3_next": (qwen3_next_config, qwen3_next_weights),
     "gpt2": (gpt2_config, gpt2_weights),
 }
 
@@ -159,7 +192,7 @@ def convert(
     """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
 
     Args:
-        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama or gpt2).
+        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3, qwen3_next or gpt2).
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
             source or a folder inside it, nor an existing file; a folder that already holds a model only with
             `overwrite`.

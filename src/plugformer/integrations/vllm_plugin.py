@@ -16,6 +16,10 @@ vLLM's linear layers, KV cache and attention) with two differences.
   (`'PlugformerModel' object has no attribute 'do_not_compile'`). Here vLLM builds, and decorates, a private
   subclass.
 
+- **Sliding windows run natively.** vLLM's backend gives each layer that `config.layer_types` marks
+  `"sliding_attention"` a window of `sliding_window` keys, the query's included (transformers' and plugformer's
+  causal window); the record of its kernel `vllm` says so, and the kernel table lets a causal `sliding_window` through.
+
 Everything else is as in vLLM's Transformers backend, and what it cannot compute stays refused by plugformer's
 kernel table when the model is built (`ValueError` naming the variant): T5 and clamped biases (kernel `vllm`:
 no bias) and additive scoring (not a dot product). Tensor parallelism with ALiBi is refused (each rank would need
@@ -32,13 +36,14 @@ from contextlib import contextmanager
 
 import torch
 
-from ..capabilities import KERNELS, register_attention_kernel
+from ..capabilities import KERNELS, KernelSpec, register_attention_kernel
 from ..configuration import PlugformerConfig
 from ..positions import POSITION_SCHEMES
 
 
 ARCHITECTURE = "PlugformerForCausalLM"
 ALIBI_KERNEL = "vllm_alibi"
+VLLM_KERNEL = "vllm"  # vLLM's own implementation in its Transformers backend (its `VLLM_ATTN_IMPL`)
 
 
 def register() -> None:
@@ -47,7 +52,17 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:PlugformerForCausalLMvLLM")
+    register_vllm_kernel()
     register_alibi_kernel()
+
+
+def register_vllm_kernel() -> None:
+    """The record of vLLM's own kernel (transformers' interface already has its function): a dot product without a
+    bias that windows the layers `layer_types` marks sliding. Not `available` outside vLLM's engine, so no suite or
+    `supported_kernels` picks it."""
+    if VLLM_KERNEL not in KERNELS:
+        KERNELS.register(KernelSpec(VLLM_KERNEL, scores="dot_product", bias="none", sliding_window=False,
+                                    windows_layer_types=True, available=lambda: False))  # fmt: skip
 
 
 def register_alibi_kernel() -> None:

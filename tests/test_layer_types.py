@@ -1,0 +1,139 @@
+"""`layer_types`: per-layer attention kinds (`"sliding_attention"` / `"full_attention"`), as transformers' field.
+
+The reference is transformers' `Qwen3ForCausalLM` with `use_sliding_window=True` (its `max_window_layers` makes the
+first layers full and the rest sliding, or `layer_types` given outright), weights copied; then the shared suite's
+checks rerun with mixed layers, where each kind's mask, cache slots and score bias must be its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import test_combinations as shared
+import torch
+from conftest import build, combinations, tiny_config
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache
+
+from plugformer import PlugformerConfig, PlugformerForCausalLM
+
+
+WINDOW = 3
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def qwen3_twin(kernel: str = "eager", **window):
+    """A tiny Qwen3 with sliding layers and the plugformer model with its weights (the module names are the same)."""
+    fields = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=True,
+        sliding_window=WINDOW, **window,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(Qwen3Config(**fields, attn_implementation=kernel)).eval()
+    config = tiny_config(
+        "scaled_dot", "rope", use_qk_norm=True, num_hidden_layers=3, rope_parameters=fields["rope_parameters"],
+        sliding_window=reference.config.sliding_window, layer_types=reference.config.layer_types,
+    )  # fmt: skip
+    model = build(config, kernel)
+    model.load_state_dict(reference.state_dict(), strict=True)
+    return reference, model
+
+
+QWEN3_LAYOUTS = {"max_window_layers": {"max_window_layers": 1}, "explicit": {"layer_types": MIXED}}
+
+
+@pytest.mark.parametrize("layout", list(QWEN3_LAYOUTS))
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_layer_types_match_qwen3_with_sliding_layers(kernel, layout, tokens):
+    reference, model = qwen3_twin(kernel, **QWEN3_LAYOUTS[layout])
+    kinds = set(reference.config.layer_types)
+    assert kinds == {"sliding_attention", "full_attention"} and model.config.layer_types == reference.config.layer_types
+    with torch.no_grad():
+        expected, got = reference(tokens).logits, model(tokens, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # the kinds matter: every layer full (or every layer sliding) gives other logits
+    for kind in kinds:
+        other = build(PlugformerConfig(**{**model.config.to_dict(), "layer_types": [kind] * 3}), kernel)
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (other(tokens, use_cache=False).logits - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cache_class", ["dynamic", "static"])
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_layer_types_cached_decoding_equals_qwen3_full_forward(kernel, cache_class, tokens):
+    """Prefill 5 tokens, then one at a time past the window: the sliding layers' cache keeps only the window, the
+    full layers' everything, and the logits equal Qwen3's uncached full forward."""
+    reference, model = qwen3_twin(kernel, layer_types=MIXED)
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    if cache_class == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=tokens.shape[1])
+    assert [layer.is_sliding for layer in cache.layers] == [kind == "sliding_attention" for kind in MIXED]
+    steps = []
+    with torch.no_grad():
+        out = model(tokens[:, :5], cache=cache, use_cache=True)
+        steps.append(out.logits)
+        for t in range(5, tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    if cache_class == "dynamic":
+        assert [layer.keys.shape[2] for layer in out.cache.layers] == [WINDOW - 1, tokens.shape[1], WINDOW - 1]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+
+
+def test_layer_types_generate_equals_qwen3(tokens):
+    reference, model = qwen3_twin("sdpa", layer_types=MIXED)
+    prompt = tokens[:1, :4]
+    expected = reference.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8), expected)
+
+
+# The shared suite's checks with mixed layers, on every (score, scheme) of the default run and eager/sdpa: a score-bias
+# scheme must size each kind's bias by that kind's cache slots.
+MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": MIXED}
+
+
+@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), **MIXED_FIELDS))
+def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
+    monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MIXED_FIELDS))
+    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}
+    shared.test_causality(**arguments)
+    shared.test_left_padding_matches_unpadded(**arguments, request=request)
+    shared.test_cached_decoding_equals_full_forward(**arguments)
+    if kernel != "eager":
+        shared.test_fused_kernels_match_eager(**arguments)
+    shared.test_save_load_round_trip(**arguments, tmp_path=tmp_path)
+
+
+def test_layer_types_default_from_sliding_window():
+    assert tiny_config().layer_types == ["full_attention"] * 2
+    assert tiny_config(sliding_window=4).layer_types == ["sliding_attention"] * 2
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"sliding_window": 4, "layer_types": ["sliding_attention"]}, r"layer_types has 1 entries.*num_hidden_layers=2"),
+        ({"sliding_window": 4, "layer_types": ["sliding_attention", "chunked_attention"]},
+         r"layer_types=.*'chunked_attention'.*\['full_attention', 'sliding_attention'\]"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer_types=.*sliding_window=None"),
+    ],
+)  # fmt: skip
+def test_layer_types_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_layer_types_save_load_round_trip(tokens, tmp_path):
+    model = build(tiny_config(**MIXED_FIELDS))
+    model.save_pretrained(tmp_path)
+    loaded = PlugformerForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.layer_types == MIXED
+    assert [layer.attention_type for layer in loaded.model.layers] == MIXED
+    assert [layer.self_attn.window_kwargs for layer in loaded.model.layers] == [{"sliding_window": WINDOW}, {},
+                                                                                {"sliding_window": WINDOW}]  # fmt: skip
