@@ -5,6 +5,11 @@ TRL's trainers send a telemetry ping (trainer, `model_arch`, dataset source, top
 datasets and huggingface_hub contact the Hub for names that are not local folders. `apply_offline_defaults` sets
 both variables where the user has not set them (an explicit `HF_HUB_OFFLINE=0 HF_HUB_DISABLE_TELEMETRY=0` turns
 them back on), for this process and for the processes it starts (`accelerate launch` workers).
+
+Only those two names decide: the libraries' other switches (`HF_DATASETS_OFFLINE`, `TRANSFORMERS_OFFLINE`,
+`DISABLE_TELEMETRY`) cover one library each or only add to them, so a user who sets one of them (to be *more*
+offline) must not make plugformer skip its own defaults — `HF_DATASETS_OFFLINE=1` once left transformers and
+huggingface_hub online.
 """
 
 from __future__ import annotations
@@ -14,24 +19,20 @@ import sys
 from collections.abc import MutableMapping
 
 
-# variable -> the other names the libraries read for the same switch (a user's setting of any of them is respected)
-OFFLINE_DEFAULTS: dict[str, tuple[str, ...]] = {
-    "HF_HUB_OFFLINE": ("TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"),
-    "HF_HUB_DISABLE_TELEMETRY": ("DISABLE_TELEMETRY",),
-}
+# the variables set to "1" unless the user gave them a value (an empty value counts as not given)
+OFFLINE_DEFAULTS = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
 
 
 def apply_offline_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Sets `HF_HUB_OFFLINE=1` and `HF_HUB_DISABLE_TELEMETRY=1` unless the user set them (or an alias); returns
-    what it set.
+    """Sets `HF_HUB_OFFLINE=1` and `HF_HUB_DISABLE_TELEMETRY=1` unless the user set them; returns what it set.
 
     huggingface_hub (and datasets) read these variables once, at import — and `import plugformer` has already
     imported huggingface_hub through transformers — so the imported modules' switches are set too.
     """
     environ = os.environ if environ is None else environ
     applied = {}
-    for name, aliases in OFFLINE_DEFAULTS.items():
-        if any(variable in environ for variable in (name, *aliases)):
+    for name in OFFLINE_DEFAULTS:
+        if environ.get(name, "").strip():
             continue
         environ[name] = "1"
         applied[name] = "1"
