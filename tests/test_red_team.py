@@ -148,8 +148,8 @@ def test_resuming_the_same_run_and_an_explicit_overwrite_still_train(finished, t
     with caplog.at_level(logging.WARNING, logger="plugformer.training.outputs"):
         pretrain(run, "--overwrite_output_dir", "true", "--save_steps", "1")
     assert (
-        "removing ['checkpoint-2', 'checkpoint-4', 'last_checkpoint.json', 'run_info.json', 'trainer_state.json']"
-        in caplog.text
+        "removing ['.plugformer_run.json', 'checkpoint-2', 'checkpoint-4', 'last_checkpoint.json', 'run_info.json', "
+        "'trainer_state.json']" in caplog.text
     )
     # only the new run's checkpoints: rotation and `last` can never pick the old run's
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]

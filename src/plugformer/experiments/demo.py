@@ -25,6 +25,7 @@ from ..runtime.arguments import parse_arguments
 from ..runtime.files import naming_a_full_disk
 from ..runtime.memory import check_model_fits
 from ..scores import ATTENTION_SCORES
+from ..training.outputs import claim_folder, release_lock
 
 
 @dataclass
@@ -46,6 +47,11 @@ class DemoArguments:
     learning_rate: float = 3e-3
     seed: int = 0
     prompts: list[str] = field(default_factory=lambda: ["12 plus 7 is", "The sum of 30 and 12 is", "45 + 5 ="])
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "save into an output_dir that holds another run (its checkpoints and records are removed); "
+                          "without it such a folder is refused, as by the train stages"},
+    )  # fmt: skip
 
 
 def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
@@ -75,6 +81,14 @@ def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
 
 def run(args: DemoArguments) -> dict:
     started = time.perf_counter()
+    claim_folder(args.output_dir, "demo", args.overwrite_output_dir)  # another run's folder is refused, as by a stage
+    try:
+        return train_and_show(args, started)
+    finally:
+        release_lock(args.output_dir)
+
+
+def train_and_show(args: DemoArguments, started: float) -> dict:
     set_seed(args.seed)
     train_texts = arithmetic_sentences(args.train_sentences, seed=args.seed)
     eval_texts = arithmetic_sentences(args.eval_sentences, seed=args.seed + 1)

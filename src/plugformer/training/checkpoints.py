@@ -234,6 +234,33 @@ def last_good_checkpoint(output_dir: str | Path) -> str | None:
     return None if chosen is None else str(steps[chosen])
 
 
+# config.json keys that describe how a model runs, not what it is: a resume may change them
+RUNTIME_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "architectures",
+                       "auto_map", "_attn_implementation", "attn_implementation", "output_attentions",
+                       "output_hidden_states", "return_dict", "tp_plan", "base_model_tp_plan", "pp_plan"}  # fmt: skip
+
+
+def config_mismatch(checkpoint: str | Path, config) -> str | None:
+    """The fields in which `checkpoint`'s `config.json` and the model about to resume from it differ ("field:
+    checkpoint value -> this run's value", dropout rates and `RUNTIME_CONFIG_KEYS` aside), or `None`.
+
+    A run resumed with another `--attention_score`, `--position_scheme` or size continued the old weights and
+    optimizer and saved the result as the new variant (or failed deep in the optimizer on a group size); a
+    checkpoint without `config.json` (LoRA adapters) is not compared.
+    """
+    try:
+        saved = json.loads(Path(checkpoint, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    current = config.to_dict()
+    changed = [
+        f"{key}: {saved[key]!r} -> {current[key]!r}"
+        for key in sorted(set(saved) & set(current))
+        if key not in RUNTIME_CONFIG_KEYS and "dropout" not in key and saved[key] != current[key]
+    ]
+    return "; ".join(changed) or None
+
+
 def reached_step(output_dir: str | Path) -> tuple[int | None, str | None]:
     """The furthest step an earlier run in `output_dir` recorded: `last_checkpoint.json` (written at each published
     checkpoint) or the final `trainer_state.json`; `(None, None)` when neither reads."""

@@ -19,7 +19,7 @@ from ..data.validation import check_data_files, check_rows
 from ..evaluation.scoring import exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
 from .arguments import check_trainer_arguments
-from .checkpoints import atomic_checkpoints, last_good_checkpoint, verify_checkpoint
+from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .outputs import claim_output_dir, release_lock
 from .selection import DevSelection
@@ -196,8 +196,15 @@ def train_and_save(
     `run_info.json` records the selected and the last step with the dev history."""
     args = trainer.args
     refuse_unsharded_fallback(trainer)
+    checkpoint = resume_checkpoint(args)
+    if checkpoint is not None:
+        changed = config_mismatch(checkpoint, trainer.accelerator.unwrap_model(trainer.model).config)
+        if changed:
+            raise ValueError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {checkpoint} was trained with "
+                             f"another model ({changed}); resume it with its own settings, or train the new one "
+                             "into a new --output_dir (or --overwrite_output_dir true)")  # fmt: skip
     started = time.perf_counter()
-    train_output = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
     seconds = time.perf_counter() - started
     metrics = dict(train_output.metrics)
     # every rank's digest: after data-parallel training all ranks must hold the same weights
@@ -264,7 +271,7 @@ def run_trainer(
     `run_info.json`."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
-    claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
+    claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early
     model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it

@@ -6,12 +6,19 @@ the highest step — possibly the other run's, which `--resume_from_checkpoint l
 one. `claim_output_dir` refuses such a folder unless the run resumes (`--resume_from_checkpoint`) or says
 `--overwrite_output_dir true` (then the other run's checkpoints and records are removed first), and takes a
 lock file against a second live run in the same folder. A lock whose process is dead (a killed run) is taken over
-with a warning.
+with a warning; takers go one at a time (an `flock` on a guard file beside the lock, released by the kernel when its
+holder dies), so two processes can never both take over the same stale lock.
+
+The folder records which stage claimed it (`RUN_RECORD`, beside `run_info.json` once the run finishes): resuming in
+a folder of another stage (`train sft --output_dir <a pretrain run> --resume_from_checkpoint last` continued the
+pretrain trainer's state at learning rate 0 and rewrote its record) is refused, and so is resuming a finished run
+that saved no checkpoint (it would train again from scratch over the finished model). `demo` follows the same rule.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -19,15 +26,18 @@ import socket
 import time
 from pathlib import Path
 
+from ..runtime.files import write_json_atomic
 from .checkpoints import _CHECKPOINT, PROGRESS, retire
 
 
 logger = logging.getLogger(__name__)
 
 LOCK = ".plugformer.lock"
+TAKEOVER = ".plugformer.lock.takeover"  # flock'ed while a process judges and takes the lock: takers go one at a time
+RUN_RECORD = ".plugformer_run.json"  # {"stage": ...}: the stage that claimed the folder (read by a resume)
 # what a finished or interrupted run leaves in its folder (TensorBoard's runs/ and a README alone are no model)
 # removed by --overwrite_output_dir beside the checkpoints: the other run's record and the step it reached
-REPLACED = ("run_info.json", "trainer_state.json", PROGRESS)
+REPLACED = ("run_info.json", "trainer_state.json", PROGRESS, RUN_RECORD)
 RUN_FILES = ("run_info.json", "trainer_state.json", "config.json", "*.safetensors", "checkpoint-*", "adapter")
 
 
@@ -39,20 +49,57 @@ def run_files(output_dir: str | Path) -> list[str]:
     return sorted({path.name for pattern in RUN_FILES for path in output.glob(pattern)})
 
 
-def occupied_problem(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
-    """Why training into `output_dir` would destroy another run's work, or `None`."""
+def recorded_stage(folder: str | Path) -> tuple[str | None, str | None]:
+    """(the stage of the run in `folder`, the file that says so): `run_info.json` of a finished run, else the
+    `RUN_RECORD` its claim wrote; `(None, None)` when neither reads."""
+    for name in ("run_info.json", RUN_RECORD):
+        try:
+            stage = json.loads(Path(folder, name).read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(stage, str):
+            return stage, name
+    return None, None
+
+
+def resume_problem(output_dir: str, resume: str, stage: str) -> str | None:
+    """Why `--resume_from_checkpoint resume` cannot continue a `stage` run in `output_dir`, or `None`."""
+    explicit = str(resume).lower() not in ("last", "true")
+    folder = Path(resume).parent if explicit else Path(output_dir)
+    found, source = recorded_stage(folder)
+    if found is not None and found != stage:
+        return (f"--resume_from_checkpoint {resume}: {folder} holds a {found!r} run ({source}), not a {stage!r} one; "
+                f"resuming would continue its trainer state (optimizer, schedule, step) as stage {stage!r} and "
+                f"rewrite its record. Choose a new --output_dir, or replace it with --overwrite_output_dir true "
+                "(without --resume_from_checkpoint)")  # fmt: skip
+    finished = Path(output_dir, "run_info.json").is_file()
+    if not explicit and finished and not any(p.is_dir() for p in Path(output_dir).glob("checkpoint-*")):
+        return (f"--resume_from_checkpoint {resume}: nothing to resume in {output_dir}: its {found or stage!r} run "
+                "finished (run_info.json) and saved no checkpoint, so a resume would train again from scratch over "
+                "the finished model; choose a new --output_dir, or replace it with --overwrite_output_dir true")  # fmt: skip
+    return None
+
+
+def occupied_problem(
+    output_dir: str, resume: str | None, overwrite: bool, stage: str | None = None, resumable: bool = True
+) -> str | None:
+    """Why training `stage` into `output_dir` would destroy another run's work, or `None` (`resumable`: whether the
+    command has `--resume_from_checkpoint` to suggest)."""
     output = Path(output_dir)
     if output.exists() and not output.is_dir():
         return f"--output_dir {output_dir} is an existing file, not a folder; choose a folder"
     if overwrite and resume is not None:
         return (f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: "
                 "resume the run in the folder, or overwrite it, not both")  # fmt: skip
+    if resume is not None and stage is not None:
+        return resume_problem(output_dir, resume, stage)
     found = run_files(output)
     if not found or resume is not None or overwrite:
         return None
     shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-    return (f"--output_dir {output_dir} already holds another run ({shown}); choose a new folder, resume that run "
-            "with --resume_from_checkpoint last, or replace it with --overwrite_output_dir true")  # fmt: skip
+    resume_it = "resume that run with --resume_from_checkpoint last, " if resumable else ""
+    return (f"--output_dir {output_dir} already holds another run ({shown}); choose a new folder, {resume_it}or "
+            "replace it with --overwrite_output_dir true")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:
@@ -70,38 +117,67 @@ def acquire_lock(output_dir: str | Path) -> str | None:
 
     The lock holds the pid, host and start time. One held by a dead process on this host, or unreadable (torn by a
     kill), is taken over with a warning; one held by this very process (an earlier run in it that raised) silently.
+    Judging a lock and replacing it is one step: takers hold an exclusive `flock` on `TAKEOVER` meanwhile, so of two
+    processes that both found the same stale lock, the second sees the first one's live lock.
     """
     path = Path(output_dir, LOCK)
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for _ in range(3):  # a stale lock is removed, then created again exclusively: of two takers one wins
-        try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+    with _one_taker_at_a_time(Path(output_dir, TAKEOVER)):
+        for _ in range(3):
             try:
-                holder = json.loads(path.read_text())
-                pid, host = int(holder["pid"]), str(holder["host"])
-            except (OSError, ValueError, KeyError, TypeError):
-                logger.warning("%s is unreadable (torn by a kill?); taking it over", path)
-            else:
-                if host != mine["host"]:
-                    return (f"--output_dir {output_dir} is locked by pid {pid} on host {host} (since "
-                            f"{holder.get('started')}); if no run is live there, delete {path}")  # fmt: skip
-                if pid != mine["pid"] and _alive(pid):
-                    return (f"--output_dir {output_dir} is in use by a live run (pid {pid}, since "
-                            f"{holder.get('started')}); wait for it or choose another folder (if pid {pid} is no "
-                            f"plugformer run, delete {path})")  # fmt: skip
-                if pid != mine["pid"]:
-                    logger.warning("%s was left by pid %d, which is no longer running; taking it over", path, pid)
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(json.dumps(mine) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        atexit.register(release_lock, str(output_dir))
-        return None
+                descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                problem = _judge_holder(path, mine, output_dir)
+                if problem is not None:
+                    return problem
+                path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(json.dumps(mine) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            atexit.register(release_lock, str(output_dir))
+            return None
     return f"--output_dir {output_dir}: could not take {path} (another process keeps creating it)"
+
+
+def _judge_holder(path: Path, mine: dict, output_dir) -> str | None:
+    """Why the lock at `path` must be left alone (a live holder), or `None` (stale: warned about, to be replaced)."""
+    try:
+        holder = json.loads(path.read_text())
+        pid, host = int(holder["pid"]), str(holder["host"])
+    except FileNotFoundError:
+        return None  # released meanwhile
+    except (OSError, ValueError, KeyError, TypeError):
+        logger.warning("%s is unreadable (torn by a kill?); taking it over", path)
+        return None
+    if host != mine["host"]:
+        return (f"--output_dir {output_dir} is locked by pid {pid} on host {host} (since {holder.get('started')}); "
+                f"if no run is live there, delete {path}")  # fmt: skip
+    if pid != mine["pid"] and _alive(pid):
+        return (f"--output_dir {output_dir} is in use by a live run (pid {pid}, since {holder.get('started')}); wait "
+                f"for it or choose another folder (if pid {pid} is no plugformer run, delete {path})")  # fmt: skip
+    if pid != mine["pid"]:
+        logger.warning("%s was left by pid %d, which is no longer running; taking it over", path, pid)
+    return None
+
+
+@contextlib.contextmanager
+def _one_taker_at_a_time(guard: Path):
+    """An exclusive `flock` on `guard` (created if need be) for the block; the kernel releases it if the holder
+    dies, so it never goes stale. Where `fcntl` is missing (Windows) the block runs unguarded."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield
+        return
+    descriptor = os.open(guard, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the flock
 
 
 def release_lock(output_dir: str | Path) -> None:
@@ -114,7 +190,7 @@ def release_lock(output_dir: str | Path) -> None:
         pass
 
 
-def claim_output_dir(script_args, training_args) -> None:
+def claim_output_dir(script_args, training_args, stage: str | None = None) -> None:
     """Refuses an occupied or locked `output_dir` on every rank together (`ValueError`), else locks it (main
     process) and, with `--overwrite_output_dir true`, removes the other run's checkpoints and records (`REPLACED`).
 
@@ -126,7 +202,7 @@ def claim_output_dir(script_args, training_args) -> None:
     output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
     overwrite = bool(getattr(script_args, "overwrite_output_dir", False))
     main = training_args.process_index == 0
-    problem = occupied_problem(output_dir, resume, overwrite)
+    problem = occupied_problem(output_dir, resume, overwrite, stage)
     locked = False
     if problem is None and main:
         problem = acquire_lock(output_dir)
@@ -136,10 +212,28 @@ def claim_output_dir(script_args, training_args) -> None:
         if locked:
             release_lock(output_dir)
         raise ValueError(first)
-    if overwrite and main:
+    if main:
+        take_over(output_dir, overwrite, stage)
+
+
+def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
+    """With `overwrite`, removes the other run's checkpoints and records (`REPLACED`); records `stage` as the
+    folder's (`RUN_RECORD`)."""
+    if overwrite:
         replaced = [p for p in Path(output_dir).iterdir() if _CHECKPOINT.match(p.name) or p.name in REPLACED]
         if replaced:
             logger.warning("--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced),
                            output_dir)  # fmt: skip
         for path in replaced:
             retire(path) if path.is_dir() else path.unlink()
+    if stage is not None:
+        write_json_atomic(Path(output_dir, RUN_RECORD), {"stage": stage})
+
+
+def claim_folder(output_dir: str, stage: str, overwrite: bool = False) -> None:
+    """`claim_output_dir` for a single-process command that writes a model (`demo`): refuses a folder holding
+    another run unless `overwrite`, locks it (`release_lock` when done) and records `stage`."""
+    problem = occupied_problem(output_dir, None, overwrite, stage, resumable=False) or acquire_lock(output_dir)
+    if problem is not None:
+        raise ValueError(problem)
+    take_over(output_dir, overwrite, stage)

@@ -135,7 +135,7 @@ def train(script_args, model_args, training_args) -> dict:
     refuse_liger_kernel(training_args)
     check_tokenizer_source(script_args, model_args)
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
-    claim_output_dir(script_args, training_args)  # another run's folder, or one in use, is refused as early
+    claim_output_dir(script_args, training_args, "pretrain")  # another run's folder, or one in use, is refused as early
     if script_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming true has no epochs to count (the stream's length is unknown): give --max_steps")
     with training_args.main_process_first(desc="corpus and tokenizer"):  # one process prepares, the others reuse

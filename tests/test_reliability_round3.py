@@ -1,0 +1,221 @@
+"""Issue 34 (round 3 of "nothing lost, nothing silently wrong") and issue 35's resume cases: each test failed before
+its fix. Data loss, silently wrong results, a network leak, hangs, and tracebacks where one line naming the input
+belongs."""
+
+from __future__ import annotations
+
+import pytest
+
+
+# --- network: offline stays the default whatever else is set -------------------------------------------------------
+
+
+@pytest.mark.parametrize("other", ["HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DISABLE_TELEMETRY"])
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_another_libraries_switch_does_not_turn_plugformers_offline_default_off(other, value):
+    from plugformer.runtime.offline import apply_offline_defaults
+
+    environ = {other: value}
+    applied = apply_offline_defaults(environ)
+    assert environ["HF_HUB_OFFLINE"] == "1" and environ["HF_HUB_DISABLE_TELEMETRY"] == "1"
+    assert applied == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def test_only_the_documented_switch_turns_the_hub_back_on():
+    from plugformer.runtime.offline import apply_offline_defaults
+
+    environ = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "1"}
+    assert apply_offline_defaults(environ) == {"HF_HUB_DISABLE_TELEMETRY": "1"}
+    assert environ["HF_HUB_OFFLINE"] == "0"
+    environ = {"HF_HUB_OFFLINE": ""}  # set but empty: the libraries read it as unset, so it is no opt-in
+    apply_offline_defaults(environ)
+    assert environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_imported_hub_is_switched_offline_when_the_user_set_only_datasets_offline(monkeypatch):
+    import os
+
+    import huggingface_hub.constants
+
+    from plugformer.runtime.offline import apply_offline_defaults
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "DISABLE_TELEMETRY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    apply_offline_defaults()
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
+
+
+# --- data loss: one output-folder rule for every command that writes a model ---------------------------------------
+
+
+def refuse_work(*_, **__):
+    raise AssertionError("work started")
+
+
+def snapshot(directory) -> dict:
+    from pathlib import Path
+
+    directory = Path(directory)
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def pretrain(output_dir, *extra: str) -> dict:
+    from test_training import PRETRAIN, TINY
+
+    from plugformer.training import run_stage
+
+    quick = ["--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0", "--max_steps", "2"]
+    return run_stage("pretrain", ["--output_dir", str(output_dir), *TINY, *PRETRAIN, *quick, *extra])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two finished 2-step pretraining runs: `checkpointed` (checkpoint-2) and `final_only` (no checkpoint); copied,
+    never written to."""
+    root = tmp_path_factory.mktemp("runs")
+    pretrain(root / "checkpointed", "--save_strategy", "steps", "--save_steps", "2")
+    pretrain(root / "final_only")
+    return root
+
+
+def copy_run(runs, name, tmp_path):
+    import shutil
+
+    shutil.copytree(runs / name, tmp_path / name)
+    return tmp_path / name
+
+
+def test_demo_refuses_a_folder_holding_a_finished_stage(runs, tmp_path, monkeypatch):
+    from plugformer.experiments import demo
+
+    run = copy_run(runs, "final_only", tmp_path)
+    before = snapshot(run)
+    monkeypatch.setattr(demo, "train_tokenizer", refuse_work)
+    with pytest.raises(
+        ValueError, match=r"--output_dir .* already holds another run \(config.json.*--overwrite_output_dir"
+    ):
+        demo.main(["--output_dir", str(run)])
+    assert snapshot(run) == before
+
+
+def test_demo_told_to_replace_a_stage_removes_its_records(runs, tmp_path):
+    import json
+
+    from plugformer.experiments import demo
+    from plugformer.training.outputs import LOCK, RUN_RECORD
+
+    run = copy_run(runs, "final_only", tmp_path)
+    demo.main(["--output_dir", str(run), "--overwrite_output_dir", "true", "--max_steps", "1", "--train_sentences",
+               "64", "--eval_sentences", "8", "--hidden_size", "32", "--num_hidden_layers", "1", "--vocab_size",
+               "300", "--prompts", "1 plus 1 is"])  # fmt: skip
+    assert not (run / "run_info.json").exists()  # the folder no longer claims to hold the pretrain stage
+    assert json.loads((run / RUN_RECORD).read_text()) == {"stage": "demo"}
+    assert not (run / LOCK).exists()
+
+
+def test_a_stage_resuming_in_another_stages_folder_is_refused(runs, tmp_path, monkeypatch):
+    from test_training import TINY, TRL
+
+    from plugformer.training import common, run_stage
+
+    run = copy_run(runs, "checkpointed", tmp_path)
+    before = snapshot(run)
+    monkeypatch.setattr(common, "load_model", refuse_work)
+    with pytest.raises(ValueError, match=r"holds a 'pretrain' run \(run_info.json\), not a 'sft' one"):
+        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(run),
+                          "--resume_from_checkpoint", "last", *TINY, *TRL])  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds a 'pretrain' run"):  # an explicit checkpoint of another stage too
+        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"),
+                          "--resume_from_checkpoint", str(run / "checkpoint-2"), *TINY, *TRL])  # fmt: skip
+    assert snapshot(run) == before
+
+
+def test_resuming_a_finished_run_without_checkpoints_does_not_retrain_it(runs, tmp_path, monkeypatch):
+    from plugformer.training import pretrain as pretrain_module
+
+    run = copy_run(runs, "final_only", tmp_path)
+    before = snapshot(run)
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(ValueError, match=r"nothing to resume in .*'pretrain' run finished .* saved no checkpoint"):
+        pretrain(run, "--resume_from_checkpoint", "last")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--attention_score", "additive"], "attention_score: 'scaled_dot' -> 'additive'"),
+        (["--position_scheme", "alibi"], "position_scheme: 'rope' -> 'alibi'"),
+        (["--hidden_size", "48"], "hidden_size: 32 -> 48"),  # a changed architecture: once an optimizer-group error
+    ],
+)
+def test_resuming_with_another_variant_or_size_is_refused_naming_both_sides(runs, tmp_path, flags, named):
+    from plugformer.training import checkpoints
+
+    run = copy_run(runs, "checkpointed", tmp_path)
+    weights = (run / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=rf"checkpoint-2 was trained with another model \(.*{named}"):
+        pretrain(run, "--resume_from_checkpoint", "last", "--max_steps", "4", *flags)
+    assert (run / "model.safetensors").read_bytes() == weights
+    assert checkpoints.last_good_checkpoint(run).endswith("checkpoint-2")
+
+
+def test_resuming_the_same_variant_still_continues(runs, tmp_path):
+    run = copy_run(runs, "checkpointed", tmp_path)
+    info = pretrain(run, "--resume_from_checkpoint", "last", "--max_steps", "3")
+    assert info["stage"] == "pretrain" and (run / "checkpoint-2").is_dir()
+
+
+LOCK_TAKER = """
+import json, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+read_text = pathlib.Path.read_text
+def slow_read(self, *args, **kwargs):  # a pause between judging the lock and replacing it, until both have read
+    text = read_text(self, *args, **kwargs)
+    if self.name == ".plugformer.lock":
+        (folder / f"read-{sys.argv[2]}").touch()
+        deadline = time.time() + 5  # taken one at a time, the other one never reads meanwhile: go on after 5 s
+        while len(list(folder.glob("read-*"))) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    return text
+pathlib.Path.read_text = slow_read
+from plugformer.training.outputs import acquire_lock
+(folder / f"ready-{sys.argv[2]}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+problem = acquire_lock(folder)
+print(json.dumps({"held": problem is None, "problem": problem}))
+sys.stdout.flush()
+time.sleep(3.0)  # a live holder while the other process judges
+"""
+
+
+def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from plugformer.training.outputs import LOCK
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    takers = [subprocess.Popen([sys.executable, "-c", LOCK_TAKER, str(tmp_path), str(i)], stdout=subprocess.PIPE,
+                               text=True, env=env) for i in range(2)]  # fmt: skip
+    deadline = time.time() + 120
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    results = [json.loads(taker.communicate(timeout=120)[0].strip().splitlines()[-1]) for taker in takers]
+    assert sorted(r["held"] for r in results) == [False, True], results
+    assert "in use by a live run" in next(r["problem"] for r in results if not r["held"])
