@@ -208,3 +208,35 @@ def test_configuration_tests_no_variant_name():
         if isinstance(node, ast.Constant) and node.value in names
     ]
     assert compared == []
+
+
+def test_an_attribute_assigned_then_saved_loads_back(tmp_path):
+    """transformers' tools annotate configs with other models' names (GPT-2's `layer_norm_epsilon`): what is assigned
+    saves and loads back, as on `LlamaConfig`, while the same name as a constructor argument is still taken for a typo
+    of `layer_norm_eps`."""
+    config = tiny_config()
+    config.layer_norm_epsilon = 1e-3
+    config.save_pretrained(tmp_path)
+    loaded = PlugformerConfig.from_pretrained(tmp_path)
+    assert loaded.layer_norm_epsilon == 1e-3 and loaded.layer_norm_eps == config.layer_norm_eps
+    loaded.save_pretrained(tmp_path / "again")
+    assert PlugformerConfig.from_pretrained(tmp_path / "again").layer_norm_epsilon == 1e-3
+    assert AutoConfig.from_pretrained(tmp_path).layer_norm_epsilon == 1e-3
+    with pytest.raises(ValueError, match=r"layer_norm_epsilon=.*did you mean 'layer_norm_eps'"):
+        PlugformerConfig(layer_norm_epsilon=1e-3)
+
+
+def test_rope_parameters_assigned_after_construction_are_honoured_or_refused():
+    """As the constructor: under RoPE the assignment is checked and the next model uses it; under a scheme without
+    rotation it is refused (the old value kept), never stored and ignored."""
+    config = tiny_config("scaled_dot", "rope")
+    config.rope_parameters = {"rope_type": "linear", "factor": 10.0, "rope_theta": 10000.0}
+    assert PlugformerForCausalLM(config).model.positions.rope_type == "linear"
+    with pytest.raises(ValueError, match=r"rope_type'\]='magic'"):
+        config.rope_parameters = {"rope_type": "magic"}
+    assert config.rope_parameters["rope_type"] == "linear"
+    alibi = tiny_config("scaled_dot", "alibi")
+    before = dict(alibi.rope_parameters)
+    with pytest.raises(ValueError, match=r"rope_parameters=.*position_scheme='alibi' has none"):
+        alibi.rope_parameters = {"rope_type": "linear", "factor": 10.0, "rope_theta": 10000.0}
+    assert alibi.rope_parameters == before

@@ -114,3 +114,23 @@ def test_convert_command(tmp_path, capsys):
     cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--set", "position_scheme=t5_bias"])
     assert "t5_bias" in capsys.readouterr().out
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.position_scheme == "t5_bias"
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_padding_holes_and_pad_rows_match_llama_under_generate_positions(kernel, tmp_path, tokens):
+    """generate()'s `position_ids` (1 at every pad) beside a padding mask with a hole and left padding: every
+    position's logits, pad rows included, are Llama's (a padding mask turns off packing read from positions)."""
+    torch.manual_seed(0)
+    source = llama(False).eval()
+    source.save_pretrained(tmp_path / "source")
+    convert(tmp_path / "source", tmp_path / "converted")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation=kernel).eval()
+    source.set_attn_implementation(kernel)
+    mask = torch.ones_like(tokens)
+    mask[0, 1] = 0  # a hole after token 0
+    mask[1, :3] = 0  # left padding
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        expected = source(tokens, attention_mask=mask, position_ids=position_ids).logits
+        actual = loaded(tokens, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import build, combinations, tiny_config
+from conftest import BIAS_SCHEMES, PLAIN_SCHEMES, build, combinations, tiny_config
 from transformers import DynamicCache
 
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
@@ -103,6 +103,48 @@ def test_cached_decoding_with_position_ids_equals_the_full_forward():
             chunks.append(model(ids[:, step], position_ids=positions[:, step], cache=cache, use_cache=True).logits)
             start += size
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
+
+
+def generate_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The `position_ids` transformers' `generate()` passes: counted over the real tokens, 1 at each pad."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@pytest.mark.parametrize("scheme", PLAIN_SCHEMES)
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_a_padding_mask_turns_off_documents_read_from_position_ids(scheme, kernel):
+    """transformers reads packing from `position_ids` only without a padding mask. A mask with a hole (1, 0, 1, 1, ...)
+    and generate()'s positions (1 at the pad) used to start a "document" after the pad, cutting token 0 off the later
+    tokens: now the real tokens' logits are those of the same text without the pad (Llama's behaviour), and a
+    left-padded row's too."""
+    model = build(tiny_config("scaled_dot", scheme), kernel)
+    ids = packed_batch()[0][:, :8]
+    hole = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])  # a hole; left padding
+    with torch.no_grad():
+        padded = model(ids, attention_mask=hole, position_ids=generate_positions(hole)).logits
+        for row in range(2):
+            real = hole[row].bool()
+            alone = model(ids[row : row + 1, real]).logits[0]
+            torch.testing.assert_close(padded[row, real], alone, atol=ATOL, rtol=0)
+        changed = ids.clone()
+        changed[0, 0] = (ids[0, 0] + 1) % model.config.vocab_size
+        other = model(changed, attention_mask=hole, position_ids=generate_positions(hole)).logits
+    assert (other[0, -1] - padded[0, -1]).abs().max() > 1e-4  # token 0 reaches the last token
+
+
+def test_a_padding_mask_keeps_bias_schemes_reading_token_0():
+    """The same for every relative-bias scheme: token 0 still reaches the last token across the hole."""
+    hole = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]])
+    for scheme in BIAS_SCHEMES:
+        model = build(tiny_config("scaled_dot", scheme), "eager")
+        ids = packed_batch()[0][:1, :8]
+        changed = ids.clone()
+        changed[0, 0] = (ids[0, 0] + 1) % model.config.vocab_size
+        with torch.no_grad():
+            logits = [
+                model(x, attention_mask=hole, position_ids=generate_positions(hole)).logits for x in (ids, changed)
+            ]
+        assert (logits[0][0, -1] - logits[1][0, -1]).abs().max() > 1e-4, scheme
 
 
 @pytest.fixture(scope="module")

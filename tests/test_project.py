@@ -55,8 +55,20 @@ def test_help_keeps_every_command_name_apart_from_its_description(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--help"])
     assert exit_info.value.code == 0
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  ")]
+    printed = capsys.readouterr()
+    lines = [line for line in printed.out.splitlines() if line.startswith("  ")]  # asked for: stdout, as argparse
     assert [line.split()[0] for line in lines] == list(COMMANDS)  # "extrapolateperplexity" before
+    assert printed.err == ""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["no-such-command"])
+    assert exit_info.value.code == 2 and "usage: plugformer" in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"plugformer {plugformer.__version__}"
 
 
 def test_info_prints_the_kernel_matrix(capsys):

@@ -92,7 +92,7 @@ def assert_stage_is_picked_up(name: str, tmp_path: Path, capsys) -> None:
     # the CLI: listed by `plugformer train --help`, its arguments parsed into its trainer's config
     with pytest.raises(SystemExit):
         cli_main(["train", "--help"])
-    assert re.search(rf"^  {name}\s+{re.escape(stage.description)}$", capsys.readouterr().err, re.M)
+    assert re.search(rf"^  {name}\s+{re.escape(stage.description)}$", capsys.readouterr().out, re.M)
     assert isinstance(parse_stage_arguments(name, argv)[2], stage.config_type())
     # the data loader: the rows of its format, checked as its format's
     script_args = stage.script_arguments(train_examples=3, dev_examples=2, test_examples=0)

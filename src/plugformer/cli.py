@@ -49,9 +49,7 @@ def _train(argv: list[str]) -> None:
     if not argv or argv[0] not in STAGES:
         width = max(map(len, STAGES)) + 2  # a name never runs into its description
         stages = "\n".join(f"  {name:{width}s}{stage.description}" for name, stage in STAGES.items())
-        print(f"usage: plugformer train <stage> [--config FILE.yaml] [--key value ...]\n\nstages:\n{stages}",
-              file=sys.stderr)  # fmt: skip
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        _usage(f"usage: plugformer train <stage> [--config FILE.yaml] [--key value ...]\n\nstages:\n{stages}", argv)
     run_stage(argv[0], argv[1:])
 
 
@@ -126,6 +124,26 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 }
 
 
+def _usage(text: str, argv: list[str]) -> None:
+    """Prints `text` and exits: asked for (`-h`/`--help`) on stdout with status 0, as argparse does; else (no or
+    an unknown command) on stderr with status 2."""
+    asked = bool(argv) and argv[0] in ("-h", "--help")
+    print(text, file=sys.stdout if asked else sys.stderr)
+    raise SystemExit(0 if asked else 2)
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own `__version__` when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plugformer")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 # raised for what the user gave (flags, files, folders); anything else is a bug and keeps its traceback
 # and a full disk (`files.DiskFullError`: an ENOSPC/EDQUOT write, named with the space free and what is intact)
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, DiskFullError)
@@ -144,11 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
     if argv and argv[0] == "--debug":  # before the command: `train` and `pipeline` have a --debug option of their own
         debug, argv = True, argv[1:]
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"plugformer {_version()}")
+        raise SystemExit(0)
     if not argv or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text
         usage = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
-        print(f"usage: plugformer [--debug] <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        _usage(f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{usage}", argv)
     try:
         COMMANDS[argv[0]][0](argv[1:])
     except USER_ERRORS as error:

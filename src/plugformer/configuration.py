@@ -308,6 +308,36 @@ class PlugformerConfig(PreTrainedConfig):
             self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
         self._validate_variant_fields()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A variant's own field assigned after construction (`config.rope_parameters = ...`) is checked as the
+        constructor checks it: kept where the chosen variants accept it, else refused (the old value restored), so a
+        setting is never kept and silently ignored."""
+        checking = self.__dict__.get("_checking_assignment", False)  # the checks assign (transformers' RoPE init)
+        if name not in _VARIANT_FIELDS or checking or not self.__dict__.get("_post_init_done", False):
+            return super().__setattr__(name, value)
+        old = self.__dict__.get(name)
+        super().__setattr__(name, value)
+        self.__dict__["_checking_assignment"] = True
+        try:
+            self._validate_variant_fields()
+            self.validate_rope()
+        except (ValueError, TypeError):
+            super().__setattr__(name, old)
+            raise
+        finally:
+            del self.__dict__["_checking_assignment"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' `to_dict`; attributes set by assignment whose names nearly spell a field (GPT-2's
+        `layer_norm_epsilon`) are listed under `NEAR_MISS_KEY`, so the saved config loads back although the constructor
+        takes such a keyword argument for a typo."""
+        output = super().to_dict()
+        output.pop(NEAR_MISS_KEY, None)
+        assigned = sorted(key for key in output if _near_miss(key) is not None)
+        if assigned:
+            output[NEAR_MISS_KEY] = assigned
+        return output
+
     def _default_intermediate_size(self) -> int:
         if self.ffn_type == "glu":  # 3 matrices of 8/3·d ≈ the parameters of 2 of 4·d
             return -(-(8 * self.hidden_size // 3) // 64) * 64
@@ -456,18 +486,35 @@ _TRANSFORMERS_KWARGS = frozenset(
 )  # fmt: skip
 
 
+# The fields a variant owns (`config_fields`): checked again when assigned after construction.
+_VARIANT_FIELDS = frozenset(
+    field for registry in VARIANT_REGISTRIES for name in registry for field in registry.get(name).config_fields
+)
+
+# Key of a saved config listing the attributes that were set by assignment and nearly spell a field (see `to_dict`).
+NEAR_MISS_KEY = "plugformer_assigned_attributes"
+
+
+def _near_miss(key: str) -> str | None:
+    """The field `key` nearly spells if it is no field itself nor a name transformers uses, else None."""
+    fields = PlugformerConfig.__dataclass_fields__
+    if key in fields or key in _TRANSFORMERS_KWARGS or key.startswith("_") or key == NEAR_MISS_KEY:
+        return None
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
 def _refuse_near_miss(kwargs: dict[str, Any]) -> None:
     """Raises a `ValueError` for a keyword argument that is no field but nearly spells one (`attention_scor`):
-    transformers keeps unknown keys as plain attributes, so the default of the field meant would be used silently."""
-    fields = PlugformerConfig.__dataclass_fields__
+    transformers keeps unknown keys as plain attributes, so the default of the field meant would be used silently.
+    Names a saved config lists under `NEAR_MISS_KEY` (attributes assigned on purpose, then saved) load as they are."""
+    assigned = set(kwargs.pop(NEAR_MISS_KEY, None) or ())
     for key in kwargs:
-        if key in fields or key in _TRANSFORMERS_KWARGS or key.startswith("_"):
-            continue
-        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
-        if close:
+        meant = None if key in assigned else _near_miss(key)
+        if meant is not None:
             raise ValueError(
-                f"PlugformerConfig got {key}={kwargs[key]!r}, which is not a field; did you mean {close[0]!r}? (keys "
-                "of a config.json are read the same way)"
+                f"PlugformerConfig got {key}={kwargs[key]!r}, which is not a field; did you mean {meant!r}? (keys "
+                "of a config.json are read the same way; to keep such an attribute, assign it after construction)"
             )
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 from transformers.utils import logging
+from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import capture_outputs
 
 from .block import PlugformerDecoderLayer, dropout_if_active
@@ -58,7 +59,9 @@ def document_mask_function(
     `packed_sequence_mask_function` blocks the keys of every other document. transformers reads packing only without
     a mask and without a cache, but plugformer makes a cache whenever `use_cache` (in training too) and collators may
     pass an all-ones mask: the documents attended to each other. Here packing is read from the caller's
-    `position_ids` whenever the keys are exactly these queries (a decoding step, with cached keys, has none).
+    `position_ids` whenever the keys are exactly these queries (a decoding step, with cached keys, has none), in the
+    rows the mask leaves whole: a row with padding is one document, as in transformers (`generate()` gives pads
+    position 1, which would otherwise start a "document" at every pad and cut the tokens before a hole off the rest).
     Within a document slot distances are document distances, so relative biases need nothing more.
     """
     if position_ids is None:
@@ -72,6 +75,10 @@ def document_mask_function(
     if kv_length != query_length:
         return None
     documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # (B, Q): each token's document
+    if documents is not None and attention_mask is not None and attention_mask.ndim == 2:
+        documents = documents * attention_mask.bool().all(dim=-1, keepdim=True)  # a padded row: one document
+        if not is_tracing(documents) and not documents[:, -1].any():
+            return None
     return None if documents is None else packed_sequence_mask_function(documents)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from ..runtime.arguments import config_path
 from ..runtime.files import write_json_atomic, write_text_atomic
 
 
@@ -217,10 +218,13 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
     options = route(settings, args.stages)
     if args.dataset_name is not None:
         add_corpus_options(args, settings, options)
-    configs = {stage: args.stage_configs.format(stage=stage) for stage in args.stages}
-    for stage, path in configs.items():
-        if not Path(path).is_file():
-            raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}")
+    configs = {}
+    for stage in args.stages:
+        path = args.stage_configs.format(stage=stage)
+        try:
+            configs[stage] = config_path(path)  # the shipped YAMLs are found from any folder
+        except FileNotFoundError:
+            raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}") from None
     fingerprint = {
         "stages": args.stages,
         "options": options,

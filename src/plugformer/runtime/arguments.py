@@ -20,13 +20,14 @@ from transformers import HfArgumentParser
 T = TypeVar("T")
 
 
-# the source checkout this package runs from (a clone or an editable install): where the shipped configs/ live
-CHECKOUT = Path(__file__).resolve().parents[3]
+# the shipped YAMLs: package data (src/plugformer/configs links to the repository's configs/; a wheel holds a copy)
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def config_path(path: str | Path) -> str:
-    """`path` if it exists; a relative path that does not is looked up in the checkout's own folder (so
-    `--config configs/demo.yaml` works from any directory); else a FileNotFoundError saying where it looked.
+    """`path` if it exists; else a relative `configs/...` path is looked up among the shipped YAMLs, which travel
+    inside the package (so `--config configs/demo.yaml` works from any directory, in a clone or after a wheel
+    install); else a FileNotFoundError saying where it looked.
 
     >>> config_path("configs/demo.yaml").endswith("demo.yaml")
     True
@@ -34,12 +35,13 @@ def config_path(path: str | Path) -> str:
     given = Path(path)
     if given.is_file():
         return str(path)
-    shipped = CHECKOUT / given
-    if not given.is_absolute() and shipped.is_file() and (CHECKOUT / "configs").is_dir():
+    parts = given.parts
+    shipped = SHIPPED_CONFIGS.joinpath(*parts[1:]) if len(parts) > 1 and parts[0] == "configs" else None
+    if shipped is not None and shipped.is_file():
         return str(shipped)
-    where = f"{Path.cwd()}" + ("" if given.is_absolute() else f" or {CHECKOUT}")
-    raise FileNotFoundError(f"--config {path}: no such file (looked in {where}); the shipped YAMLs are in the "
-                            "repository's configs/ folder")  # fmt: skip
+    where = f"{Path.cwd()}" + (f" or among the shipped configs in {SHIPPED_CONFIGS}" if shipped else "")
+    raise FileNotFoundError(f"--config {path}: no such file (looked in {where}); the shipped YAMLs are named "
+                            "configs/<stage>/<name>.yaml, configs/demo.yaml and configs/accelerate/<name>.yaml")  # fmt: skip
 
 
 class YamlLoader(yaml.SafeLoader):
