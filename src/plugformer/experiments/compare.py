@@ -28,7 +28,13 @@ from pathlib import Path
 
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
-from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from ..evaluation.stats import (
+    MIN_BOOTSTRAP_SAMPLES,
+    check_significance_options,
+    mean_interval,
+    paired_bootstrap,
+    paired_t_test,
+)
 from ..runtime.files import write_json_atomic, write_text_atomic
 
 
@@ -67,8 +73,12 @@ class CompareArguments(CorpusArguments):
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
     significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
-    bootstrap_samples: int = 10_000
-    alpha: float = field(default=0.05, metadata={"help": "significance level, Holm-corrected over the comparisons"})
+    bootstrap_samples: int = field(
+        default=10_000, metadata={"help": f"paired bootstrap resamples (at least {MIN_BOOTSTRAP_SAMPLES})"}
+    )
+    alpha: float = field(
+        default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected over the comparisons"}
+    )
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
@@ -86,6 +96,7 @@ class CompareArguments(CorpusArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
                                  "examples and reports on test examples)")  # fmt: skip
+        check_significance_options(self.alpha, self.bootstrap_samples)
         if self.significance == "ttest" and len(self.seeds) < 2:
             raise ValueError(f"significance='ttest' pairs seeds: give at least 2 seeds, got {self.seeds}")
 
