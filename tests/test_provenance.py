@@ -103,3 +103,89 @@ def test_paired_bootstrap_refuses_fewer_resamples_than_its_documented_minimum():
     with pytest.raises(ValueError, match="at least 1000 bootstrap resamples"):
         paired_bootstrap([1.0, 0.0], [0.0, 0.0], samples=1)
     assert paired_bootstrap([1.0, 0.0], [0.0, 0.0], samples=1000).p_value >= 1 / 1001
+
+
+def test_repeated_list_flags_accumulate_and_other_repeated_flags_are_refused():
+    from plugformer.experiments.compare import CompareArguments, parse_grid, variants
+    from plugformer.experiments.extrapolation import ExtrapolationArguments
+    from plugformer.runtime.arguments import parse_arguments
+
+    args = parse_arguments(CompareArguments, ["--grid", "attention_score=dot,additive", "--grid",
+                                              "position_scheme=rope", "--set", "max_steps=3", "--set=hidden_size=32"],
+                           prog="plugformer compare")  # fmt: skip
+    assert args.grid == ["attention_score=dot,additive", "position_scheme=rope"]  # the attention axis is kept
+    assert len(variants(parse_grid(args.grid))) == 2 and args.set == ["max_steps=3", "hidden_size=32"]
+    extrapolate = parse_arguments(ExtrapolationArguments, ["--set", "a=1", "--position_schemes", "rope", "--set",
+                                                           "b=2"], prog="plugformer extrapolate")  # fmt: skip
+    assert extrapolate.set == ["a=1", "b=2"] and extrapolate.position_schemes == ["rope"]
+    with pytest.raises(ValueError, match=r"--max_new_tokens given twice \(--max_new_tokens 1, then --max_new_tokens"):
+        parse_arguments(CompareArguments, ["--max_new_tokens", "1", "--max_new_tokens=32"], prog="plugformer compare")
+
+
+def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists():
+    from plugformer.training import parse_stage_arguments
+
+    assert parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "3"])[2].max_steps == 3
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--max_step', '1'\]"):
+        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_step", "1"])  # was read as --max_steps
+    _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--lora_target_modules", "q_proj",
+                                                     "--lora_target_modules", "v_proj"])  # fmt: skip
+    assert model_args.lora_target_modules == ["q_proj", "v_proj"]  # not the last one alone
+    # a single-value option: the last one wins (STAGE_FLAGS_RULE; the pipeline and scripts compose command lines)
+    assert (
+        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "1", "--max_steps", "9"])[2].max_steps
+        == 9
+    )
+
+
+@pytest.mark.parametrize("command", [
+    ["seeds", "a", "b", "--outp", "x.md"],
+    ["convert", "a", "b", "--overwr"],
+    ["plot", "sinusoidal", "--di", "8"],
+])  # fmt: skip
+def test_argparse_commands_refuse_abbreviations(command, capsys):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(command)
+    assert caught.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_compare_score_cache_is_keyed_on_every_option_that_changes_the_scores(tmp_path, monkeypatch):
+    from plugformer.experiments import compare
+
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"weights one")
+    scored = []
+
+    def fake_score(args, folder, split, size):
+        scored.append((args.max_new_tokens, args.metric))
+        return [1.0] * size, [1.0] * size
+
+    monkeypatch.setattr(compare, "_score", fake_score)
+    base = {"metric": "exact_match", "dev_examples": 3, "test_examples": 4, "stages": ["pretrain", "sft"]}
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=1), model_dir, "test")
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=1), model_dir, "test")
+    assert len(scored) == 1  # the same options: reused
+    # a stale cache gave 1.000 at --max_new_tokens 32 for answers scored at 1 token
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32), model_dir, "test")
+    assert scored[-1] == (32, "exact_match") and len(scored) == 2
+    # how scores are compared does not change them: reused
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32, alpha=0.01, seeds=[4, 5]), model_dir,
+                           "test")  # fmt: skip
+    assert len(scored) == 2
+    for changed in ({"dataset_seed": 1}, {"dev_examples": 5}):  # the data scored
+        compare.example_scores(compare.CompareArguments(**{**base, **changed}, max_new_tokens=32), model_dir, "test")
+    assert len(scored) == 4
+    (model_dir / "model.safetensors").write_bytes(b"weights two")  # the model replaced in its folder
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32), model_dir, "test")
+    assert len(scored) == 5
+
+
+def test_compare_refuses_to_score_a_reward_classifier_as_a_language_model():
+    from plugformer.experiments.compare import CompareArguments
+
+    with pytest.raises(ValueError, match=r"'reward' trains a text-classification model"):
+        CompareArguments(stages=["pretrain", "sft", "reward"])
+    assert CompareArguments(stages=["pretrain", "sft", "reward", "rlhf"]).stages[-1] == "rlhf"

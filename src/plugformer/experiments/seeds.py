@@ -168,10 +168,13 @@ def main(argv: list[str]) -> str:
     """`plugformer seeds DIR [DIR ...] [--output FILE]`: prints (and writes) the table."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0])
+    from ..runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
+
+    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     epilog=REPEATED_FLAGS_RULE)  # fmt: skip
     parser.add_argument("directories", nargs="+", help="pipeline output directories, each holding results.json")
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     table = seed_table(load_runs(args.directories), names=[Path(d).name for d in args.directories])
     times = wall_times(args.directories)
     table += f"\n\n{times}" if times else ""
