@@ -299,7 +299,7 @@ def test_compare_on_your_corpus_trains_on_it_and_scores_the_documents_pretrainin
     tiny = ["max_steps=2", "eval_strategy=no", "save_strategy=no", "report_to=none", "hidden_size=32",
             "num_hidden_layers=1", "vocab_size=300", "block_size=32", "per_device_train_batch_size=4"]  # fmt: skip
     args = CompareArguments(output_dir=str(tmp_path / "study"), grid=["position_scheme=rope,alibi"], seeds=[0, 1],
-                            set=tiny, dev_examples=10, test_examples=12, bootstrap_samples=200,
+                            set=tiny, dev_examples=10, test_examples=12, bootstrap_samples=1000,
                             stage_configs=str(ROOT / "configs/{stage}/tiny.yaml"), dataset_name="json",
                             data_files=[str(corpus_file)], data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
     summary = compare(args)

@@ -11,6 +11,7 @@ from conftest import build, tiny_config
 
 from plugformer.data.sources import load_stage_dataset
 from plugformer.data.tokenization import train_tokenizer
+from plugformer.runtime.files import weights_sha256
 
 
 def save_dpo_like(tmp_path, beta: float = 0.1):
@@ -28,6 +29,7 @@ def save_dpo_like(tmp_path, beta: float = 0.1):
     record = {
         "stage": "dpo",
         "reference": str(paths["reference"]),
+        "reference_weights_sha256": weights_sha256(paths["reference"]),
         "beta": beta,
         "data": {"direct_answer_fraction": 0.5},
     }
@@ -106,3 +108,65 @@ def test_the_pipeline_rewards_rlhf_with_the_stage_it_names(tmp_path):
         pipeline.stage_argv(pipeline.PipelineArguments(rlhf_reward="dpo"), "rlhf")  # the default order
     with pytest.raises(ValueError, match="--rlhf_reward 'grpo': choose one of reward, dpo"):
         pipeline.PipelineArguments(rlhf_reward="grpo")
+
+
+def test_a_dpo_reference_is_read_by_its_absolute_path_and_checked_by_its_weights(tmp_path, monkeypatch):
+    """Issue 35: a reference recorded as the relative path it was given (`"sft"`) was read against the reader's
+    working folder: another folder's `./sft` gave an implicit-reward accuracy of 0.0 instead of 0.4375, silently."""
+    import shutil
+
+    from plugformer.evaluation.implicit_reward import ImplicitReward
+    from plugformer.evaluation.scoring import EvalArguments, evaluate_directory
+    from plugformer.training.rlhf import load_reward_model
+
+    paths, _, _ = save_dpo_like(tmp_path / "run")
+    expected = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8, max_new_tokens=2))
+    # another folder, with a `reference` of other weights: the recorded absolute path is read, not ./reference
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(paths["policy"], elsewhere / "reference")
+    monkeypatch.chdir(elsewhere)
+    again = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8, max_new_tokens=2))
+    assert again["implicit_reward_pairwise_accuracy"] == expected["implicit_reward_pairwise_accuracy"]
+    # the recorded reference replaced: refused, naming both digests, by eval and by rlhf's reward source
+    info = json.loads((paths["policy"] / "run_info.json").read_text())
+    recorded = info["reference_weights_sha256"]
+    shutil.copy(paths["policy"] / "model.safetensors", paths["reference"] / "model.safetensors")
+    for consume in (lambda: evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8)),
+                    lambda: load_reward_model(str(paths["policy"]))):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{paths['reference']} holds weights sha256 \w{{12}}, but the dpo stage "
+                                             rf"trained against weights sha256 {recorded[:12]}"):  # fmt: skip
+            consume()
+    # a relative reference with no digest (a record from before): which model it is cannot be checked
+    info.update(reference="reference", reference_weights_sha256=None)
+    (paths["policy"] / "run_info.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="without an absolute path and a weights sha256"):
+        ImplicitReward.from_dpo_stage(str(paths["policy"]))
+
+
+def test_dpo_stage_records_its_reference_by_absolute_path_and_weights_digest(tmp_path, monkeypatch):
+    from plugformer.runtime.files import weights_sha256
+    from plugformer.training.dpo import reference_record
+
+    paths, _, _ = save_dpo_like(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    record = reference_record("reference")
+    assert record == {"reference": str(paths["reference"]),
+                      "reference_weights_sha256": weights_sha256(paths["reference"])}  # fmt: skip
+    assert len(record["reference_weights_sha256"]) == 64
+
+
+def test_rlhf_refuses_a_reward_source_without_a_trained_reward_head(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from plugformer.training.rlhf import load_reward_model
+
+    paths, tokenizer, _ = save_dpo_like(tmp_path)
+    # a language model's folder (an sft stage) with no dpo record: its reward head would be freshly initialised
+    with pytest.raises(ValueError, match=r"--reward_model_path .*reference: a PlugformerForCausalLM with "
+                                         r"num_labels=2, no trained reward head"):  # fmt: skip
+        load_reward_model(str(paths["reference"]))
+    classifier = tmp_path / "reward"
+    AutoModelForSequenceClassification.from_pretrained(paths["reference"], num_labels=1).save_pretrained(classifier)
+    tokenizer.save_pretrained(classifier)
+    model, reward_tokenizer = load_reward_model(str(classifier))
+    assert model.config.num_labels == 1 and reward_tokenizer is not None

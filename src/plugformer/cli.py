@@ -21,15 +21,16 @@ def _convert(argv: list[str]) -> None:
     import yaml
 
     from .integrations.convert import convert
+    from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
 
-    parser = argparse.ArgumentParser(
-        prog="plugformer convert", description="Import a Llama, Qwen3 or GPT-2 checkpoint."
-    )
+    parser = argparse.ArgumentParser(prog="plugformer convert", description="Import a Llama, Qwen3 or GPT-2 checkpoint.",
+                                     allow_abbrev=False, epilog=REPEATED_FLAGS_RULE)  # fmt: skip
     parser.add_argument("source", help="transformers checkpoint directory (model_type llama, qwen3 or gpt2)")
     parser.add_argument("output_dir", help="where the plugformer model is saved")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
+                        "(repeat it: the overrides accumulate)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUTPUT_DIR")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     overrides = {}
     for item in args.set:
         field, separator, value = item.partition("=")

@@ -20,15 +20,36 @@ from .rewards import completion_text
 
 
 def dpo_record(path: str | Path) -> dict | None:
-    """`{"reference": ..., "beta": ...}` when `path` is a finished stage that recorded them (DPO: its policy is a
-    reward model too), else None."""
+    """`{"reference": ..., "reference_weights_sha256": ..., "beta": ...}` when `path` is a finished stage that recorded
+    a reference and β (DPO: its policy is a reward model too), else None."""
     info = Path(path, "run_info.json")
     if not info.is_file():
         return None
     record = json.loads(info.read_text())
     if "reference" not in record or "beta" not in record:
         return None
-    return {"reference": record["reference"], "beta": float(record["beta"])}
+    return {"reference": record["reference"], "reference_weights_sha256": record.get("reference_weights_sha256"),
+            "beta": float(record["beta"])}  # fmt: skip
+
+
+def verified_reference(path: str | Path, record: dict) -> str:
+    """The reference a DPO stage trained against, read from its recorded absolute path after checking that the
+    folder there holds the weights it recorded (their sha256). Raises `ValueError` naming both sides otherwise: a
+    relative path was read against the reader's working folder, and another `./sft` gave silently wrong rewards."""
+    from ..runtime.files import weights_sha256
+
+    reference, recorded = record["reference"], record.get("reference_weights_sha256")
+    if not Path(reference).is_absolute() or recorded is None:
+        raise ValueError(f"{path}/run_info.json records its DPO reference as {reference!r} without an absolute path "
+                         "and a weights sha256 (reference_weights_sha256), so which model it is cannot be checked; "
+                         "retrain the dpo stage, which records both")  # fmt: skip
+    current = weights_sha256(reference) if Path(reference).is_dir() else None
+    if current != recorded:
+        found = f"weights sha256 {current[:12]}" if current else "no weights"
+        raise ValueError(f"{path}: its DPO reference {reference} holds {found}, but the dpo stage trained against "
+                         f"weights sha256 {recorded[:12]} (run_info.json); restore that model there, or retrain "
+                         "the dpo stage")  # fmt: skip
+    return reference
 
 
 class ImplicitReward:
@@ -59,7 +80,7 @@ class ImplicitReward:
         record = dpo_record(path)
         if record is None:
             raise ValueError(f"{path}: not a finished DPO stage that recorded its reference and beta in run_info.json")
-        return cls(path, record["reference"], record["beta"], **kwargs)
+        return cls(path, verified_reference(path, record), record["beta"], **kwargs)
 
     def token_ids(self, prompt: str | list[dict], completion: str | list[dict]) -> tuple[list[int], int]:
         """The ids of the whole text or conversation and where the completion starts (after the assistant's

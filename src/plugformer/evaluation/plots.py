@@ -271,18 +271,22 @@ def plot_training_curves(
 
 
 def parser() -> argparse.ArgumentParser:
-    main_parser = argparse.ArgumentParser(prog="plugformer plot", description=__doc__.splitlines()[0])
+    from ..runtime.arguments import REPEATED_FLAGS_RULE
+
+    main_parser = argparse.ArgumentParser(prog="plugformer plot", description=__doc__.splitlines()[0],
+                                          allow_abbrev=False, epilog=REPEATED_FLAGS_RULE)  # fmt: skip
     commands = main_parser.add_subparsers(dest="command", required=True)
-    positions = commands.add_parser("positions", help="score bias per head vs key − query distance")
+    rule = {"allow_abbrev": False, "epilog": REPEATED_FLAGS_RULE}
+    positions = commands.add_parser("positions", help="score bias per head vs key − query distance", **rule)
     positions.add_argument("--model", required=True, help=f"a saved plugformer model ({', '.join(bias_schemes())})")
     positions.add_argument("--max_distance", type=int, default=32)
     positions.add_argument("--stack", choices=("encoder", "decoder"), default=None, help="of a seq2seq model")
     positions.add_argument("--output", default="position_bias.png")
-    sinusoidal = commands.add_parser("sinusoidal", help="the sinusoidal position encoding as a heatmap")
+    sinusoidal = commands.add_parser("sinusoidal", help="the sinusoidal position encoding as a heatmap", **rule)
     sinusoidal.add_argument("--positions", type=int, default=128)
     sinusoidal.add_argument("--dim", type=int, default=64)
     sinusoidal.add_argument("--output", default="sinusoidal.png")
-    curves = commands.add_parser("curves", help="loss vs step of one or more training runs")
+    curves = commands.add_parser("curves", help="loss vs step of one or more training runs", **rule)
     curves.add_argument("run_dirs", nargs="+", help="output directories of training runs")
     curves.add_argument("--metrics", nargs="+", default=["loss", "eval_loss"])
     curves.add_argument("--output", default="training_curves.png")
@@ -293,7 +297,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> Path:
     """`plugformer plot positions|sinusoidal|curves ... --output F.png`; prints and returns the file written."""
-    args = parser().parse_args(argv)
+    from ..runtime.arguments import merge_repeated_flags
+
+    main_parser = parser()
+    subparsers = next(a for a in main_parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and argv[0] in subparsers:  # a repeated option of the subcommand accumulates or is refused
+        argv = [argv[0], *merge_repeated_flags(subparsers[argv[0]], list(argv[1:]), f"plugformer plot {argv[0]}", ())]
+    args = main_parser.parse_args(argv)
     if args.command == "positions":
         plot_position_bias(load_model(args.model), args.output, args.max_distance, stack=args.stack, dpi=args.dpi)
     elif args.command == "sinusoidal":

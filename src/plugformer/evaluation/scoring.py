@@ -238,6 +238,13 @@ def scored_pairs(args: EvalArguments):
     return rows, fraction
 
 
+def rows_digest(rows) -> str:
+    """The sha256 of a split's rows (every column, in order): equal digests, the same examples scored."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(rows.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
@@ -262,10 +269,12 @@ def evaluate_directory(args: EvalArguments) -> dict:
         rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
         results["examples"], results["direct_answer_fraction"] = len(rows), fraction
+        results["data_sha256"] = rows_digest(rows)
         return results
     model = AutoModelForCausalLM.from_pretrained(args.model)
     rows = load_stage_dataset("prompt_answer", sizes=sizes, seed=seed)[args.split]
     results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
+    results["data_sha256"] = rows_digest(rows)  # which problems were scored: `plugformer seeds` compares runs on it
     results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
     texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]["text"]
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)

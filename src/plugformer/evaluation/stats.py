@@ -20,6 +20,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
+# The fewest resamples `paired_bootstrap` accepts. Its p-value is counted as (1 + extreme) / (1 + samples), so it cannot
+# fall below 1 / (1 + samples): 1000 resamples resolve p down to 0.001, what a Holm correction over a handful of
+# comparisons at alpha 0.05 needs, and leave 25 resamples in each 2.5% tail of a 95% percentile interval (Efron &
+# Tibshirani 1993, ch. 19, ask for about 1000 for percentile intervals). One resample gave a zero-width interval.
+MIN_BOOTSTRAP_SAMPLES = 1000
+
+
 @dataclass(frozen=True)
 class Interval:
     """`mean` with a two-sided confidence interval [`low`, `high`] from `n` values (nan bounds when n < 2)."""
@@ -68,6 +75,26 @@ def _as_vector(values: Sequence[float], name: str) -> np.ndarray:
 def _check_confidence(confidence: float) -> None:
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence}: expected a value strictly between 0 and 1")
+
+
+def check_significance_options(alpha: float, bootstrap_samples: int | None = None) -> None:
+    """Raises `ValueError` naming the option for a significance level outside (0, 1) or fewer bootstrap resamples
+    than `MIN_BOOTSTRAP_SAMPLES`: checked before any run trains, not when the table is printed.
+
+    >>> check_significance_options(2.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: --alpha 2.0: expected a significance level strictly between 0 and 1 (e.g. 0.05)
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ValueError(f"--alpha {alpha!r}: expected a significance level strictly between 0 and 1 (e.g. 0.05)")
+    if bootstrap_samples is not None and (
+        isinstance(bootstrap_samples, bool) or not isinstance(bootstrap_samples, int)
+        or bootstrap_samples < MIN_BOOTSTRAP_SAMPLES
+    ):  # fmt: skip
+        raise ValueError(f"--bootstrap_samples {bootstrap_samples!r}: expected an integer of at least "
+                         f"{MIN_BOOTSTRAP_SAMPLES} (p-values resolve to 1/(1 + samples); fewer give intervals and "
+                         "p-values too coarse to report)")  # fmt: skip
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
@@ -136,8 +163,9 @@ def paired_bootstrap(
     weight = np.ones_like(first) if weights is None else _paired(weights, first, name="weights")
     if (weight <= 0).any():
         raise ValueError("weights: every example needs a positive weight (e.g. its token count)")
-    if samples < 1:
-        raise ValueError(f"samples={samples}: expected at least 1 bootstrap sample")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_BOOTSTRAP_SAMPLES:
+        raise ValueError(f"samples={samples!r}: expected at least {MIN_BOOTSTRAP_SAMPLES} bootstrap resamples "
+                         "(MIN_BOOTSTRAP_SAMPLES: p-values resolve to 1/(1 + samples))")  # fmt: skip
     observed = first.sum() / weight.sum() - second.sum() / weight.sum()
     rng = np.random.default_rng(seed)
     indices = rng.integers(0, first.size, size=(samples, first.size))  # (samples, n) examples drawn with replacement

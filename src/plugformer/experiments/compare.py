@@ -28,7 +28,13 @@ from pathlib import Path
 
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
-from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from ..evaluation.stats import (
+    MIN_BOOTSTRAP_SAMPLES,
+    check_significance_options,
+    mean_interval,
+    paired_bootstrap,
+    paired_t_test,
+)
 from ..runtime.arguments import config_path
 from ..runtime.files import write_json_atomic, write_text_atomic
 
@@ -68,8 +74,12 @@ class CompareArguments(CorpusArguments):
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
     significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
-    bootstrap_samples: int = 10_000
-    alpha: float = field(default=0.05, metadata={"help": "significance level, Holm-corrected over the comparisons"})
+    bootstrap_samples: int = field(
+        default=10_000, metadata={"help": f"paired bootstrap resamples (at least {MIN_BOOTSTRAP_SAMPLES})"}
+    )
+    alpha: float = field(
+        default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected over the comparisons"}
+    )
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
@@ -87,8 +97,22 @@ class CompareArguments(CorpusArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
                                  "examples and reports on test examples)")  # fmt: skip
+        check_significance_options(self.alpha, self.bootstrap_samples)
+        refuse_unscorable_stage(self.stages)
         if self.significance == "ttest" and len(self.seeds) < 2:
             raise ValueError(f"significance='ttest' pairs seeds: give at least 2 seeds, got {self.seeds}")
+
+
+def refuse_unscorable_stage(stages: list[str]) -> None:
+    """Raises `ValueError` when the last of `stages` (the model compare scores, as a language model: perplexity or
+    exact match) is not a language model: a reward classifier's "perplexity" is that of a head it does not have."""
+    from ..training import STAGES
+
+    last = stages[-1] if stages else None
+    if last in STAGES and STAGES[last].card.pipeline_tag != "text-generation":
+        raise ValueError(f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
+                         f"match), and {last!r} trains a {STAGES[last].card.pipeline_tag} model; end --stages with a "
+                         f"policy stage, or score it with `plugformer eval --model <run>/{last}` (pairwise accuracy)")  # fmt: skip
 
 
 def parse_grid(entries: list[str]) -> dict[str, list[str]]:
@@ -267,7 +291,9 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
         if (output / "run_info.json").exists() and not args.rerun:
             continue
         argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", str(output)]
-        argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed), "--exact_match_examples", "0"]
+        argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed)]
+        if "--exact_match_examples" not in options[stage]:  # compare scores dev and test itself
+            argv += ["--exact_match_examples", "0"]
         # the folder is this run's own (same settings hash and seed): an interrupted stage resumes from its newest
         # checkpoint, the remains of one killed before its first checkpoint (or --rerun) are replaced
         if not args.rerun and any(output.glob("checkpoint-*")):
@@ -286,18 +312,33 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
     return run_dir / args.stages[-1]
 
 
+# CompareArguments fields that do not change a run's per-example scores: how the scores are compared and where the
+# runs live. Every other option (metric, max_new_tokens, the examples, the data, ...) is part of the score cache's key.
+NOT_SCORING = ("output_dir", "grid", "seeds", "significance", "bootstrap_samples", "alpha", "rerun")
+
+
+def score_key(args: CompareArguments, model_dir: Path, split: str) -> dict:
+    """What a run's cached per-example scores depend on: every option of `args` but those in `NOT_SCORING`, the split,
+    and the sha256 of the weights scored (a model retrained or replaced in its folder is scored anew)."""
+    from ..runtime.files import weights_sha256
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_SCORING}
+    return {"options": options, "split": split, "weights_sha256": weights_sha256(model_dir)}
+
+
 def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
-    """Per-example scores of a trained run on `split`, cached in `<model_dir>/compare_<metric>_<split>.json`."""
+    """Per-example scores of a trained run on `split`, cached in `<model_dir>/compare_<metric>_<split>.json` under
+    `score_key`: a cache written under any other option value is scored again."""
     size = args.dev_examples if split == "dev" else args.test_examples
     cache = model_dir / f"compare_{args.metric}_{split}.json"
+    key = json.loads(json.dumps(score_key(args, model_dir, split), default=str))  # as it reads back from JSON
     if cache.exists() and not args.rerun:
         cached = json.loads(cache.read_text())
-        if (cached["examples"], cached["dataset_seed"], cached.get("corpus")) == (size, args.dataset_seed,
-                                                                                   args.corpus_key()):  # fmt: skip
+        if cached.get("key") == key:
             return cached
     scores, weights = _score(args, model_dir, split, size)
-    result = {"examples": size, "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(), "scores": scores,
-              "weights": weights}  # fmt: skip
+    result = {"key": key, "examples": size, "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(),
+              "scores": scores, "weights": weights}  # fmt: skip
     write_json_atomic(cache, result)
     return result
 

@@ -25,7 +25,7 @@ import torch
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval
-from ..runtime.files import write_json_atomic
+from ..runtime.files import weights_sha256, write_json_atomic
 from .compare import CompareArguments, run_plan, train_run, write_results
 
 
@@ -119,7 +119,8 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     lengths = args.lengths()
     cache = model_dir / "extrapolation.json"
     key = {"lengths": lengths, "tokens": max(lengths) * args.eval_windows, "test_examples": args.test_examples,
-           "dataset_seed": args.dataset_seed, **({"corpus": args.corpus_key()} if args.dataset_name else {})}  # fmt: skip
+           "dataset_seed": args.dataset_seed, **({"corpus": args.corpus_key()} if args.dataset_name else {}),
+           "weights_sha256": weights_sha256(model_dir)}  # fmt: skip
     if cache.exists() and not args.rerun:
         cached = json.loads(cache.read_text())
         if cached["key"] == key:

@@ -7,6 +7,7 @@ parent two ways: per run (the pipeline's paired bootstrap over the same test pro
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,16 +18,85 @@ from .pipeline import RUN_RECORD
 
 
 def load_runs(directories: list[str]) -> list[dict]:
-    """The `results.json` of each pipeline output directory, in order; a directory without one is refused."""
+    """The `results.json` of each pipeline output directory, in order. Refused, before any number is printed: a
+    directory without one, fewer than two distinct runs, one run given twice (`same_run`), runs scored on different
+    test sets (`check_test_sets`)."""
     if not directories:
-        raise ValueError("give at least one pipeline output directory (each holding results.json)")
+        raise ValueError("give at least two pipeline output directories (each holding results.json)")
     runs = []
     for directory in directories:
         path = Path(directory, "results.json")
         if not path.is_file():
             raise ValueError(f"{directory}: no results.json (a finished `plugformer pipeline --output_dir` folder)")
         runs.append(json.loads(path.read_text()))
+    for later in range(len(directories)):
+        for earlier in range(later):
+            why = same_run(directories[earlier], directories[later])
+            if why is not None:
+                raise ValueError(f"plugformer seeds: {directories[earlier]} and {directories[later]} are the same run "
+                                 f"({why}): give each run once; intervals and tests over seeds count distinct runs")  # fmt: skip
+    if len(runs) < 2:
+        raise ValueError(f"plugformer seeds: {len(runs)} run given ({', '.join(directories)}); intervals and paired "
+                         "tests over seeds need at least two distinct runs (pipeline runs with different --seed)")  # fmt: skip
+    check_test_sets(runs, directories)
     return runs
+
+
+def run_identity(directory: str) -> dict:
+    """What identifies a pipeline run by content: its folder's absolute path, the sha256 of its results.json, the
+    parameter digests each stage recorded in its run_info.json (the trained weights) and the seed it ran with."""
+    folder = Path(directory).resolve()
+    digests = {}
+    for stage in STAGES:
+        info = folder / stage / "run_info.json"
+        if info.is_file():
+            digests[stage] = json.loads(info.read_text()).get("parameter_digests")
+    record = folder / RUN_RECORD
+    return {
+        "path": str(folder),
+        "results_sha256": hashlib.sha256((folder / "results.json").read_bytes()).hexdigest(),
+        "weights": digests if any(digests.values()) else None,
+        "seed": json.loads(record.read_text()).get("seed") if record.is_file() else None,
+    }
+
+
+def same_run(first: str, second: str) -> str | None:
+    """Why two directories hold the same run (one folder, a copy, the same weights, the same seed), or None."""
+    a, b = run_identity(first), run_identity(second)
+    if a["path"] == b["path"]:
+        return f"both are {a['path']}"
+    if a["results_sha256"] == b["results_sha256"]:
+        return f"identical results.json, sha256 {a['results_sha256'][:12]}"
+    if a["weights"] is not None and a["weights"] == b["weights"]:
+        return "every stage's weights have the same parameter digests"
+    if a["seed"] is not None and a["seed"] == b["seed"]:
+        return f"both ran with --seed {a['seed']} ({RUN_RECORD})"
+    return None
+
+
+def test_set(result: dict) -> tuple[int | None, str | None]:
+    """(problems or pairs scored, sha256 of their content) of one stage's held-out scores, None where unrecorded."""
+    examples = result.get("examples", len(result["correct"]) if "correct" in result else None)
+    return examples, result.get("data_sha256")
+
+
+def check_test_sets(runs: list[dict], directories: list[str]) -> None:
+    """Raises `ValueError` naming both runs when a stage was scored on test sets of different sizes or content."""
+    for stage in STAGES:
+        present = [(run[stage], directory) for run, directory in zip(runs, directories, strict=True) if stage in run]
+        for result, directory in present[1:]:
+            (size, digest), (first_size, first_digest) = test_set(result), test_set(present[0][0])
+            if (size != first_size and None not in (size, first_size)) or (
+                digest != first_digest and None not in (digest, first_digest)
+            ):
+                raise ValueError(f"plugformer seeds: stage {stage!r} was scored on different test sets: "
+                                 f"{present[0][1]} {_test_set_text(first_size, first_digest)}, {directory} "
+                                 f"{_test_set_text(size, digest)}; score every run with the same --test_examples "
+                                 "and --dataset_seed")  # fmt: skip
+
+
+def _test_set_text(size: int | None, digest: str | None) -> str:
+    return f"{size} examples" + (f" (sha256 {digest[:12]})" if digest else "")
 
 
 def percent(value: float) -> str:
@@ -36,7 +106,7 @@ def percent(value: float) -> str:
 def interval_text(values: list[float]) -> str:
     """`mean (low, high)` in percent, or the single value for one run."""
     interval = mean_interval(values)
-    if interval.n < 2:
+    if interval.n < 2:  # not from `seed_table`, which refuses fewer than two runs
         return percent(interval.mean)
     return f"{percent(interval.mean)} ({percent(interval.low)}, {percent(interval.high)})"
 
@@ -98,10 +168,13 @@ def main(argv: list[str]) -> str:
     """`plugformer seeds DIR [DIR ...] [--output FILE]`: prints (and writes) the table."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0])
+    from ..runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
+
+    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     epilog=REPEATED_FLAGS_RULE)  # fmt: skip
     parser.add_argument("directories", nargs="+", help="pipeline output directories, each holding results.json")
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     table = seed_table(load_runs(args.directories), names=[Path(d).name for d in args.directories])
     times = wall_times(args.directories)
     table += f"\n\n{times}" if times else ""

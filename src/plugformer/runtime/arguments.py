@@ -5,6 +5,7 @@ Unknown keys, in the YAML or on the command line, are errors that name the key.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import re
@@ -160,10 +161,96 @@ def _yaml_type(value: Any) -> str:
     return {type(None): "null", list: "list", dict: "mapping"}.get(type(value), type(value).__name__)
 
 
+# the rule every command follows, shown at the end of its --help (`merge_repeated_flags`)
+REPEATED_FLAGS_RULE = (
+    "An option that takes a list accumulates when repeated (`--grid a=1,2 --grid b=x` is `--grid a=1,2 b=x`); any "
+    "other option given twice is refused. Options are never abbreviated (`--max_step` is not `--max_steps`)."
+)
+# the stage commands: the pipeline, compare and scripts compose their command lines from a base and overrides
+STAGE_FLAGS_RULE = (
+    "An option that takes a list accumulates when repeated (`--data_files a --data_files b` is `--data_files a b`); "
+    "for any other option given twice the last one wins, as the command line wins over --config. Options are never "
+    "abbreviated (`--max_step` is not `--max_steps`)."
+)
+
+
+def merge_repeated_flags(
+    parser, argv: list[str], prog: str, extra: tuple[str, ...] = ("--config",), refuse: bool = True
+) -> list[str]:
+    """`argv` with the values of a repeated list option (`nargs` `+` or `*`) gathered after its first occurrence;
+    raises `ValueError` naming both occurrences when any other option (or one of `extra`, options the parser reads
+    itself) is given twice. argparse keeps only the last occurrence: `--grid attention_score=a,b --grid
+    position_scheme=rope` dropped the attention-score axis, `--max_steps 1 ... --max_steps 9` trained 9.
+    `refuse=False` (the stage commands, `STAGE_FLAGS_RULE`) leaves a repeated single-value option to argparse: the
+    last one given wins.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> _ = parser.add_argument("--grid", nargs="+"); _ = parser.add_argument("--seed")
+    >>> merge_repeated_flags(parser, ["--grid", "a=1", "--seed", "3", "--grid=b=2", "c=3"], "demo")
+    ['--grid', 'a=1', 'b=2', 'c=3', '--seed', '3']
+    >>> merge_repeated_flags(parser, ["--seed", "3", "--seed=4"], "demo")
+    Traceback (most recent call last):
+    ...
+    ValueError: demo: --seed given twice (--seed 3, then --seed=4); give it once
+    """
+    actions = {name: action for action in parser._actions for name in action.option_strings}
+    merged: list = []  # strings, and for a list option the list of its values (joined below)
+    first: dict[str, tuple[str, list | None]] = {}  # dest -> (how it was first written, its values if a list)
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            merged += argv[index:]
+            break
+        name, equals, inline = token.partition("=")
+        action = actions.get(name) if token.startswith("--") else None
+        if action is None and name not in extra:
+            merged.append(token)
+            index += 1
+            continue
+        dest = action.dest if action is not None else name
+        if isinstance(action, (argparse._AppendAction, argparse._ExtendAction, argparse._CountAction)):
+            merged.append(token)  # argparse accumulates these itself (`convert --set a=1 --set b=2`)
+            index += 1
+            continue
+        if action is not None and action.nargs in ("+", "*"):
+            end = index + 1
+            while end < len(argv) and not argv[end].startswith("--"):
+                end += 1
+            values = ([inline] if equals else []) + argv[index + 1 : end]
+            if dest in first:
+                first[dest][1].extend(values)
+            else:
+                first[dest] = (name, values)
+                merged += [name, values]
+            index = end
+            continue
+        written = _as_written(argv, index, action)
+        if dest in first and refuse:
+            raise ValueError(f"{prog}: {name} given twice ({first[dest][0]}, then {written}); give it once")
+        first[dest] = (written, None)
+        merged.append(token)
+        index += 1
+    return [item for entry in merged for item in (entry if isinstance(entry, list) else [entry])]
+
+
+def _as_written(argv: list[str], index: int, action) -> str:
+    """The option at `argv[index]` with its value, as the user wrote it (for a message)."""
+    token = argv[index]
+    following = argv[index + 1] if index + 1 < len(argv) else "--"
+    if "=" in token or following.startswith("--") or (action is not None and action.nargs == 0):
+        return token
+    return f"{token} {following}"
+
+
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
-    """Parses `argv` into `cls`, with `--config file.yaml` supplying defaults that the command line overrides."""
-    parser = HfArgumentParser(cls, prog=prog, allow_abbrev=False)  # `--layer` must not silently mean `--layers`
+    """Parses `argv` into `cls`, with `--config file.yaml` supplying defaults that the command line overrides.
+    A repeated list option accumulates, any other repeated option is refused (`merge_repeated_flags`)."""
+    # never abbreviated: `--layer` must not silently mean `--layers`
+    parser = HfArgumentParser(cls, prog=prog, allow_abbrev=False, epilog=REPEATED_FLAGS_RULE)
     parser.add_argument("--config", type=str, default=None, help="YAML file of option: value pairs")
+    argv = merge_repeated_flags(parser, list(argv), prog)
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
         parser.set_defaults(**load_yaml(config_path(known.config), {f.name for f in dataclasses.fields(cls)}, (cls,)))

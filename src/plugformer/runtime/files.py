@@ -116,3 +116,25 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_json_atomic(path: str | Path, value: Any, **dumps: Any) -> None:
     """`json.dumps(value, **dumps)` plus a newline, written with `write_text_atomic`."""
     write_text_atomic(path, json.dumps(value, **dumps) + "\n")
+
+
+# the weight files a saved model folder holds at its top level (not its checkpoints, nor adapter/)
+WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")
+
+
+def weights_sha256(folder: str | Path) -> str | None:
+    """The sha256 of the weight files at the top of a saved model folder (names and bytes, in sorted order), or None
+    when it holds none: equal digests, the same weights. Consumers of a run (pipeline reuse, compare's score cache, a
+    DPO stage's reference) compare it with the digest recorded when the run was made."""
+    import hashlib
+
+    files = sorted({path for pattern in WEIGHT_FILES for path in Path(folder).glob(pattern) if path.is_file()})
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(2**24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -16,12 +16,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..capabilities import KERNELS, supported_kernels
 from ..configuration import PlugformerConfig
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
+from .arguments import merge_repeated_flags
 from .markers import markers, write_blocks
 from .variants import ATTENTION_MODIFIERS, AXES, field_summary, summary
 
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the README's generated blocks instead")
     parser.add_argument("--readme", default=None, help="rewrite the generated blocks (variants, kernels) of this file, "
                         "e.g. README.md")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_repeated_flags(parser, list(sys.argv[1:] if argv is None else argv), parser.prog,
+                                                  extra=()))  # fmt: skip
     if args.readme is None and not args.markdown:
         print_matrix()
         return

@@ -16,7 +16,7 @@ from ..compat import (
     renamed_trainer_options,
     trainer_option_aliases,
 )
-from ..runtime.arguments import check_yaml_types, config_path, read_yaml
+from ..runtime.arguments import STAGE_FLAGS_RULE, check_yaml_types, config_path, merge_repeated_flags, read_yaml
 from .stages import STAGES, Stage, StageInput, register_stage
 
 
@@ -42,7 +42,10 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         def set_defaults_with_config(self, **values) -> list[str]:  # a YAML's keys, matched to options by dest
             return super().set_defaults_with_config(**renamed_trainer_options(values))
 
-    parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=f"plugformer train {stage}")
+    prog = f"plugformer train {stage}"
+    # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates
+    parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=prog, allow_abbrev=False,
+                         epilog=STAGE_FLAGS_RULE)  # fmt: skip
     accept_renamed_trainer_options(parser)
     if deepspeed_on_cpu():
         # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate
@@ -52,7 +55,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
-    argv = renamed_trainer_flags(list(argv))
+    argv = merge_repeated_flags(parser, renamed_trainer_flags(list(argv)), prog, refuse=False)
     for index, value in enumerate(argv[:-1]):
         if value == "--config":  # a shipped YAML also from outside the checkout
             argv[index + 1] = config_path(argv[index + 1])

@@ -4,6 +4,9 @@ base."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from ..evaluation.cards import StageCard
 from .arguments import PolicyArguments
 from .stages import Stage, register_stage
@@ -16,9 +19,20 @@ def train(script_args, model_args, training_args) -> dict:
     from .common import run_trainer
 
     # the reference and beta make the saved policy a reward model too (`implicit_reward`, the rlhf stage's
-    # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory
-    implicit = {"reference": model_args.model_name_or_path, "beta": training_args.beta}
+    # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory. Recorded by absolute
+    # path beside its weights' sha256: a relative path was read against the consumer's working folder
+    implicit = {**reference_record(model_args.model_name_or_path), "beta": training_args.beta}
     return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit)
+
+
+def reference_record(reference: str) -> dict:
+    """`{"reference": its absolute path, "reference_weights_sha256": ...}` for a local model folder (a Hub id is
+    kept as given, with no digest)."""
+    from ..runtime.files import weights_sha256
+
+    if not Path(reference).is_dir():
+        return {"reference": reference, "reference_weights_sha256": None}
+    return {"reference": os.path.abspath(reference), "reference_weights_sha256": weights_sha256(reference)}
 
 
 STAGE = register_stage(

@@ -27,8 +27,26 @@ def load_reward_model(path: str | None):
                          "num_labels=1 classifier) or of a dpo stage (its implicit reward)")  # fmt: skip
     if dpo_record(path) is not None:
         return ImplicitReward.from_dpo_stage(path), None
+    refuse_untrained_reward_head(path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     return reward_model.eval(), load_tokenizer(path)
+
+
+def refuse_untrained_reward_head(path: str) -> None:
+    """Raises `ValueError` unless `path` holds a trained reward classifier (a `...ForSequenceClassification` with one
+    label): loading a language model's folder as one gave a freshly initialised reward head to train against."""
+    from transformers import AutoConfig
+
+    if not Path(path, "config.json").is_file():
+        raise ValueError(f"--reward_model_path {path}: no config.json there; give the output directory of the reward "
+                         "stage or of a dpo stage")  # fmt: skip
+    config = AutoConfig.from_pretrained(path)
+    architectures = config.architectures or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures) or config.num_labels != 1:
+        raise ValueError(f"--reward_model_path {path}: a {'/'.join(architectures) or 'model'} with "
+                         f"num_labels={config.num_labels}, no trained reward head (a ForSequenceClassification with "
+                         "num_labels=1) and no dpo record (run_info.json: reference, beta); give the reward stage's "
+                         "output or a dpo stage's")  # fmt: skip
 
 
 def train(script_args, model_args, training_args) -> dict:

@@ -1,0 +1,191 @@
+"""Issue 35: the experiment tools identify runs and references by content and refuse what they cannot support —
+`plugformer seeds` over duplicated or mismatched runs, compare's statistics options, repeated flags and cache key,
+a DPO stage's reference, rlhf's reward source, pipeline reuse of replaced weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from plugformer.experiments import seeds
+
+
+def write_run(folder: Path, exact_match: float, seed: int | None = None, examples: int = 200,
+              data_sha256: str = "a" * 64, digest: int | None = None) -> str:  # fmt: skip
+    """A finished pipeline folder as `plugformer seeds` reads it: results.json, pipeline_run.json, run_info.json."""
+    folder.mkdir(parents=True)
+    results = {
+        "sft": {"train_seconds": 5.0, "exact_match": exact_match - 0.1, "examples": examples,
+                "data_sha256": data_sha256, "gain": None},
+        "grpo": {"train_seconds": 6.0, "exact_match": exact_match, "examples": examples, "data_sha256": data_sha256,
+                 "gain": {"difference": 0.1, "p_value": 0.01}},
+    }  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results))
+    if seed is not None:
+        (folder / "pipeline_run.json").write_text(json.dumps({"seed": seed, "wall_seconds": 10.0,
+                                                              "machine": {"matmul_gflops": 100.0}}))  # fmt: skip
+    if digest is not None:
+        (folder / "sft").mkdir()
+        (folder / "sft" / "run_info.json").write_text(json.dumps({"parameter_digests": [digest]}))
+    return str(folder)
+
+
+def refused(capsys, directories: list[str], match: str) -> str:
+    with pytest.raises(ValueError, match=match) as caught:
+        seeds.main(directories)
+    assert capsys.readouterr().out == ""  # refused before any number is printed
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_seeds_refuses_one_run_given_several_times(tmp_path, capsys, monkeypatch):
+    run0 = write_run(tmp_path / "run0", 0.5, seed=0)
+    message = refused(capsys, [run0, run0, run0], "same run")
+    assert message.startswith(f"plugformer seeds: {run0} and {run0} are the same run")  # names both sides
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, ["run0", str(tmp_path / "run0")], r"same run \(both are ")  # one folder by two paths
+
+
+def test_seeds_refuses_a_copied_run_and_one_trained_twice(tmp_path, capsys):
+    run0 = write_run(tmp_path / "run0", 0.5, seed=0)
+    shutil.copytree(run0, tmp_path / "copy")
+    refused(capsys, [run0, str(tmp_path / "copy")], "identical results.json")
+    # different results.json (timings), the same weights in every stage: one run
+    a = write_run(tmp_path / "a", 0.5, digest=123)
+    b = write_run(tmp_path / "b", 0.6, digest=123)
+    refused(capsys, [a, b], "same parameter digests")
+    # the same --seed recorded twice
+    c = write_run(tmp_path / "c", 0.5, seed=1)
+    d = write_run(tmp_path / "d", 0.6, seed=1)
+    refused(capsys, [c, d], "both ran with --seed 1")
+
+
+def test_seeds_refuses_fewer_than_two_runs(tmp_path, capsys):
+    refused(capsys, [write_run(tmp_path / "run0", 0.5, seed=0)], "at least two distinct runs")
+
+
+def test_seeds_refuses_runs_scored_on_different_test_sets(tmp_path, capsys):
+    a = write_run(tmp_path / "a", 0.5, seed=0, examples=200)
+    b = write_run(tmp_path / "b", 0.6, seed=1, examples=100)
+    message = refused(capsys, [a, b], "different test sets")
+    assert f"{a} 200 examples" in message and f"{b} 100 examples" in message
+    c = write_run(tmp_path / "c", 0.6, seed=2, data_sha256="b" * 64)  # the same size, other problems
+    refused(capsys, [a, c], r"sha256 aaaaaaaaaaaa\).*sha256 bbbbbbbbbbbb")
+
+
+def test_seeds_accepts_distinct_runs_on_one_test_set(tmp_path):
+    directories = [write_run(tmp_path / f"run{i}", 0.5 + i / 10, seed=i, digest=i) for i in range(3)]
+    assert seeds.main(directories).startswith("3 runs (run0, run1, run2)")
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--alpha", "2"], r"--alpha 2\.0: expected a significance level strictly between 0 and 1"),
+    (["--alpha", "-1"], r"--alpha -1\.0"),
+    (["--alpha", "0"], r"--alpha 0\.0"),
+    (["--bootstrap_samples", "1"], r"--bootstrap_samples 1: expected an integer of at least 1000"),
+    (["--bootstrap_samples", "999"], r"--bootstrap_samples 999"),
+])  # fmt: skip
+def test_compare_refuses_significance_options_it_cannot_support_before_any_work(flags, match, tmp_path):
+    from plugformer.experiments.compare import main
+
+    with pytest.raises(ValueError, match=match):
+        main([*flags, "--output_dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def test_paired_bootstrap_refuses_fewer_resamples_than_its_documented_minimum():
+    from plugformer.evaluation.stats import MIN_BOOTSTRAP_SAMPLES, paired_bootstrap
+
+    assert MIN_BOOTSTRAP_SAMPLES == 1000
+    with pytest.raises(ValueError, match="at least 1000 bootstrap resamples"):
+        paired_bootstrap([1.0, 0.0], [0.0, 0.0], samples=1)
+    assert paired_bootstrap([1.0, 0.0], [0.0, 0.0], samples=1000).p_value >= 1 / 1001
+
+
+def test_repeated_list_flags_accumulate_and_other_repeated_flags_are_refused():
+    from plugformer.experiments.compare import CompareArguments, parse_grid, variants
+    from plugformer.experiments.extrapolation import ExtrapolationArguments
+    from plugformer.runtime.arguments import parse_arguments
+
+    args = parse_arguments(CompareArguments, ["--grid", "attention_score=dot,additive", "--grid",
+                                              "position_scheme=rope", "--set", "max_steps=3", "--set=hidden_size=32"],
+                           prog="plugformer compare")  # fmt: skip
+    assert args.grid == ["attention_score=dot,additive", "position_scheme=rope"]  # the attention axis is kept
+    assert len(variants(parse_grid(args.grid))) == 2 and args.set == ["max_steps=3", "hidden_size=32"]
+    extrapolate = parse_arguments(ExtrapolationArguments, ["--set", "a=1", "--position_schemes", "rope", "--set",
+                                                           "b=2"], prog="plugformer extrapolate")  # fmt: skip
+    assert extrapolate.set == ["a=1", "b=2"] and extrapolate.position_schemes == ["rope"]
+    with pytest.raises(ValueError, match=r"--max_new_tokens given twice \(--max_new_tokens 1, then --max_new_tokens"):
+        parse_arguments(CompareArguments, ["--max_new_tokens", "1", "--max_new_tokens=32"], prog="plugformer compare")
+
+
+def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists():
+    from plugformer.training import parse_stage_arguments
+
+    assert parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "3"])[2].max_steps == 3
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--max_step', '1'\]"):
+        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_step", "1"])  # was read as --max_steps
+    _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--lora_target_modules", "q_proj",
+                                                     "--lora_target_modules", "v_proj"])  # fmt: skip
+    assert model_args.lora_target_modules == ["q_proj", "v_proj"]  # not the last one alone
+    # a single-value option: the last one wins (STAGE_FLAGS_RULE; the pipeline and scripts compose command lines)
+    assert (
+        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "1", "--max_steps", "9"])[2].max_steps
+        == 9
+    )
+
+
+@pytest.mark.parametrize("command", [
+    ["seeds", "a", "b", "--outp", "x.md"],
+    ["convert", "a", "b", "--overwr"],
+    ["plot", "sinusoidal", "--di", "8"],
+])  # fmt: skip
+def test_argparse_commands_refuse_abbreviations(command, capsys):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(command)
+    assert caught.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_compare_score_cache_is_keyed_on_every_option_that_changes_the_scores(tmp_path, monkeypatch):
+    from plugformer.experiments import compare
+
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"weights one")
+    scored = []
+
+    def fake_score(args, folder, split, size):
+        scored.append((args.max_new_tokens, args.metric))
+        return [1.0] * size, [1.0] * size
+
+    monkeypatch.setattr(compare, "_score", fake_score)
+    base = {"metric": "exact_match", "dev_examples": 3, "test_examples": 4, "stages": ["pretrain", "sft"]}
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=1), model_dir, "test")
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=1), model_dir, "test")
+    assert len(scored) == 1  # the same options: reused
+    # a stale cache gave 1.000 at --max_new_tokens 32 for answers scored at 1 token
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32), model_dir, "test")
+    assert scored[-1] == (32, "exact_match") and len(scored) == 2
+    # how scores are compared does not change them: reused
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32, alpha=0.01, seeds=[4, 5]), model_dir,
+                           "test")  # fmt: skip
+    assert len(scored) == 2
+    for changed in ({"dataset_seed": 1}, {"dev_examples": 5}):  # the data scored
+        compare.example_scores(compare.CompareArguments(**{**base, **changed}, max_new_tokens=32), model_dir, "test")
+    assert len(scored) == 4
+    (model_dir / "model.safetensors").write_bytes(b"weights two")  # the model replaced in its folder
+    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32), model_dir, "test")
+    assert len(scored) == 5
+
+
+def test_compare_refuses_to_score_a_reward_classifier_as_a_language_model():
+    from plugformer.experiments.compare import CompareArguments
+
+    with pytest.raises(ValueError, match=r"'reward' trains a text-classification model"):
+        CompareArguments(stages=["pretrain", "sft", "reward"])
+    assert CompareArguments(stages=["pretrain", "sft", "reward", "rlhf"]).stages[-1] == "rlhf"
