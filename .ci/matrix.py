@@ -103,7 +103,7 @@ def check(name: str, root: Path, keep: bool, reuse: bool = False, tests: bool = 
             status = run([python, "-m", "pytest", "-m", "smoke", "-q", "-p", "no:cacheprovider"], log, env)
             log.flush()
             output = log_path.read_text(errors="replace").rsplit("-m pytest -m smoke", 1)[-1].splitlines()
-            summary = [line for line in output if re.search(r"\d+ (passed|failed)", line)]
+            summary = [line for line in output if re.search(r"\d+ \w+.* in [\d.]+s", line)]
             row["smoke"] = (summary[-1].strip("= ") if summary else "no summary") + ("" if status == 0 else " (FAILED)")
             with tempfile.TemporaryDirectory() as output_dir:
                 status = run([python, *STAGE, "--output_dir", output_dir], log, env, timeout=1800)
