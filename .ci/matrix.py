@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (python, {distribution: version}); torch is installed first, the rest with `pip install -e ".[test]"`
 COMBINATIONS: dict[str, tuple[str, dict[str, str]]] = {
-    # the lowest of each range; torch 2.6 is the lowest with Python 3.11 wheels that plugformer allows
-    "lowest": ("3.11", {"torch": "2.6.0", "transformers": "5.19.0", "accelerate": "1.15.0", "trl": "1.16.0"}),
+    # the lowest of each range (torch 2.6 fails `import transformers` 5.19 on a machine without an accelerator)
+    "lowest": ("3.11", {"torch": "2.7.0", "transformers": "5.19.0", "accelerate": "1.15.0", "trl": "1.16.0"}),
     # the newest of each range that installs (transformers 5.25 needs kernels>=0.19.1, not on the registry yet)
     "newest": ("3.11", {"torch": "2.15.0", "transformers": "5.24.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
     "py3.12": ("3.12", {"torch": "2.15.0", "transformers": "5.24.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
@@ -60,9 +60,9 @@ def run(command: list[str], log, env: dict[str, str] | None = None, timeout: flo
 
 
 def find_python(version: str) -> str:
-    """`pythonX.Y` on PATH, or the newest pyenv build of it."""
+    """`pythonX.Y` on PATH (a pyenv shim only where it answers), or the newest pyenv build of it."""
     found = shutil.which(f"python{version}")
-    if found is not None:
+    if found is not None and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0:
         return found
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     builds = sorted(pyenv.glob(f"{version}.*/bin/python{version}")) if pyenv.is_dir() else []
@@ -71,24 +71,27 @@ def find_python(version: str) -> str:
     return str(builds[-1])
 
 
-def check(name: str, root: Path, keep: bool) -> dict:
-    """Builds the venv of combination `name`, runs the quick tier and the stage; returns the result row."""
+def check(name: str, root: Path, keep: bool, reuse: bool = False, tests: bool = True) -> dict:
+    """Builds the venv of combination `name` (or reuses a built one), runs the quick tier and the stage; returns
+    the result row."""
     python_version, pins = COMBINATIONS[name]
     venv = root / f"plugformer-matrix-{name}"
     log_path = root / f"plugformer-matrix-{name}.log"
     row: dict = {"combination": name, "python": python_version, "log": str(log_path)}
-    shutil.rmtree(venv, ignore_errors=True)
+    python = str(venv / "bin" / "python")
+    reuse = reuse and Path(python).exists()
+    if not reuse:
+        shutil.rmtree(venv, ignore_errors=True)
     started = time.monotonic()
-    with log_path.open("w") as log:
-        python = str(venv / "bin" / "python")
+    with log_path.open("a" if reuse else "w") as log:
         pip = [python, "-m", "pip", "install", "--retries", "0", "--disable-pip-version-check"]
         steps = [
             [find_python(python_version), "-m", "venv", str(venv)],
             [*pip, f"torch=={pins['torch']}"],
             [*pip, "-e", ".[test]", *(f"{dist}=={version}" for dist, version in pins.items())],
         ]
-        row["install"] = "ok" if all(run(step, log) == 0 for step in steps) else "failed"
-        if row["install"] == "ok":
+        row["install"] = "ok" if reuse or all(run(step, log) == 0 for step in steps) else "failed"
+        if row["install"] == "ok" and tests:
             versions = subprocess.run(
                 [python, "-c", f"import importlib.metadata as m; print(*(m.version(d) for d in {DISTRIBUTIONS!r}))"],
                 capture_output=True,
@@ -100,7 +103,7 @@ def check(name: str, root: Path, keep: bool) -> dict:
             status = run([python, "-m", "pytest", "-m", "smoke", "-q", "-p", "no:cacheprovider"], log, env)
             log.flush()
             output = log_path.read_text(errors="replace").rsplit("-m pytest -m smoke", 1)[-1].splitlines()
-            summary = [line for line in output if re.search(r"\d+ (passed|failed)", line)]
+            summary = [line for line in output if re.search(r"\d+ \w+.* in [\d.]+s", line)]
             row["smoke"] = (summary[-1].strip("= ") if summary else "no summary") + ("" if status == 0 else " (FAILED)")
             with tempfile.TemporaryDirectory() as output_dir:
                 status = run([python, *STAGE, "--output_dir", output_dir], log, env, timeout=1800)
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()), help="where the venvs are built")
     parser.add_argument("--results", type=Path, help="JSON lines file the rows are appended to")
     parser.add_argument("--keep", action="store_true", help="keep each venv after its run")
+    parser.add_argument("--reuse", action="store_true", help="run in an already built venv (kept by --keep)")
+    parser.add_argument("--build-only", action="store_true", help="build the venvs (with --keep), run nothing")
     parser.add_argument("--list", action="store_true", help="print the combinations and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -136,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     results = args.results or args.root / "plugformer-matrix.jsonl"
     rows = []
     for name in args.names or list(COMBINATIONS):
-        rows.append(check(name, args.root, args.keep))
+        rows.append(check(name, args.root, args.keep, args.reuse, tests=not args.build_only))
         with results.open("a") as handle:
             handle.write(json.dumps(rows[-1]) + "\n")
         print(table(rows[-1:]), flush=True)
     print(table(rows))
+    if args.build_only:
+        return 0 if all(row["install"] == "ok" for row in rows) else 1
     return 0 if all(row.get("pretrain") == "ok" and "FAILED" not in row.get("smoke", "") for row in rows) else 1
 
 

@@ -19,10 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from transformers.distributed import DistributedConfig
-from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
 import plugformer
 from plugformer import ATTENTION_SCORES, POSITION_SCHEMES, PlugformerConfig
+
+
+try:
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+except ImportError:  # transformers 5.19 has it in `distributed.tensor_parallel` (compat.py)
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard
 
 
 pytestmark = pytest.mark.skipif(

@@ -10,6 +10,8 @@ is transformers' own object (no wrapper, no per-call work).
   keeps the old fields as deprecated aliases; 5.19 knows only them). The release is the one named for the methods;
   the installed sources show only that 5.19 lacks the fields and 5.24 has them. The shipped configs and the CLI use
   the new names; either name works on every supported release (`trainer_option_aliases`).
+- After 5.19, `replace_layer_number_by_wildcard` moved from `transformers.distributed.tensor_parallel` to
+  `distributed.parallel_utils` (where 5.24 has it); only `tests/test_tensor_parallel.py` imports it, from either.
 - 5.21.0 added `modeling_utils.slice_logits_to_keep`, and `PreTrainedConfig.__post_init__` stopped assigning
   `base_model_tp_plan` (before, it added `embed_tokens` to the plan of a config with tied embeddings).
 
