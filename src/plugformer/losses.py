@@ -139,7 +139,8 @@ def fused_head_loss(
 
     Fused when `labels` are given, `module.fused_loss` is set (`plugformer train pretrain` sets it; off by default),
     the module is training, every logit is asked for (`logits_to_keep=0`) and `module.lm_head` is a plain bias-free
-    `nn.Linear` (not a PEFT adapter, whose update the weight alone would miss). The forward then returns
+    `nn.Linear` with a plain weight (not a PEFT adapter, whose update the weight alone would miss; nor a weight
+    sharded by tensor parallelism or DeepSpeed ZeRO-3, which only the head's own call gathers). The forward then returns
     `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation keep the logits.
 
     `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
@@ -152,6 +153,8 @@ def fused_head_loss(
         type(head) is not nn.Linear
         or head.bias is not None
         or not (isinstance(logits_to_keep, int) and not logits_to_keep)
+        or hasattr(head.weight, "placements")  # a DTensor (tensor parallel)
+        or hasattr(head.weight, "ds_id")  # a DeepSpeed ZeRO-3 partition
     ):
         return None
     check_labels(labels, module.config.vocab_size)
