@@ -209,6 +209,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
         (["--warmup", "-1"], "warmup"),
         (["--new_tokens", "1"], "new_tokens"),
         (["--matmul_size", "8"], "matmul_size"),
+        (["--loss_vocab_sizes", "2"], "loss_vocab_sizes"),
         (["--device", "tpu"], "device"),
         (["--readme", "no/such/README.md"], "readme"),
         (["--bogus", "1"], "--bogus"),
@@ -376,3 +377,25 @@ def test_the_benchmarks_page_has_its_generated_performance_blocks():
     check_block(root / PAGE, "bench-variants")
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert not any(marker in readme for name in ("bench", "bench-variants") for marker in markers(name))
+
+
+def test_the_loss_section_times_the_fused_loss_against_llama_at_each_vocabulary(tmp_path, monkeypatch):
+    """One tiny run of `--sections loss`: a row per vocabulary size, the plugformer model trained with its fused loss
+    (counted), in bench.md and in the benchmarks page's block."""
+    import plugformer.losses
+
+    calls = []
+    fused = plugformer.losses.linear_cross_entropy
+    monkeypatch.setattr(plugformer.losses, "linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    argv = ["bench", "--sizes", "tiny", "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--dtypes", "fp32",
+            "--sections", "loss", "--loss_vocab_sizes", "64", "300", "--matmul_size", "64", "--device", "cpu",
+            "--output_dir", str(tmp_path)]  # fmt: skip
+    cli_main(argv)
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["vocab_size"] for row in results["loss"]] == [64, 300] and calls
+    for row in results["loss"]:
+        assert row["models"]["reference"]["class"] == "LlamaForCausalLM"
+        assert row["max_abs_logit_diff"] <= PARITY_TOLERANCE and row["ratio_peak_memory"] > 0
+    assert "### Fused loss" in (tmp_path / "bench.md").read_text()
+    section = readme_section([results])
+    assert "`plugformer bench --sizes tiny --seq_lens 16" in section and "| tiny | fp32 | 16 | 300 |" in section

@@ -120,6 +120,9 @@ def test_the_fused_loss_runs_only_in_training_with_labels():
     evaluated = model.eval()(input_ids=ids, labels=ids)  # evaluation (and generation) keep the logits
     assert evaluated.logits is not None and evaluated.loss is not None
     assert model.train()(input_ids=ids).logits is not None  # no labels: the logits
+    model.lm_head.weight.ds_id = 0  # a DeepSpeed ZeRO-3 partition: only the head's own call gathers it
+    assert model(input_ids=ids, labels=ids).logits is not None
+    del model.lm_head.weight.ds_id
     fresh = PlugformerForCausalLM(copy.deepcopy(model.config)).train()
     assert fresh(input_ids=ids, labels=ids).logits is not None  # off by default
 

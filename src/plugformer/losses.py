@@ -50,7 +50,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grad = grad.to(compute_dtype)
                 if need_hidden:
                     grad_hidden[start : start + rows] = grad @ w
-                if need_weight:
+                if need_weight and grad_weight.dtype == grad.dtype:
+                    grad_weight.addmm_(grad.T, h)  # in place: no (V, H) temporary per chunk
+                elif need_weight:
                     grad_weight += grad.T @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -87,7 +89,8 @@ def linear_cross_entropy(
         num_items_in_batch (`torch.Tensor` or `int`, *optional*): The divisor (the labelled tokens of the whole
             accumulated batch, as `Trainer` passes it); defaults to this call's labelled tokens.
         ignore_index (`int`, *optional*, defaults to -100): The label of rows without a target.
-        chunk_elements (`int`, *optional*, defaults to `CHUNK_ELEMENTS`): Logit elements computed at a time.
+        chunk_elements (`int`, *optional*, defaults to `CHUNK_ELEMENTS`): Logit elements computed at a time (by
+            default, at least `hidden_size` rows' worth).
     """
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements={chunk_elements!r}: expected a positive number of logits per chunk")
@@ -97,11 +100,14 @@ def linear_cross_entropy(
     device = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     grad = torch.is_grad_enabled()
+    # each chunk adds a (V, H) update to the weight's gradient: with at least H rows a chunk its logits cost as much
+    # memory traffic as that update (64 rows a chunk at vocab 128k ran at half Llama's speed, 384 at parity)
+    min_rows = weight.shape[1] if chunk_elements == CHUNK_ELEMENTS else 1
     total = LinearCrossEntropyFunction.apply(
         hidden,
         weight,
         labels[keep],
-        max(1, chunk_elements // weight.shape[0]),
+        max(1, chunk_elements // weight.shape[0], min_rows),
         compute_dtype,
         grad and hidden.requires_grad,
         grad and weight.requires_grad,
@@ -139,7 +145,8 @@ def fused_head_loss(
 
     Fused when `labels` are given, `module.fused_loss` is set (`plugformer train pretrain` sets it; off by default),
     the module is training, every logit is asked for (`logits_to_keep=0`) and `module.lm_head` is a plain bias-free
-    `nn.Linear` (not a PEFT adapter, whose update the weight alone would miss). The forward then returns
+    `nn.Linear` with a plain weight (not a PEFT adapter, whose update the weight alone would miss; nor a weight
+    sharded by tensor parallelism or DeepSpeed ZeRO-3, which only the head's own call gathers). The forward then returns
     `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation keep the logits.
 
     `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
@@ -152,6 +159,8 @@ def fused_head_loss(
         type(head) is not nn.Linear
         or head.bias is not None
         or not (isinstance(logits_to_keep, int) and not logits_to_keep)
+        or hasattr(head.weight, "placements")  # a DTensor (tensor parallel)
+        or hasattr(head.weight, "ds_id")  # a DeepSpeed ZeRO-3 partition
     ):
         return None
     check_labels(labels, module.config.vocab_size)

@@ -12,6 +12,8 @@ Sections:
   (random init, no download), saved and converted with `plugformer.integrations.convert`; logits must agree to 1e-4 before
   anything is timed. `train` times forward + backward + AdamW and measures peak memory and MFU; `decode` times
   greedy `generate` with the KV cache, split into prefill and decode.
+- `loss` (only when named): the `train` step of the `llama` pair with plugformer's fused loss (`model.fused_loss`,
+  as `plugformer train` sets it) against Llama's full logits, at each of `--loss_vocab_sizes`.
 - `variants`: every registered score function x position scheme, and scaled_dot + none with each attention modifier
   set (`variants.ATTENTION_MODIFIERS`, when scaled_dot and none are among the rows asked for), on the kernel the model resolves (sdpa where plugformer's capabilities allow, else eager), each interleaved with
   scaled_dot + none on sdpa at the same size, dtype and length; the kernel that actually ran is read from the

@@ -15,7 +15,8 @@ from ..scores import ATTENTION_SCORES
 from .markers import check_markers
 
 
-SECTIONS = ("train", "decode", "variants")
+SECTIONS = ("train", "decode", "variants", "loss")
+DEFAULT_SECTIONS = ("train", "decode", "variants")  # `loss` builds a pair per vocabulary size: asked for by name
 PAIRS = ("llama", "gpt2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["bf16", "fp16"]}
@@ -62,8 +63,14 @@ class BenchArguments:
     warmup: int = field(default=2, metadata={"help": "untimed repeats per model first (also interleaved)"})
     dtypes: list[str] = field(default_factory=list, metadata={"help": "fp32 bf16 fp16 (autocast; fp16 on CUDA only); "
                               "default fp32 bf16 on CPU, bf16 fp16 on CUDA"})  # fmt: skip
-    sections: list[str] = field(default_factory=lambda: list(SECTIONS), metadata={"help": "what runs: train "
-                                "(A/B training step) decode (A/B generate) variants (score x position rows)"})  # fmt: skip
+    sections: list[str] = field(default_factory=lambda: list(DEFAULT_SECTIONS), metadata={"help": "what runs: "
+                                "train (A/B training step) decode (A/B generate) variants (score x position rows) "
+                                "loss (training step with the fused loss against Llama, per --loss_vocab_sizes; "
+                                "not run unless named)"})  # fmt: skip
+    loss_vocab_sizes: list[int] = field(
+        default_factory=lambda: [8192, 32768, 131072],
+        metadata={"help": "section loss: the vocabulary sizes (each replaces the size's vocab_size)"},
+    )
     pairs: list[str] = field(default_factory=lambda: list(PAIRS), metadata={"help": "A/B pairs: llama gpt2"})
     attention_scores: list[str] = field(default_factory=ATTENTION_SCORES.names, metadata={"help": "variant rows"})
     position_schemes: list[str] = field(default_factory=POSITION_SCHEMES.names, metadata={"help": "variant rows"})
@@ -106,6 +113,8 @@ class BenchArguments:
         for name, low in (("batch_size", 1), ("repeats", 1), ("warmup", 0), ("new_tokens", 2), ("matmul_size", 64)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be at least {low}")
+        if not self.loss_vocab_sizes or min(self.loss_vocab_sizes) < 4:
+            raise ValueError(f"loss_vocab_sizes={self.loss_vocab_sizes!r}: expected vocabulary sizes of at least 4")
         if not self.seq_lens or min(self.seq_lens) < 2:
             raise ValueError(f"seq_lens={self.seq_lens!r}: expected lengths of at least 2 tokens")
         if not self.sizes:
@@ -120,7 +129,7 @@ class BenchArguments:
                 config = self.model_config(spec)
             except (ValueError, TypeError) as error:
                 raise ValueError(f"sizes: {spec!r}: {error}") from error
-            pairs_run = {"train", "decode"} & set(self.sections)
+            pairs_run = {"train", "decode", "loss"} & set(self.sections)
             if (
                 pairs_run
                 and "gpt2" in self.pairs

@@ -125,6 +125,21 @@ def variants_tables(results: dict) -> list[str]:
     return lines
 
 
+def loss_table(results: dict) -> list[str]:
+    """The fused-loss rows: plugformer with `fused_loss` against Llama's full logits, per vocabulary size."""
+    rows = results.get("loss", [])
+    if not rows:
+        return []
+    lines = ["Fused loss: a training step of plugformer with `fused_loss` (the loss from the hidden states in chunks) "
+             "/ `LlamaForCausalLM` with the same weights (full logits), ratio of medians [range].", ""]  # fmt: skip
+    cells = [[row["size"], row["dtype"], row["seq_len"], row["vocab_size"], ratio_cell(row["ratio_tokens_per_s"]),
+              ratio_cell(row["ratio_peak_memory"]),
+              f"{row['models']['plugformer']['peak_memory_bytes'] / 2**20:,.0f} / "
+              f"{row['models']['reference']['peak_memory_bytes'] / 2**20:,.0f}"] for row in rows]  # fmt: skip
+    headers = ["size", "dtype", "seq", "vocab", "train tokens/s", "train peak memory", "peak MiB (plugformer / Llama)"]
+    return [*lines, *markdown_table(headers, cells)]
+
+
 def dtype_lines(results: dict) -> list[str]:
     """Low-precision autocast over fp32 (plugformer's training tokens/s, same pair, size and length), and the
     measured matmul peaks."""
@@ -158,7 +173,7 @@ def readme_section(results_list: list[dict]) -> str:
     lines = ["<!-- generated from bench.json by `python -m plugformer.bench.readme`; edit outside the markers -->", ""]
     for results in results_list:
         lines += [f"`{command_line(results['arguments'])}`", "", machine_line(results), ""]
-        lines += [*pairs_table(results), *dtype_lines(results), *variants_tables(results)]
+        lines += [*pairs_table(results), *loss_table(results), *dtype_lines(results), *variants_tables(results)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

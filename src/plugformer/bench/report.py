@@ -120,6 +120,13 @@ def ratio_tables(results: dict) -> list[str]:
               ratio_cell(r["ratio_prefill"]), ratio_cell(r["ratio_decode"]), "yes" if r["same_tokens"] else "no"]
              for r in results["decode"]],
         )  # fmt: skip
+    if results.get("loss"):
+        lines += ["### Fused loss: training step, plugformer (`fused_loss`) / LlamaForCausalLM (full logits)", ""]
+        lines += markdown_table(
+            ["size", "dtype", "seq", "vocab", "tokens/s", "peak memory"],
+            [[r["size"], r["dtype"], r["seq_len"], r["vocab_size"], ratio_cell(r["ratio_tokens_per_s"]),
+              ratio_cell(r["ratio_peak_memory"])] for r in results["loss"]],
+        )  # fmt: skip
     if results["variants"]:
         lines += ["### Variants, training step relative to scaled_dot + none on sdpa (same size, dtype, length)", "",
                   "scaled_dot + none against its own twin is an A/A run: its spread is the noise floor.", ""]  # fmt: skip
@@ -146,6 +153,14 @@ def absolute_tables(results: dict) -> list[str]:
             [[r["pair"], r["size"], r["dtype"], r["seq_len"], m["class"], m["kernel"], _rate(m["tokens_per_s"]),
               _mib(m["peak_memory_bytes"]), f"{m['mfu']:.1%}"]
              for r in results["train"] for m in r["models"].values()],
+        )  # fmt: skip
+    if results.get("loss"):
+        lines += ["### Fused loss (training step)", ""]
+        lines += markdown_table(
+            ["size", "dtype", "seq", "vocab", "model", "tokens/s", "peak MiB", "MFU"],
+            [[r["size"], r["dtype"], r["seq_len"], r["vocab_size"], m["class"], _rate(m["tokens_per_s"]),
+              _mib(m["peak_memory_bytes"]), f"{m['mfu']:.1%}"]
+             for r in results["loss"] for m in r["models"].values()],
         )  # fmt: skip
     if results["decode"]:
         lines += ["### Generation", ""]
@@ -183,6 +198,9 @@ METHOD = """## Method
   `torch.cuda.max_memory_allocated()`; CPU: the peak running total of `torch.profiler`'s allocation events, i.e.
   tensor memory of torch's allocator, not RSS (allocator caching, fragmentation and memory libraries allocate
   outside torch are not seen).
+- Fused loss (section `loss`): the same training step with the plugformer model's `fused_loss` set (the loss from
+  the hidden states in chunks, no (batch, seq, vocab) logits) against `LlamaForCausalLM` with identical weights,
+  per vocabulary size (`--loss_vocab_sizes`, replacing the size's `vocab_size`).
 - Kernel: `config._attn_implementation` after loading, and the SDPA backend the profiler saw run during that
   step (`sdpa:flash`, `sdpa:math`, ...). A float score bias that requires grad sends CPU SDPA to its math path.
 - Generation: greedy `generate`, `min_new_tokens = max_new_tokens`, DynamicCache; prefill = start of the call to the

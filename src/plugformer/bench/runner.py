@@ -114,6 +114,24 @@ def pair_rows(args: BenchArguments, spec: str, pair: str, peaks: dict) -> tuple[
     return train, decode, difference
 
 
+def loss_rows(args: BenchArguments, spec: str, peaks: dict) -> list[dict]:
+    """Training steps of plugformer with its fused loss (`model.fused_loss`, as `plugformer train` sets it) against
+    `LlamaForCausalLM` with identical weights and its full logits, per vocabulary size, dtype and length."""
+    rows = []
+    for vocab_size in args.loss_vocab_sizes:
+        config = args.model_config(spec, vocab_size=vocab_size)
+        twin, reference, difference = build_pair("llama", config, args.seed, args.device, max(args.seq_lens))
+        twin.fused_loss = True
+        models = {"plugformer": twin, "reference": reference}
+        for dtype in args.dtypes:
+            for seq_len in args.seq_lens:
+                row = train_row(args, spec, "llama", models, seq_len, dtype, peaks[dtype]["flops_per_s"])
+                rows.append(row | {"vocab_size": vocab_size, "max_abs_logit_diff": difference})
+        del twin, reference, models
+        gc.collect()
+    return rows
+
+
 def variant_note(model, sdpa_backends: list[str]) -> str:
     """Why the kernel is not plain fused SDPA, from plugformer's capabilities and the model's parameters."""
     config = model.config
@@ -178,7 +196,8 @@ def run(args: BenchArguments) -> dict:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # weight-loading bars of every conversion would bury the output
-    results = {"arguments": dataclasses.asdict(args), "matmul_peak": {}, "train": [], "decode": [], "variants": []}
+    results = {"arguments": dataclasses.asdict(args), "matmul_peak": {}, "train": [], "decode": [], "variants": [],
+               "loss": []}  # fmt: skip
     for dtype in args.dtypes:
         results["matmul_peak"][dtype] = matmul_peak(dtype, args.device, args.matmul_size, args.repeats, args.warmup)
     for spec in args.sizes:
@@ -188,6 +207,9 @@ def run(args: BenchArguments) -> dict:
             results["train"] += train
             results["decode"] += decode
             gc.collect()
+        if "loss" in args.sections:
+            results["loss"] += loss_rows(args, spec, results["matmul_peak"])
+            print(f"{spec}: fused loss timed", flush=True)
         if "variants" in args.sections:
             results["variants"] += variant_rows(args, spec, results["matmul_peak"])
             print(f"{spec}: variants timed", flush=True)
