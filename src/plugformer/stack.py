@@ -286,9 +286,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
         hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
         rotary = self.positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
+        # `value_residual`: the first block's values, which every later block mixes into its own (Zhou et al. 2024)
+        first_values = self.layers[0].attention_values(hidden_states) if self.config.value_residual else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, biases[layer.attention_type], encoder_hidden_states,
+                hidden_states, biases[layer.attention_type], encoder_hidden_states, first_values,
                 attention_mask=masks[layer.attention_type],
                 encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
