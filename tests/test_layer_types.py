@@ -12,7 +12,7 @@ import functools
 import pytest
 import test_combinations as shared
 import torch
-from conftest import build, combinations, tiny_config
+from conftest import build, modifier_combinations, tiny_config
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM
@@ -98,7 +98,7 @@ def test_layer_types_generate_equals_qwen3(tokens):
 MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": MIXED}
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), **MIXED_FIELDS))
+@pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(**MIXED_FIELDS))
 def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MIXED_FIELDS))
     arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}

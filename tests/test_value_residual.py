@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import test_combinations as shared
 import torch
-from conftest import build, combinations, tiny_config
+from conftest import build, modifier_combinations, tiny_config
 
 from plugformer import PlugformerForConditionalGeneration
 from plugformer.attention import check_tensor_parallel
@@ -96,7 +96,7 @@ def test_value_residual_survives_reentrant_gradient_checkpointing(mode, tokens):
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), value_residual="learned"))
+@pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(value_residual="learned"))
 def test_shared_checks_with_value_residual(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, value_residual="learned"))
     arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}
