@@ -91,6 +91,21 @@ def combinations(kernels=None, all_flex=True, **overrides) -> list:
     return params
 
 
+def modifier_combinations(**overrides) -> list:
+    """`combinations(kernels=("eager", "sdpa"), **overrides)` for the suites rerun with a config modifier set: by default
+    every score with RoPE and every scheme with scaled_dot, each on one kernel (sdpa where it computes the pair, which
+    the checks compare with eager; else eager); the other rows are `slow`."""
+    params = combinations(kernels=("eager", "sdpa"), **overrides)
+    fused = {tuple(p.values[:2]) for p in params if p.values[2] == "sdpa"}
+    chosen = []
+    for p in params:
+        score, scheme, kernel = p.values
+        default = (scheme == "rope" or score == "scaled_dot") and kernel == ("sdpa" if (score, scheme) in fused
+                                                                             else "eager")  # fmt: skip
+        chosen.append(p if default else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow))
+    return chosen
+
+
 def variants() -> list:
     """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`."""
     return [pytest.param((score, scheme), id=f"{score}-{scheme}",

@@ -92,7 +92,8 @@ RANGES = {
     "layer_norm_eps": (1e-12, 1.0, True),
     "initializer_range": (1e-12, 1.0, True),
 }
-BOOLS = ["is_causal", "is_encoder_decoder", "attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache"]
+BOOLS = ["is_causal", "is_encoder_decoder", "attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache",
+         "use_gated_attention"]  # fmt: skip
 TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"]
 ROPE_TYPES = ["default", *ROPE_INIT_FUNCTIONS]
 # keys transformers requires for each rope type it ships (its `_validate_<type>_rope_parameters`)

@@ -12,7 +12,7 @@ import functools
 import pytest
 import test_combinations as shared
 import torch
-from conftest import build, combinations, tiny_config
+from conftest import build, modifier_combinations, tiny_config
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from plugformer import PlugformerForCausalLM
@@ -91,7 +91,7 @@ def test_gated_attention_is_off_by_default_and_type_checked():
 
 
 @pytest.mark.parametrize(
-    "score,scheme,kernel", combinations(kernels=("eager", "sdpa"), use_gated_attention=True)
+    "score,scheme,kernel", modifier_combinations(use_gated_attention=True)
 )  # fmt: skip
 def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, use_gated_attention=True))

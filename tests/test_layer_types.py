@@ -12,7 +12,7 @@ import functools
 import pytest
 import test_combinations as shared
 import torch
-from conftest import build, combinations, tiny_config
+from conftest import build, modifier_combinations, tiny_config
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM
@@ -86,11 +86,20 @@ def test_layer_types_cached_decoding_equals_qwen3_full_forward(kernel, cache_cla
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
 
 
-def test_layer_types_generate_equals_qwen3(tokens):
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_layer_types_generate_equals_qwen3(cache_implementation, tokens):
+    """With a static cache `generate` builds one mask per kind of `layer_types` and passes them as a dict."""
     reference, model = qwen3_twin("sdpa", layer_types=MIXED)
     prompt = tokens[:1, :4]
-    expected = reference.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8), expected)
+    options = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8, cache_implementation=cache_implementation)
+    expected = reference.generate(prompt, **options)
+    assert torch.equal(model.generate(prompt, **options), expected)
+
+
+def test_a_dict_of_masks_must_cover_every_kind(tokens):
+    model = build(tiny_config(**MIXED_FIELDS))
+    with pytest.raises(ValueError, match=r"attention_mask is a dict of \['full_attention'\].*'sliding_attention'"):
+        model(tokens, attention_mask={"full_attention": None})
 
 
 # The shared suite's checks with mixed layers, on every (score, scheme) of the default run and eager/sdpa: a score-bias
@@ -98,7 +107,7 @@ def test_layer_types_generate_equals_qwen3(tokens):
 MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": MIXED}
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), **MIXED_FIELDS))
+@pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(**MIXED_FIELDS))
 def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MIXED_FIELDS))
     arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}

@@ -52,6 +52,13 @@ HEAD_CONFIGS = {  # head class -> config overrides
 GENERATES = {"PlugformerForCausalLM", "PlugformerForConditionalGeneration"}
 
 
+MODIFIERS = {
+    "gated-attention": {"use_gated_attention": True},
+    "value-residual-fixed": {"value_residual": "fixed"},
+    "layer-types": {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
 def tiny(score: str = "scaled_dot", scheme: str = "rope", **overrides) -> PlugformerConfig:
     """hidden 32, 2 layers, 4 query heads over 2 key/value heads (GQA: one key/value head per rank)."""
     return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **overrides)
@@ -77,7 +84,12 @@ def cases() -> list[dict]:
     multi_head = [case("multi-head-additive-t5_bias", causal, tiny("additive", "t5_bias", num_key_value_heads=4),
                        train=True)]  # fmt: skip
     refused = [case("mqa", causal, tiny(num_key_value_heads=1))]
-    return every + heads + eager + multi_head + refused
+    # attention modifiers that change the sharded projections or mix heads' values: gated attention's q_proj (each
+    # head's query then its gate, split by columns), value residuals (each rank mixes its own key/value heads),
+    # per-layer sliding windows; the learned value-residual lambdas are refused
+    modifiers = [case(name, causal, tiny(**fields), generate=True, train=True) for name, fields in MODIFIERS.items()]
+    refused.append(case("value-residual-learned", causal, tiny(value_residual="learned")))
+    return every + heads + eager + multi_head + modifiers + refused
 
 
 def free_port() -> int:
@@ -186,6 +198,17 @@ def test_fewer_key_value_heads_than_ranks_is_refused(measured):
     for record in measured["mqa"][1]:
         assert record["error"] == "ValueError", record
         assert "num_key_value_heads=1" in record["message"] and "tp_size=2" in record["message"], record["message"]
+
+
+@pytest.mark.parametrize("name", list(MODIFIERS))
+def test_attention_modifiers_match_one_process(measured, name):
+    assert_equal_to_one_process(*measured[name])
+
+
+def test_learned_value_residual_is_refused(measured):
+    for record in measured["value-residual-learned"][1]:
+        assert record["error"] == "ValueError", record
+        assert "value_residual='learned'" in record["message"] and "tp_size=2" in record["message"], record
 
 
 def test_refusal_needs_no_process_group():

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
-from .layers import RMSNorm
+from .layers import VALUE_RESIDUALS, RMSNorm
 from .positions import POSITION_SCHEMES, apply_rotary
 from .scores import ATTENTION_SCORES
 
@@ -36,6 +36,12 @@ def check_tensor_parallel(config: PlugformerConfig) -> None:
                 "not sharded per head (or it combines heads that other ranks hold), so each rank would compute or "
                 "train with the wrong heads' share; train it without tp_plan"
             )
+    if tp_size > 1 and config.value_residual and not VALUE_RESIDUALS.get(config.value_residual).tensor_parallel:
+        raise ValueError(
+            f"value_residual={config.value_residual!r} cannot train with tensor parallelism (tp_size={tp_size}): its "
+            "lambdas are not sharded, and each rank's gradient would cover its own heads only; use 'fixed' or train "
+            "it without tp_plan"
+        )
     if config.num_key_value_heads % tp_size:
         # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
         # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
@@ -78,6 +84,9 @@ class PlugformerAttention(nn.Module):
         # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config, layer_idx)
+        # value residual learning (`value_residual`): every layer after the first mixes in the first layer's values
+        mixes = config.value_residual is not None and layer_idx > 0
+        self.value_residual = VALUE_RESIDUALS.get(config.value_residual)(config) if mixes else None
         # the kind of bias object the kernels get (`biases`): a `RelativeBias` per distance, FIRE's per query position
         self.bias_type = POSITION_SCHEMES.get(config.position_scheme).bias_type
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
@@ -93,6 +102,9 @@ class PlugformerAttention(nn.Module):
 
     def split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         return projected.view(*projected.shape[:-1], -1, self.head_dim).transpose(1, 2)  # (B, T, H·D) -> (B, H, T, D)
+
+    def project_value(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.split_heads(self.v_proj(hidden_states))  # (B, T, H_kv·D) -> (B, H_kv, T, D)
 
     def project_query(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The queries `(B, H, T, D)` (QK-normed) and, with `use_gated_attention`, the output gate's logits
@@ -166,11 +178,14 @@ class PlugformerAttention(nn.Module):
         position_bias: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        first_values: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query, gate = self.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
         key = self.k_norm(self.split_heads(self.k_proj(hidden_states)))  # (B, H_kv, T, D)
-        value = self.split_heads(self.v_proj(hidden_states))  # (B, H_kv, T, D)
+        value = self.project_value(hidden_states)  # (B, H_kv, T, D)
+        if self.value_residual is not None:  # mixed per token, before the cache: it holds the values attended with
+            value = self.value_residual(value, first_values)
         if position_embeddings is not None and self.use_rope:
             query, key = apply_rotary(query, key, *position_embeddings)
         query, key = self.score.prepare_query(query), self.score.prepare_key(key)
@@ -221,7 +236,7 @@ class PlugformerCrossAttention(PlugformerAttention):
         else:
             key = self.k_norm(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, D)
             key = self.score.prepare_key(key)  # (B, H_kv, S, ·)
-            value = self.split_heads(self.v_proj(encoder_hidden_states))  # (B, H_kv, S, D)
+            value = self.project_value(encoder_hidden_states)  # (B, H_kv, S, D)
             if cache is not None:
                 key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True

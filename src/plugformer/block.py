@@ -40,12 +40,18 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         self.placement = NORM_PLACEMENTS.get(config.norm_placement)
         self.hidden_dropout = config.hidden_dropout
 
+    def attention_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The values `(B, H_kv, T, D)` this block's self-attention projects from the block input `hidden_states`
+        (`value_residual`: the stack takes the first block's for every later one)."""
+        return self.self_attn.project_value(self.placement.sublayer_input(hidden_states, self.input_layernorm))
+
     @renamed_cache_kwarg
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_bias: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
+        first_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -55,8 +61,8 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        # `position_bias` and `encoder_hidden_states` are positional: they need their gradients under reentrant
-        # checkpointing.
+        # `position_bias`, `encoder_hidden_states` and `first_values` are positional: they need their gradients under
+        # reentrant checkpointing.
         def attend(x: torch.Tensor) -> torch.Tensor:
             out, _ = self.self_attn(
                 x,
@@ -66,6 +72,7 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
+                first_values=first_values,
                 **kwargs,
             )
             return dropout_if_active(out, self.hidden_dropout, self.training)

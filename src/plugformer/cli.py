@@ -23,9 +23,9 @@ def _convert(argv: list[str]) -> None:
     from .integrations.convert import convert
     from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
 
-    parser = argparse.ArgumentParser(prog="plugformer convert", description="Import a Llama, Qwen3 or GPT-2 checkpoint.",
-                                     allow_abbrev=False, epilog=REPEATED_FLAGS_RULE)  # fmt: skip
-    parser.add_argument("source", help="transformers checkpoint directory (model_type llama, qwen3 or gpt2)")
+    parser = argparse.ArgumentParser(prog="plugformer convert", allow_abbrev=False, epilog=REPEATED_FLAGS_RULE,
+                                     description="Import a Llama, Qwen3, Qwen3-Next or GPT-2 checkpoint.")  # fmt: skip
+    parser.add_argument("source", help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next or gpt2)")
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
                         "(repeat it: the overrides accumulate)")  # fmt: skip
@@ -111,7 +111,7 @@ def _info(argv: list[str]) -> None:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
-    "convert": (_convert, "import a transformers Llama, Qwen3 or GPT-2 checkpoint (identical logits)"),
+    "convert": (_convert, "import a transformers Llama, Qwen3, Qwen3-Next or GPT-2 checkpoint (identical logits)"),
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),

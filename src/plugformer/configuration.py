@@ -15,7 +15,7 @@ from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .compat import ASSIGNS_TP_PLAN
-from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS, VALUE_RESIDUALS
 from .positions import POSITION_SCHEMES
 from .registry import unused_fields
 from .scores import ATTENTION_SCORES
@@ -200,6 +200,10 @@ class PlugformerConfig(PreTrainedConfig):
             sigmoid gate computed from the hidden state, before `o_proj` (Qwen3-Next; Qiu et al. 2025, "Gated
             Attention for Large Language Models"): `q_proj` is twice as wide, each head's query followed by its gate
             (transformers' `qwen3_next` layout); composes with every score, scheme and kernel.
+        value_residual (`str`, *optional*): Every layer after the first attends with its values mixed with the first
+            layer's, V_n' = λ1·V_n + λ2·V_1 (Zhou et al. 2024, ResFormer): `"fixed"` (λ1 = λ2 = 0.5) or `"learned"`
+            (λ1, λ2 learned per layer; no tensor parallelism); `None`: off. Each stack of a seq2seq model mixes with
+            its own first layer.
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
@@ -273,6 +277,7 @@ class PlugformerConfig(PreTrainedConfig):
     attn_logit_softcapping: float | int | None = None
     use_attention_sinks: bool = False
     use_gated_attention: bool = False
+    value_residual: str | None = None
     additive_chunk_size: int | None = None
     sliding_window: int | None = None
     layer_types: list[str] | None = None
@@ -350,6 +355,8 @@ class PlugformerConfig(PreTrainedConfig):
         _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
         _choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
         _choice("hidden_act", self.hidden_act, sorted(ACT2FN))
+        if self.value_residual is not None:
+            _choice("value_residual", self.value_residual, [None, *VALUE_RESIDUALS.names()])
 
     def _validate_sizes(self) -> None:
         _positive(

@@ -1,5 +1,5 @@
-"""Norms, their placement around each sublayer, and feed-forward blocks: one registered class per config value
-(`norm_type`, `norm_placement`, `ffn_type`)."""
+"""Norms, their placement around each sublayer, feed-forward blocks and value residuals: one registered class per
+config value (`norm_type`, `norm_placement`, `ffn_type`, `value_residual`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 NORMS: Registry[nn.Module] = Registry("norm_type")
 NORM_PLACEMENTS: Registry[NormPlacement] = Registry("norm_placement")
 FEED_FORWARDS: Registry[nn.Module] = Registry("ffn_type")
+VALUE_RESIDUALS: Registry[nn.Module] = Registry("value_residual")
 
 
 @NORMS.register("layernorm")
@@ -59,6 +60,11 @@ class NormPlacement:
     def residual(hidden_states: torch.Tensor, sublayer: Callable, norm: nn.Module) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def sublayer_input(hidden_states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """What `residual` feeds the sublayer."""
+        raise NotImplementedError
+
 
 @NORM_PLACEMENTS.register("pre")
 class PreNorm(NormPlacement):
@@ -70,6 +76,10 @@ class PreNorm(NormPlacement):
     def residual(hidden_states, sublayer, norm):
         return hidden_states + sublayer(norm(hidden_states))
 
+    @staticmethod
+    def sublayer_input(hidden_states, norm):
+        return norm(hidden_states)
+
 
 @NORM_PLACEMENTS.register("post")
 class PostNorm(NormPlacement):
@@ -80,6 +90,10 @@ class PostNorm(NormPlacement):
     @staticmethod
     def residual(hidden_states, sublayer, norm):
         return norm(hidden_states + sublayer(hidden_states))
+
+    @staticmethod
+    def sublayer_input(hidden_states, norm):
+        return hidden_states
 
 
 @FEED_FORWARDS.register("mlp")
@@ -106,3 +120,48 @@ class GatedMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ValueResidual(nn.Module):
+    """Value residual learning (Zhou et al. 2024, "Value Residual Learning For Alleviating Attention Concentration in
+    Transformers"): layer n ≥ 2 attends with V_n' = λ1·V_n + λ2·V_1, its values mixed with the first layer's.
+
+    Class attributes:
+        tensor_parallel (`bool`): whether tensor parallelism computes it exactly (each rank mixes its own heads).
+    """
+
+    tensor_parallel = True
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__()
+
+    def lambdas(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        raise NotImplementedError
+
+    def forward(self, values: torch.Tensor, first_values: torch.Tensor) -> torch.Tensor:
+        own, first = self.lambdas()
+        return own * values + first * first_values  # (B, H_kv, T, D)
+
+
+@VALUE_RESIDUALS.register("fixed")
+class FixedValueResidual(ValueResidual):
+    """V_n' = ½·V_n + ½·V_1 in every layer after the first: the paper's ResFormer (λ1 = λ2 = 0.5)."""
+
+    def lambdas(self):
+        return 0.5, 0.5
+
+
+@VALUE_RESIDUALS.register("learned")
+class LearnedValueResidual(ValueResidual):
+    """V_n' = λ1·V_n + λ2·V_1 with λ1, λ2 learned per layer, from 0.5 each: the paper's Learnable-ResFormer (as
+    modded-nanogpt's value-embedding lambdas). Not under tensor parallelism: no plan shards two scalars, and each
+    rank's gradient would cover its own heads only."""
+
+    tensor_parallel = False
+
+    def __init__(self, config: PlugformerConfig):
+        super().__init__(config)
+        self.value_lambdas = nn.Parameter(torch.full((2,), 0.5))
+
+    def lambdas(self):
+        return self.value_lambdas[0], self.value_lambdas[1]

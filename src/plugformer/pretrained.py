@@ -20,6 +20,7 @@ from .block import PlugformerDecoderLayer
 from .capabilities import unsupported_reason
 from .compat import ActivationCheckpointingNames
 from .configuration import PlugformerConfig
+from .layers import LearnedValueResidual
 from .positions import PositionScheme
 from .scores import AttentionScore
 
@@ -91,6 +92,8 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):
             module.reset_parameters(self.config)
+        if isinstance(module, LearnedValueResidual):
+            init.constant_(module.value_lambdas, 0.5)  # the paper's λ1 = λ2 = 0.5
         if isinstance(module, PlugformerAttention) and module.sinks is not None:
             init.normal_(module.sinks, std=self.config.initializer_range)  # as gpt-oss's
 

@@ -244,7 +244,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
         Args:
             input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): Token ids.
             attention_mask (`torch.Tensor` of shape `(batch_size, past + sequence_length)`, *optional*): 1 for
-                tokens to attend to, 0 for padding.
+                tokens to attend to, 0 for padding; or ready masks by kind of `config.layer_types` (a `dict`, as
+                `generate` builds them with a static cache).
             position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*): Absolute
                 positions; derived from `attention_mask` when not given.
             cache (`Cache`, *optional*): Keys and values of earlier tokens (`DynamicCache`, `StaticCache`, ...;
@@ -269,6 +270,13 @@ class PlugformerModel(PlugformerPreTrainedModel):
         """
         if encoder_hidden_states is not None and not self.cross_attention:
             raise ValueError("encoder_hidden_states given to a stack built without cross_attention")
+        # `generate` with a static cache builds the masks itself, one per kind of `layer_types` (as Qwen3 takes them)
+        prepared_masks = attention_mask if isinstance(attention_mask, dict) else None
+        attention_mask = None if prepared_masks is not None else attention_mask
+        kinds = {layer.attention_type for layer in self.layers}
+        if prepared_masks is not None and not kinds <= prepared_masks.keys():
+            raise ValueError(f"attention_mask is a dict of {sorted(prepared_masks)}; it needs a mask for each of the "
+                             f"layers' kinds {sorted(kinds)} (config.layer_types), or pass a 2-D padding mask")  # fmt: skip
         if validate_inputs:
             check_inputs(
                 self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
@@ -279,7 +287,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         cache = self._checked_cache(cache, use_cache, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # from the caller's position_ids (the packing), before they are derived from the mask
-        masks = self._self_attention_masks(inputs_embeds, attention_mask, self_cache, position_ids)
+        masks = prepared_masks or self._self_attention_masks(inputs_embeds, attention_mask, self_cache, position_ids)
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
             past_length = self_cache.get_seq_length() if self_cache is not None else 0
@@ -293,9 +301,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
         hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
         rotary = self.positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
+        # `value_residual`: the first block's values, which every later block mixes into its own (Zhou et al. 2024)
+        first_values = self.layers[0].attention_values(hidden_states) if self.config.value_residual else None
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, biases[layer.attention_type], encoder_hidden_states,
+                hidden_states, biases[layer.attention_type], encoder_hidden_states, first_values,
                 attention_mask=masks[layer.attention_type],
                 encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,

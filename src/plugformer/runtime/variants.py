@@ -35,6 +35,7 @@ ATTENTION_MODIFIERS: dict[str, Any] = {
     "use_attention_sinks": True,
     "sliding_window": 256,
     "use_gated_attention": True,
+    "value_residual": "learned",
 }
 
 
