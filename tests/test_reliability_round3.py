@@ -4,6 +4,8 @@ belongs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -219,3 +221,73 @@ def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
     results = [json.loads(taker.communicate(timeout=120)[0].strip().splitlines()[-1]) for taker in takers]
     assert sorted(r["held"] for r in results) == [False, True], results
     assert "in use by a live run" in next(r["problem"] for r in results if not r["held"])
+
+
+# --- silently wrong -------------------------------------------------------------------------------------------------
+
+
+def test_dev_selection_under_fsdp2_hands_on_the_selected_step_whole(tmp_path):
+    """The root module's parameters (embeddings, final norm, LM head) were the last step's, the layers the selected
+    step's: FSDP2 leaves the root unsharded after a forward, and the restore wrote into the unsharded copies."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_fsdp import ENV, free_port
+
+    worker = Path(__file__).with_name("selection_fsdp_worker.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port())]  # fmt: skip
+    result = subprocess.run([*torchrun, str(worker), str(tmp_path / "out.json")], env=ENV, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads((tmp_path / "out.json").read_text())
+    assert outcome["parameters"] > 10 and outcome["differ"] == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--learning_rate", "inf"], r"--learning_rate inf: expected a finite number"),
+        (["--learning_rate", "nan"], r"--learning_rate nan: expected a finite number"),
+        (["--max_grad_norm", "nan"], r"--max_grad_norm nan: expected a finite number"),
+        (["--weight_decay", "-1"], r"--weight_decay -1.0: expected a number >= 0.0"),
+        (["--adam_beta2", "1.5"], r"--adam_beta2 1.5: expected a number in \[0.0, 1.0\]"),
+        (["--direct_answer_fraction", "nan"], r"--direct_answer_fraction nan"),
+    ],
+)
+def test_a_stage_refuses_non_finite_or_out_of_range_numbers_before_any_work(tmp_path, monkeypatch, flags, pattern):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(ValueError, match=pattern):
+        pretrain(tmp_path / "run", *flags)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "pattern"),
+    [
+        ("demo", ["--learning_rate", "inf"], r"--learning_rate inf: expected a finite number"),
+        ("extrapolate", ["--factors", "1", "inf"], r"factors.*inf"),
+        ("extrapolate", ["--factors", "nan"], r"factors.*nan"),
+    ],
+)
+def test_every_command_refuses_non_finite_numbers_in_one_line(tmp_path, capsys, command, flags, pattern):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--output_dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert re.search(pattern, error) and "Traceback" not in error and error.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_flag_beside_a_conflicting_override_is_refused(tmp_path, monkeypatch):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(ValueError, match=r"--hidden_size 32 and --config_overrides hidden_size=64 contradict"):
+        pretrain(tmp_path / "run", "--hidden_size", "32", "--config_overrides", "hidden_size=64")

@@ -52,7 +52,7 @@ class ExtrapolationArguments(CorpusArguments):
     def __post_init__(self):
         if self.train_length < 2:
             raise ValueError(f"train_length={self.train_length}: expected at least 2 tokens")
-        if not self.factors or any(f <= 0 for f in self.factors):
+        if not self.factors or any(not math.isfinite(f) or f <= 0 for f in self.factors):
             raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")

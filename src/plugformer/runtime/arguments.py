@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
@@ -158,6 +159,54 @@ def _yaml_type(value: Any) -> str:
     return {type(None): "null", list: "list", dict: "mapping"}.get(type(value), type(value).__name__)
 
 
+# numeric options with a range, by field name, wherever they appear (a command's own, TrainingArguments, TRL's):
+# name -> (lowest, highest, whether the lowest is excluded); None: unbounded
+NUMBER_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "learning_rate": (0.0, None, False),
+    "max_grad_norm": (0.0, None, False),  # 0 turns clipping off (transformers); NaN turned it off silently
+    "weight_decay": (0.0, None, False),
+    "adam_epsilon": (0.0, None, False),
+    "adam_beta1": (0.0, 1.0, False),
+    "adam_beta2": (0.0, 1.0, False),
+    "warmup_ratio": (0.0, 1.0, False),
+    "factors": (0.0, None, True),
+    "temperature": (0.0, None, True),
+}
+
+
+def check_numbers(*arguments) -> None:
+    """Raises `ValueError` naming the flag for a numeric option of the dataclass instances `arguments` that is not
+    finite (`--learning_rate inf` trained to an all-NaN model and exited 0, `--max_grad_norm nan` turned clipping
+    off), or outside its range in `NUMBER_RANGES`; lists are checked item by item. Every command calls it on what
+    it parsed, before any work.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class A:
+    ...     learning_rate: float = float("inf")
+    >>> check_numbers(A())
+    Traceback (most recent call last):
+    ...
+    ValueError: --learning_rate inf: expected a finite number
+    """
+    for instance in arguments:
+        if not dataclasses.is_dataclass(instance):
+            continue
+        for field in dataclasses.fields(instance):
+            value = getattr(instance, field.name, None)
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, bool) or not isinstance(item, (int, float)):
+                    continue
+                if not math.isfinite(item):
+                    raise ValueError(f"--{field.name} {item!r}: expected a finite number")
+                low, high, open_low = NUMBER_RANGES.get(field.name, (None, None, False))
+                if (low is not None and (item < low or (open_low and item == low))) or (
+                    high is not None and item > high
+                ):
+                    bounds = f"{'>' if open_low else '>='} {low}" if high is None else f"in [{low}, {high}]"
+                    raise ValueError(f"--{field.name} {item!r}: expected a number {bounds}")
+
+
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     """Parses `argv` into `cls`, with `--config file.yaml` supplying defaults that the command line overrides."""
     parser = HfArgumentParser(cls, prog=prog, allow_abbrev=False)  # `--layer` must not silently mean `--layers`
@@ -169,4 +218,5 @@ def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     outputs = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if outputs[-1]:
         raise ValueError(f"{prog}: unknown arguments {outputs[-1]}")
+    check_numbers(outputs[0])
     return outputs[0]
