@@ -252,8 +252,8 @@ def test_dev_selection_under_fsdp2_hands_on_the_selected_step_whole(tmp_path):
         (["--learning_rate", "inf"], r"--learning_rate inf: expected a finite number"),
         (["--learning_rate", "nan"], r"--learning_rate nan: expected a finite number"),
         (["--max_grad_norm", "nan"], r"--max_grad_norm nan: expected a finite number"),
-        (["--weight_decay", "-1"], r"--weight_decay -1.0: expected a number >= 0.0"),
-        (["--adam_beta2", "1.5"], r"--adam_beta2 1.5: expected a number in \[0.0, 1.0\]"),
+        (["--weight_decay", "-1"], r"--weight_decay -1.0: expected a value >= 0"),
+        (["--adam_beta2", "1.5"], r"--adam_beta2 1.5: expected a value in \[0, 1\]"),
         (["--direct_answer_fraction", "nan"], r"--direct_answer_fraction nan"),
     ],
 )
@@ -291,3 +291,99 @@ def test_an_architecture_flag_beside_a_conflicting_override_is_refused(tmp_path,
     monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
     with pytest.raises(ValueError, match=r"--hidden_size 32 and --config_overrides hidden_size=64 contradict"):
         pretrain(tmp_path / "run", "--hidden_size", "32", "--config_overrides", "hidden_size=64")
+
+
+# --- hangs and unbounded resources ------------------------------------------------------------------------------------
+
+BOMB = "".join(
+    [
+        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
+        *(f"{b}: &{b} [{','.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh", strict=True)),
+        "{key}: [" + ",".join(["*h"] * 9) + "]\n",
+    ]
+)
+
+
+@pytest.mark.parametrize(("command", "key"), [("demo", "prompts"), ("train", "dataset_name")])
+def test_an_alias_bomb_in_a_config_is_refused_before_it_is_built(tmp_path, capsys, command, key):
+    from plugformer.cli import main
+
+    config = tmp_path / "bomb.yaml"
+    config.write_text(BOMB.format(key=key))
+    assert config.stat().st_size < 500
+    argv = [
+        command,
+        *(["sft"] if command == "train" else []),
+        "--config",
+        str(config),
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert re.search(rf"--config {re.escape(str(config))}: its aliases expand to \d+ values", capsys.readouterr().err)
+
+
+def test_yaml_names_duplicate_keys_non_utf8_files_and_oversized_documents(tmp_path):
+    from plugformer.runtime.arguments import MAX_YAML_BYTES, read_yaml
+
+    duplicate = tmp_path / "dup.yaml"
+    duplicate.write_text("max_steps: 2\nlearning_rate: 1e-3\nmax_steps: 5\n")
+    with pytest.raises(ValueError, match=r"dup.yaml: key 'max_steps' is given twice \(lines 1 and 3\)"):
+        read_yaml(duplicate)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("max_steps: 2\n# café\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.yaml: not UTF-8 text \(byte b'\\xe9' at offset 18\)"):
+        read_yaml(latin)
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * (MAX_YAML_BYTES // 10 + 1))
+    with pytest.raises(ValueError, match=rf"big.yaml: \d+ bytes; a config file is at most {MAX_YAML_BYTES} bytes"):
+        read_yaml(big)
+    shared = tmp_path / "anchors.yaml"  # ordinary anchors still work
+    shared.write_text("base: &base {lr: 1.0e-3}\nrun: *base\n")
+    assert read_yaml(shared) == {"base": {"lr": 1e-3}, "run": {"lr": 1e-3}}
+
+
+def test_a_stage_config_with_a_duplicate_key_is_refused_naming_it(tmp_path, monkeypatch):
+    from plugformer.training import run_stage
+
+    config = tmp_path / "sft.yaml"
+    config.write_text("max_steps: 3\nlearning_rate: 1.0e-3\nmax_steps: 1\n")
+    with pytest.raises(ValueError, match=r"key 'max_steps' is given twice"):
+        run_stage("sft", ["--config", str(config), "--output_dir", str(tmp_path / "out")])
+
+
+# --- silently wrong: a checkpoint missing tensors -------------------------------------------------------------------
+
+
+def damaged(runs, tmp_path, drop: str = ".layers.1.", add: dict | None = None):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run = copy_run(runs, "final_only", tmp_path)
+    tensors = {name: t for name, t in load_file(str(run / "model.safetensors")).items() if drop not in name}
+    tensors.update({name: torch.zeros(2) for name in add or {}})
+    save_file(tensors, str(run / "model.safetensors"), metadata={"format": "pt"})
+    return run
+
+
+def test_eval_refuses_a_checkpoint_with_a_layer_deleted(runs, tmp_path, capsys):
+    from plugformer.cli import main
+
+    run = damaged(runs, tmp_path)
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", str(run), "--split", "dev", "--examples", "4"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own load report
+    assert re.match(
+        r"ValueError: .*: the checkpoint does not match its model \(missing: model\.layers\.1\..*in all\)", last
+    )
+
+
+def test_a_stage_refuses_a_parent_with_unexpected_backbone_tensors(runs, tmp_path):
+    from test_training import TINY, TRL
+
+    from plugformer.training import run_stage
+
+    run = damaged(runs, tmp_path, drop="no such tensor", add={"model.layers.9.mlp.up_proj.weight"})
+    with pytest.raises(ValueError, match=r"unexpected: model\.layers\.9\.mlp\.up_proj\.weight\)"):
+        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"), *TINY, *TRL])

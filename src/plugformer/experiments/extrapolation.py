@@ -26,6 +26,7 @@ from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval
 from ..runtime.files import write_json_atomic
+from ..runtime.loading import load_checked
 from .compare import CompareArguments, run_plan, train_run, write_results
 
 
@@ -124,7 +125,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
         cached = json.loads(cache.read_text())
         if cached["key"] == key:
             return cached["limit"], {int(length): value for length, value in cached["perplexity"].items()}
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = load_checked(AutoModelForCausalLM, model_dir)
     tokenizer = load_tokenizer(str(model_dir))
     if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
         plan = training_plan(args)

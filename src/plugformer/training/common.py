@@ -18,6 +18,7 @@ from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..data.validation import check_data_files, check_rows
 from ..evaluation.scoring import exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
+from ..runtime.loading import load_checked
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
@@ -49,7 +50,7 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
-    return auto_class.from_pretrained(path, revision=model_args.model_revision, dtype=dtype, **kwargs)
+    return load_checked(auto_class, path, revision=model_args.model_revision, dtype=dtype, **kwargs)
 
 
 def peft_config(model_args):
