@@ -387,3 +387,123 @@ def test_a_stage_refuses_a_parent_with_unexpected_backbone_tensors(runs, tmp_pat
     run = damaged(runs, tmp_path, drop="no such tensor", add={"model.layers.9.mlp.up_proj.weight"})
     with pytest.raises(ValueError, match=r"unexpected: model\.layers\.9\.mlp\.up_proj\.weight\)"):
         run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"), *TINY, *TRL])
+
+
+def test_attention_map_refuses_a_text_too_long_to_draw(runs, capsys):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["attention-map", "--model", str(runs / "final_only"), "--text", "12 plus 7 is 19. " * 180])
+    assert re.search(r"ValueError: the text is \d+ tokens; attention-map draws at most 512", capsys.readouterr().err)
+
+
+def test_an_attention_figure_too_large_is_refused_before_it_is_drawn(tmp_path):
+    import torch
+
+    from plugformer.evaluation.attention_maps import AttentionMap, plot_attention_map
+
+    tokens = [f"t{i}" for i in range(100)]
+    big = AttentionMap("self", torch.rand(4, 4, 100, 100), [0, 1, 2, 3], [0, 1, 2, 3], tokens, tokens)
+    with pytest.raises(ValueError, match=r"would be \d+ x \d+ pixels \(4 layers x 4 heads of 100 x 100 tokens"):
+        plot_attention_map(big, tmp_path / "a.png")
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_pipeline_jobs_is_capped_at_the_cores_available():
+    from plugformer.experiments.pipeline import PipelineArguments, available_cores
+
+    with pytest.raises(ValueError, match=rf"--jobs 1000: this machine lets plugformer use {available_cores()} CPU"):
+        PipelineArguments(jobs=1000)
+    assert PipelineArguments(jobs=available_cores()).jobs == available_cores()
+
+
+# --- tracebacks instead of one line naming the input ----------------------------------------------------------------
+
+
+def cli_error(capsys, argv) -> str:
+    """The last stderr line of `plugformer ARGV`, which must exit 2 (a user error) in one line."""
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--model_name_or_path", "/nonexistent/model"], r"--model_name_or_path /nonexistent/model does not exist"),
+        (["--output_dir", ""], r"--output_dir '': expected a folder path"),
+        (["--output_dir", "{file}/sub"], r"--output_dir .*/afile/sub is under .*/afile, which is a file"),
+        (["--push_to_hub", "true"], r"--push_to_hub true needs the Hub, but this run is offline"),
+    ],
+)
+def test_a_stage_names_a_bad_path_or_an_offline_push_in_one_line(runs, tmp_path, capsys, monkeypatch, flags, pattern):
+    from test_training import TINY, TRL
+
+    (tmp_path / "afile").write_text("a file\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    flags = [flag.replace("{file}", str(tmp_path / "afile")) for flag in flags]
+    defaults = {"--model_name_or_path": str(runs / "final_only"), "--output_dir": str(tmp_path / "sft")}
+    defaults.update(dict(zip(flags[::2], flags[1::2], strict=True)))
+    line = cli_error(capsys, ["train", "sft", *(x for pair in defaults.items() for x in pair), *TINY, *TRL])
+    assert re.search(pattern, line), line
+
+
+def test_a_read_only_output_folder_is_refused_naming_it(tmp_path, monkeypatch):
+    from plugformer.training import outputs
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: str(path) != str(parent))  # root ignores modes
+    assert "ro is not writable by this user" in outputs.occupied_problem(str(parent / "run"), None, False, "sft")
+
+
+@pytest.mark.parametrize("template", ["configs/{stgae}/tiny.yaml", "configs/{0}/tiny.yaml", "configs/{stage/x.yaml"])
+@pytest.mark.parametrize("command", ["compare", "extrapolate", "pipeline"])
+def test_a_bad_stage_configs_placeholder_is_named(tmp_path, capsys, monkeypatch, command, template):
+    monkeypatch.setattr("plugformer.training.run_stage", refuse_work)
+    line = cli_error(capsys, [command, "--output_dir", str(tmp_path / "o"), "--stage_configs", template])
+    assert f"--stage_configs {template!r}:" in line and "the only placeholder is {stage}" in line, line
+
+
+def test_seeds_output_and_info_readme_refuse_a_folder(tmp_path, capsys):
+    import json
+
+    runs_made = []
+    for seed in range(2):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        runs_made.append(run)
+        (run / "results.json").write_text(json.dumps({"seed": seed, "stages": {}}))
+    line = cli_error(capsys, ["info", "--readme", str(tmp_path)])
+    assert f"--readme {tmp_path} is a folder" in line
+    from plugformer.experiments import seeds
+
+    with pytest.raises(ValueError, match=rf"--output {re.escape(str(tmp_path))} is a folder"):
+        seeds.main([*map(str, runs_made), "--output", str(tmp_path)])
+
+
+def test_attention_sinks_under_tensor_parallelism_are_refused_at_load():
+    from transformers.distributed import DistributedConfig
+
+    from plugformer import PlugformerConfig, PlugformerForCausalLM
+
+    config = PlugformerConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, use_attention_sinks=True)  # fmt: skip
+    config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan="auto") sets
+    with pytest.raises(ValueError, match=r"use_attention_sinks=True cannot run with tensor parallelism \(tp_size=2\)"):
+        PlugformerForCausalLM(config)
+
+
+def test_a_transformers_fsdp_request_on_cpu_names_version_2(monkeypatch):
+    from types import SimpleNamespace
+
+    from plugformer.training.sharding import refuse_unshardable_request
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    args = SimpleNamespace(fsdp=["full_shard"], fsdp_config={}, deepspeed=None, use_cpu=True)
+    with pytest.raises(ValueError, match=r"--fsdp full_shard asks transformers for FSDP version 2 on CPU"):
+        refuse_unshardable_request(args)

@@ -29,6 +29,7 @@ from pathlib import Path
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
+from ..runtime.arguments import stage_config
 from ..runtime.files import write_json_atomic, write_text_atomic
 
 
@@ -217,7 +218,7 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
     options = route(settings, args.stages)
     if args.dataset_name is not None:
         add_corpus_options(args, settings, options)
-    configs = {stage: args.stage_configs.format(stage=stage) for stage in args.stages}
+    configs = {stage: stage_config(args.stage_configs, stage) for stage in args.stages}
     for stage, path in configs.items():
         if not Path(path).is_file():
             raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}")
@@ -262,7 +263,7 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
         output = run_dir / stage
         if (output / "run_info.json").exists() and not args.rerun:
             continue
-        argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", str(output)]
+        argv = ["--config", stage_config(args.stage_configs, stage), "--output_dir", str(output)]
         argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed), "--exact_match_examples", "0"]
         # the folder is this run's own (same settings hash and seed): an interrupted stage resumes from its newest
         # checkpoint, the remains of one killed before its first checkpoint (or --rerun) are replaced

@@ -49,6 +49,21 @@ MAX_YAML_BYTES = 1 << 20
 MAX_YAML_VALUES = 100_000
 
 
+def stage_config(template: str, stage: str) -> str:
+    """`template` with `{stage}` filled in (`--stage_configs configs/{stage}/tiny.yaml`), or a `ValueError` naming
+    the flag for any other placeholder (`{stgae}`, `{0}`, an unmatched brace), which `str.format` raised as a bare
+    `KeyError`/`IndexError` traceback.
+
+    >>> stage_config("configs/{stage}/tiny.yaml", "sft")
+    'configs/sft/tiny.yaml'
+    """
+    try:
+        return template.format(stage=stage)
+    except (KeyError, IndexError, ValueError, AttributeError) as error:
+        raise ValueError(f"--stage_configs {template!r}: {type(error).__name__} {error} in its placeholders; the "
+                         "only placeholder is {stage} (e.g. configs/{stage}/tiny.yaml)") from None  # fmt: skip
+
+
 class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading `1e-3` as a float as YAML 1.2 does (PyYAML's YAML 1.1 resolver needs a dot,
     `1.0e-3`, and gives the string '1e-3' otherwise; the command line's float() took it, so configs write it), and

@@ -184,6 +184,15 @@ def check_trainer_arguments(training_args) -> None:
         if value is not None and value < 0:
             raise ValueError(f"--{name} {value!r}: expected a value >= 0")
     check_counts(training_args, TRAINER_COUNTS)
+    if getattr(training_args, "push_to_hub", False):
+        import os
+
+        from huggingface_hub import constants
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        if constants.HF_HUB_OFFLINE or offline:  # else a 61-line traceback from the Hub client
+            raise ValueError("--push_to_hub true needs the Hub, but this run is offline (HF_HUB_OFFLINE=1, "
+                             "plugformer's default): run with HF_HUB_OFFLINE=0 to push, or drop --push_to_hub")  # fmt: skip
 
 
 def parse_overrides(text: str | None, name: str) -> dict:

@@ -32,12 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 def require_model_path(model_args, stage: str) -> str:
-    if not model_args.model_name_or_path:
+    path = model_args.model_name_or_path
+    if not path:
         raise ValueError(
             f"stage {stage!r} needs --model_name_or_path: the output directory of the previous stage "
             "(pretrain -> sft -> reward -> rlhf; sft -> dpo; sft -> grpo)"
         )
-    return model_args.model_name_or_path
+    local = Path(path).is_absolute() or str(path).startswith((".", "~"))  # else it may be a Hub id
+    if local and not Path(path).expanduser().is_dir():
+        what = "is a file, not a folder" if Path(path).expanduser().exists() else "does not exist"
+        raise ValueError(f"--model_name_or_path {path} {what}; give the output directory of the previous stage")
+    return path
 
 
 def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
