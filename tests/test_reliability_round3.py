@@ -4,6 +4,8 @@ belongs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -219,3 +221,289 @@ def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
     results = [json.loads(taker.communicate(timeout=120)[0].strip().splitlines()[-1]) for taker in takers]
     assert sorted(r["held"] for r in results) == [False, True], results
     assert "in use by a live run" in next(r["problem"] for r in results if not r["held"])
+
+
+# --- silently wrong -------------------------------------------------------------------------------------------------
+
+
+def test_dev_selection_under_fsdp2_hands_on_the_selected_step_whole(tmp_path):
+    """The root module's parameters (embeddings, final norm, LM head) were the last step's, the layers the selected
+    step's: FSDP2 leaves the root unsharded after a forward, and the restore wrote into the unsharded copies."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_fsdp import ENV, free_port
+
+    worker = Path(__file__).with_name("selection_fsdp_worker.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port())]  # fmt: skip
+    result = subprocess.run([*torchrun, str(worker), str(tmp_path / "out.json")], env=ENV, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads((tmp_path / "out.json").read_text())
+    assert outcome["parameters"] > 10 and outcome["differ"] == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--learning_rate", "inf"], r"--learning_rate inf: expected a finite number"),
+        (["--learning_rate", "nan"], r"--learning_rate nan: expected a finite number"),
+        (["--max_grad_norm", "nan"], r"--max_grad_norm nan: expected a finite number"),
+        (["--weight_decay", "-1"], r"--weight_decay -1.0: expected a value >= 0"),
+        (["--adam_beta2", "1.5"], r"--adam_beta2 1.5: expected a value in \[0, 1\]"),
+        (["--direct_answer_fraction", "nan"], r"--direct_answer_fraction nan"),
+    ],
+)
+def test_a_stage_refuses_non_finite_or_out_of_range_numbers_before_any_work(tmp_path, monkeypatch, flags, pattern):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(ValueError, match=pattern):
+        pretrain(tmp_path / "run", *flags)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "pattern"),
+    [
+        ("demo", ["--learning_rate", "inf"], r"--learning_rate inf: expected a finite number"),
+        ("extrapolate", ["--factors", "1", "inf"], r"factors.*inf"),
+        ("extrapolate", ["--factors", "nan"], r"factors.*nan"),
+    ],
+)
+def test_every_command_refuses_non_finite_numbers_in_one_line(tmp_path, capsys, command, flags, pattern):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--output_dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert re.search(pattern, error) and "Traceback" not in error and error.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_flag_beside_a_conflicting_override_is_refused(tmp_path, monkeypatch):
+    from plugformer.training import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(ValueError, match=r"--hidden_size 32 and --config_overrides hidden_size=64 contradict"):
+        pretrain(tmp_path / "run", "--hidden_size", "32", "--config_overrides", "hidden_size=64")
+
+
+# --- hangs and unbounded resources ------------------------------------------------------------------------------------
+
+BOMB = "".join(
+    [
+        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n',
+        *(f"{b}: &{b} [{','.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh", strict=True)),
+        "{key}: [" + ",".join(["*h"] * 9) + "]\n",
+    ]
+)
+
+
+@pytest.mark.parametrize(("command", "key"), [("demo", "prompts"), ("train", "dataset_name")])
+def test_an_alias_bomb_in_a_config_is_refused_before_it_is_built(tmp_path, capsys, command, key):
+    from plugformer.cli import main
+
+    config = tmp_path / "bomb.yaml"
+    config.write_text(BOMB.format(key=key))
+    assert config.stat().st_size < 500
+    argv = [
+        command,
+        *(["sft"] if command == "train" else []),
+        "--config",
+        str(config),
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert re.search(rf"--config {re.escape(str(config))}: its aliases expand to \d+ values", capsys.readouterr().err)
+
+
+def test_yaml_names_duplicate_keys_non_utf8_files_and_oversized_documents(tmp_path):
+    from plugformer.runtime.arguments import MAX_YAML_BYTES, read_yaml
+
+    duplicate = tmp_path / "dup.yaml"
+    duplicate.write_text("max_steps: 2\nlearning_rate: 1e-3\nmax_steps: 5\n")
+    with pytest.raises(ValueError, match=r"dup.yaml: key 'max_steps' is given twice \(lines 1 and 3\)"):
+        read_yaml(duplicate)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("max_steps: 2\n# café\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.yaml: not UTF-8 text \(byte b'\\xe9' at offset 18\)"):
+        read_yaml(latin)
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * (MAX_YAML_BYTES // 10 + 1))
+    with pytest.raises(ValueError, match=rf"big.yaml: \d+ bytes; a config file is at most {MAX_YAML_BYTES} bytes"):
+        read_yaml(big)
+    shared = tmp_path / "anchors.yaml"  # ordinary anchors still work
+    shared.write_text("base: &base {lr: 1.0e-3}\nrun: *base\n")
+    assert read_yaml(shared) == {"base": {"lr": 1e-3}, "run": {"lr": 1e-3}}
+
+
+def test_a_stage_config_with_a_duplicate_key_is_refused_naming_it(tmp_path, monkeypatch):
+    from plugformer.training import run_stage
+
+    config = tmp_path / "sft.yaml"
+    config.write_text("max_steps: 3\nlearning_rate: 1.0e-3\nmax_steps: 1\n")
+    with pytest.raises(ValueError, match=r"key 'max_steps' is given twice"):
+        run_stage("sft", ["--config", str(config), "--output_dir", str(tmp_path / "out")])
+
+
+# --- silently wrong: a checkpoint missing tensors -------------------------------------------------------------------
+
+
+def damaged(runs, tmp_path, drop: str = ".layers.1.", add: dict | None = None):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run = copy_run(runs, "final_only", tmp_path)
+    tensors = {name: t for name, t in load_file(str(run / "model.safetensors")).items() if drop not in name}
+    tensors.update({name: torch.zeros(2) for name in add or {}})
+    save_file(tensors, str(run / "model.safetensors"), metadata={"format": "pt"})
+    return run
+
+
+def test_eval_refuses_a_checkpoint_with_a_layer_deleted(runs, tmp_path, capsys):
+    from plugformer.cli import main
+
+    run = damaged(runs, tmp_path)
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", str(run), "--split", "dev", "--examples", "4"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own load report
+    assert re.match(
+        r"ValueError: .*: the checkpoint does not match its model \(missing: model\.layers\.1\..*in all\)", last
+    )
+
+
+def test_a_stage_refuses_a_parent_with_unexpected_backbone_tensors(runs, tmp_path):
+    from test_training import TINY, TRL
+
+    from plugformer.training import run_stage
+
+    run = damaged(runs, tmp_path, drop="no such tensor", add={"model.layers.9.mlp.up_proj.weight"})
+    with pytest.raises(ValueError, match=r"unexpected: model\.layers\.9\.mlp\.up_proj\.weight\)"):
+        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"), *TINY, *TRL])
+
+
+def test_attention_map_refuses_a_text_too_long_to_draw(runs, capsys):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["attention-map", "--model", str(runs / "final_only"), "--text", "12 plus 7 is 19. " * 180])
+    assert re.search(r"ValueError: the text is \d+ tokens; attention-map draws at most 512", capsys.readouterr().err)
+
+
+def test_an_attention_figure_too_large_is_refused_before_it_is_drawn(tmp_path):
+    import torch
+
+    from plugformer.evaluation.attention_maps import AttentionMap, plot_attention_map
+
+    tokens = [f"t{i}" for i in range(100)]
+    big = AttentionMap("self", torch.rand(4, 4, 100, 100), [0, 1, 2, 3], [0, 1, 2, 3], tokens, tokens)
+    with pytest.raises(ValueError, match=r"would be \d+ x \d+ pixels \(4 layers x 4 heads of 100 x 100 tokens"):
+        plot_attention_map(big, tmp_path / "a.png")
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_pipeline_jobs_is_capped_at_the_cores_available():
+    from plugformer.experiments.pipeline import PipelineArguments, available_cores
+
+    with pytest.raises(ValueError, match=rf"--jobs 1000: this machine lets plugformer use {available_cores()} CPU"):
+        PipelineArguments(jobs=1000)
+    assert PipelineArguments(jobs=available_cores()).jobs == available_cores()
+
+
+# --- tracebacks instead of one line naming the input ----------------------------------------------------------------
+
+
+def cli_error(capsys, argv) -> str:
+    """The last stderr line of `plugformer ARGV`, which must exit 2 (a user error) in one line."""
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        (["--model_name_or_path", "/nonexistent/model"], r"--model_name_or_path /nonexistent/model does not exist"),
+        (["--output_dir", ""], r"--output_dir '': expected a folder path"),
+        (["--output_dir", "{file}/sub"], r"--output_dir .*/afile/sub is under .*/afile, which is a file"),
+        (["--push_to_hub", "true"], r"--push_to_hub true needs the Hub, but this run is offline"),
+    ],
+)
+def test_a_stage_names_a_bad_path_or_an_offline_push_in_one_line(runs, tmp_path, capsys, monkeypatch, flags, pattern):
+    from test_training import TINY, TRL
+
+    (tmp_path / "afile").write_text("a file\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    flags = [flag.replace("{file}", str(tmp_path / "afile")) for flag in flags]
+    defaults = {"--model_name_or_path": str(runs / "final_only"), "--output_dir": str(tmp_path / "sft")}
+    defaults.update(dict(zip(flags[::2], flags[1::2], strict=True)))
+    line = cli_error(capsys, ["train", "sft", *(x for pair in defaults.items() for x in pair), *TINY, *TRL])
+    assert re.search(pattern, line), line
+
+
+def test_a_read_only_output_folder_is_refused_naming_it(tmp_path, monkeypatch):
+    from plugformer.training import outputs
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: str(path) != str(parent))  # root ignores modes
+    assert "ro is not writable by this user" in outputs.occupied_problem(str(parent / "run"), None, False, "sft")
+
+
+@pytest.mark.parametrize("template", ["configs/{stgae}/tiny.yaml", "configs/{0}/tiny.yaml", "configs/{stage/x.yaml"])
+@pytest.mark.parametrize("command", ["compare", "extrapolate", "pipeline"])
+def test_a_bad_stage_configs_placeholder_is_named(tmp_path, capsys, monkeypatch, command, template):
+    monkeypatch.setattr("plugformer.training.run_stage", refuse_work)
+    line = cli_error(capsys, [command, "--output_dir", str(tmp_path / "o"), "--stage_configs", template])
+    assert f"--stage_configs {template!r}:" in line and "the only placeholder is {stage}" in line, line
+
+
+def test_seeds_output_and_info_readme_refuse_a_folder(tmp_path, capsys):
+    import json
+
+    runs_made = []
+    for seed in range(2):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        runs_made.append(run)
+        (run / "results.json").write_text(json.dumps({"seed": seed, "stages": {}}))
+    line = cli_error(capsys, ["info", "--readme", str(tmp_path)])
+    assert f"--readme {tmp_path} is a folder" in line
+    from plugformer.experiments import seeds
+
+    with pytest.raises(ValueError, match=rf"--output {re.escape(str(tmp_path))} is a folder"):
+        seeds.main([*map(str, runs_made), "--output", str(tmp_path)])
+
+
+def test_attention_sinks_under_tensor_parallelism_are_refused_at_load():
+    from transformers.distributed import DistributedConfig
+
+    from plugformer import PlugformerConfig, PlugformerForCausalLM
+
+    config = PlugformerConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, use_attention_sinks=True)  # fmt: skip
+    config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan="auto") sets
+    with pytest.raises(ValueError, match=r"use_attention_sinks=True cannot run with tensor parallelism \(tp_size=2\)"):
+        PlugformerForCausalLM(config)
+
+
+def test_a_transformers_fsdp_request_on_cpu_names_version_2(monkeypatch):
+    from types import SimpleNamespace
+
+    from plugformer.training.sharding import refuse_unshardable_request
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    args = SimpleNamespace(fsdp=["full_shard"], fsdp_config={}, deepspeed=None, use_cpu=True)
+    with pytest.raises(ValueError, match=r"--fsdp full_shard asks transformers for FSDP version 2 on CPU"):
+        refuse_unshardable_request(args)

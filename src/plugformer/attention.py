@@ -42,6 +42,13 @@ def check_tensor_parallel(config: PlugformerConfig) -> None:
             "lambdas are not sharded, and each rank's gradient would cover its own heads only; use 'fixed' or train "
             "it without tp_plan"
         )
+    if tp_size > 1 and config.use_attention_sinks:
+        # the sinks (one logit per query head) are not in the tensor-parallel plan: each rank would hold every head's
+        # sink beside its share of the heads, and the first forward failed with a shape error
+        raise ValueError(
+            f"use_attention_sinks=True cannot run with tensor parallelism (tp_size={tp_size}): the sinks, one per "
+            "query head, are not sharded with the heads; load the model without tp_plan"
+        )
     if config.num_key_value_heads % tp_size:
         # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
         # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads

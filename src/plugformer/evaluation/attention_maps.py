@@ -140,9 +140,11 @@ def attention_weights(
     if not seq2seq and target_text is not None:
         raise ValueError(f"target_text={target_text!r}: only a seq2seq (encoder-decoder) model has a decoder input")
     source = encode(tokenizer, text, bos)
+    check_token_count(len(source), "the text")
     inputs = {"input_ids": torch.tensor([source], device=model.device)}  # (1, S)
     if seq2seq:
         target = [model.decoder_start_token_id, *encode(tokenizer, target_text, bos=False)]
+        check_token_count(len(target), "the target text")
         inputs["decoder_input_ids"] = torch.tensor([target], device=model.device)  # (1, T)
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False  # one forward: no cache to build
@@ -179,6 +181,18 @@ def label(token: str) -> str:
     return token.strip() or repr(token)
 
 
+# a text longer than this many tokens, or a figure larger than this many pixels, is refused before it is drawn: a
+# ~3,000-character text died in MemoryError (the figure grows with the token count, per layer and head)
+MAX_TOKENS = 512
+MAX_PIXELS = 40_000_000
+
+
+def check_token_count(count: int, what: str) -> None:
+    if count > MAX_TOKENS:
+        raise ValueError(f"{what} is {count} tokens; attention-map draws at most {MAX_TOKENS} (one Q x K heatmap per "
+                         "layer and head): shorten it")  # fmt: skip
+
+
 def default_figsize(weights: torch.Tensor) -> tuple[float, float]:
     """Inches: a square cell per heatmap, growing with the token count, plus room for the colorbar."""
     num_layers, num_heads, queries, keys = weights.shape
@@ -200,6 +214,12 @@ def plot_attention_map(
     """
     plt = pyplot()
     figsize = figsize or default_figsize(attention.weights)
+    width, height = round(figsize[0] * dpi), round(figsize[1] * dpi)
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"the {attention.kind} attention figure would be {width} x {height} pixels ({len(attention.layers)} "
+                         f"layers x {len(attention.heads)} heads of {len(attention.query_tokens)} x "
+                         f"{len(attention.key_tokens)} tokens; at most {MAX_PIXELS} pixels): choose fewer --layers or "
+                         "--heads, a shorter --text, or a lower --dpi")  # fmt: skip
     fig, axes = plt.subplots(len(attention.layers), len(attention.heads), figsize=figsize, squeeze=False,
                              layout="constrained")  # fmt: skip
     peak = float(attention.weights.max())

@@ -11,6 +11,7 @@ import torch
 
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..runtime.files import write_json_atomic
+from ..runtime.loading import load_checked
 from .metrics import load_metric
 from .rewards import exact_match_reward, format_reward
 
@@ -265,13 +266,13 @@ def evaluate_directory(args: EvalArguments) -> dict:
     config = AutoConfig.from_pretrained(args.model)
     results = {"model": args.model, "split": args.split}
     if any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
-        model = AutoModelForSequenceClassification.from_pretrained(args.model)
+        model = load_checked(AutoModelForSequenceClassification, args.model)
         rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
         results["examples"], results["direct_answer_fraction"] = len(rows), fraction
         results["data_sha256"] = rows_digest(rows)
         return results
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model = load_checked(AutoModelForCausalLM, args.model)
     rows = load_stage_dataset("prompt_answer", sizes=sizes, seed=seed)[args.split]
     results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
     results["data_sha256"] = rows_digest(rows)  # which problems were scored: `plugformer seeds` compares runs on it

@@ -35,7 +35,7 @@ from ..evaluation.stats import (
     paired_bootstrap,
     paired_t_test,
 )
-from ..runtime.arguments import config_path
+from ..runtime.arguments import config_path, stage_config
 from ..runtime.files import write_json_atomic, write_text_atomic
 
 
@@ -244,7 +244,7 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
         add_corpus_options(args, settings, options)
     configs = {}
     for stage in args.stages:
-        path = args.stage_configs.format(stage=stage)
+        path = stage_config(args.stage_configs, stage)
         try:
             configs[stage] = config_path(path)  # the shipped YAMLs are found from any folder
         except FileNotFoundError:
@@ -290,7 +290,7 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
         output = run_dir / stage
         if (output / "run_info.json").exists() and not args.rerun:
             continue
-        argv = ["--config", args.stage_configs.format(stage=stage), "--output_dir", str(output)]
+        argv = ["--config", stage_config(args.stage_configs, stage), "--output_dir", str(output)]
         argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed)]
         if "--exact_match_examples" not in options[stage]:  # compare scores dev and test itself
             argv += ["--exact_match_examples", "0"]

@@ -26,6 +26,7 @@ from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval
 from ..runtime.files import weights_sha256, write_json_atomic
+from ..runtime.loading import load_checked
 from .compare import CompareArguments, run_plan, train_run, write_results
 
 
@@ -52,7 +53,7 @@ class ExtrapolationArguments(CorpusArguments):
     def __post_init__(self):
         if self.train_length < 2:
             raise ValueError(f"train_length={self.train_length}: expected at least 2 tokens")
-        if not self.factors or any(f <= 0 for f in self.factors):
+        if not self.factors or any(not math.isfinite(f) or f <= 0 for f in self.factors):
             raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")
@@ -125,7 +126,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
         cached = json.loads(cache.read_text())
         if cached["key"] == key:
             return cached["limit"], {int(length): value for length, value in cached["perplexity"].items()}
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = load_checked(AutoModelForCausalLM, model_dir)
     tokenizer = load_tokenizer(str(model_dir))
     if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
         plan = training_plan(args)

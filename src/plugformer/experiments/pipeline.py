@@ -25,7 +25,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from ..evaluation.scoring import EvalArguments, evaluate_directory
-from ..runtime.arguments import config_path
+from ..runtime.arguments import config_path, stage_config
 from ..runtime.files import write_json_atomic, write_text_atomic
 from ..training import STAGES, run_stage
 from ..training.stages import StageInput
@@ -65,6 +65,10 @@ class PipelineArguments:
         from ..training.arguments import check_counts
 
         check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
+        cores = available_cores()
+        if self.jobs > cores:  # `--jobs 1000` on 2 cores was accepted: a process per stage, each wanting a core
+            raise ValueError(f"--jobs {self.jobs}: this machine lets plugformer use {cores} CPU cores; expected "
+                             f"1 to {cores}")  # fmt: skip
         for stage in STAGES.values():
             for needed in stage.inputs:
                 source = input_source(self, needed)
@@ -97,7 +101,7 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
         raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
     if parent is not None and args.stages.index(parent) > args.stages.index(stage):
         raise ValueError(f"stages={args.stages}: {parent!r} must come before {stage!r}")
-    argv = ["--config", config_path(args.stage_configs.format(stage=stage)), "--output_dir", stage_dir(args, stage)]
+    argv = ["--config", config_path(stage_config(args.stage_configs, stage)), "--output_dir", stage_dir(args, stage)]
     argv += ["--seed", str(args.seed), "--dataset_seed", str(args.dataset_seed)]
     if parent is not None:
         argv += ["--model_name_or_path", stage_dir(args, parent)]
@@ -146,6 +150,13 @@ def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
     return {"argv": argv, "config_sha256": sha, "parent_digests": digests}
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, list[str]] | None:
     """None to reuse the finished stage, else (why it trains, extra command-line flags)."""
     folder = Path(stage_dir(args, stage))
@@ -175,9 +186,9 @@ def validate_stages(args: PipelineArguments) -> None:
         try:
             parse_stage_arguments(stage, stage_argv(args, stage))
         except ValueError as error:
-            raise ValueError(f"stage {stage!r} ({args.stage_configs.format(stage=stage)}): {error}") from error
+            raise ValueError(f"stage {stage!r} ({stage_config(args.stage_configs, stage)}): {error}") from error
         except SystemExit as error:  # argparse has printed what it refused; name the stage and its YAML
-            raise ValueError(f"stage {stage!r} ({args.stage_configs.format(stage=stage)}): its arguments do not "
+            raise ValueError(f"stage {stage!r} ({stage_config(args.stage_configs, stage)}): its arguments do not "
                              "parse (argparse's message above says which)") from error  # fmt: skip
 
 

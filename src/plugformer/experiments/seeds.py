@@ -180,5 +180,7 @@ def main(argv: list[str]) -> str:
     table += f"\n\n{times}" if times else ""
     print(table)
     if args.output:
+        if Path(args.output).is_dir():
+            raise ValueError(f"--output {args.output} is a folder; give the markdown file to write")
         write_text_atomic(Path(args.output), table + "\n")
     return table

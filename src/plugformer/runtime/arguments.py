@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
@@ -45,9 +46,45 @@ def config_path(path: str | Path) -> str:
                             "configs/<stage>/<name>.yaml, configs/demo.yaml and configs/accelerate/<name>.yaml")  # fmt: skip
 
 
+# a YAML file larger than this, or whose aliases expand to more values, is refused before it is built: a 480-byte
+# "billion laughs" under any key hung a command past 2.4 GB; plugformer's configs are a few kB
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+
+
+def stage_config(template: str, stage: str) -> str:
+    """`template` with `{stage}` filled in (`--stage_configs configs/{stage}/tiny.yaml`), or a `ValueError` naming
+    the flag for any other placeholder (`{stgae}`, `{0}`, an unmatched brace), which `str.format` raised as a bare
+    `KeyError`/`IndexError` traceback.
+
+    >>> stage_config("configs/{stage}/tiny.yaml", "sft")
+    'configs/sft/tiny.yaml'
+    """
+    try:
+        return template.format(stage=stage)
+    except (KeyError, IndexError, ValueError, AttributeError) as error:
+        raise ValueError(f"--stage_configs {template!r}: {type(error).__name__} {error} in its placeholders; the "
+                         "only placeholder is {stage} (e.g. configs/{stage}/tiny.yaml)") from None  # fmt: skip
+
+
 class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading `1e-3` as a float as YAML 1.2 does (PyYAML's YAML 1.1 resolver needs a dot,
-    `1.0e-3`, and gives the string '1e-3' otherwise; the command line's float() took it, so configs write it)."""
+    `1.0e-3`, and gives the string '1e-3' otherwise; the command line's float() took it, so configs write it), and
+    refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
+                        f"{key_node.start_mark.line + 1}); PyYAML would keep the last silently: keep one",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 YamlLoader.add_implicit_resolver(
@@ -57,9 +94,52 @@ YamlLoader.add_implicit_resolver(
 )
 
 
+def _expanded_values(node, sizes: dict) -> int:
+    """How many values `node` stands for once every alias is expanded (shared subtrees counted each time they are
+    referred to, each computed once)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 0  # a recursive alias (`&a [*a]`) counts once here; PyYAML refuses it when building
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        sizes[id(node)] = 1 + sum(_expanded_values(child, sizes) for child in children)
+    return sizes[id(node)]
+
+
 def read_yaml(path: str | Path) -> Any:
-    with open(path, encoding="utf-8") as handle:
-        return yaml.load(handle, Loader=YamlLoader)  # a SafeLoader: no arbitrary objects
+    """The document in the YAML file `path` (safe loader), or a `ValueError` naming the file: larger than
+    `MAX_YAML_BYTES`, not UTF-8 (with the byte's offset), aliases that expand past `MAX_YAML_VALUES` values (an
+    alias bomb, refused before anything is built), a duplicate key, or invalid YAML."""
+    size = Path(path).stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"--config {path}: {size} bytes; a config file is at most {MAX_YAML_BYTES} bytes")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {raw[error.start : error.start + 1]!r} at offset "
+                         f"{error.start}); save it as UTF-8") from None  # fmt: skip
+    loader = YamlLoader(text)  # a SafeLoader: no arbitrary objects
+    loader.name = str(path)  # marks name the file, not "<unicode string>"
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        values = _expanded_values(node, {})
+        if values > MAX_YAML_VALUES:
+            raise ValueError(f"--config {path}: its aliases expand to {values} values (at most {MAX_YAML_VALUES}); "
+                             "an alias bomb? write the values out")  # fmt: skip
+        return loader.construct_document(node)
+    except yaml.YAMLError as error:
+        message = " ".join(str(error).split())
+        raise ValueError(f"--config {path}: {message}") from None
+    except RecursionError:
+        raise ValueError(f"--config {path}: nested too deeply to be a config") from None
+    finally:
+        loader.dispose()
 
 
 def load_yaml(path: str | Path, allowed: set[str], classes: tuple[type, ...] = ()) -> dict:
@@ -244,6 +324,54 @@ def _as_written(argv: list[str], index: int, action) -> str:
     return f"{token} {following}"
 
 
+# numeric options with a range, by field name, wherever they appear (a command's own, TrainingArguments, TRL's):
+# name -> (lowest, highest, whether the lowest is excluded); None: unbounded
+NUMBER_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "learning_rate": (0.0, None, False),
+    "max_grad_norm": (0.0, None, False),  # 0 turns clipping off (transformers); NaN turned it off silently
+    "weight_decay": (0.0, None, False),
+    "adam_epsilon": (0.0, None, False),
+    "adam_beta1": (0.0, 1.0, False),
+    "adam_beta2": (0.0, 1.0, False),
+    "warmup_ratio": (0.0, 1.0, False),
+    "factors": (0.0, None, True),
+    "temperature": (0.0, None, True),
+}
+
+
+def check_numbers(*arguments) -> None:
+    """Raises `ValueError` naming the flag for a numeric option of the dataclass instances `arguments` that is not
+    finite (`--learning_rate inf` trained to an all-NaN model and exited 0, `--max_grad_norm nan` turned clipping
+    off), or outside its range in `NUMBER_RANGES`; lists are checked item by item. Every command calls it on what
+    it parsed, before any work.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class A:
+    ...     learning_rate: float = float("inf")
+    >>> check_numbers(A())
+    Traceback (most recent call last):
+    ...
+    ValueError: --learning_rate inf: expected a finite number
+    """
+    for instance in arguments:
+        if not dataclasses.is_dataclass(instance):
+            continue
+        for field in dataclasses.fields(instance):
+            value = getattr(instance, field.name, None)
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, bool) or not isinstance(item, (int, float)):
+                    continue
+                if not math.isfinite(item):
+                    raise ValueError(f"--{field.name} {item!r}: expected a finite number")
+                low, high, open_low = NUMBER_RANGES.get(field.name, (None, None, False))
+                if (low is not None and (item < low or (open_low and item == low))) or (
+                    high is not None and item > high
+                ):
+                    bounds = f"{'>' if open_low else '>='} {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+                    raise ValueError(f"--{field.name} {item!r}: expected a value {bounds}")
+
+
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     """Parses `argv` into `cls`, with `--config file.yaml` supplying defaults that the command line overrides.
     A repeated list option accumulates, any other repeated option is refused (`merge_repeated_flags`)."""
@@ -258,4 +386,5 @@ def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:
     outputs = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if outputs[-1]:
         raise ValueError(f"{prog}: unknown arguments {outputs[-1]}")
+    check_numbers(outputs[0])
     return outputs[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..capabilities import KERNELS, supported_kernels
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     generated = blocks()
     if args.readme is not None:
+        if Path(args.readme).is_dir():
+            raise ValueError(f"--readme {args.readme} is a folder; give the README file whose blocks to rewrite")
         write_blocks(args.readme, generated)
         print(f"updated the generated blocks {', '.join(generated)} of {args.readme}")
     if args.markdown:

@@ -16,7 +16,14 @@ from ..compat import (
     renamed_trainer_options,
     trainer_option_aliases,
 )
-from ..runtime.arguments import STAGE_FLAGS_RULE, check_yaml_types, config_path, merge_repeated_flags, read_yaml
+from ..runtime.arguments import (
+    STAGE_FLAGS_RULE,
+    check_numbers,
+    check_yaml_types,
+    config_path,
+    merge_repeated_flags,
+    read_yaml,
+)
 from .stages import STAGES, Stage, StageInput, register_stage
 
 
@@ -61,12 +68,14 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             argv[index + 1] = config_path(argv[index + 1])
             check_stage_yaml(argv[index + 1], parser.dataclass_types)
     try:
-        return parser.parse_args_and_config(argv)
+        parsed = parser.parse_args_and_config(argv)
     except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked
         raise ValueError(
             f"stage {stage!r}: --num_generations must be at least 2 (answers compared per prompt), and the batch "
             f"sizes multiples of it ({error})"
         ) from error
+    check_numbers(*parsed)  # --learning_rate inf, --max_grad_norm nan: refused before any work
+    return parsed
 
 
 def check_stage_yaml(path: str, classes) -> None:

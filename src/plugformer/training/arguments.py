@@ -3,6 +3,7 @@ with `trl.TrlParser`: dataclass defaults < YAML (`--config`) < command line, unk
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..positions import POSITION_SCHEMES
@@ -120,11 +121,20 @@ class PretrainArguments(StageArguments):
                              "already in memory: give --dataset_name (and --data_files), or drop --streaming")  # fmt: skip
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
+        # `--hidden_size 32 --config_overrides hidden_size=64` trained 64; a field that defaults to None was given
+        unset = {f.name for f in dataclasses.fields(self) if f.name in self.ARCHITECTURE and f.default is None}
+        for name, value in parse_overrides(self.config_overrides, "config_overrides").items():
+            given = getattr(self, name) if name in unset else None
+            if given is not None and given != value:
+                raise ValueError(f"--{name} {given!r} and --config_overrides {name}={value!r} contradict each other; "
+                                 f"give {name} once")  # fmt: skip
+
+    # the flags that set a PlugformerConfig field directly (`--config_overrides` sets the others)
+    ARCHITECTURE = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
 
     def architecture(self) -> dict:
-        names = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
-                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-        fields = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        fields = {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}
         return {**fields, **parse_overrides(self.config_overrides, "config_overrides")}
 
 
@@ -180,6 +190,15 @@ def check_trainer_arguments(training_args) -> None:
         if value is not None and value < 0:
             raise ValueError(f"--{name} {value!r}: expected a value >= 0")
     check_counts(training_args, TRAINER_COUNTS)
+    if getattr(training_args, "push_to_hub", False):
+        import os
+
+        from huggingface_hub import constants
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        if constants.HF_HUB_OFFLINE or offline:  # else a 61-line traceback from the Hub client
+            raise ValueError("--push_to_hub true needs the Hub, but this run is offline (HF_HUB_OFFLINE=1, "
+                             "plugformer's default): run with HF_HUB_OFFLINE=0 to push, or drop --push_to_hub")  # fmt: skip
 
 
 def refuse_liger_kernel(training_args) -> None:

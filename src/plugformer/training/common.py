@@ -18,6 +18,7 @@ from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..data.validation import check_data_files, check_rows
 from ..evaluation.scoring import exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
+from ..runtime.loading import load_checked
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
@@ -31,12 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 def require_model_path(model_args, stage: str) -> str:
-    if not model_args.model_name_or_path:
+    path = model_args.model_name_or_path
+    if not path:
         raise ValueError(
             f"stage {stage!r} needs --model_name_or_path: the output directory of the previous stage "
             "(pretrain -> sft -> reward -> rlhf; sft -> dpo; sft -> grpo)"
         )
-    return model_args.model_name_or_path
+    local = Path(path).is_absolute() or str(path).startswith((".", "~"))  # else it may be a Hub id
+    if local and not Path(path).expanduser().is_dir():
+        what = "is a file, not a folder" if Path(path).expanduser().exists() else "does not exist"
+        raise ValueError(f"--model_name_or_path {path} {what}; give the output directory of the previous stage")
+    return path
 
 
 def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
@@ -49,7 +55,7 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
-    return auto_class.from_pretrained(path, revision=model_args.model_revision, dtype=dtype, **kwargs)
+    return load_checked(auto_class, path, revision=model_args.model_revision, dtype=dtype, **kwargs)
 
 
 def peft_config(model_args):

@@ -86,8 +86,15 @@ def occupied_problem(
     """Why training `stage` into `output_dir` would destroy another run's work, or `None` (`resumable`: whether the
     command has `--resume_from_checkpoint` to suggest)."""
     output = Path(output_dir)
+    if not str(output_dir).strip():
+        return f"--output_dir {output_dir!r}: expected a folder path"
     if output.exists() and not output.is_dir():
         return f"--output_dir {output_dir} is an existing file, not a folder; choose a folder"
+    existing = next(folder for folder in [output.absolute(), *output.absolute().parents] if folder.exists())
+    if not existing.is_dir():
+        return f"--output_dir {output_dir} is under {existing}, which is a file, not a folder; choose a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--output_dir {output_dir}: {existing} is not writable by this user; choose a folder you can write"
     if overwrite and resume is not None:
         return (f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: "
                 "resume the run in the folder, or overwrite it, not both")  # fmt: skip

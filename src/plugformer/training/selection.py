@@ -34,9 +34,10 @@ class DevSelection(TrainerCallback):
         max_new_tokens (`int`, *optional*, defaults to 32): Generation budget per answer.
 
     Every rank scores the same problems: unsharded, each its own replica (no collective); sharded by FSDP2, all in
-    step (`synced_gpus`), as each forward gathers parameters from every rank. ZeRO-3's partitioned parameters cannot
-    be copied and restored here, so selection refuses to run under it. Ties keep the earlier step: the selected model
-    is the least trained one among the best.
+    step (`synced_gpus`), as each forward gathers parameters from every rank, and the weights are copied and
+    restored in their sharded form (`reshard`). ZeRO-3's partitioned parameters cannot be copied and restored here,
+    so selection refuses to run under it. Ties keep the earlier step: the selected model is the least trained one
+    among the best.
     """
 
     def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32):
@@ -54,6 +55,7 @@ class DevSelection(TrainerCallback):
         self.history.append(entry)
         if self.best is None or entry["dev_exact_match"] > self.best["dev_exact_match"]:
             self.best = entry
+            reshard(model)
             # a copy, not a view: the optimiser updates the parameters in place
             self._best_weights = {name: p.detach().clone() for name, p in model.named_parameters()}
         logger.info("dev selection: step %d, dev exact match %.3f (best %.3f at step %d)", step,
@@ -80,6 +82,7 @@ class DevSelection(TrainerCallback):
         if self.history[-1]["step"] != state.global_step:
             self.score(model, state.global_step)
         if self.best["step"] != state.global_step:
+            reshard(model)
             with torch.no_grad():
                 parameters = dict(model.named_parameters())
                 for name, value in self._best_weights.items():
@@ -92,6 +95,24 @@ class DevSelection(TrainerCallback):
     def summary(self) -> dict:
         """What `run_info.json` records: the selected and the last step with their dev scores, and the history."""
         return {"selected": self.best, "last": self.history[-1], "every": self.every, "history": self.history}
+
+
+def reshard(model) -> None:
+    """Puts every FSDP2 module of `model` back into its sharded state.
+
+    FSDP2 leaves the root module's parameters (embeddings, final norm, LM head) unsharded after a forward (its
+    `reshard_after_forward` is off): until resharded, `named_parameters()` gives those plain full tensors, which the
+    next all-gather and the save never read. The best weights were copied from and restored into them, so a saved
+    model held the selected step's decoder layers (resharded after each forward) beside the last step's embeddings,
+    norm and head. A no-op without FSDP2.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy reward vs gold dev score"):

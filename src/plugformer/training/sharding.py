@@ -98,10 +98,23 @@ def refuse_unshardable_request(training_args) -> None:
 
     wanted = requested_sharding(training_args)
     on_cpu = training_args.use_cpu or not torch.cuda.is_available()
-    if wanted == "fsdp" and on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":
+    launched = _flag("ACCELERATE_USE_FSDP")
+    # accelerate's launch says FSDP_VERSION (default 1); transformers' `--fsdp` reads fsdp_config's "version" (default 2)
+    version = (
+        os.environ.get("FSDP_VERSION", "1") if launched else str((training_args.fsdp_config or {}).get("version", 2))
+    )
+    if wanted == "fsdp" and on_cpu and version != "2":
         raise ValueError(
-            f"the launch asks for FSDP version {os.environ.get('FSDP_VERSION', '1')} on CPU, which accelerate cannot "
-            "run there: on CPU only FSDP version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+            f"the launch asks for FSDP version {version} on CPU, which accelerate cannot run there: on CPU only FSDP "
+            "version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+        )
+    if wanted == "fsdp" and on_cpu and not launched:
+        fsdp = training_args.fsdp
+        asked = " ".join(str(getattr(o, "value", o)) for o in fsdp) if isinstance(fsdp, (list, tuple)) else fsdp
+        raise ValueError(
+            f"--fsdp {asked} asks transformers for FSDP version 2 on CPU, which plugformer shards only under "
+            "accelerate's FSDP2 launch: drop --fsdp and run `accelerate launch --config_file "
+            "configs/accelerate/cpu_fsdp2.yaml -m plugformer train ...`"
         )
     if wanted == "deepspeed" and training_args.use_cpu:
         raise ValueError(
