@@ -12,6 +12,9 @@ import plugformer
 from plugformer import PlugformerConfig, PlugformerForCausalLM, supported_kernels
 
 
+# run beside transformers' own test files only (tests/run_transformers_common_tests.py copies it there)
+collect_ignore = ["transformers_common_suite.py"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25 fetches Hub kernels in from_pretrained otherwise

@@ -39,6 +39,15 @@ def test_length_extrapolation_example(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["train_length"] == 16
 
 
+@pytest.mark.slow  # ~15 s of training
+def test_quickstart_trains_each_variant_into_something_different():
+    """The variants learn the copying task (loss down from ln 32, continuation far above chance), and they differ."""
+    results = load_example("quickstart").main()
+    assert all(row["last_loss"] < row["first_loss"] - 1 for row in results.values())
+    assert max(row["accuracy"] for row in results.values()) > 0.5
+    assert len({round(row["last_loss"], 2) for row in results.values()}) == len(results)
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
 def test_every_example_documents_how_to_run_it(name):
     text = (EXAMPLES / f"{name}.py").read_text()

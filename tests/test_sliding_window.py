@@ -154,6 +154,32 @@ def test_sliding_window_refuses_non_positive_values(value):
         tiny_config(sliding_window=value)
 
 
-def test_sliding_window_refuses_seq2seq():
-    with pytest.raises(ValueError, match=r"sliding_window=4.*is_encoder_decoder=True.*allowed: None"):
-        PlugformerConfig.from_preset("tiny", sliding_window=4, is_encoder_decoder=True, pad_token_id=0)
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_sliding_window_in_seq2seq_windows_self_attention_and_keeps_every_encoder_key(kernel, tmp_path):
+    """A seq2seq model (transformers' common tests set `sliding_window` on every config that has the field): the
+    decoder's self-attention is local (its logits change past the window), cached generation equals the full
+    forward, and `generate`'s cross-attention cache keeps all encoder keys (its sliding layers would keep the last
+    `sliding_window`); saved and loaded, the same logits."""
+    from plugformer import PlugformerForConditionalGeneration
+
+    def seq2seq(**overrides):
+        config = PlugformerConfig.from_preset("tiny", is_encoder_decoder=True, is_causal=False, pad_token_id=0,
+                                              eos_token_id=1, decoder_start_token_id=0, **overrides)  # fmt: skip
+        config._attn_implementation = kernel
+        torch.manual_seed(0)
+        return PlugformerForConditionalGeneration(config).eval()
+
+    model, full = seq2seq(sliding_window=WINDOW), seq2seq()
+    source = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        generated = model.generate(source, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
+        decoder_ids = generated.sequences
+        logits = model(source, decoder_input_ids=decoder_ids).logits
+        assert all(layer.keys.shape[-2] == source.shape[1] for layer in generated.cache.cross_attention_cache.layers)
+        cached = torch.stack(generated.logits, dim=1)  # (B, steps, V): each decoding step's logits
+        torch.testing.assert_close(cached, logits[:, :-1], atol=ATOL, rtol=0)  # cached steps == the full forward
+        assert not torch.allclose(logits, full(source, decoder_input_ids=decoder_ids).logits, atol=1e-4)
+        model.save_pretrained(tmp_path)
+        loaded = PlugformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation=kernel).eval()
+        torch.testing.assert_close(loaded(source, decoder_input_ids=decoder_ids).logits, logits, atol=0, rtol=0)

@@ -67,3 +67,36 @@ def test_sentence_pairs_are_joined_by_the_separator(tokenizer, tmp_path):
     assert tokenizer.decode(pair) == "the food was good<|sep|>it was bad"
     tokenizer.save_pretrained(tmp_path)
     assert AutoTokenizer.from_pretrained(tmp_path)("a", "b")["input_ids"] == tokenizer("a", "b")["input_ids"]
+
+
+def test_without_plugformer_the_tokenizer_beside_a_model_loads_as_a_stock_one_without_a_prompt(tokenizer, tmp_path):
+    """In a process that never imports plugformer (stdin closed, as a script under a scheduler): the documented
+    calls give transformers' own fast tokenizer and the same ids, and never ask whether to run the checkpoint's code
+    (`AutoTokenizer` reads the model's config.json first, whose `auto_map` names that code)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import tiny_config
+
+    from plugformer import PlugformerForCausalLM
+
+    tokenizer.save_pretrained(tmp_path)
+    PlugformerForCausalLM(tiny_config(vocab_size=len(tokenizer))).save_pretrained(tmp_path)
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "loaded = [PreTrainedTokenizerFast.from_pretrained(folder),\n"
+        "          AutoTokenizer.from_pretrained(folder, trust_remote_code=False)]\n"
+        "assert 'plugformer' not in sys.modules\n"
+        "print(json.dumps([[type(t).__name__, t('1 + 2 = 3').input_ids] for t in loaded]))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "custom code" not in done.stdout + done.stderr
+    expected = tokenizer("1 + 2 = 3").input_ids
+    assert json.loads(done.stdout.splitlines()[-1]) == [["TokenizersBackend", expected]] * 2

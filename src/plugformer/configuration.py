@@ -210,8 +210,10 @@ class PlugformerConfig(PreTrainedConfig):
             every layer), as Mistral's (transformers' name and
             masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
             keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
-            (`DynamicCache(config=...)`) then keeps only the window. `None`: full attention. Not for seq2seq models
-            (transformers' `generate` would make the cross-attention cache sliding too).
+            (`DynamicCache(config=...)`) then keeps only the window, except in a seq2seq model: there the encoder and the
+            decoder's self-attention are local, the cross-attention sees every encoder token, and the caches keep
+            every key (transformers' `generate` builds both halves from one config; see `get_text_config`). `None`:
+            full attention.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
@@ -364,13 +366,6 @@ class PlugformerConfig(PreTrainedConfig):
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
             "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
         )  # fmt: skip
-        if self.sliding_window is not None and self.is_encoder_decoder:
-            # transformers' generate() builds both halves of the EncoderDecoderCache from the config: the encoder's
-            # keys in the cross-attention half would be cut to the window after the first step.
-            raise ValueError(
-                f"sliding_window={self.sliding_window} is not supported with is_encoder_decoder=True (allowed: None); "
-                "use it in a decoder-only or encoder-only model"
-            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
@@ -461,7 +456,11 @@ class PlugformerConfig(PreTrainedConfig):
         text_config = super().get_text_config(decoder=decoder, encoder=encoder)
         if decoder and not encoder and self.is_encoder_decoder and text_config is not self:  # a copy: safe to edit
             text_config.num_hidden_layers = self.num_decoder_layers
-            text_config.layer_types = [layer_type(self, i) for i in range(self.num_decoder_layers)]
+            # transformers' generate() builds both halves of the EncoderDecoderCache from this view: sliding cache
+            # layers would cut the encoder's keys in the cross-attention half to the window after the first step.
+            # Full layers keep every key; the decoder's window is applied by its mask.
+            text_config.sliding_window = None
+            text_config.layer_types = ["full_attention"] * self.num_decoder_layers
         return text_config
 
     @classmethod
