@@ -42,7 +42,10 @@ class ExtrapolationArguments(CorpusArguments):
     )
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "training seeds per scheme"})
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "the pretrain stage's YAML"})
-    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE pretrain options for every scheme"})
+    set: list[str] = field(
+        default_factory=list,
+        metadata={"help": "KEY=VALUE pretrain options for every scheme (a repeated --set adds its)"},
+    )
     eval_windows: int = field(default=8, metadata={"help": "windows of the longest length scored (sets the tokens)"})
     test_examples: int = field(default=2000, metadata={"help": "test documents concatenated into the stream"})
     dataset_seed: int = 0
