@@ -218,12 +218,33 @@ def pipeline_args(tmp_path, **overrides):
 
 def finish(args, stage, digests=(1,)):
     """A stage folder as the pipeline leaves a finished stage: run_info.json and the record of what shaped it."""
-    from plugformer.experiments.pipeline import RECORD, stage_argv, stage_record
+    from plugformer.experiments.pipeline import RECORD, finished_record, stage_argv, stage_record
 
     folder = Path(args.output_dir, stage)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "run_info.json").write_text(json.dumps({"parameter_digests": list(digests)}))
-    (folder / RECORD).write_text(json.dumps(stage_record(args, stage, stage_argv(args, stage))))
+    (folder / "model.safetensors").write_bytes(f"weights {digests}".encode())
+    record = finished_record(args, stage, stage_record(args, stage, stage_argv(args, stage)))
+    (folder / RECORD).write_text(json.dumps(record))
+
+
+def test_a_finished_stage_whose_weights_were_replaced_is_not_reused(tmp_path):
+    """Issue 35: the recorded digests were never compared with the folder's weights, so a stage whose weights were
+    replaced after training was reused (and scored, and trained on) as if it were the trained model."""
+    from plugformer.experiments.pipeline import RECORD, plan_stage, stage_argv, stage_record
+
+    args = pipeline_args(tmp_path)
+    finish(args, "pretrain")
+    record = stage_record(args, "pretrain", stage_argv(args, "pretrain"))
+    assert plan_stage(args, "pretrain", record) is None
+    trained = json.loads((tmp_path / "out/pretrain" / RECORD).read_text())["weights_sha256"]
+    (tmp_path / "out/pretrain/model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ValueError, match=rf"stage 'pretrain': .*pretrain now holds weights sha256 \w{{12}}, but the "
+                                         rf"stage saved weights sha256 {trained[:12]}"):  # fmt: skip
+        plan_stage(args, "pretrain", record)
+    assert plan_stage(pipeline_args(tmp_path, rerun=True), "pretrain", record)[0] == "--rerun true"
+    (tmp_path / "out/pretrain" / RECORD).write_text(json.dumps(record))  # a record without the weights' digest
+    assert "records no weights sha256" in plan_stage(args, "pretrain", record)[0]
 
 
 def test_a_finished_stage_is_reused_only_while_its_yaml_seeds_and_parents_are_unchanged(tmp_path):

@@ -134,3 +134,21 @@ def test_padding_holes_and_pad_rows_match_llama_under_generate_positions(kernel,
         expected = source(tokens, attention_mask=mask, position_ids=position_ids).logits
         actual = loaded(tokens, attention_mask=mask, position_ids=position_ids).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_a_llama_field_the_source_ignores_is_not_carried_over(tmp_path, tokens):
+    """Issue 35: transformers' Llama ignores `partial_rotary_factor` with the default RoPE (it rotates all of
+    head_dim); carried over, it made the converted model rotate half of each head (logits 1.25e-3 off)."""
+    torch.manual_seed(0)
+    source = llama(False)
+    source.config.rope_parameters["partial_rotary_factor"] = 0.5
+    source.eval().save_pretrained(tmp_path / "source")
+    model = convert(tmp_path / "source")
+    assert "partial_rotary_factor" not in model.config.rope_parameters
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, source(tokens).logits, atol=1e-5, rtol=0)
+    # another rope type shortens the frequencies by it while Llama rotates the whole head: refused
+    source.config.rope_parameters.update(rope_type="linear", factor=2.0)
+    source.config.save_pretrained(tmp_path / "source")
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5 with rope_type='linear'"):
+        convert(tmp_path / "source")

@@ -189,3 +189,15 @@ def test_compare_refuses_to_score_a_reward_classifier_as_a_language_model():
     with pytest.raises(ValueError, match=r"'reward' trains a text-classification model"):
         CompareArguments(stages=["pretrain", "sft", "reward"])
     assert CompareArguments(stages=["pretrain", "sft", "reward", "rlhf"]).stages[-1] == "rlhf"
+
+
+def test_extrapolation_cache_key_covers_the_options_and_the_weights_scored(tmp_path):
+    from plugformer.experiments.extrapolation import ExtrapolationArguments, evaluation_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights one")
+    key = evaluation_key(ExtrapolationArguments(), tmp_path)
+    assert evaluation_key(ExtrapolationArguments(seeds=[3], output_dir="elsewhere"), tmp_path) == key
+    for changed in ({"eval_windows": 4}, {"test_examples": 10}, {"dataset_seed": 2}, {"factors": [1.0, 2.0]}):
+        assert evaluation_key(ExtrapolationArguments(**changed), tmp_path) != key, changed
+    (tmp_path / "model.safetensors").write_bytes(b"weights two")  # the model replaced in its folder
+    assert evaluation_key(ExtrapolationArguments(), tmp_path) != key

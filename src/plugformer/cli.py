@@ -25,7 +25,9 @@ def _convert(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="plugformer convert", allow_abbrev=False, epilog=REPEATED_FLAGS_RULE,
                                      description="Import a Llama, Qwen3, Qwen3-Next or GPT-2 checkpoint.")  # fmt: skip
-    parser.add_argument("source", help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next or gpt2)")
+    parser.add_argument(
+        "source", help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next or gpt2)"
+    )
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
                         "(repeat it: the overrides accumulate)")  # fmt: skip

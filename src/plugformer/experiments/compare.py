@@ -63,12 +63,17 @@ class CompareArguments(CorpusArguments):
     output_dir: str = field(default="outputs/compare", metadata={"help": "runs, table, JSON and plot go here"})
     grid: list[str] = field(
         default_factory=lambda: ["attention_score=scaled_dot,additive", "position_scheme=rope,alibi"],
-        metadata={"help": "KEY=V1,V2,... entries after one --grid; the variants are their cartesian product"},
+        metadata={
+            "help": "KEY=V1,V2,... entries (a repeated --grid adds its entries); the variants are their "
+            "cartesian product"
+        },
     )
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "training seeds of every variant"})
     stages: list[str] = field(default_factory=lambda: ["pretrain"], metadata={"help": "stages run in order per run"})
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
-    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE entries applied to every run"})
+    set: list[str] = field(
+        default_factory=list, metadata={"help": "KEY=VALUE entries applied to every run (a repeated --set adds its)"}
+    )
     metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
@@ -248,7 +253,9 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
         try:
             configs[stage] = config_path(path)  # the shipped YAMLs are found from any folder
         except FileNotFoundError:
-            raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}") from None
+            raise ValueError(
+                f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}"
+            ) from None
     fingerprint = {
         "stages": args.stages,
         "options": options,

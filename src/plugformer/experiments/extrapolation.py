@@ -43,7 +43,10 @@ class ExtrapolationArguments(CorpusArguments):
     )
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "training seeds per scheme"})
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "the pretrain stage's YAML"})
-    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE pretrain options for every scheme"})
+    set: list[str] = field(
+        default_factory=list,
+        metadata={"help": "KEY=VALUE pretrain options for every scheme (a repeated --set adds its)"},
+    )
     eval_windows: int = field(default=8, metadata={"help": "windows of the longest length scored (sets the tokens)"})
     test_examples: int = field(default=2000, metadata={"help": "test documents concatenated into the stream"})
     dataset_seed: int = 0
@@ -108,6 +111,20 @@ def window_perplexity(model, stream: torch.Tensor, length: int, batch_size: int 
     return math.exp(total / count)
 
 
+# ExtrapolationArguments fields that do not change one run's perplexities: which runs there are and where they live
+NOT_SCORING = ("output_dir", "position_schemes", "seeds", "rerun")
+
+
+def evaluation_key(args: ExtrapolationArguments, model_dir: Path) -> dict:
+    """What a run's cached perplexities depend on: every option but those in `NOT_SCORING`, the lengths and tokens
+    scored, and the sha256 of the weights scored."""
+    lengths = args.lengths()
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_SCORING}
+    key = {"options": options, "lengths": lengths, "tokens": max(lengths) * args.eval_windows,
+           "weights_sha256": weights_sha256(model_dir)}  # fmt: skip
+    return json.loads(json.dumps(key, default=str))  # as it reads back from the cache
+
+
 def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | None, dict[int, float | None]]:
     """The scheme's longest encodable length (None: any) and the perplexity per evaluation length (None past that
     length), cached in the run directory."""
@@ -119,9 +136,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
 
     lengths = args.lengths()
     cache = model_dir / "extrapolation.json"
-    key = {"lengths": lengths, "tokens": max(lengths) * args.eval_windows, "test_examples": args.test_examples,
-           "dataset_seed": args.dataset_seed, **({"corpus": args.corpus_key()} if args.dataset_name else {}),
-           "weights_sha256": weights_sha256(model_dir)}  # fmt: skip
+    key = evaluation_key(args, model_dir)
     if cache.exists() and not args.rerun:
         cached = json.loads(cache.read_text())
         if cached["key"] == key:

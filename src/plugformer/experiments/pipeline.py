@@ -26,7 +26,7 @@ from accelerate import PartialState
 
 from ..evaluation.scoring import EvalArguments, evaluate_directory
 from ..runtime.arguments import config_path, stage_config
-from ..runtime.files import write_json_atomic, write_text_atomic
+from ..runtime.files import weights_sha256, write_json_atomic, write_text_atomic
 from ..training import STAGES, run_stage
 from ..training.stages import StageInput
 
@@ -136,6 +136,23 @@ def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
 
 
 RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json
+WEIGHTS_KEY = "weights_sha256"  # in RECORD: the sha256 of the weights the stage saved (`runtime.files.weights_sha256`)
+
+
+def finished_record(args: PipelineArguments, stage: str, record: dict) -> dict:
+    """`record` with the sha256 of the weights the stage just saved: a reused stage is checked against it."""
+    return {**record, WEIGHTS_KEY: weights_sha256(stage_dir(args, stage))}
+
+
+def refuse_replaced_weights(folder: Path, stage: str, trained: str) -> None:
+    """Raises `ValueError` naming both digests when the weights in a finished stage's folder are no longer those it
+    saved (replaced after training): reusing it would report, and train the children of, another model."""
+    current = weights_sha256(folder)
+    if current != trained:
+        found = f"weights sha256 {current[:12]}" if current else "no weights"
+        raise ValueError(f"stage {stage!r}: {folder} now holds {found}, but the stage saved weights sha256 "
+                         f"{trained[:12]} ({RECORD}); the pipeline does not reuse replaced weights: restore them, or "
+                         "--rerun true to retrain")  # fmt: skip
 
 
 def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
@@ -162,10 +179,15 @@ def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, 
     folder = Path(stage_dir(args, stage))
     saved_path = folder / RECORD
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
+    trained_weights = saved.pop(WEIGHTS_KEY, None) if saved is not None else None
     if (folder / "run_info.json").exists():
         if args.rerun:
             return "--rerun true", ["--overwrite_output_dir", "true"]
+        if saved == record and trained_weights is None:
+            return f"retraining: its {RECORD} records no weights sha256 to check the folder's weights against", [
+                "--overwrite_output_dir", "true"]  # fmt: skip
         if saved == record:
+            refuse_replaced_weights(folder, stage, trained_weights)
             return None
         changed = [key for key in record if saved is None or saved.get(key) != record[key]]
         why = f"its {RECORD} is missing" if saved is None else f"{', '.join(changed)} changed since it trained"
@@ -243,7 +265,7 @@ def run_in_order(args: PipelineArguments, state: PartialState) -> dict:
             print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
             run_stage(stage, argv + flags)
             if state.is_main_process:
-                write_json_atomic(Path(stage_dir(args, stage), RECORD), record, indent=2)
+                write_json_atomic(Path(stage_dir(args, stage), RECORD), finished_record(args, stage, record), indent=2)
         else:
             print(f"\n=== {stage}: reusing {info_path.parent}: same YAML, seeds and parents (--rerun true retrains)",
                   flush=True)  # fmt: skip
@@ -283,7 +305,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
 
         def on_trained() -> None:
-            write_json_atomic(Path(stage_dir(args, stage), RECORD), record, indent=2)
+            write_json_atomic(Path(stage_dir(args, stage), RECORD), finished_record(args, stage, record), indent=2)
 
         command = train_command(stage, argv + flags, processes, Path(args.output_dir, "logs"))
         return Job(stage, [command], processes=processes, on_trained=on_trained)

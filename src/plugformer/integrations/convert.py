@@ -52,7 +52,7 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         head_dim=source.head_dim,
         hidden_act=source.hidden_act,
         max_position_embeddings=source.max_position_embeddings,
-        rope_parameters=dict(source.rope_parameters),
+        rope_parameters=llama_rope_parameters(source),
         rms_norm_eps=source.rms_norm_eps,
         attention_bias=source.attention_bias,
         mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
@@ -96,6 +96,25 @@ def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
 def qwen3_next_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
     """The same module names; Qwen3-Next's RMSNorms scale by (1 + w) where plugformer's scale by w."""
     return {name: tensor + 1 if name.endswith("norm.weight") else tensor for name, tensor in state.items()}
+
+
+def llama_rope_parameters(source: PreTrainedConfig) -> dict[str, Any]:
+    """The source's `rope_parameters` as transformers' Llama applies them. Its default RoPE ignores
+    `partial_rotary_factor` (`LlamaRotaryEmbedding.compute_default_rope_parameters` rotates all of `head_dim`), so the
+    field is not carried over (plugformer would rotate that share only: logits 1.25e-3 off). The other rope types'
+    init functions shorten the frequencies by it while Llama's attention still rotates the whole head: refused."""
+    rope = dict(source.rope_parameters)
+    factor = rope.pop("partial_rotary_factor", None)
+    if factor is None or factor == 1.0:
+        return rope
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters partial_rotary_factor={factor} with rope_type={rope_type!r}: transformers' "
+                         "Llama computes that share of the frequencies but rotates the whole head, which convert "
+                         "cannot reproduce; remove the field from the source's config.json")  # fmt: skip
+    logger.warning("partial_rotary_factor=%s not carried over: transformers' Llama ignores it with rope_type 'default' "
+                   "(it rotates all of head_dim), and so does the converted model", factor)  # fmt: skip
+    return rope
 
 
 def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
