@@ -183,6 +183,10 @@ def slow_read(self, *args, **kwargs):  # a pause between judging the lock and re
             time.sleep(0.01)
     return text
 pathlib.Path.read_text = slow_read
+import types  # the lock's modules need only the standard library: skip the package's heavy __init__ files
+for name in ("plugformer", "plugformer.runtime", "plugformer.training"):
+    package = sys.modules[name] = types.ModuleType(name)
+    package.__path__ = [str(pathlib.Path(sys.argv[3], *name.split(".")))]
 from plugformer.training.outputs import acquire_lock
 (folder / f"ready-{sys.argv[2]}").touch()
 while not (folder / "go").exists():
@@ -196,7 +200,6 @@ time.sleep(3.0)  # a live holder while the other process judges
 
 def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
     import json
-    import os
     import socket
     import subprocess
     import sys
@@ -208,12 +211,9 @@ def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / LOCK).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
-    takers = [subprocess.Popen([sys.executable, "-c", LOCK_TAKER, str(tmp_path), str(i)], stdout=subprocess.PIPE,
-                               text=True, env=env) for i in range(2)]  # fmt: skip
+    source = Path(__file__).parents[1] / "src"
+    takers = [subprocess.Popen([sys.executable, "-c", LOCK_TAKER, str(tmp_path), str(i), str(source)],
+                               stdout=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
     deadline = time.time() + 120
     while not all((tmp_path / f"ready-{i}").exists() for i in range(2)) and time.time() < deadline:
         time.sleep(0.05)
