@@ -22,8 +22,10 @@ def _convert(argv: list[str]) -> None:
 
     from .integrations.convert import convert
 
-    parser = argparse.ArgumentParser(prog="plugformer convert", description="Import a Llama or GPT-2 checkpoint.")
-    parser.add_argument("source", help="transformers checkpoint directory (model_type llama or gpt2)")
+    parser = argparse.ArgumentParser(
+        prog="plugformer convert", description="Import a Llama, GPT-2 or DeepSeek-V3 checkpoint."
+    )
+    parser.add_argument("source", help="transformers checkpoint directory (model_type llama, gpt2 or deepseek_v3)")
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override")
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUTPUT_DIR")
@@ -110,7 +112,7 @@ def _info(argv: list[str]) -> None:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
-    "convert": (_convert, "import a transformers Llama or GPT-2 checkpoint (identical logits)"),
+    "convert": (_convert, "import a transformers Llama, GPT-2 or dense DeepSeek-V3 checkpoint (identical logits)"),
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),
