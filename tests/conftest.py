@@ -31,11 +31,9 @@ CPU_TRAINING_KERNELS = ("eager", "sdpa")  # torch 2.13 flex_attention has no bac
 def tiny_config(
     score: str = "scaled_dot", scheme: str = "rope", projection: str | None = None, **overrides
 ) -> PlugformerConfig:
-    """The tiny preset with `score`, `scheme` and `projection` (by default the standard one). Another projection
-    gets one key/value head per query head, which every projection takes (latent attention refuses GQA)."""
+    """The tiny preset with `score`, `scheme` and `projection` (by default the standard one, the preset's GQA)."""
     if projection not in (None, DEFAULT_PROJECTION):
-        heads = overrides.get("num_attention_heads", plugformer.configuration.PRESETS["tiny"]["num_attention_heads"])
-        overrides = {"attention_projection": projection, "num_key_value_heads": heads, **overrides}
+        overrides = {"attention_projection": projection, **overrides}
     return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **overrides)
 
 

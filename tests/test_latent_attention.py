@@ -144,21 +144,21 @@ def test_latent_cache_bytes_per_token_match_deepseek_v3s():
 
 
 def test_kernels_and_engines_that_cannot_attend_with_latent_heads_are_refused():
-    config = PlugformerConfig.from_preset("tiny", num_key_value_heads=4, attention_projection="latent")
+    config = PlugformerConfig.from_preset("tiny", attention_projection="latent")
     assert supported_kernels(config, available_only=False) == ["eager", "sdpa", "flex_attention"]  # v ≠ q·k width
     with pytest.raises(ValueError, match=r"attn_implementation='vllm' attends with num_key_value_heads heads"):
         from plugformer.capabilities import KERNELS
 
         KERNELS.get("vllm").check(config)
-    equal = PlugformerConfig.from_preset("tiny", num_key_value_heads=4, attention_projection="latent", v_head_dim=12)
+    equal = PlugformerConfig.from_preset("tiny", attention_projection="latent", v_head_dim=12)
     assert "flash_attention_2" in supported_kernels(equal, available_only=False)
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(num_key_value_heads=2), r"num_key_value_heads=2 must equal num_attention_heads=4"),
-        (dict(use_qk_norm=True), r"use_qk_norm=True is not supported with attention_projection='latent'"),
+        (dict(num_key_value_heads=2), r"num_key_value_heads=2 groups key/value heads, which attention_projection="),
+        (dict(use_qk_norm=True), r"use_qk_norm=True normalises each head's projected queries and keys, which"),
         (dict(is_encoder_decoder=True), r"attention_projection='latent' is not supported with is_encoder_decoder"),
         (dict(head_dim=6, qk_rope_head_dim=4), r"head_dim=6 must equal qk_rope_head_dim=4"),
         (dict(position_scheme="alibi", rope_interleave=True), r"rope_interleave=True lays out rotated pairs"),
@@ -168,9 +168,15 @@ def test_kernels_and_engines_that_cannot_attend_with_latent_heads_are_refused():
     ids=["gqa", "qk-norm", "seq2seq", "head-dim", "interleave-without-rope", "partial-rotary", "rank"],
 )
 def test_conflicting_settings_are_refused(overrides, message):
-    values = dict(num_key_value_heads=4, attention_projection="latent", **{"max_position_embeddings": 64})
     with pytest.raises(ValueError, match=message):
-        PlugformerConfig.from_preset("tiny", **{**values, **overrides})
+        PlugformerConfig.from_preset("tiny", attention_projection="latent", **overrides)
+
+
+def test_a_presets_grouped_key_value_heads_give_way_to_the_latent():
+    """GQA is the standard projection's field: the tiny preset's 2 key/value heads are dropped, one per query head."""
+    config = PlugformerConfig.from_preset("tiny", attention_projection="latent")
+    assert (config.num_key_value_heads, config.num_attention_heads) == (4, 4)
+    assert (config.head_dim, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank) == (4, 8, 8, 32)
 
 
 @pytest.mark.parametrize("field", ["q_lora_rank", "kv_lora_rank", "v_head_dim", "rope_interleave", "use_latent_cache"])
@@ -182,7 +188,7 @@ def test_latent_fields_are_refused_without_the_latent_projection(field):
 def test_tensor_parallelism_is_refused():
     from plugformer.attention import check_tensor_parallel
 
-    config = PlugformerConfig.from_preset("tiny", num_key_value_heads=4, attention_projection="latent")
+    config = PlugformerConfig.from_preset("tiny", attention_projection="latent")
     config.distributed_config = type("Distributed", (), {"tp_size": 2})()
     with pytest.raises(ValueError, match=r"attention_projection='latent' cannot run with tensor parallelism"):
         check_tensor_parallel(config)

@@ -96,6 +96,25 @@ class StandardProjection(AttentionProjection):
     """One query, key and value projection per head (Vaswani et al. 2017), grouped key/value heads (GQA/MQA) by
     `num_key_value_heads`; optional QK-norm; the position scheme rotates each whole head (or its first part)."""
 
+    # GQA and QK-norm are this projection's: under another, a preset's `num_key_value_heads` is dropped (one key/value
+    # head per query head) and a setting that would change nothing is refused
+    config_fields = ("num_key_value_heads", "use_qk_norm")
+    unused_fields_refused = True
+
+    @classmethod
+    def refuse_unused_config(cls, config):
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise ValueError(
+                f"num_key_value_heads={config.num_key_value_heads} groups key/value heads, which attention_projection="
+                f"{config.attention_projection!r} does not (it expands keys and values for every query head); use "
+                f"num_key_value_heads={config.num_attention_heads} or leave it unset"
+            )
+        if config.use_qk_norm:
+            raise ValueError(
+                f"use_qk_norm=True normalises each head's projected queries and keys, which attention_projection="
+                f"{config.attention_projection!r} does not project; use False"
+            )
+
     @staticmethod
     def build(attention, config):
         bias = config.attention_bias
@@ -149,9 +168,9 @@ class LatentProjection(AttentionProjection):
     qk_rope_head_dim` numbers per token and layer (transformers' DeepseekV3 cache), expanded again at every step,
     instead of `num_attention_heads · (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)`.
 
-    Refused (`validate_config`): key/value heads other than the query heads (the latent expands to every head),
-    `use_qk_norm` (the latents are normalised), a `partial_rotary_factor` (the RoPE part is rotated whole), a
-    seq2seq model; tensor parallelism (`tensor_parallel`) and engines sizing their cache from `head_dim` (vLLM).
+    Refused: key/value heads other than the query heads (the latent expands to every head) and `use_qk_norm` (the
+    latents are normalised), both the standard projection's fields; a `partial_rotary_factor` (the RoPE part is rotated
+    whole), a seq2seq model; tensor parallelism (`tensor_parallel`) and engines sizing their cache from `head_dim`.
     """
 
     config_fields = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -178,15 +197,6 @@ class LatentProjection(AttentionProjection):
 
     @classmethod
     def validate_config(cls, config):
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ValueError(
-                f"num_key_value_heads={config.num_key_value_heads} must equal num_attention_heads="
-                f"{config.num_attention_heads} with attention_projection='latent': the latent expands to keys and "
-                "values for every query head (its cache is shared through kv_lora_rank instead)"
-            )
-        if config.use_qk_norm:
-            raise ValueError("use_qk_norm=True is not supported with attention_projection='latent' (allowed: False): "
-                             "its latents are normalised (q_a_layernorm, kv_a_layernorm)")  # fmt: skip
         if config.is_encoder_decoder:
             raise ValueError("attention_projection='latent' is not supported with is_encoder_decoder=True (allowed: "
                              "'standard'): cross-attention has no latent to cache")  # fmt: skip
