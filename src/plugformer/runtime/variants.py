@@ -34,6 +34,7 @@ ATTENTION_MODIFIERS: dict[str, Any] = {
     "attn_logit_softcapping": 50.0,  # Gemma 2's attention cap
     "use_attention_sinks": True,
     "sliding_window": 256,
+    "attention_projection": "latent",  # multi-head latent attention (DeepSeek-V2/V3)
 }
 
 
