@@ -112,11 +112,19 @@ def projection_combinations(kernels=None, all_flex=True, **overrides) -> list:
     return params
 
 
-def variants() -> list:
-    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`."""
-    return [pytest.param((score, scheme), id=f"{score}-{scheme}",
-                         marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
-            for score in SCORES for scheme in SCHEMES]  # fmt: skip
+def variants(projections: bool = False) -> list:
+    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`.
+    With `projections`, also `(score, scheme, projection)` for every other registered attention projection, id
+    `score-scheme-projection`, of which scaled_dot + rope runs by default."""
+    params = [pytest.param((score, scheme), id=f"{score}-{scheme}",
+                           marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
+              for score in SCORES for scheme in SCHEMES]  # fmt: skip
+    for projection in PROJECTIONS if projections else ():
+        if projection != DEFAULT_PROJECTION:
+            params += [pytest.param((score, scheme, projection), id=f"{score}-{scheme}-{projection}",
+                                    marks=() if (score, scheme) == ("scaled_dot", "rope") else (pytest.mark.slow,))
+                       for score in SCORES for scheme in SCHEMES]  # fmt: skip
+    return params
 
 
 def decode_in_chunks(model, tokens, chunks, cache):
