@@ -102,14 +102,21 @@ def combinations(kernels=None, all_flex=True, projection=None, **overrides) -> l
     return params
 
 
-def projection_combinations(kernels=None, all_flex=True, **overrides) -> list:
+def projection_combinations(kernels=None, all_flex=True, representative=False, **overrides) -> list:
     """`combinations` with each registered attention projection as a fourth value (`score, scheme, kernel,
-    projection`): the standard one's rows keep their ids, the others' are `combinations(projection=...)`'s."""
+    projection`): the standard one's rows keep their ids, the others' are `combinations(projection=...)`'s; with
+    `representative`, the others run by default with scaled_dot on rope and on the first score-bias scheme only."""
     params = []
     for projection in PROJECTIONS:
         for param in combinations(kernels, all_flex, projection, **overrides):
-            params.append(pytest.param(*param.values, projection, id=param.id, marks=param.marks))
+            marks = param.marks
+            if representative and projection != DEFAULT_PROJECTION and param.values[:2] not in REPRESENTATIVE_PAIRS:
+                marks = (pytest.mark.slow,)
+            params.append(pytest.param(*param.values, projection, id=param.id, marks=marks))
     return params
+
+
+REPRESENTATIVE_PAIRS = (("scaled_dot", "rope"), ("scaled_dot", BIAS_SCHEMES[0]))
 
 
 def variants(projections: bool = False) -> list:

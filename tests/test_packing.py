@@ -32,7 +32,7 @@ def variants() -> list:
     conftest's `DEFAULT_PAIRS` and its one flex row `DEFAULT_FLEX` (a score bias: the bias in `score_mod`, the
     documents in `mask_mod`; a cold compile costs 13-40 s per representative on the CPU), the rest with `-m slow`;
     for each attention projection."""
-    return projection_combinations(all_flex=False)
+    return projection_combinations(all_flex=False, representative=True)
 
 
 # Two rows packed differently (so the document index is read per row): 3 documents, then 2.
@@ -151,7 +151,8 @@ def masked_lm(score: str, scheme: str, kernel: str, projection: str | None = Non
 
 
 @pytest.mark.parametrize(
-    "score,scheme,kernel,projection", projection_combinations(kernels=("eager", "sdpa"), is_causal=False)
+    "score,scheme,kernel,projection",
+    projection_combinations(kernels=("eager", "sdpa"), representative=True, is_causal=False),
 )
 def test_packed_documents_stay_apart_in_a_bidirectional_encoder(score, scheme, kernel, projection):
     """Masked-LM packing: a document sees neither the documents before it nor (bidirectional) those after it, with
