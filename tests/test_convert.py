@@ -116,3 +116,16 @@ def test_convert_command(tmp_path, capsys):
     cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--set", "position_scheme=t5_bias"])
     assert "t5_bias" in capsys.readouterr().out
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.position_scheme == "t5_bias"
+
+
+def test_convert_command_imports_a_dense_deepseek_v3(tmp_path, capsys, tokens):
+    torch.manual_seed(0)
+    source = deepseek_v3().eval()
+    source.save_pretrained(tmp_path / "source")
+    cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out")])
+    assert "saved PlugformerForCausalLM" in capsys.readouterr().out
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    config = loaded.config
+    assert config.attention_projection == "latent" and config.rope_interleave and config.use_latent_cache
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, source(tokens).logits, atol=1e-5, rtol=0)
