@@ -27,10 +27,17 @@ torch._dynamo.config.cache_size_limit = 1024
 
 SCORES = plugformer.ATTENTION_SCORES.names()
 SCHEMES = plugformer.POSITION_SCHEMES.names()
+PROJECTIONS = plugformer.ATTENTION_PROJECTIONS.names()
+DEFAULT_PROJECTION = PlugformerConfig.__dataclass_fields__["attention_projection"].default
 CPU_TRAINING_KERNELS = ("eager", "sdpa")  # torch 2.13 flex_attention has no backward on CPU
 
 
-def tiny_config(score: str = "scaled_dot", scheme: str = "rope", **overrides) -> PlugformerConfig:
+def tiny_config(
+    score: str = "scaled_dot", scheme: str = "rope", projection: str | None = None, **overrides
+) -> PlugformerConfig:
+    """The tiny preset with `score`, `scheme` and `projection` (by default the standard one, the preset's GQA)."""
+    if projection not in (None, DEFAULT_PROJECTION):
+        overrides = {"attention_projection": projection, **overrides}
     return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **overrides)
 
 
@@ -72,25 +79,30 @@ DEFAULT_PAIRS = default_pairs()
 DEFAULT_FLEX = next(pair for pair in sorted(FLEX_REPRESENTATIVES) if pair[1] in BIAS_SCHEMES)
 
 
-def combinations(kernels=None, all_flex=True, **overrides) -> list:
+def combinations(kernels=None, all_flex=True, projection=None, **overrides) -> list:
     """pytest params for every valid (score, scheme, kernel), id `score-scheme-kernel`; with `all_flex=False`,
     flex_attention only for `FLEX_REPRESENTATIVES`, of which `DEFAULT_FLEX` runs by default.
 
     Pairs outside `DEFAULT_PAIRS`, and flex rows other than `DEFAULT_FLEX` of a representative suite, are marked
-    `slow`: `-m slow` runs them, a plain run skips them.
+    `slow`: `-m slow` runs them, a plain run skips them. With another `projection` than the standard one, the id ends
+    in `-<projection>`, and only `scaled_dot` or `rope` pairs off flex run by default (the rest is `slow`).
     """
+    other = projection not in (None, DEFAULT_PROJECTION)
     params = []
     for score in SCORES:
         for scheme in SCHEMES:
-            for kernel in supported_kernels(tiny_config(score, scheme, **overrides)):
+            for kernel in supported_kernels(tiny_config(score, scheme, projection, **overrides)):
                 if kernels is not None and kernel not in kernels:
                     continue
                 if kernel == "flex_attention" and not all_flex and (score, scheme) not in FLEX_REPRESENTATIVES:
                     continue
                 slow = (score, scheme) not in DEFAULT_PAIRS
                 slow |= kernel == "flex_attention" and not all_flex and (score, scheme) != DEFAULT_FLEX
+                if other:
+                    slow = kernel == "flex_attention" or (score != "scaled_dot" and scheme != "rope")
                 marks = (pytest.mark.slow,) if slow else ()
-                params.append(pytest.param(score, scheme, kernel, id=f"{score}-{scheme}-{kernel}", marks=marks))
+                name = f"{score}-{scheme}-{kernel}" + (f"-{projection}" if other else "")
+                params.append(pytest.param(score, scheme, kernel, id=name, marks=marks))
     return params
 
 
@@ -109,11 +121,36 @@ def modifier_combinations(**overrides) -> list:
     return chosen
 
 
-def variants() -> list:
-    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`."""
-    return [pytest.param((score, scheme), id=f"{score}-{scheme}",
-                         marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
-            for score in SCORES for scheme in SCHEMES]  # fmt: skip
+def projection_combinations(kernels=None, all_flex=True, representative=False, **overrides) -> list:
+    """`combinations` with each registered attention projection as a fourth value (`score, scheme, kernel,
+    projection`): the standard one's rows keep their ids, the others' are `combinations(projection=...)`'s; with
+    `representative`, the others run by default with scaled_dot on rope and on the first score-bias scheme only."""
+    params = []
+    for projection in PROJECTIONS:
+        for param in combinations(kernels, all_flex, projection, **overrides):
+            marks = param.marks
+            if representative and projection != DEFAULT_PROJECTION and param.values[:2] not in REPRESENTATIVE_PAIRS:
+                marks = (pytest.mark.slow,)
+            params.append(pytest.param(*param.values, projection, id=param.id, marks=marks))
+    return params
+
+
+REPRESENTATIVE_PAIRS = (("scaled_dot", "rope"), ("scaled_dot", BIAS_SCHEMES[0]))
+
+
+def variants(projections: bool = False) -> list:
+    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`.
+    With `projections`, also `(score, scheme, projection)` for every other registered attention projection, id
+    `score-scheme-projection`, of which scaled_dot + rope runs by default."""
+    params = [pytest.param((score, scheme), id=f"{score}-{scheme}",
+                           marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
+              for score in SCORES for scheme in SCHEMES]  # fmt: skip
+    for projection in PROJECTIONS if projections else ():
+        if projection != DEFAULT_PROJECTION:
+            params += [pytest.param((score, scheme, projection), id=f"{score}-{scheme}-{projection}",
+                                    marks=() if (score, scheme) == ("scaled_dot", "rope") else (pytest.mark.slow,))
+                       for score in SCORES for scheme in SCHEMES]  # fmt: skip
+    return params
 
 
 def decode_in_chunks(model, tokens, chunks, cache):
@@ -171,6 +208,9 @@ def smoke(item) -> bool:
     if name in SMOKE_FILES:
         return True
     params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("projection", DEFAULT_PROJECTION) != DEFAULT_PROJECTION:  # another projection: scaled_dot + rope
+        reference = (params.get("score"), params.get("scheme")) == ("scaled_dot", "rope")
+        return name == SMOKE_SUITE and params.get("kernel") in ("eager", "sdpa") and reference
     return (
         name == SMOKE_SUITE
         and params.get("kernel") in ("eager", "sdpa")

@@ -1,19 +1,27 @@
-"""The shared suite: every valid (attention_score × position_scheme × kernel), plus MHA and MQA.
+"""The shared suite: every valid (attention_score × position_scheme × kernel) for each attention projection, plus MHA
+and MQA.
 
-A new score function or position scheme is picked up here without edits (the parameters come from the
-registries and `capabilities`).
+A new score function, position scheme or attention projection is picked up here without edits (the parameters come
+from the registries and `capabilities`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build, combinations, decode_in_chunks, tiny_config, trainable_on_this_device
+from conftest import (
+    build,
+    combinations,
+    decode_in_chunks,
+    projection_combinations,
+    tiny_config,
+    trainable_on_this_device,
+)
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 
 ATOL = 1e-5
-ALL = combinations()
+ALL = projection_combinations()
 
 
 def full_logits(model, tokens, **kwargs):
@@ -21,9 +29,9 @@ def full_logits(model, tokens, **kwargs):
         return model(tokens, use_cache=False, **kwargs).logits
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ALL)
-def test_shapes_and_outputs(score, scheme, kernel, tokens):
-    config = tiny_config(score, scheme)
+@pytest.mark.parametrize("score,scheme,kernel,projection", ALL)
+def test_shapes_and_outputs(score, scheme, kernel, projection, tokens):
+    config = tiny_config(score, scheme, projection)
     model = build(config, kernel)
     with torch.no_grad():
         out = model(tokens, use_cache=True, output_hidden_states=True)
@@ -35,10 +43,10 @@ def test_shapes_and_outputs(score, scheme, kernel, tokens):
     assert keys.shape[:3] == (2, config.num_key_value_heads, 12)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ALL)
-def test_causality(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ALL)
+def test_causality(score, scheme, kernel, projection, tokens):
     """Changing tokens after position t leaves logits up to t unchanged."""
-    model = build(tiny_config(score, scheme), kernel)
+    model = build(tiny_config(score, scheme, projection), kernel)
     changed = tokens.clone()
     changed[:, 7:] = (changed[:, 7:] + 17) % 125 + 3
     before, after = full_logits(model, tokens), full_logits(model, changed)
@@ -46,15 +54,15 @@ def test_causality(score, scheme, kernel, tokens):
     assert (after[:, 7:] - before[:, 7:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ALL)
-def test_left_padding_matches_unpadded(score, scheme, kernel, tokens, request):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ALL)
+def test_left_padding_matches_unpadded(score, scheme, kernel, projection, tokens, request):
     if kernel == "flex_attention":
         # Seen on 2026-12-01 (torch 2.13.0+cpu, transformers 5.24.0, also on the commit that last passed CI and in a
         # fresh venv): transformers' flex with a padding mask gives NaN logits under pytest here, while the same
         # calls in a plain script and transformers' Llama under pytest do not. Not understood yet: kept visible
         # (xfail, not strict) rather than deleted; see tests/README.md's known limits of the kernels.
         request.applymarker(pytest.mark.xfail(reason="flex_attention + padding mask: NaN under pytest", strict=False))
-    model = build(tiny_config(score, scheme), kernel)
+    model = build(tiny_config(score, scheme, projection), kernel)
     lengths = (12, 8)
     padded = torch.zeros(2, 12, dtype=torch.long)
     mask = torch.zeros(2, 12, dtype=torch.long)
@@ -67,10 +75,10 @@ def test_left_padding_matches_unpadded(score, scheme, kernel, tokens, request):
         torch.testing.assert_close(batched[row : row + 1, 12 - length :], alone, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ALL)
-def test_cached_decoding_equals_full_forward(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ALL)
+def test_cached_decoding_equals_full_forward(score, scheme, kernel, projection, tokens):
     """Token by token and chunked prefill, with dynamic and static caches (relative biases need true positions)."""
-    model = build(tiny_config(score, scheme), kernel)
+    model = build(tiny_config(score, scheme, projection), kernel)
     reference = full_logits(model, tokens)
     if kernel == "flex_attention":
         # Compiled flex builds one kernel per (query, key) shape on CPU (~4 s each): prefill, one step, a chunk.
@@ -89,9 +97,9 @@ def test_cached_decoding_equals_full_forward(score, scheme, kernel, tokens):
     torch.testing.assert_close(static_logits, reference, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in ALL if p.values[2] != "eager"])
-def test_fused_kernels_match_eager(score, scheme, kernel, tokens):
-    config = tiny_config(score, scheme)
+@pytest.mark.parametrize("score,scheme,kernel,projection", [p for p in ALL if p.values[2] != "eager"])
+def test_fused_kernels_match_eager(score, scheme, kernel, projection, tokens):
+    config = tiny_config(score, scheme, projection)
     mask = torch.ones_like(tokens)
     mask[1, :4] = 0  # left padding in one row, so masks and biases combine
     eager = full_logits(build(config, "eager"), tokens, attention_mask=mask)
@@ -100,22 +108,24 @@ def test_fused_kernels_match_eager(score, scheme, kernel, tokens):
     torch.testing.assert_close(fused[1, 4:], eager[1, 4:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ALL)
-def test_backward_reaches_every_parameter(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ALL)
+def test_backward_reaches_every_parameter(score, scheme, kernel, projection, tokens):
     if not trainable_on_this_device(kernel):
         pytest.skip(f"{kernel} has no backward on CPU in torch {torch.__version__}")
     # 20 tokens reach every T5 bucket and clamped distance of the tiny preset (max distances 16 and 8)
     long_tokens = torch.cat([tokens, tokens[:, :8]], dim=1)
-    model = build(tiny_config(score, scheme), kernel).train()
+    model = build(tiny_config(score, scheme, projection), kernel).train()
     model(long_tokens, labels=long_tokens).loss.backward()
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None, name
         assert parameter.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in ALL if p.values[2] == "sdpa" or p.values[0] == "additive"])
-def test_loss_decreases_on_tiny_batch(score, scheme, kernel, tokens):
-    model = build(tiny_config(score, scheme), kernel).train()
+@pytest.mark.parametrize(
+    "score,scheme,kernel,projection", [p for p in ALL if p.values[2] == "sdpa" or p.values[0] == "additive"]
+)
+def test_loss_decreases_on_tiny_batch(score, scheme, kernel, projection, tokens):
+    model = build(tiny_config(score, scheme, projection), kernel).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(25):
@@ -128,9 +138,9 @@ def test_loss_decreases_on_tiny_batch(score, scheme, kernel, tokens):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in ALL if p.values[2] == "eager"])
-def test_save_load_round_trip(score, scheme, kernel, tokens, tmp_path):
-    model = build(tiny_config(score, scheme), kernel)
+@pytest.mark.parametrize("score,scheme,kernel,projection", [p for p in ALL if p.values[2] == "eager"])
+def test_save_load_round_trip(score, scheme, kernel, projection, tokens, tmp_path):
+    model = build(tiny_config(score, scheme, projection), kernel)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert not list(tmp_path.glob("*.bin"))
@@ -160,10 +170,10 @@ def test_head_sharing_variants(score, scheme, kernel, num_key_value_heads, token
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa")))
-def test_packed_documents_match_each_document_alone(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", projection_combinations(kernels=("eager", "sdpa")))
+def test_packed_documents_match_each_document_alone(score, scheme, kernel, projection, tokens):
     """TRL's packing passes position_ids restarting per document and no attention mask; documents stay apart."""
-    model = build(tiny_config(score, scheme), kernel)
+    model = build(tiny_config(score, scheme, projection), kernel)
     first, second = tokens[0, :7], tokens[1, :5]
     packed = torch.cat([first, second])[None]
     position_ids = torch.cat([torch.arange(7), torch.arange(5)])[None]

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import plugformer
 from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
+from plugformer.configuration import VARIANT_REGISTRIES
 
 
 @pytest.mark.parametrize(
@@ -164,8 +165,7 @@ def test_registry_refuses_duplicates():
 
 
 def variant_classes():
-    return [registry.get(name) for registry in (plugformer.ATTENTION_SCORES, plugformer.POSITION_SCHEMES)
-            for name in registry]  # fmt: skip
+    return [registry.get(name) for registry in VARIANT_REGISTRIES for name in registry]
 
 
 def test_every_variant_owns_only_real_fields_and_none_twice():
@@ -181,15 +181,16 @@ def test_every_variant_owns_only_real_fields_and_none_twice():
 @pytest.mark.parametrize("score", plugformer.ATTENTION_SCORES.names())
 @pytest.mark.parametrize("scheme", plugformer.POSITION_SCHEMES.names())
 def test_config_asks_the_chosen_variants_and_no_others(score, scheme, monkeypatch):
-    """Symmetric validation: the chosen score and scheme check their own fields through `validate_config`; the
-    only other hooks called are the refusals of owners whose fields the chosen ones do not own."""
+    """Symmetric validation: the chosen score, scheme and projection (the default, standard) check their own fields
+    through `validate_config`; the only other hooks called are the refusals of owners whose fields the chosen ones do
+    not own."""
     validated, refused = [], []
     for variant in variant_classes():
         monkeypatch.setattr(variant, "validate_config", classmethod(lambda cls, config: validated.append(cls.name)))
         monkeypatch.setattr(variant, "refuse_unused_config", classmethod(lambda cls, config: refused.append(cls.name)))
     tiny_config(score, scheme)
-    assert sorted(validated) == sorted([score, scheme])
-    assert refused == ([] if scheme == "rope" else ["rope"])
+    assert sorted(validated) == sorted([score, scheme, "standard"])
+    assert sorted(refused) == sorted(["latent"] + ([] if scheme == "rope" else ["rope"]))
 
 
 def test_configuration_tests_no_variant_name():
@@ -199,7 +200,7 @@ def test_configuration_tests_no_variant_name():
 
     from plugformer import configuration
 
-    names = set(plugformer.ATTENTION_SCORES.names()) | set(plugformer.POSITION_SCHEMES.names())
+    names = {name for registry in VARIANT_REGISTRIES for name in registry}
     compared = [
         node.value
         for compare in ast.walk(ast.parse(inspect.getsource(configuration)))

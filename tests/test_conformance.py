@@ -36,6 +36,7 @@ from plugformer import (
 logging.disable_progress_bar()
 
 VARIANTS = variants()  # the full grid with -m slow
+PROJECTED = variants(projections=True)  # and the other attention projections (seq2seq has only the standard one)
 BATCH, LENGTH, TARGET = 2, 7, 5
 
 
@@ -43,9 +44,9 @@ def kernel_of(score: str) -> str:
     return "sdpa" if plugformer.ATTENTION_SCORES.get(score).dot_product else "eager"
 
 
-def make(model_class, score: str, scheme: str, kernel: str | None = None, **overrides):
+def make(model_class, score: str, scheme: str, projection: str | None = None, kernel: str | None = None, **overrides):
     """A model in eval mode built from its own copy of a tiny config, seeded."""
-    config = tiny_config(score, scheme, **overrides)
+    config = tiny_config(score, scheme, projection, **overrides)
     config._attn_implementation = kernel or kernel_of(score)
     torch.manual_seed(0)
     return model_class(config).eval()
@@ -102,7 +103,7 @@ def assert_resizes(model, inputs: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="class", params=VARIANTS)
+@pytest.fixture(scope="class", params=PROJECTED)
 def causal(request):
     return make(PlugformerForCausalLM, *request.param)
 
@@ -177,13 +178,13 @@ class TestCausalLM:
 ENCODER = dict(is_causal=False, pad_token_id=0)
 
 
-@pytest.fixture(scope="class", params=VARIANTS)
+@pytest.fixture(scope="class", params=PROJECTED)
 def encoder(request):
-    score, scheme = request.param
+    variant = request.param  # (score, scheme) or (score, scheme, projection)
     return {
-        "masked": make(PlugformerForMaskedLM, score, scheme, **ENCODER),
-        "sequence": make(PlugformerForSequenceClassification, score, scheme, num_labels=3, **ENCODER),
-        "token": make(PlugformerForTokenClassification, score, scheme, num_labels=5, **ENCODER),
+        "masked": make(PlugformerForMaskedLM, *variant, **ENCODER),
+        "sequence": make(PlugformerForSequenceClassification, *variant, num_labels=3, **ENCODER),
+        "token": make(PlugformerForTokenClassification, *variant, num_labels=5, **ENCODER),
     }
 
 

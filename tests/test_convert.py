@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -52,10 +54,22 @@ def gpt2(tie: bool = True):
     return GPT2LMHeadModel(config)
 
 
+def deepseek_v3(first_k_dense_replace: int = 2):
+    """Multi-head latent attention with interleaved RoPE; every layer dense (no MoE) by default."""
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, first_k_dense_replace=first_k_dense_replace, n_routed_experts=4, n_group=1, topk_group=1,
+        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return DeepseekV3ForCausalLM(config)
+
+
 @pytest.mark.parametrize(
     "reference",
-    [lambda: llama(False), lambda: llama(True), qwen3_sliding, lambda: gpt2(True), lambda: gpt2(False)],
-    ids=["llama", "llama-tied", "qwen3-sliding", "gpt2", "gpt2-untied"],
+    [lambda: llama(False), lambda: llama(True), qwen3_sliding, lambda: gpt2(True), lambda: gpt2(False), deepseek_v3],
+    ids=["llama", "llama-tied", "qwen3-sliding", "gpt2", "gpt2-untied", "deepseek_v3"],
 )
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_converted_model_gives_the_reference_logits(reference, kernel, tmp_path, tokens):
@@ -82,6 +96,8 @@ def test_converted_model_gives_the_reference_logits(reference, kernel, tmp_path,
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == source.config.tie_word_embeddings
     assert model.config.position_scheme == ("learned" if source.config.model_type == "gpt2" else "rope")
     assert model.config.layer_types == getattr(source.config, "layer_types", ["full_attention"] * 2)
+    latent = source.config.model_type == "deepseek_v3"
+    assert model.config.attention_projection == ("latent" if latent else "standard")
 
 
 def test_switching_the_position_scheme_keeps_every_other_weight(tmp_path, tokens, caplog):
@@ -104,7 +120,15 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     BertConfig(
         vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
     ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type='bert' is not one of \['llama', 'qwen3', 'qwen3_next', 'gpt2'\]"):
+    with pytest.raises(
+        ValueError, match=r"model_type='bert' is not one of \['llama', 'qwen3', 'qwen3_next', 'gpt2', 'deepseek_v3'\]"
+    ):
+        convert(tmp_path)
+
+
+def test_deepseek_v3_with_expert_layers_is_refused(tmp_path):
+    deepseek_v3(first_k_dense_replace=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"first_k_dense_replace=1 < num_hidden_layers=2: .* mixture-of-experts"):
         convert(tmp_path)
 
 
@@ -152,3 +176,16 @@ def test_a_llama_field_the_source_ignores_is_not_carried_over(tmp_path, tokens):
     source.config.save_pretrained(tmp_path / "source")
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5 with rope_type='linear'"):
         convert(tmp_path / "source")
+
+
+def test_convert_command_imports_a_dense_deepseek_v3(tmp_path, capsys, tokens):
+    torch.manual_seed(0)
+    source = deepseek_v3().eval()
+    source.save_pretrained(tmp_path / "source")
+    cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out")])
+    assert "saved PlugformerForCausalLM" in capsys.readouterr().out
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    config = loaded.config
+    assert config.attention_projection == "latent" and config.rope_interleave and config.use_latent_cache
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, source(tokens).logits, atol=1e-5, rtol=0)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import combinations, tiny_config, trainable_on_this_device
+from conftest import projection_combinations, tiny_config, trainable_on_this_device
 from transformers import AutoModelForMaskedLM
 
 from plugformer import (
@@ -19,14 +19,14 @@ from plugformer import (
 
 
 ATOL = 1e-5
-ENCODERS = combinations(all_flex=False, is_causal=False)
+ENCODERS = projection_combinations(all_flex=False, representative=True, is_causal=False)
 # flex with a padding mask is an xfail here (below): its rows cost 20-75 s of compiling each, so they run with -m slow
 ENCODERS_PADDED = [pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
                    if p.values[2] == "flex_attention" else p for p in ENCODERS]  # fmt: skip
 
 
-def encoder(score, scheme, kernel="eager", head=PlugformerForMaskedLM, seed=0, **overrides):
-    config = copy.deepcopy(tiny_config(score, scheme, is_causal=False, pad_token_id=0, **overrides))
+def encoder(score, scheme, kernel="eager", head=PlugformerForMaskedLM, seed=0, projection=None, **overrides):
+    config = copy.deepcopy(tiny_config(score, scheme, projection, is_causal=False, pad_token_id=0, **overrides))
     config._attn_implementation = kernel
     torch.manual_seed(seed)
     return head(config).eval()
@@ -37,9 +37,9 @@ def logits(model, ids, **kwargs):
         return model(ids, **kwargs).logits
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ENCODERS)
-def test_every_token_sees_later_tokens(score, scheme, kernel, tokens):
-    model = encoder(score, scheme, kernel)
+@pytest.mark.parametrize("score,scheme,kernel,projection", ENCODERS)
+def test_every_token_sees_later_tokens(score, scheme, kernel, projection, tokens):
+    model = encoder(score, scheme, kernel, projection=projection)
     changed = tokens.clone()
     changed[:, -1] = (changed[:, -1] + 11) % 125 + 3
     before, after = logits(model, tokens), logits(model, changed)
@@ -48,8 +48,8 @@ def test_every_token_sees_later_tokens(score, scheme, kernel, tokens):
     assert (after[:, :-1] - before[:, :-1]).abs().max() > 1e-6
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ENCODERS_PADDED)
-def test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, request):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ENCODERS_PADDED)
+def test_padding_does_not_change_real_tokens(score, scheme, kernel, projection, tokens, request):
     """Right padding (BERT's habit) and left padding both leave the real tokens' outputs unchanged."""
     if kernel == "flex_attention":
         # Seen on 2026-12-01 (torch 2.13.0+cpu, transformers 5.24.0, also on the commit that last passed CI and in a
@@ -57,7 +57,7 @@ def test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, requ
         # calls in a plain script and transformers' Llama under pytest do not. Not understood yet: kept visible
         # (xfail, not strict) rather than deleted; see tests/README.md's known limits of the kernels.
         request.applymarker(pytest.mark.xfail(reason="flex_attention + padding mask: NaN under pytest", strict=False))
-    model = encoder(score, scheme, kernel)
+    model = encoder(score, scheme, kernel, projection=projection)
     alone = logits(model, tokens[:1, :8])
     for side in ("right", "left"):
         ids, mask = torch.zeros(1, 12, dtype=torch.long), torch.zeros(1, 12, dtype=torch.long)
@@ -66,21 +66,21 @@ def test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, requ
         torch.testing.assert_close(logits(model, ids, attention_mask=mask)[:, real], alone, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in ENCODERS if p.values[2] != "eager"])
-def test_fused_kernels_match_eager_bidirectionally(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", [p for p in ENCODERS if p.values[2] != "eager"])
+def test_fused_kernels_match_eager_bidirectionally(score, scheme, kernel, projection, tokens):
     mask = torch.ones_like(tokens)
     mask[1, 9:] = 0
-    expected = logits(encoder(score, scheme), tokens, attention_mask=mask)
-    actual = logits(encoder(score, scheme, kernel), tokens, attention_mask=mask)
+    expected = logits(encoder(score, scheme, projection=projection), tokens, attention_mask=mask)
+    actual = logits(encoder(score, scheme, kernel, projection=projection), tokens, attention_mask=mask)
     torch.testing.assert_close(actual[0], expected[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(actual[1, :9], expected[1, :9], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", ENCODERS)
-def test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", ENCODERS)
+def test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, projection, tokens):
     if not trainable_on_this_device(kernel):
         pytest.skip(f"{kernel} has no backward on CPU in torch {torch.__version__}")
-    model = encoder(score, scheme, kernel).train()
+    model = encoder(score, scheme, kernel, projection=projection).train()
     ids = torch.cat([tokens, tokens[:, :8]], dim=1)  # 20 tokens: every bucket / clamped distance in both directions
     labels = torch.full_like(ids, -100)
     labels[:, ::3] = ids[:, ::3]
@@ -89,9 +89,9 @@ def test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, token
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in ENCODERS if p.values[2] == "eager"])
-def test_masked_lm_round_trips_through_auto_class(score, scheme, kernel, tokens, tmp_path):
-    model = encoder(score, scheme)
+@pytest.mark.parametrize("score,scheme,kernel,projection", [p for p in ENCODERS if p.values[2] == "eager"])
+def test_masked_lm_round_trips_through_auto_class(score, scheme, kernel, projection, tokens, tmp_path):
+    model = encoder(score, scheme, projection=projection)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation=kernel).eval()
     assert type(loaded) is PlugformerForMaskedLM and loaded.lm_head.weight is loaded.model.embed_tokens.weight

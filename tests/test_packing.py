@@ -1,7 +1,7 @@
 """Packed documents: position_ids restarting inside a row keep the documents apart on every kernel, and the pretrain
 stage's packing keeps positions within the block.
 
-The variants come from the registries (`conftest.combinations`), flex_attention on the combination suite's
+The variants come from the registries (`conftest.projection_combinations`), flex_attention on the combination suite's
 representatives (see `variants`).
 """
 
@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import BIAS_SCHEMES, PLAIN_SCHEMES, build, combinations, tiny_config
+from conftest import BIAS_SCHEMES, PLAIN_SCHEMES, build, projection_combinations, tiny_config
 from transformers import DynamicCache
 
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, train_tokenizer
@@ -30,8 +30,9 @@ ATOL = 1e-5
 def variants() -> list:
     """Every (score, scheme, kernel), flex_attention on the combination suite's representatives: by default the
     conftest's `DEFAULT_PAIRS` and its one flex row `DEFAULT_FLEX` (a score bias: the bias in `score_mod`, the
-    documents in `mask_mod`; a cold compile costs 13-40 s per representative on the CPU), the rest with `-m slow`."""
-    return combinations(all_flex=False)
+    documents in `mask_mod`; a cold compile costs 13-40 s per representative on the CPU), the rest with `-m slow`;
+    for each attention projection."""
+    return projection_combinations(all_flex=False, representative=True)
 
 
 # Two rows packed differently (so the document index is read per row): 3 documents, then 2.
@@ -61,11 +62,11 @@ def max_difference_from_documents_alone(model, alone_model, ids, positions, **kw
     return worst
 
 
-@pytest.mark.parametrize("score,scheme,kernel", variants())
-def test_packed_documents_equal_each_document_alone(score, scheme, kernel):
+@pytest.mark.parametrize("score,scheme,kernel,projection", variants())
+def test_packed_documents_equal_each_document_alone(score, scheme, kernel, projection):
     """With or without an all-ones attention mask (transformers reads packing only without mask and cache), and
     for the relative biases (alibi, t5_bias, clamped_bias) too: no document sees another."""
-    config = tiny_config(score, scheme)
+    config = tiny_config(score, scheme, projection)
     model = build(config, kernel)
     # flex compiles a kernel per shape on the CPU (seconds each): its documents run alone on eager, the same weights
     # (flex == eager per document length is the combination suite's `test_fused_kernels_match_eager`)
@@ -184,18 +185,21 @@ def test_a_packed_block_equals_its_pieces_alone(tokenizer):
                 torch.testing.assert_close(packed[start:stop], alone, atol=ATOL, rtol=0)
 
 
-def masked_lm(score: str, scheme: str, kernel: str) -> PlugformerForMaskedLM:
+def masked_lm(score: str, scheme: str, kernel: str, projection: str | None = None) -> PlugformerForMaskedLM:
     torch.manual_seed(0)
-    config = copy.deepcopy(tiny_config(score, scheme, is_causal=False, pad_token_id=0))
+    config = copy.deepcopy(tiny_config(score, scheme, projection, is_causal=False, pad_token_id=0))
     config._attn_implementation = kernel
     return PlugformerForMaskedLM(config).eval()
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), is_causal=False))
-def test_packed_documents_stay_apart_in_a_bidirectional_encoder(score, scheme, kernel):
+@pytest.mark.parametrize(
+    "score,scheme,kernel,projection",
+    projection_combinations(kernels=("eager", "sdpa"), representative=True, is_causal=False),
+)
+def test_packed_documents_stay_apart_in_a_bidirectional_encoder(score, scheme, kernel, projection):
     """Masked-LM packing: a document sees neither the documents before it nor (bidirectional) those after it, with
     or without an all-ones mask; it used to attend to the whole block."""
-    model = masked_lm(score, scheme, kernel)
+    model = masked_lm(score, scheme, kernel, projection)
     ids, positions = packed_batch()
     assert max_difference_from_documents_alone(model, model, ids, positions) < ATOL
     ones = torch.ones_like(ids)

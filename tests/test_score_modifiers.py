@@ -86,7 +86,7 @@ def modified_combinations():
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified_combinations())
 def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MODIFIERS[modifier]))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}
+    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
     shared.test_causality(**arguments)
     if kernel != "flex_attention":  # the shared suite's known flex + padding-mask NaN (an xfail there)
         shared.test_left_padding_matches_unpadded(**arguments, request=request)

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import build, combinations, tiny_config, trainable_on_this_device
+from conftest import build, projection_combinations, tiny_config, trainable_on_this_device
 from transformers import DynamicCache, StaticCache
 
 from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForMaskedLM
@@ -23,10 +23,10 @@ ATOL = 1e-5
 _FLEX_SCHEMES = {next(s for s in POSITION_SCHEMES if POSITION_SCHEMES.get(s).has_bias),
                  next(s for s in POSITION_SCHEMES if not POSITION_SCHEMES.get(s).has_bias)}  # fmt: skip
 SLIDING = [
-    p for p in combinations(sliding_window=WINDOW)
+    p for p in projection_combinations(representative=True, sliding_window=WINDOW)
     if p.values[2] != "flex_attention" or (p.values[0] == "scaled_dot" and p.values[1] in _FLEX_SCHEMES)
 ]  # fmt: skip
-EAGER_SDPA = combinations(kernels=("eager", "sdpa"), sliding_window=WINDOW)
+EAGER_SDPA = projection_combinations(kernels=("eager", "sdpa"), representative=True, sliding_window=WINDOW)
 # cached flex decoding compiles a kernel per step length (60-95 s a row on the CPU): with -m slow; flex == eager on
 # the full forward stays in the default run for the scheme with a bias
 SLIDING_DECODING = [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) if p.values[2] == "flex_attention"
@@ -62,9 +62,9 @@ def logits(model, tokens, **kwargs):
         return model(tokens, use_cache=False, **kwargs).logits
 
 
-@pytest.mark.parametrize("score,scheme,kernel", EAGER_SDPA)
-def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, tokens):
-    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+@pytest.mark.parametrize("score,scheme,kernel,projection", EAGER_SDPA)
+def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, projection, tokens):
+    model = build(tiny_config(score, scheme, projection, sliding_window=WINDOW), kernel)
     reference = without_window(model)
     expected = logits(reference, tokens, attention_mask=window_mask(tokens.shape[1], WINDOW).expand(2, 1, -1, -1))
     torch.testing.assert_close(logits(model, tokens), expected, atol=ATOL, rtol=0)
@@ -72,21 +72,21 @@ def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, to
     assert (logits(reference, tokens) - expected).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("score,scheme,kernel", SLIDING_KERNELS)
-def test_sliding_window_kernels_match_eager(score, scheme, kernel, tokens):
-    config = tiny_config(score, scheme, sliding_window=WINDOW)
+@pytest.mark.parametrize("score,scheme,kernel,projection", SLIDING_KERNELS)
+def test_sliding_window_kernels_match_eager(score, scheme, kernel, projection, tokens):
+    config = tiny_config(score, scheme, projection, sliding_window=WINDOW)
     torch.testing.assert_close(logits(build(config, kernel), tokens), logits(build(config, "eager"), tokens),
                                atol=ATOL, rtol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("cache_class", ["dynamic", "static"])
-@pytest.mark.parametrize("score,scheme,kernel", SLIDING_DECODING)
-def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kernel, cache_class, tokens):
+@pytest.mark.parametrize("score,scheme,kernel,projection", SLIDING_DECODING)
+def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kernel, projection, cache_class, tokens):
     """Prefill 5 tokens, then one token at a time past the window: the cache keeps only the window (transformers'
     sliding layers), the logits equal the full forward's."""
     if kernel == "flex_attention" and cache_class == "static":
         pytest.skip("flex_attention refuses a static cache (its kernel record: static_cache=False)")
-    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+    model = build(tiny_config(score, scheme, projection, sliding_window=WINDOW), kernel)
     full = logits(model, tokens)
     if cache_class == "dynamic":
         cache = DynamicCache(config=model.config)
@@ -105,9 +105,9 @@ def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kerne
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("score,scheme,kernel", EAGER_SDPA)
-def test_sliding_window_left_padding_matches_unpadded(score, scheme, kernel, tokens):
-    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+@pytest.mark.parametrize("score,scheme,kernel,projection", EAGER_SDPA)
+def test_sliding_window_left_padding_matches_unpadded(score, scheme, kernel, projection, tokens):
+    model = build(tiny_config(score, scheme, projection, sliding_window=WINDOW), kernel)
     row = tokens[:1, :8]
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
@@ -139,9 +139,11 @@ def test_sliding_window_encoder_equals_an_explicit_bidirectional_mask(kernel, to
                                    atol=ATOL, rtol=0)  # fmt: skip
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in EAGER_SDPA if trainable_on_this_device(p.values[2])][:4])
-def test_sliding_window_save_load_round_trip(score, scheme, kernel, tokens, tmp_path):
-    model = build(tiny_config(score, scheme, sliding_window=WINDOW), kernel)
+@pytest.mark.parametrize(
+    "score,scheme,kernel,projection", [p for p in EAGER_SDPA if trainable_on_this_device(p.values[2])][:4]
+)
+def test_sliding_window_save_load_round_trip(score, scheme, kernel, projection, tokens, tmp_path):
+    model = build(tiny_config(score, scheme, projection, sliding_window=WINDOW), kernel)
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path, attn_implementation=kernel)
     assert loaded.config.sliding_window == WINDOW

@@ -22,6 +22,7 @@ from transformers.distributed import DistributedConfig
 
 import plugformer
 from plugformer import ATTENTION_SCORES, POSITION_SCHEMES, PlugformerConfig
+from plugformer.configuration import VARIANT_REGISTRIES
 
 
 try:
@@ -272,11 +273,11 @@ def test_score_parameters_are_per_head(score):
         assert module.local(param) is param
 
 
-@pytest.mark.parametrize("registry", [ATTENTION_SCORES, POSITION_SCHEMES], ids=lambda registry: registry.axis)
+@pytest.mark.parametrize("registry", VARIANT_REGISTRIES, ids=lambda registry: registry.axis)
 def test_variants_declaring_no_tensor_parallelism_are_refused_under_it(registry, monkeypatch):
-    """A score or scheme that says `tensor_parallel = False` is refused, naming its field, once `from_pretrained`
-    has set a tensor-parallel `distributed_config`; without one it builds."""
-    name = {"attention_score": "scaled_dot", "position_scheme": "rope"}[registry.axis]
+    """A score, scheme or attention projection that says `tensor_parallel = False` is refused, naming its field, once
+    `from_pretrained` has set a tensor-parallel `distributed_config`; without one it builds."""
+    name = getattr(tiny(), registry.axis)
     monkeypatch.setattr(registry.get(name), "tensor_parallel", False)
     plugformer.PlugformerForCausalLM(tiny())
     config = tiny()

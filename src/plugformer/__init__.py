@@ -31,6 +31,7 @@ from .modeling import (  # importing it registers PEFT's default LoRA targets (L
     PlugformerSeq2SeqModel,
 )
 from .positions import POSITION_SCHEMES
+from .projections import ATTENTION_PROJECTIONS
 from .registry import Registry
 from .scores import ATTENTION_SCORES
 
@@ -64,6 +65,7 @@ DecomposableAttentionForSequenceClassification.register_for_auto_class("AutoMode
 AutoTokenizer.register(DecomposableAttentionConfig, fast_tokenizer_class=PlugformerTokenizer, exist_ok=True)
 
 __all__ = [
+    "ATTENTION_PROJECTIONS",
     "ATTENTION_SCORES",
     "AUTO_CLASSES",
     "FEED_FORWARDS",

@@ -4,6 +4,9 @@
     update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` -> merge heads (-> output
     gate) -> o_proj
 
+The projections are the `attention_projection`'s (`projections`): it builds them, rotates, and orders the cache
+update around `prepare_key` (a latent cache is updated before the keys are expanded from it).
+
 The cache holds keys exactly as the kernel consumes them, so cached decoding equals the full forward; it holds the
 projected values, which `prepare_value` (a function of each key slot's own values) turns into the kernel's. The kernel is
 looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked against the kernel table.
@@ -19,7 +22,8 @@ from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
 from .layers import VALUE_RESIDUALS, RMSNorm
-from .positions import POSITION_SCHEMES, apply_rotary
+from .positions import POSITION_SCHEMES
+from .projections import ATTENTION_PROJECTIONS
 from .scores import ATTENTION_SCORES
 
 
@@ -77,13 +81,12 @@ class PlugformerAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = is_causal
         check_tensor_parallel(config)
-        q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        # gated attention (`use_gated_attention`, Qwen3-Next): q_proj also yields each head's output gate
+        # gated attention (`use_gated_attention`, Qwen3-Next): the standard q_proj also yields each head's output gate
         self.gated = config.use_gated_attention
-        self.q_proj = nn.Linear(config.hidden_size, q_width * (2 if self.gated else 1), bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias)
+        # q_proj, k_proj, v_proj, o_proj, or multi-head latent attention's modules (`attention_projection`)
+        self.projection = ATTENTION_PROJECTIONS.get(config.attention_projection)
+        self.projection.build(self, config)
+        self.scaling_factor = self.projection.scaling_factor(config)
         # QK-norm (`use_qk_norm`): Qwen3's RMSNorm over each head's d_k, one gain shared by the heads, on the projected
         # queries and keys before RoPE (transformers' modeling_qwen3.py, `q_norm`/`k_norm`); any score follows it
         self.q_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
@@ -137,7 +140,7 @@ class PlugformerAttention(nn.Module):
     def scaling(self) -> float:
         """The score's softmax scale, passed as `scaling=self.scaling`: vLLM's transformers backend reads the scale off
         the module from that expression in `forward`'s source (a literal or `self.<attr>` only)."""
-        return self.score.scaling
+        return self.score.scaling * self.scaling_factor
 
     def checked_kernel(self) -> KernelSpec:
         """The record of the config's kernel (`KERNELS.of`), refused by the kernel table if it cannot compute this
@@ -188,16 +191,13 @@ class PlugformerAttention(nn.Module):
         first_values: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query, gate = self.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
-        key = self.k_norm(self.split_heads(self.k_proj(hidden_states)))  # (B, H_kv, T, D)
-        value = self.project_value(hidden_states)  # (B, H_kv, T, D)
+        rotary = position_embeddings if self.use_rope else None
+        # queries (B, H, T, D), the key and value states to cache, the output gate (B, T, H·D) or None
+        query, key, value, gate = self.projection.project(self, hidden_states, rotary)
         if self.value_residual is not None:  # mixed per token, before the cache: it holds the values attended with
             value = self.value_residual(value, first_values)
-        if position_embeddings is not None and self.use_rope:
-            query, key = apply_rotary(query, key, *position_embeddings)
-        query, key = self.score.prepare_query(query), self.score.prepare_key(key)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+        query = self.score.prepare_query(query)
+        key, value = self.projection.keys_and_values(self, key, value, cache)  # (B, H_kv, K, D), cache updated
         value = self.score.prepare_value(value)  # (B, H_kv, K, value_width·D)
         head_axis = self.bias_type.head_axis
         if position_bias is not None and position_bias.shape[head_axis] != query.shape[1]:

@@ -48,6 +48,7 @@ from .biases import BIAS_KINDS
 from .compat import FLEX_PADDING_VERIFIED
 from .kernels_sdpa import sdpa_forward
 from .positions import POSITION_SCHEMES
+from .projections import ATTENTION_PROJECTIONS
 from .scores import ATTENTION_SCORES
 
 
@@ -120,6 +121,10 @@ class KernelSpec:
             after layer 0's update changed it and masks every chunk after the first at the wrong offset.
         padding (`bool`, *optional*, defaults to `True`): Computes rows with padding (a 2-D `attention_mask` with
             zeros) right. `False` for transformers' flex before 5.24 (`compat.FLEX_PADDING_VERIFIED`).
+        head_shapes (`bool`, *optional*, defaults to `True`): Attends with the heads the attention hands it, of any
+            count and width. `False` for an engine that sizes its own KV cache from the config's `num_key_value_heads`
+            and `head_dim` (vLLM's) and for kernels without a record: an `attention_projection` whose
+            `standard_heads` is false (multi-head latent attention) is refused there.
     """
 
     name: str
@@ -136,6 +141,7 @@ class KernelSpec:
     bias_kinds: tuple[str, ...] = ("relative",)
     static_cache: bool = True
     padding: bool = True
+    head_shapes: bool = True
 
     def __post_init__(self):
         if self.scores not in SCORE_SUPPORT:
@@ -196,6 +202,20 @@ class KernelSpec:
                 f"which attn_implementation={self.name!r} does not take (one head dim for q, k and v); use one of "
                 f"{KERNELS.taking_wide_values()}"
             )
+        projection = ATTENTION_PROJECTIONS.get(config.attention_projection)
+        if not projection.standard_heads and not self.head_shapes:
+            return (
+                f"attn_implementation={self.name!r} attends with num_key_value_heads heads of head_dim, which "
+                f"attention_projection={config.attention_projection!r} does not produce; use one of "
+                f"{KERNELS.taking_any_heads()}"
+            )
+        if projection.value_dim(config) != projection.query_key_dim(config) and not self.wide_values:
+            return (
+                f"attention_projection={config.attention_projection!r} gives the kernel values v_head_dim="
+                f"{projection.value_dim(config)} wide and keys {projection.query_key_dim(config)} wide, which "
+                f"attn_implementation={self.name!r} does not take (one head dim for q, k and v); use one of "
+                f"{KERNELS.taking_wide_values()}"
+            )
         if config.attn_logit_softcapping is not None and not self.softcap:
             return (
                 f"attn_implementation={self.name!r} cannot cap the attention logits (attn_logit_softcapping="
@@ -253,7 +273,8 @@ class KernelTable:
     def get(self, name: str) -> KernelSpec:
         """The record of `name`; for an unregistered kernel, a dot product without a bias (what every kernel in
         transformers' interface computes)."""
-        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none", sliding_window=False)
+        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none", sliding_window=False,
+                                                   head_shapes=False)  # fmt: skip
 
     def of(self, config: PlugformerConfig) -> KernelSpec:
         """The record of the kernel `config` runs on: the one place plugformer reads `config._attn_implementation`
@@ -280,6 +301,10 @@ class KernelTable:
     def taking_wide_values(self) -> list[str]:
         """The kernels that take values wider than the queries and keys (a score's `value_width` above 1)."""
         return [name for name, spec in self._table.items() if spec.wide_values]
+
+    def taking_any_heads(self) -> list[str]:
+        """The kernels that attend with heads of any count and width (`head_shapes`)."""
+        return [name for name, spec in self._table.items() if spec.head_shapes]
 
     def with_sinks(self) -> list[str]:
         """The kernels that add `use_attention_sinks`' sink logits."""
@@ -335,6 +360,7 @@ def register_attention_kernel(
     attention_weights: bool = False,
     static_cache: bool = True,
     padding: bool = True,
+    head_shapes: bool = True,
     mask: str | None = "sdpa",
 ) -> KernelSpec:
     """Registers an attention function under `name` with what it can compute, for plugformer and transformers.
@@ -344,8 +370,8 @@ def register_attention_kernel(
         function (`Callable`): transformers' attention signature, `(module, query, key, value, attention_mask, *,
             scaling, dropout, **kwargs) -> (output (B, Q, H, D), weights | None)`; with `bias="relative"` or
             `"dense"` it also gets `position_bias`.
-        scores, bias, bias_kinds, softcap, sinks, wide_values, attention_weights, static_cache, padding: As in
-            [`KernelSpec`].
+        scores, bias, bias_kinds, softcap, sinks, wide_values, attention_weights, static_cache, padding, head_shapes:
+            As in [`KernelSpec`].
         mask (`str`, *optional*, defaults to `"sdpa"`): The mask format it takes, that of a kernel in transformers'
             `AttentionMaskInterface` (`"sdpa"`: boolean, `"eager"`: additive float, `"flex_attention"`: a block
             mask); `None` if it masks by itself. transformers builds no mask at all for a kernel without one, so
@@ -358,7 +384,7 @@ def register_attention_kernel(
                                        softcap=softcap, sinks=sinks, wide_values=wide_values,
                                        sliding_window=mask is not None,
                                        attention_weights=attention_weights, static_cache=static_cache,
-                                       padding=padding))  # fmt: skip
+                                       padding=padding, head_shapes=head_shapes))  # fmt: skip
     AttentionInterface.register(name, function)
     if mask is not None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])

@@ -24,9 +24,11 @@ def _convert(argv: list[str]) -> None:
     from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
 
     parser = argparse.ArgumentParser(prog="plugformer convert", allow_abbrev=False, epilog=REPEATED_FLAGS_RULE,
-                                     description="Import a Llama, Qwen3, Qwen3-Next or GPT-2 checkpoint.")  # fmt: skip
+                                     description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 "
+                                     "checkpoint.")  # fmt: skip
     parser.add_argument(
-        "source", help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next or gpt2)"
+        "source",
+        help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next, gpt2 or deepseek_v3)",
     )
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
@@ -113,7 +115,7 @@ def _info(argv: list[str]) -> None:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
-    "convert": (_convert, "import a transformers Llama, Qwen3, Qwen3-Next or GPT-2 checkpoint (identical logits)"),
+    "convert": (_convert, "import a Llama, Qwen3, Qwen3-Next, GPT-2 or dense DeepSeek-V3 checkpoint (same logits)"),
     "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),

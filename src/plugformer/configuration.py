@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 from .compat import ASSIGNS_TP_PLAN
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS, VALUE_RESIDUALS
 from .positions import POSITION_SCHEMES
+from .projections import ATTENTION_PROJECTIONS
 from .registry import unused_fields
 from .scores import ATTENTION_SCORES
 
@@ -100,7 +101,7 @@ STACK_TP_PLAN: dict[str, str] = {
 
 
 # The variant axes whose classes own config fields (`registry.ConfigHooks`); each registry's `axis` is its field.
-VARIANT_REGISTRIES = (ATTENTION_SCORES, POSITION_SCHEMES)
+VARIANT_REGISTRIES = (ATTENTION_SCORES, POSITION_SCHEMES, ATTENTION_PROJECTIONS)
 
 
 # Written into every config so a saved checkpoint loads with `trust_remote_code=True` without plugformer installed;
@@ -165,7 +166,8 @@ class PlugformerConfig(PreTrainedConfig):
         num_attention_heads (`int`, *optional*, defaults to 8): Query heads h.
         num_key_value_heads (`int`, *optional*): Key/value heads; `h` = multi-head, 1 = MQA, in between = GQA.
             Defaults to `num_attention_heads`.
-        head_dim (`int`, *optional*): Per-head width d_k = d_v; defaults to `hidden_size // num_attention_heads`.
+        head_dim (`int`, *optional*): Per-head width d_k = d_v; defaults to `hidden_size // num_attention_heads`. With
+            `attention_projection="latent"`, the rotated width `qk_rope_head_dim` (transformers' DeepseekV3).
         hidden_act (`str`, *optional*, defaults to `"silu"`): Feed-forward activation (any key of transformers'
             `ACT2FN`).
         max_position_embeddings (`int`, *optional*, defaults to 2048): Positions a `learned` scheme can encode; the
@@ -174,6 +176,24 @@ class PlugformerConfig(PreTrainedConfig):
             `plugformer.ATTENTION_SCORES` (`"dot"`, `"scaled_dot"`, ...; see `plugformer.scores`).
         position_scheme (`str`, *optional*, defaults to `"rope"`): A name registered in `plugformer.POSITION_SCHEMES`
             (`"none"`, `"rope"`, `"alibi"`, ...; see `plugformer.positions`).
+        attention_projection (`str`, *optional*, defaults to `"standard"`): A name registered in
+            `plugformer.ATTENTION_PROJECTIONS`: `"standard"` (q, k, v projections per head) or `"latent"` (multi-head
+            latent attention, DeepSeek-V2/V3; see `plugformer.projections`).
+        q_lora_rank (`int`, *optional*): `attention_projection="latent"`: rank of the query latent (`q_a_proj`,
+            `q_b_proj`); `None` projects queries directly (`q_proj`).
+        kv_lora_rank (`int`, *optional*): `attention_projection="latent"`: rank of the compressed key/value latent;
+            defaults to 4·`hidden_size // num_attention_heads` (DeepSeek-V2's proportion).
+        qk_rope_head_dim (`int`, *optional*): `attention_projection="latent"`: width of the decoupled RoPE part of
+            each query and of the key part shared by the heads; defaults to half of `hidden_size // num_attention_heads`.
+        qk_nope_head_dim (`int`, *optional*): `attention_projection="latent"`: width of each head's query and key part
+            without positions; defaults to `hidden_size // num_attention_heads`.
+        v_head_dim (`int`, *optional*): `attention_projection="latent"`: width of each head's value; defaults to
+            `hidden_size // num_attention_heads`.
+        rope_interleave (`bool`, *optional*, defaults to `False`): `attention_projection="latent"`: rotate interleaved
+            pairs of the RoPE part, as DeepSeek's checkpoints expect (transformers' DeepseekV3 field).
+        use_latent_cache (`bool`, *optional*, defaults to `False`): `attention_projection="latent"`: the KV cache
+            holds each token's compressed latent and rotated key part (`kv_lora_rank + qk_rope_head_dim` numbers per
+            layer, as transformers' DeepseekV3) instead of every head's keys and values; same outputs.
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
         norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
@@ -266,6 +286,14 @@ class PlugformerConfig(PreTrainedConfig):
     max_position_embeddings: int = 2048
     attention_score: str = "scaled_dot"
     position_scheme: str = "rope"
+    attention_projection: str = "standard"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False
+    use_latent_cache: bool = False
     norm_type: str = "rmsnorm"
     norm_placement: str = "pre"
     ffn_type: str = "glu"
@@ -304,6 +332,7 @@ class PlugformerConfig(PreTrainedConfig):
         self._validate_variants()
         self._validate_sizes()
         self._validate_layer_types()
+        ATTENTION_PROJECTIONS.get(self.attention_projection).complete_config(self)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_decoder_layers is None:
@@ -353,6 +382,7 @@ class PlugformerConfig(PreTrainedConfig):
     def _validate_variants(self) -> None:
         _choice("attention_score", self.attention_score, ATTENTION_SCORES.names())
         _choice("position_scheme", self.position_scheme, POSITION_SCHEMES.names())
+        _choice("attention_projection", self.attention_projection, ATTENTION_PROJECTIONS.names())
         _choice("norm_type", self.norm_type, NORMS.names())
         _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
         _choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
@@ -365,6 +395,7 @@ class PlugformerConfig(PreTrainedConfig):
             self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
             "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
+            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         )  # fmt: skip
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -417,9 +448,9 @@ class PlugformerConfig(PreTrainedConfig):
                 f"{self.attention_score!r}'s own; use a score whose `dot_product` is true, or False"
             )
 
-    def _variants(self) -> tuple[type, type]:
-        """The classes of the chosen score function and position scheme."""
-        return ATTENTION_SCORES.get(self.attention_score), POSITION_SCHEMES.get(self.position_scheme)
+    def _variants(self) -> tuple[type, ...]:
+        """The classes of the chosen variants: score function, position scheme, attention projection."""
+        return tuple(registry.get(getattr(self, registry.axis)) for registry in VARIANT_REGISTRIES)
 
     def _validate_variant_fields(self) -> None:
         """The chosen score function and position scheme check their own fields (`validate_config`); the fields

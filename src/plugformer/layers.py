@@ -35,10 +35,10 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): x / rms(x) · g, computed in fp32 (as Llama's); `eps = config.rms_norm_eps`."""
 
-    def __init__(self, config: PlugformerConfig, size: int | None = None):
+    def __init__(self, config: PlugformerConfig, size: int | None = None, eps: float | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size or config.hidden_size))  # a head's d_k for QK-norm
-        self.variance_epsilon = config.rms_norm_eps
+        self.variance_epsilon = config.rms_norm_eps if eps is None else eps  # `eps`: a latent norm's own (MLA)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

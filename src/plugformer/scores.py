@@ -31,6 +31,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .kernels import additive_attention_forward, eager_attention_forward
+from .projections import ATTENTION_PROJECTIONS
 from .registry import ConfigHooks, Registry
 
 
@@ -79,7 +80,9 @@ class AttentionScore(ConfigHooks, nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        projection = ATTENTION_PROJECTIONS.get(config.attention_projection)
+        self.head_dim = projection.query_key_dim(config)  # d_k of the queries and keys the score gets
+        self.value_head_dim = projection.value_dim(config)
         self.layer_idx = layer_idx  # the block's index (a score may depend on depth)
 
     @property
@@ -263,7 +266,7 @@ class DifferentialScore(AttentionScore):
         self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim))
         self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim))
         self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim))
-        self.groupnorm = nn.RMSNorm(2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
+        self.groupnorm = nn.RMSNorm(2 * self.value_head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
 
     @property
     def scaling(self) -> float:

@@ -16,13 +16,13 @@ from .measure import median
 
 
 def train_flops(
-    matmul_params: int, num_layers: int, num_heads: int, head_dim: int, batch_size: int, seq_len: int
+    matmul_params: int, num_layers: int, num_heads: int, head_dim: float, batch_size: int, seq_len: int
 ) -> int:
     """Model FLOPs of one training step, counted as in PaLM (Chowdhery et al. 2022, appendix B), per token:
     6·N for the weight matmuls (2·N forward, 4·N backward) + 12·L·H·d_head·T for attention (QKᵀ and AV, 2·T·d_head
     FLOPs each per head and token forward, ×3 with the backward), over the full T×T scores although a causal
     kernel may skip about half. Score functions beyond a dot product (additive's tanh) are not counted."""
-    return batch_size * seq_len * (6 * matmul_params + 12 * num_layers * num_heads * head_dim * seq_len)
+    return round(batch_size * seq_len * (6 * matmul_params + 12 * num_layers * num_heads * head_dim * seq_len))
 
 
 def throughput(tokens: int, seconds: list[float]) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..capabilities import KERNELS, supported_kernels, unsupported_reason
 from ..positions import POSITION_SCHEMES
+from ..projections import ATTENTION_PROJECTIONS
 from ..runtime.variants import ATTENTION_MODIFIERS
 from .arguments import BenchArguments
 from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
@@ -52,11 +53,18 @@ def measure_training(
     for name, model in models.items():
         profile = profile_call(steps[name].step, args.device, steps[name].live_bytes())
         parameters = matmul_parameters(model)
-        flops = train_flops(parameters, config.num_hidden_layers, config.num_attention_heads, config.head_dim,
+        flops = train_flops(parameters, config.num_hidden_layers, config.num_attention_heads, attention_width(config),
                             args.batch_size, seq_len)  # fmt: skip
         results[name] = train_measurement(model, samples[name], profile, batch.numel(), flops, peak)
         results[name]["matmul_parameters"] = parameters
     return results
+
+
+def attention_width(config) -> float:
+    """The head width d_head of the attention FLOPs: the mean of the query/key and value widths, which differ in
+    multi-head latent attention (QKᵀ costs d_qk per score, AV d_v); `head_dim` for the standard projection."""
+    projection = ATTENTION_PROJECTIONS.get(config.attention_projection)
+    return (projection.query_key_dim(config) + projection.value_dim(config)) / 2
 
 
 def train_row(args: BenchArguments, spec: str, pair: str, models: dict, seq_len: int, dtype: str, peak: float) -> dict:

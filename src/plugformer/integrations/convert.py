@@ -1,5 +1,5 @@
-"""Import transformers' Llama, Qwen3, Qwen3-Next (its full-attention, dense form) and GPT-2 causal LM checkpoints into
-plugformer with identical logits.
+"""Import transformers' Llama, Qwen3, Qwen3-Next (its full-attention, dense form), GPT-2 and (all-dense) DeepSeek-V3
+causal LM checkpoints into plugformer with identical logits.
 
 That is the path from a pretrained public checkpoint to a variant study: convert, then switch `position_scheme` or
 `attention_score` (the weights that still fit are kept, new variant parameters start fresh) and fine-tune.
@@ -122,6 +122,44 @@ def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
     return dict(state)
 
 
+def deepseek_v3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3 with dense layers only: Llama's blocks with multi-head latent attention (`attention_projection=
+    "latent"`, its latent cache as the source's); mixture-of-experts layers have no plugformer equivalent."""
+    if source.first_k_dense_replace < source.num_hidden_layers:
+        raise ValueError(
+            f"first_k_dense_replace={source.first_k_dense_replace} < num_hidden_layers={source.num_hidden_layers}: "
+            "the layers after the first k are mixture-of-experts, which plugformer has not; only all-dense DeepSeek-V3 "
+            "checkpoints convert"
+        )
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads,
+        hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings,
+        rope_parameters=dict(source.rope_parameters),
+        rms_norm_eps=source.rms_norm_eps,
+        attention_bias=source.attention_bias,
+        attention_dropout=source.attention_dropout,
+        tie_word_embeddings=source.tie_word_embeddings,
+        initializer_range=source.initializer_range,
+        attention_score="scaled_dot",
+        position_scheme="rope",
+        **_special_tokens(source),
+        attention_projection="latent",
+        q_lora_rank=source.q_lora_rank,
+        kv_lora_rank=source.kv_lora_rank,
+        qk_rope_head_dim=source.qk_rope_head_dim,
+        qk_nope_head_dim=source.qk_nope_head_dim,
+        v_head_dim=source.v_head_dim,
+        rope_interleave=bool(source.rope_interleave),
+        use_latent_cache=True,
+    )
+
+
 def gpt2_config(source: PreTrainedConfig) -> dict[str, Any]:
     """GPT-2: learned absolute positions, LayerNorm before each block, GELU MLP, biases everywhere, tied head."""
     if source.scale_attn_by_inverse_layer_idx:
@@ -202,6 +240,7 @@ CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateD
     "qwen3": (qwen3_config, llama_weights),
     "qwen3_next": (qwen3_next_config, qwen3_next_weights),
     "gpt2": (gpt2_config, gpt2_weights),
+    "deepseek_v3": (deepseek_v3_config, llama_weights),  # the same module names (`self_attn.kv_b_proj`, ...)
 }
 
 
@@ -211,7 +250,8 @@ def convert(
     """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
 
     Args:
-        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3, qwen3_next or gpt2).
+        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3, qwen3_next,
+            gpt2 or deepseek_v3).
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
             source or a folder inside it, nor an existing file; a folder that already holds a model only with
             `overwrite`.

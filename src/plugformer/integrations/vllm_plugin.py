@@ -68,7 +68,7 @@ def register_vllm_kernel() -> None:
 def register_alibi_kernel() -> None:
     if ALIBI_KERNEL not in KERNELS:
         register_attention_kernel(
-            ALIBI_KERNEL, vllm_alibi_attention_forward, scores="dot_product", bias="alibi", mask=None
+            ALIBI_KERNEL, vllm_alibi_attention_forward, scores="dot_product", bias="alibi", head_shapes=False, mask=None
         )
 
 

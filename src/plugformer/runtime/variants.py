@@ -36,6 +36,7 @@ ATTENTION_MODIFIERS: dict[str, Any] = {
     "sliding_window": 256,
     "use_gated_attention": True,
     "value_residual": "learned",
+    "attention_projection": "latent",  # multi-head latent attention (DeepSeek-V2/V3)
 }
 
 
