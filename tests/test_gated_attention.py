@@ -95,7 +95,7 @@ def test_gated_attention_is_off_by_default_and_type_checked():
 )  # fmt: skip
 def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, use_gated_attention=True))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}
+    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
     shared.test_causality(**arguments)
     shared.test_left_padding_matches_unpadded(**arguments, request=request)
     shared.test_cached_decoding_equals_full_forward(**arguments)

@@ -110,7 +110,7 @@ MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types":
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(**MIXED_FIELDS))
 def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
     monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MIXED_FIELDS))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "tokens": tokens}
+    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
     shared.test_causality(**arguments)
     shared.test_left_padding_matches_unpadded(**arguments, request=request)
     shared.test_cached_decoding_equals_full_forward(**arguments)

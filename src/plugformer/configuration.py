@@ -17,65 +17,10 @@ from transformers.activations import ACT2FN
 from .compat import ASSIGNS_TP_PLAN
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS, VALUE_RESIDUALS
 from .positions import POSITION_SCHEMES
+from .presets import PRESETS
 from .projections import ATTENTION_PROJECTIONS
-from .registry import unused_fields
+from .registry import choice, in_range, positive, unused_fields
 from .scores import ATTENTION_SCORES
-
-
-# Presets are diffs from the dataclass defaults (litgpt's habit): read the defaults, then the diff.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Unit tests: every axis runs in milliseconds; GQA (4 query heads share 2 key/value heads).
-    "tiny": dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        max_relative_distance=8,
-    ),
-    # CPU experiments: ≈ 14M parameters with an 8k vocabulary.
-    "small": dict(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        max_position_embeddings=1024,
-    ),
-    # GPT-2 small's shape (124M): learned absolute positions, post-2019 pre-LayerNorm, GELU MLP, biases, tied head.
-    "gpt2-small": dict(
-        vocab_size=50257,
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        max_position_embeddings=1024,
-        position_scheme="learned",
-        norm_type="layernorm",
-        ffn_type="mlp",
-        hidden_act="gelu_new",
-        attention_bias=True,
-        mlp_bias=True,
-        layer_norm_eps=1e-5,
-    ),
-    # A Llama-3.2-1B-like decoder for GPU: RoPE (theta 500k), GQA 32/8, SwiGLU, RMSNorm.
-    "llama": dict(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-}
 
 
 # Tensor parallelism splits the attention heads over the ranks (Megatron-LM's layout, as transformers' Llama): q, k, v
@@ -125,30 +70,6 @@ def layer_type(config: "PlugformerConfig", layer_idx: int) -> str:
     """The attention kind of self-attention layer `layer_idx` (`config.layer_types`). A seq2seq decoder, whose layers
     `layer_types` does not count, has no sliding window (refused there) and so only full layers."""
     return "full_attention" if config.sliding_window is None else config.layer_types[layer_idx]
-
-
-def _choice(field: str, value: Any, choices: list[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{field}={value!r} is not one of {choices}")
-
-
-def _positive(config: "PlugformerConfig", *fields: str) -> None:
-    for field in fields:
-        value = getattr(config, field)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{field}={value!r} must be an int")
-        if value < 1:
-            raise ValueError(f"{field}={value!r} must be a positive integer")
-
-
-def _in_range(config: "PlugformerConfig", field: str, low: float, high: float, closed_high: bool = False) -> None:
-    value = getattr(config, field)
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{field}={value!r} must be a number")
-    if not (low <= value <= high if closed_high else low <= value < high):
-        raise ValueError(f"{field}={value!r} must lie in [{low}, {high}{']' if closed_high else ')'}")
 
 
 @strict
@@ -380,18 +301,18 @@ class PlugformerConfig(PreTrainedConfig):
         return 4 * self.hidden_size
 
     def _validate_variants(self) -> None:
-        _choice("attention_score", self.attention_score, ATTENTION_SCORES.names())
-        _choice("position_scheme", self.position_scheme, POSITION_SCHEMES.names())
-        _choice("attention_projection", self.attention_projection, ATTENTION_PROJECTIONS.names())
-        _choice("norm_type", self.norm_type, NORMS.names())
-        _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
-        _choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
-        _choice("hidden_act", self.hidden_act, sorted(ACT2FN))
+        choice("attention_score", self.attention_score, ATTENTION_SCORES.names())
+        choice("position_scheme", self.position_scheme, POSITION_SCHEMES.names())
+        choice("attention_projection", self.attention_projection, ATTENTION_PROJECTIONS.names())
+        choice("norm_type", self.norm_type, NORMS.names())
+        choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
+        choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
+        choice("hidden_act", self.hidden_act, sorted(ACT2FN))
         if self.value_residual is not None:
-            _choice("value_residual", self.value_residual, [None, *VALUE_RESIDUALS.names()])
+            choice("value_residual", self.value_residual, [None, *VALUE_RESIDUALS.names()])
 
     def _validate_sizes(self) -> None:
-        _positive(
+        positive(
             self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
             "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
@@ -408,9 +329,9 @@ class PlugformerConfig(PreTrainedConfig):
                 f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)"
             )
         for field in ("attention_dropout", "hidden_dropout"):
-            _in_range(self, field, 0.0, 1.0)
+            in_range(self, field, 0.0, 1.0)
         for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
-            _in_range(self, field, 1e-12, 1.0, closed_high=True)
+            in_range(self, field, 1e-12, 1.0, closed_high=True)
         self._validate_softcapping()
 
     def _validate_layer_types(self) -> None:
@@ -497,14 +418,14 @@ class PlugformerConfig(PreTrainedConfig):
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "PlugformerConfig":
         """A named preset (`tiny`, `small`, `gpt2-small`, `llama`) with `overrides` applied on top."""
-        _choice("preset", name, list(PRESETS))
+        choice("preset", name, list(PRESETS))
         values = {**copy.deepcopy(PRESETS[name]), **overrides}
         chosen = []
         for registry in VARIANT_REGISTRIES:
-            choice = values.get(registry.axis, cls.__dataclass_fields__[registry.axis].default)
-            if not isinstance(choice, str) or choice not in registry:
+            name = values.get(registry.axis, cls.__dataclass_fields__[registry.axis].default)
+            if not isinstance(name, str) or name not in registry:
                 return cls(**values)  # refused there, naming the field
-            chosen.append(registry.get(choice))
+            chosen.append(registry.get(name))
         for fields in unused_fields(tuple(chosen), VARIANT_REGISTRIES).values():
             for field in fields - set(overrides):  # the preset's settings (RoPE's), for a variant swapped out
                 values.pop(field, None)

@@ -98,3 +98,30 @@ def unused_fields(chosen: tuple[type[ConfigHooks], ...], registries: tuple[Regis
             if variant not in chosen and variant.unused_fields_refused and fields:
                 found[variant] = fields
     return found
+
+
+def choice(field: str, value: Any, choices: list[str]) -> None:
+    """Raises `ValueError` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not one of {choices}")
+
+
+def positive(config: PlugformerConfig, *fields: str) -> None:
+    """Raises `TypeError`/`ValueError` unless each of `fields` of `config` is `None` or a positive int."""
+    for field in fields:
+        value = getattr(config, field)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{field}={value!r} must be an int")
+        if value < 1:
+            raise ValueError(f"{field}={value!r} must be a positive integer")
+
+
+def in_range(config: PlugformerConfig, field: str, low: float, high: float, closed_high: bool = False) -> None:
+    """Raises `TypeError`/`ValueError` unless `config.<field>` is a number in [low, high) (or [low, high])."""
+    value = getattr(config, field)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{field}={value!r} must be a number")
+    if not (low <= value <= high if closed_high else low <= value < high):
+        raise ValueError(f"{field}={value!r} must lie in [{low}, {high}{']' if closed_high else ')'}")

@@ -312,3 +312,29 @@ def main(argv: list[str]) -> Path:
         plot_training_curves(args.run_dirs, args.output, args.metrics, dpi=args.dpi)
     print(f"wrote {args.output}")
     return Path(args.output)
+
+
+def plot_comparison(summary: dict, path: Path) -> None:
+    """`plugformer compare`'s figure: mean and 95% CI per variant (seeds as dots), the selected variant highlighted."""
+    plt = pyplot()
+    names = list(summary["variants"])
+    figure, axis = plt.subplots(figsize=(9, 1.6 + 0.6 * len(names)))
+    for row_index, name in enumerate(names):
+        row = summary["variants"][name]
+        test, color = row["test"], ("tab:red" if name == summary["best"] else "tab:blue")
+        seeds = list(row["test_per_seed"].values())
+        axis.scatter(seeds, [row_index] * len(seeds), color="grey", s=12, alpha=0.6, zorder=2)
+        error = None if math.isnan(test["low"]) else [[test["mean"] - test["low"]], [test["high"] - test["mean"]]]
+        axis.errorbar(test["mean"], row_index, xerr=error, fmt="o", color=color, capsize=4, zorder=3)
+        if "versus_best" in row and row["versus_best"]["significant"]:
+            axis.annotate("*", (test["mean"], row_index), textcoords="offset points", xytext=(0, 6), ha="center")
+    axis.set_yticks(range(len(names)), [name.replace(",", "\n") for name in names], fontsize=8)
+    axis.invert_yaxis()
+    direction = "higher" if summary["higher_is_better"] else "lower"
+    axis.set_xlabel(f"test {summary['metric']} ({direction} is better)")
+    axis.set_title("mean and 95% CI over seeds (grey dots: seeds); red: selected on dev; *: significantly different",
+                   fontsize=9)  # fmt: skip
+    axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

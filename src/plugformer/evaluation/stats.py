@@ -213,3 +213,18 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -
     low = 0.0 if successes == 0 else max(0.0, centre - half)
     high = 1.0 if successes == trials else min(1.0, centre + half)
     return low, high
+
+
+def holm(tests: dict) -> dict[str, float]:
+    """Holm-Bonferroni adjusted p-values (step-down, made monotone, capped at 1).
+
+    >>> from types import SimpleNamespace as T
+    >>> holm({"a": T(p_value=0.01), "b": T(p_value=0.04), "c": T(p_value=0.03)})
+    {'a': 0.03, 'c': 0.06, 'b': 0.06}
+    """
+    ordered = sorted(tests, key=lambda name: tests[name].p_value)
+    adjusted, running = {}, 0.0
+    for rank, name in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - rank) * tests[name].p_value))
+        adjusted[name] = round(running, 12)
+    return adjusted

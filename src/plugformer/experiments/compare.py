@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.options import CorpusArguments
-from ..evaluation.figures import pyplot
+from ..evaluation.plots import plot_comparison
 from ..evaluation.stats import (
     MIN_BOOTSTRAP_SAMPLES,
     check_significance_options,
+    holm,
     mean_interval,
     paired_bootstrap,
     paired_t_test,
@@ -416,21 +417,6 @@ def _paired_test(args: CompareArguments, best: dict[int, dict], other: dict[int,
     return paired_bootstrap(averaged(best), averaged(other), weights=weights, samples=args.bootstrap_samples)
 
 
-def holm(tests: dict) -> dict[str, float]:
-    """Holm-Bonferroni adjusted p-values (step-down, made monotone, capped at 1).
-
-    >>> from types import SimpleNamespace as T
-    >>> holm({"a": T(p_value=0.01), "b": T(p_value=0.04), "c": T(p_value=0.03)})
-    {'a': 0.03, 'c': 0.06, 'b': 0.06}
-    """
-    ordered = sorted(tests, key=lambda name: tests[name].p_value)
-    adjusted, running = {}, 0.0
-    for rank, name in enumerate(ordered):
-        running = max(running, min(1.0, (len(ordered) - rank) * tests[name].p_value))
-        adjusted[name] = round(running, 12)
-    return adjusted
-
-
 def table(args: CompareArguments, summary: dict) -> str:
     metric = summary["metric"]
     direction = "higher" if summary["higher_is_better"] else "lower"
@@ -461,32 +447,6 @@ def table(args: CompareArguments, summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, path: Path) -> None:
-    """Mean and 95% CI per variant (seeds as dots), the selected variant highlighted."""
-    plt = pyplot()
-    names = list(summary["variants"])
-    figure, axis = plt.subplots(figsize=(9, 1.6 + 0.6 * len(names)))
-    for row_index, name in enumerate(names):
-        row = summary["variants"][name]
-        test, color = row["test"], ("tab:red" if name == summary["best"] else "tab:blue")
-        seeds = list(row["test_per_seed"].values())
-        axis.scatter(seeds, [row_index] * len(seeds), color="grey", s=12, alpha=0.6, zorder=2)
-        error = None if math.isnan(test["low"]) else [[test["mean"] - test["low"]], [test["high"] - test["mean"]]]
-        axis.errorbar(test["mean"], row_index, xerr=error, fmt="o", color=color, capsize=4, zorder=3)
-        if "versus_best" in row and row["versus_best"]["significant"]:
-            axis.annotate("*", (test["mean"], row_index), textcoords="offset points", xytext=(0, 6), ha="center")
-    axis.set_yticks(range(len(names)), [name.replace(",", "\n") for name in names], fontsize=8)
-    axis.invert_yaxis()
-    direction = "higher" if summary["higher_is_better"] else "lower"
-    axis.set_xlabel(f"test {summary['metric']} ({direction} is better)")
-    axis.set_title("mean and 95% CI over seeds (grey dots: seeds); red: selected on dev; *: significantly different",
-                   fontsize=9)  # fmt: skip
-    axis.grid(axis="x", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
 def run(args: CompareArguments) -> dict:
     grid = variants(parse_grid(args.grid))
     plans = {variant_name(variant): run_plan(args, variant) for variant in grid}  # validates before training
@@ -498,7 +458,7 @@ def run(args: CompareArguments) -> dict:
             results[name][seed] = {split: example_scores(args, model_dir, split) for split in ("dev", "test")}
     summary = summarize(args, results)
     summary["runs"] = {name: str(directory) for name, (directory, _) in plans.items()}
-    write_results(args, summary, table(args, summary), plot)
+    write_results(args, summary, table(args, summary), plot_comparison)
     return summary
 
 

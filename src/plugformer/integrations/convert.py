@@ -40,8 +40,9 @@ def _special_tokens(source: PreTrainedConfig) -> dict[str, Any]:
     return tokens
 
 
-def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
-    """Llama is plugformer's default architecture: scaled dot product, RoPE, RMSNorm before each block, SwiGLU."""
+def llama_config(source: PreTrainedConfig, rope_parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Llama is plugformer's default architecture: scaled dot product, RoPE, RMSNorm before each block, SwiGLU.
+    `rope_parameters`: the source's as its model applies them (by default Llama's reading, `llama_rope_parameters`)."""
     return dict(
         vocab_size=source.vocab_size,
         hidden_size=source.hidden_size,
@@ -52,7 +53,7 @@ def llama_config(source: PreTrainedConfig) -> dict[str, Any]:
         head_dim=source.head_dim,
         hidden_act=source.hidden_act,
         max_position_embeddings=source.max_position_embeddings,
-        rope_parameters=llama_rope_parameters(source),
+        rope_parameters=llama_rope_parameters(source) if rope_parameters is None else rope_parameters,
         rms_norm_eps=source.rms_norm_eps,
         attention_bias=source.attention_bias,
         mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
@@ -90,7 +91,9 @@ def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
     if sparse and source.num_experts > 0:
         raise ValueError(f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
                          "plugformer converts Qwen3-Next only with a dense MLP in every layer")  # fmt: skip
-    return {**llama_config(source), "use_qk_norm": True, "use_gated_attention": True}
+    # unlike Llama's, Qwen3-Next's RoPE honours `partial_rotary_factor` (a quarter of each head by default): kept whole
+    config = llama_config(source, rope_parameters=dict(source.rope_parameters))
+    return {**config, "use_qk_norm": True, "use_gated_attention": True}
 
 
 def qwen3_next_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
