@@ -224,7 +224,9 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
         try:
             configs[stage] = config_path(path)  # the shipped YAMLs are found from any folder
         except FileNotFoundError:
-            raise ValueError(f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}") from None
+            raise ValueError(
+                f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}"
+            ) from None
     fingerprint = {
         "stages": args.stages,
         "options": options,
