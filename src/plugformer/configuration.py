@@ -151,10 +151,8 @@ class PlugformerConfig(PreTrainedConfig):
             every layer), as Mistral's (transformers' name and
             masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
             keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
-            (`DynamicCache(config=...)`) then keeps only the window, except in a seq2seq model: there the encoder and the
-            decoder's self-attention are local, the cross-attention sees every encoder token, and the caches keep
-            every key (transformers' `generate` builds both halves from one config; see `get_text_config`). `None`:
-            full attention.
+            (`DynamicCache(config=...)`) then keeps only the window; a seq2seq model's keeps every key (its
+            cross-attention sees the whole source). `None`: full attention.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
