@@ -15,7 +15,7 @@ import torch
 from conftest import build, modifier_combinations, tiny_config
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
-from plugformer import PlugformerConfig, PlugformerForCausalLM
+from plugformer import PlugformerConfig, PlugformerForCausalLM, PlugformerForConditionalGeneration
 
 
 WINDOW = 3
@@ -146,3 +146,23 @@ def test_layer_types_save_load_round_trip(tokens, tmp_path):
     assert [layer.attention_type for layer in loaded.model.layers] == MIXED
     assert [layer.self_attn.window_kwargs for layer in loaded.model.layers] == [{"sliding_window": WINDOW}, {},
                                                                                 {"sliding_window": WINDOW}]  # fmt: skip
+
+
+def test_a_seq2seq_decoder_deeper_than_its_encoder_slides_every_layer(tokens):
+    """`layer_types` counts the encoder's layers; the decoder's self-attention layers (here more of them) take the one
+    kind a seq2seq model allows, and its cached decoding equals the full forward."""
+    config = tiny_config(is_encoder_decoder=True, sliding_window=3, num_hidden_layers=1, num_decoder_layers=2,
+                         pad_token_id=0, decoder_start_token_id=0)  # fmt: skip
+    model = PlugformerForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        full = model(tokens, decoder_input_ids=tokens[:, :6]).logits
+        out = model(tokens, decoder_input_ids=tokens[:, :3], use_cache=True)
+        steps = [out.logits]
+        for t in range(3, 6):
+            out = model(tokens, decoder_input_ids=tokens[:, t : t + 1], past_key_values=out.past_key_values,
+                        use_cache=True)  # fmt: skip
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"mixes kinds, which is_encoder_decoder=True does not support"):
+        tiny_config(is_encoder_decoder=True, sliding_window=3, layer_types=["full_attention", "sliding_attention"],
+                    pad_token_id=0)  # fmt: skip

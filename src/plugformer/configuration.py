@@ -67,9 +67,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def layer_type(config: "PlugformerConfig", layer_idx: int) -> str:
-    """The attention kind of self-attention layer `layer_idx` (`config.layer_types`). A seq2seq decoder, whose layers
-    `layer_types` does not count, has no sliding window (refused there) and so only full layers."""
-    return "full_attention" if config.sliding_window is None else config.layer_types[layer_idx]
+    """The attention kind of self-attention layer `layer_idx` (`config.layer_types`). In a seq2seq model, whose
+    decoder layers `layer_types` does not count, every self-attention layer of both stacks is of the one kind
+    `layer_types` may hold there."""
+    if config.sliding_window is None:
+        return "full_attention"
+    return config.layer_types[0 if config.is_encoder_decoder else layer_idx]
 
 
 @strict
@@ -148,9 +151,9 @@ class PlugformerConfig(PreTrainedConfig):
         additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default chosen to
             keep each chunk's tanh activations within 64 MiB.
         sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
-            every layer), as Mistral's (transformers' name and
-            masks): a causal query sees only the last `sliding_window` keys (itself included), an encoder's query the
-            keys at most `sliding_window` away (transformers' bidirectional sliding mask). The KV cache
+            every layer), as Mistral's (transformers' name and masks): a causal query sees only the last
+            `sliding_window` keys (itself included), an encoder's query the keys at most `sliding_window` away
+            (transformers' bidirectional sliding mask). The KV cache
             (`DynamicCache(config=...)`) then keeps only the window; a seq2seq model's keeps every key (its
             cross-attention sees the whole source). `None`: full attention.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
@@ -345,6 +348,11 @@ class PlugformerConfig(PreTrainedConfig):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries; it needs one per layer (num_hidden_layers="
                 f"{self.num_hidden_layers})"
+            )
+        if self.is_encoder_decoder and len(set(self.layer_types)) > 1:
+            raise ValueError(
+                f"layer_types={self.layer_types!r} mixes kinds, which is_encoder_decoder=True does not support (its "
+                "decoder layers have no entries): make every layer the same kind"
             )
         if self.sliding_window is None and "sliding_attention" in self.layer_types:
             raise ValueError(
