@@ -621,9 +621,8 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
                                       stage_configs=CONFIGS, max_new_tokens=4)  # fmt: skip
     shutil.copytree(finished, tmp_path / "pipeline" / "pretrain")  # a finished stage, recorded as this one: reused
     argv = pipeline.stage_argv(args, "pretrain")
-    write_json_atomic(
-        tmp_path / "pipeline" / "pretrain" / pipeline.RECORD, pipeline.stage_record(args, "pretrain", argv)
-    )
+    record = pipeline.finished_record(args, "pretrain", pipeline.stage_record(args, "pretrain", argv))
+    write_json_atomic(tmp_path / "pipeline" / "pretrain" / pipeline.RECORD, record)
     results = pipeline.run(args)
     assert "reusing" in capsys.readouterr().out
     assert "exact_match" not in results["pretrain"] and results["pretrain"]["gain"] is None

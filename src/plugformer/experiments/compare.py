@@ -72,20 +72,14 @@ class CompareArguments(CorpusArguments):
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "training seeds of every variant"})
     stages: list[str] = field(default_factory=lambda: ["pretrain"], metadata={"help": "stages run in order per run"})
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
-    set: list[str] = field(
-        default_factory=list, metadata={"help": "KEY=VALUE entries applied to every run (a repeated --set adds its)"}
-    )
+    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE for every run (repeated: they add)"})
     metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
     significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
-    bootstrap_samples: int = field(
-        default=10_000, metadata={"help": f"paired bootstrap resamples (at least {MIN_BOOTSTRAP_SAMPLES})"}
-    )
-    alpha: float = field(
-        default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected over the comparisons"}
-    )
+    bootstrap_samples: int = field(default=10_000, metadata={"help": f"resamples, at least {MIN_BOOTSTRAP_SAMPLES}"})
+    alpha: float = field(default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected"})
     max_new_tokens: int = 32
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
@@ -110,15 +104,13 @@ class CompareArguments(CorpusArguments):
 
 
 def refuse_unscorable_stage(stages: list[str]) -> None:
-    """Raises `ValueError` when the last of `stages` (the model compare scores, as a language model: perplexity or
-    exact match) is not a language model: a reward classifier's "perplexity" is that of a head it does not have."""
+    """Compare scores the last stage as a language model: a reward classifier has no perplexity of its own."""
     from ..training import STAGES
 
-    last = stages[-1] if stages else None
-    if last in STAGES and STAGES[last].card.pipeline_tag != "text-generation":
+    if stages and stages[-1] in STAGES and STAGES[stages[-1]].card.pipeline_tag != "text-generation":
         raise ValueError(f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
-                         f"match), and {last!r} trains a {STAGES[last].card.pipeline_tag} model; end --stages with a "
-                         f"policy stage, or score it with `plugformer eval --model <run>/{last}` (pairwise accuracy)")  # fmt: skip
+                         f"match), and {stages[-1]!r} trains a {STAGES[stages[-1]].card.pipeline_tag} model; end "
+                         f"--stages with a policy stage, or score it with `plugformer eval` (pairwise accuracy)")  # fmt: skip
 
 
 def parse_grid(entries: list[str]) -> dict[str, list[str]]:
@@ -320,8 +312,7 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
     return run_dir / args.stages[-1]
 
 
-# CompareArguments fields that do not change a run's per-example scores: how the scores are compared and where the
-# runs live. Every other option (metric, max_new_tokens, the examples, the data, ...) is part of the score cache's key.
+# fields that change no per-example score (how scores are compared, where runs live); all others key the score cache
 NOT_SCORING = ("output_dir", "grid", "seeds", "significance", "bootstrap_samples", "alpha", "rerun")
 
 
@@ -335,8 +326,7 @@ def score_key(args: CompareArguments, model_dir: Path, split: str) -> dict:
 
 
 def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
-    """Per-example scores of a trained run on `split`, cached in `<model_dir>/compare_<metric>_<split>.json` under
-    `score_key`: a cache written under any other option value is scored again."""
+    """Per-example scores of a trained run on `split`, cached in `<model_dir>/compare_<metric>_<split>.json` (`score_key`)."""
     size = args.dev_examples if split == "dev" else args.test_examples
     cache = model_dir / f"compare_{args.metric}_{split}.json"
     key = json.loads(json.dumps(score_key(args, model_dir, split), default=str))  # as it reads back from JSON
