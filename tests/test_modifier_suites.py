@@ -33,14 +33,14 @@ def modified(**overrides) -> list:
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified(is_causal=False))
 def test_encoder_suite_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, request):
     monkeypatch.setattr(encoder_suite, "tiny_config", functools.partial(tiny_config, **MODIFIERS[modifier]))
-    encoder_suite.test_every_token_sees_later_tokens(score, scheme, kernel, tokens)
-    encoder_suite.test_padding_does_not_change_real_tokens(score, scheme, kernel, tokens, request)
+    encoder_suite.test_every_token_sees_later_tokens(score, scheme, kernel, None, tokens)
+    encoder_suite.test_padding_does_not_change_real_tokens(score, scheme, kernel, None, tokens, request)
     if kernel != "eager":
-        encoder_suite.test_fused_kernels_match_eager_bidirectionally(score, scheme, kernel, tokens)
-    encoder_suite.test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, tokens)
+        encoder_suite.test_fused_kernels_match_eager_bidirectionally(score, scheme, kernel, None, tokens)
+    encoder_suite.test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, None, tokens)
 
 
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified())
 def test_packing_suite_with_modifier(modifier, score, scheme, kernel, monkeypatch):
     monkeypatch.setattr(packing_suite, "tiny_config", functools.partial(tiny_config, **MODIFIERS[modifier]))
-    packing_suite.test_packed_documents_equal_each_document_alone(score, scheme, kernel)
+    packing_suite.test_packed_documents_equal_each_document_alone(score, scheme, kernel, None)
