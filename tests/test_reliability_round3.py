@@ -20,14 +20,14 @@ def test_another_libraries_switch_does_not_turn_plugformers_offline_default_off(
     environ = {other: value}
     applied = apply_offline_defaults(environ)
     assert environ["HF_HUB_OFFLINE"] == "1" and environ["HF_HUB_DISABLE_TELEMETRY"] == "1"
-    assert applied == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    assert applied == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "USE_HUB_KERNELS": "NO"}
 
 
 def test_only_the_documented_switch_turns_the_hub_back_on():
     from plugformer.runtime.offline import apply_offline_defaults
 
     environ = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "1"}
-    assert apply_offline_defaults(environ) == {"HF_HUB_DISABLE_TELEMETRY": "1"}
+    assert apply_offline_defaults(environ) == {"HF_HUB_DISABLE_TELEMETRY": "1", "USE_HUB_KERNELS": "NO"}
     assert environ["HF_HUB_OFFLINE"] == "0"
     environ = {"HF_HUB_OFFLINE": ""}  # set but empty: the libraries read it as unset, so it is no opt-in
     apply_offline_defaults(environ)
