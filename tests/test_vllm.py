@@ -164,9 +164,11 @@ def test_plugin_still_refuses_what_vllm_cannot_compute(score, scheme, plugin):
     gc.collect()
 
 
-def test_plugin_generates_with_per_layer_sliding_windows(tmp_path):
+def test_plugin_generates_with_per_layer_sliding_windows(tmp_path, checkpoints):
     """`layer_types` mixing sliding and full layers (a window shorter than the prompts): vLLM's backend windows the
-    layers it marks, and greedy tokens equal transformers' (formerly refused: vLLM reads the window per layer)."""
+    layers it marks, and greedy tokens equal transformers' (formerly refused: vLLM reads the window per layer).
+    `checkpoints` is requested so the other variants are saved first: this test's vLLM run decorates the model
+    classes, after which they no longer build outside vLLM."""
     from plugformer.integrations import vllm_plugin
 
     vllm_plugin.register()
