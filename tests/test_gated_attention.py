@@ -7,8 +7,6 @@ cached greedy generation, a left-padded batch, eager and sdpa; then the shared s
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import test_combinations as shared
 import torch
@@ -94,15 +92,9 @@ def test_gated_attention_is_off_by_default_and_type_checked():
     "score,scheme,kernel", modifier_combinations(use_gated_attention=True)
 )  # fmt: skip
 def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, use_gated_attention=True))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
-    shared.test_causality(**arguments)
-    shared.test_left_padding_matches_unpadded(**arguments, request=request)
-    shared.test_cached_decoding_equals_full_forward(**arguments)
-    if kernel != "eager":
-        shared.test_fused_kernels_match_eager(**arguments)
-    shared.test_save_load_round_trip(**arguments, tmp_path=tmp_path)
-    shared.test_backward_reaches_every_parameter(**arguments)
+    shared.run_checks_with_fields(
+        dict(use_gated_attention=True), score, scheme, kernel, tokens, monkeypatch, request, tmp_path
+    )
 
 
 @pytest.mark.parametrize("head", ["masked_lm", "seq2seq"])

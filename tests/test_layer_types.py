@@ -7,8 +7,6 @@ checks rerun with mixed layers, where each kind's mask, cache slots and score bi
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import test_combinations as shared
 import torch
@@ -109,14 +107,9 @@ MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types":
 
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(**MIXED_FIELDS))
 def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MIXED_FIELDS))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
-    shared.test_causality(**arguments)
-    shared.test_left_padding_matches_unpadded(**arguments, request=request)
-    shared.test_cached_decoding_equals_full_forward(**arguments)
-    if kernel != "eager":
-        shared.test_fused_kernels_match_eager(**arguments)
-    shared.test_save_load_round_trip(**arguments, tmp_path=tmp_path)
+    shared.run_checks_with_fields(
+        MIXED_FIELDS, score, scheme, kernel, tokens, monkeypatch, request, tmp_path, backward=False
+    )
 
 
 def test_layer_types_default_from_sliding_window():

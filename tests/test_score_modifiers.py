@@ -8,12 +8,10 @@ or its formula computed here with plain torch, then the shared suite's checks re
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import test_combinations as shared
 import torch
-from conftest import build, tiny_config, trainable_on_this_device
+from conftest import build, tiny_config
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from plugformer import ATTENTION_SCORES, PlugformerForCausalLM, supported_kernels
@@ -85,17 +83,7 @@ def modified_combinations():
 
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified_combinations())
 def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, **MODIFIERS[modifier]))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
-    shared.test_causality(**arguments)
-    if kernel != "flex_attention":  # the shared suite's known flex + padding-mask NaN (an xfail there)
-        shared.test_left_padding_matches_unpadded(**arguments, request=request)
-    shared.test_cached_decoding_equals_full_forward(**arguments)
-    if kernel != "eager":
-        shared.test_fused_kernels_match_eager(**arguments)
-    shared.test_save_load_round_trip(**arguments, tmp_path=tmp_path)
-    if trainable_on_this_device(kernel):  # (flex has no CPU backward: the shared check would skip the whole test)
-        shared.test_backward_reaches_every_parameter(**arguments)
+    shared.run_checks_with_fields(MODIFIERS[modifier], score, scheme, kernel, tokens, monkeypatch, request, tmp_path)
 
 
 @pytest.mark.parametrize("head", ["causal_lm", "seq2seq"])

@@ -98,15 +98,9 @@ def test_value_residual_survives_reentrant_gradient_checkpointing(mode, tokens):
 
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(value_residual="learned"))
 def test_shared_checks_with_value_residual(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    monkeypatch.setattr(shared, "tiny_config", functools.partial(tiny_config, value_residual="learned"))
-    arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
-    shared.test_causality(**arguments)
-    shared.test_left_padding_matches_unpadded(**arguments, request=request)
-    shared.test_cached_decoding_equals_full_forward(**arguments)
-    if kernel != "eager":
-        shared.test_fused_kernels_match_eager(**arguments)
-    shared.test_save_load_round_trip(**arguments, tmp_path=tmp_path)
-    shared.test_backward_reaches_every_parameter(**arguments)
+    shared.run_checks_with_fields(
+        dict(value_residual="learned"), score, scheme, kernel, tokens, monkeypatch, request, tmp_path
+    )
 
 
 @pytest.mark.parametrize("mode", ["fixed", "learned"])
