@@ -134,33 +134,18 @@ def deepseek_v3_config(source: PreTrainedConfig) -> dict[str, Any]:
             "the layers after the first k are mixture-of-experts, which plugformer has not; only all-dense DeepSeek-V3 "
             "checkpoints convert"
         )
-    return dict(
-        vocab_size=source.vocab_size,
-        hidden_size=source.hidden_size,
-        intermediate_size=source.intermediate_size,
-        num_hidden_layers=source.num_hidden_layers,
-        num_attention_heads=source.num_attention_heads,
-        num_key_value_heads=source.num_key_value_heads,
-        hidden_act=source.hidden_act,
-        max_position_embeddings=source.max_position_embeddings,
-        rope_parameters=dict(source.rope_parameters),
-        rms_norm_eps=source.rms_norm_eps,
-        attention_bias=source.attention_bias,
-        attention_dropout=source.attention_dropout,
-        tie_word_embeddings=source.tie_word_embeddings,
-        initializer_range=source.initializer_range,
-        attention_score="scaled_dot",
-        position_scheme="rope",
-        **_special_tokens(source),
-        attention_projection="latent",
-        q_lora_rank=source.q_lora_rank,
-        kv_lora_rank=source.kv_lora_rank,
-        qk_rope_head_dim=source.qk_rope_head_dim,
-        qk_nope_head_dim=source.qk_nope_head_dim,
-        v_head_dim=source.v_head_dim,
-        rope_interleave=bool(source.rope_interleave),
-        use_latent_cache=True,
-    )
+    # DeepseekV3's RoPE rotates the whole `qk_rope_head_dim` (its `head_dim`): its rope_parameters as they are
+    return {
+        **llama_config(source, rope_parameters=dict(source.rope_parameters)),
+        "attention_projection": "latent",
+        "q_lora_rank": source.q_lora_rank,
+        "kv_lora_rank": source.kv_lora_rank,
+        "qk_rope_head_dim": source.qk_rope_head_dim,
+        "qk_nope_head_dim": source.qk_nope_head_dim,
+        "v_head_dim": source.v_head_dim,
+        "rope_interleave": bool(source.rope_interleave),
+        "use_latent_cache": True,
+    }
 
 
 def gpt2_config(source: PreTrainedConfig) -> dict[str, Any]:
