@@ -51,6 +51,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 __all__ = [
     "FLEX_PADDING_VERIFIED",
+    "RENAMED_TRAINER_OPTIONS",
     "ActivationCheckpointingNames",
     "BaseModelOutputWithPastAndCrossAttentions",
     "CausalLMOutputWithPast",

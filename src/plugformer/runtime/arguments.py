@@ -246,23 +246,67 @@ REPEATED_FLAGS_RULE = (
     "An option that takes a list accumulates when repeated (`--grid a=1,2 --grid b=x` is `--grid a=1,2 b=x`); any "
     "other option given twice is refused. Options are never abbreviated (`--max_step` is not `--max_steps`)."
 )
-# the stage commands: the pipeline, compare and scripts compose their command lines from a base and overrides
+# the stage commands: the same rule; a key of the --config YAML given again on the command line is no repeat
 STAGE_FLAGS_RULE = (
     "An option that takes a list accumulates when repeated (`--data_files a --data_files b` is `--data_files a b`); "
-    "for any other option given twice the last one wins, as the command line wins over --config. Options are never "
+    "any other option given twice is refused. The command line wins over the --config YAML. Options are never "
     "abbreviated (`--max_step` is not `--max_steps`)."
 )
 
 
-def merge_repeated_flags(
-    parser, argv: list[str], prog: str, extra: tuple[str, ...] = ("--config",), refuse: bool = True
-) -> list[str]:
+def override_flags(*parts: list[str]) -> list[str]:
+    """The command lines `parts` joined, each flag once: a flag of a later part replaces the same flag of an earlier
+    part, with its values (the tokens up to the next `--flag`), where the earlier one stood. For the command lines
+    plugformer composes from a base and overrides (compare's runs, tests), which the stage commands would refuse
+    as a repeat (`STAGE_FLAGS_RULE`). A flag repeated within one part is kept twice: that is a repeat to refuse.
+    `--name=value` and `--name value`, `--max-steps` and `--max_steps` are the same flag.
+
+    >>> override_flags(["--max_steps", "3", "--data_files", "a", "b"], ["--max-steps=9", "--data_files", "c"])
+    ['--max-steps=9', '--data_files', 'c']
+    """
+    joined: list[list[str]] = []  # one entry per flag (its token and values), or per stray token
+    owner: dict[str, int] = {}  # flag -> index in `joined` of its latest occurrence from an earlier part
+    for part in parts:
+        seen: dict[str, int] = {}
+        for entry in _flag_entries(list(part)):
+            name = _flag_name(entry[0])
+            if name is not None and name in owner:
+                joined[owner.pop(name)] = entry  # replaces the earlier part's occurrence in place
+                seen[name] = -1
+            else:
+                joined.append(entry)
+                if name is not None:
+                    seen[name] = len(joined) - 1
+        owner.update({name: index for name, index in seen.items() if index >= 0})
+    return [token for entry in joined for token in entry]
+
+
+def _flag_entries(argv: list[str]) -> list[list[str]]:
+    """`argv` cut into `[--flag, values...]` entries (a token before any flag, and everything after `--`, alone)."""
+    entries: list[list[str]] = []
+    for index, token in enumerate(argv):
+        if token == "--":
+            entries += [[item] for item in argv[index:]]
+            break
+        if token.startswith("--") or not entries or _flag_name(entries[-1][0]) is None:
+            entries.append([token])
+        else:
+            entries[-1].append(token)
+    return entries
+
+
+def _flag_name(token: str) -> str | None:
+    """`--max-steps=9` -> `max_steps`; None for a token that is not a flag."""
+    if not token.startswith("--") or token == "--":
+        return None
+    return token[2:].partition("=")[0].replace("-", "_")
+
+
+def merge_repeated_flags(parser, argv: list[str], prog: str, extra: tuple[str, ...] = ("--config",)) -> list[str]:
     """`argv` with the values of a repeated list option (`nargs` `+` or `*`) gathered after its first occurrence;
     raises `ValueError` naming both occurrences when any other option (or one of `extra`, options the parser reads
     itself) is given twice. argparse keeps only the last occurrence: `--grid attention_score=a,b --grid
     position_scheme=rope` dropped the attention-score axis, `--max_steps 1 ... --max_steps 9` trained 9.
-    `refuse=False` (the stage commands, `STAGE_FLAGS_RULE`) leaves a repeated single-value option to argparse: the
-    last one given wins.
 
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
@@ -307,7 +351,7 @@ def merge_repeated_flags(
             index = end
             continue
         written = _as_written(argv, index, action)
-        if dest in first and refuse:
+        if dest in first:
             raise ValueError(f"{prog}: {name} given twice ({first[dest][0]}, then {written}); give it once")
         first[dest] = (written, None)
         merged.append(token)

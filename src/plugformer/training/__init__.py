@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from ..compat import (
+    RENAMED_TRAINER_OPTIONS,
     accept_renamed_trainer_options,
     renamed_trainer_flags,
     renamed_trainer_options,
@@ -50,7 +51,8 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             return super().set_defaults_with_config(**renamed_trainer_options(values))
 
     prog = f"plugformer train {stage}"
-    # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates
+    # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates, any other
+    # repeated option is refused (a key of the --config YAML given on the command line is no repeat: it wins)
     parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=prog, allow_abbrev=False,
                          epilog=STAGE_FLAGS_RULE)  # fmt: skip
     accept_renamed_trainer_options(parser)
@@ -62,7 +64,12 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         # Without use_cpu, TRL's bf16 default is refused on a CPU, and `accelerate launch` on CPU starts independent
         # copies instead of gloo data parallelism (see configs/accelerate/cpu_2proc.yaml). YAML/CLI still override.
         parser.set_defaults(use_cpu=True)
-    argv = merge_repeated_flags(parser, renamed_trainer_flags(list(argv)), prog, refuse=False)
+    argv = merge_repeated_flags(parser, list(argv), prog)  # as written: its message quotes the flags given
+    try:  # a renamed trainer option's two names are one option (`--gradient_checkpointing`, `--activation_...`)
+        argv = merge_repeated_flags(parser, renamed_trainer_flags(argv), prog)
+    except ValueError as error:
+        names = ", ".join(f"--{old} is --{new}" for new, old in RENAMED_TRAINER_OPTIONS.items())
+        raise ValueError(f"{error} (renamed trainer options: {names})") from None
     for index, value in enumerate(argv[:-1]):
         if value == "--config":  # a shipped YAML also from outside the checkout
             argv[index + 1] = config_path(argv[index + 1])
