@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_training import PRETRAIN, ROOT, TINY, weights
 
+from plugformer.runtime.arguments import override_flags
 from plugformer.training import run_stage
 from plugformer.training.checkpoints import MANIFEST, STAGING, last_good_checkpoint, verify_checkpoint
 
@@ -26,7 +27,9 @@ STEPS = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "-
 
 
 def pretrain(output_dir: Path, *extra: str) -> dict:
-    return run_stage("pretrain", ["--output_dir", str(output_dir), *TINY, *PRETRAIN, *STEPS, *extra])
+    return run_stage(
+        "pretrain", override_flags(["--output_dir", str(output_dir), *TINY, *PRETRAIN], STEPS, list(extra))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +118,9 @@ def test_best_checkpoint_points_at_the_published_directory(tmp_path):
 def test_killed_at_random_moments_and_resumed_ends_bit_identical(tmp_path):
     """SIGKILL a real run at random moments (often mid-save or mid-rotation), resume with `last` each time: every
     checkpoint directory stays intact, and the final weights equal an uninterrupted run's."""
-    flags = [*TINY, *PRETRAIN, "--max_steps", str(30 * KILLS), "--save_strategy", "steps", "--save_steps", "3",
-             "--save_total_limit", "2", "--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0"]  # fmt: skip
+    flags = override_flags([*TINY, *PRETRAIN], ["--max_steps", str(30 * KILLS), "--save_strategy", "steps", "--save_steps",
+                           "3", "--save_total_limit", "2", "--eval_strategy", "no", "--dev_examples", "0",
+                           "--exact_match_examples", "0"])  # fmt: skip
     run_stage("pretrain", ["--output_dir", str(tmp_path / "whole"), *flags])
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "plugformer", "train", "pretrain", "--output_dir", str(killed), *flags,

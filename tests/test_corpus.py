@@ -21,6 +21,7 @@ from plugformer.data import prepare
 from plugformer.data.packing import encode_documents, pack
 from plugformer.data.prepare import corpus_fingerprint, prepared_blocks, prepared_tokenizer
 from plugformer.data.tokenization import train_tokenizer
+from plugformer.runtime.arguments import override_flags
 from plugformer.training import parse_stage_arguments
 from plugformer.training.pretrain import build_tokenizer, load_corpus, pack_corpus
 
@@ -49,8 +50,8 @@ def corpus_file(tmp_path) -> Path:
 def arguments(corpus_file: Path, cache: Path, *extra: str):
     argv = ["--dataset_name", "json", "--data_files", str(corpus_file), "--data_cache_dir", str(cache),
             "--vocab_size", "300", "--block_size", "32", "--dev_examples", "20", "--test_examples", "20",
-            "--output_dir", str(cache.parent / "unused"), "--report_to", "none", *extra]  # fmt: skip
-    script_args, model_args, _ = parse_stage_arguments("pretrain", argv)
+            "--output_dir", str(cache.parent / "unused"), "--report_to", "none"]  # fmt: skip
+    script_args, model_args, _ = parse_stage_arguments("pretrain", override_flags(argv, list(extra)))
     return script_args, model_args
 
 
@@ -188,12 +189,12 @@ def run(output_dir: Path, corpus_file: Path, *extra: str) -> None:
 
 
 def training_flags(output_dir: Path, corpus_file: Path, *extra: str) -> list[str]:
-    return ["--dataset_name", "json", "--data_files", str(corpus_file), "--data_cache_dir",
+    return override_flags(["--dataset_name", "json", "--data_files", str(corpus_file), "--data_cache_dir",
             str(output_dir.parent / "cache"), "--output_dir", str(output_dir), "--preset", "tiny", "--vocab_size",
             "300", "--block_size", "32", "--dev_examples", "20", "--test_examples", "20", "--report_to", "none",
             "--disable_tqdm", "true", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
             "--exact_match_examples", "0", "--dataloader_pin_memory", "false", "--learning_rate", "1e-3",
-            "--save_strategy", "steps", "--save_steps", "3", "--max_steps", "6", *extra]  # fmt: skip
+            "--save_strategy", "steps", "--save_steps", "3", "--max_steps", "6"], list(extra))  # fmt: skip
 
 
 def launch(record: Path, output_dir: Path, corpus_file: Path, processes: int, *extra: str) -> dict[int, list]:

@@ -29,6 +29,8 @@ pytest.importorskip("deepspeed")
 from safetensors.torch import load_file
 from test_fsdp import ENV, LAUNCHER, ROOT, STAGE_FLAGS, TINY, free_port
 
+from plugformer.runtime.arguments import override_flags
+
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's CPU path is taken only without CUDA")
 pytestmark = CPU_ONLY
@@ -58,8 +60,8 @@ def launch(topology: str, stage: str, output: Path, *extra: str, check: bool = T
     for DeepSpeed's one-time op compilation."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "configs/accelerate" / topology), "--main_process_port", str(free_port()), str(LAUNCHER),
-               stage, "--output_dir", str(output), *TINY, *FLAGS[stage], "--max_steps", "3", "--save_strategy", "no",
-               *extra]  # fmt: skip
+               stage, *override_flags(["--output_dir", str(output), *TINY, *FLAGS[stage], "--max_steps", "3",
+                                       "--save_strategy", "no"], list(extra))]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]

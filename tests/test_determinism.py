@@ -14,6 +14,8 @@ import pytest
 import torch
 from test_training import PRETRAIN, ROOT, TINY, length_reward, train, weights  # noqa: F401  (a fixture used below)
 
+from plugformer.runtime.arguments import override_flags
+
 
 # no dev evaluation or exact-match scoring: they follow training and cannot change what it produced
 QUICK = ["--dev_examples", "0", "--exact_match_examples", "0"]
@@ -86,7 +88,7 @@ def test_a_fresh_process_with_another_hash_seed_pretrains_the_same_tokenizer_and
     from text to weights (tokenizer training, packing, sampling) may depend on them."""
     train("pretrain", tmp_path / "here", *QUICK)
     command = [sys.executable, "-m", "plugformer", "train", "pretrain", "--output_dir", str(tmp_path / "fresh"),
-               *TINY, *PRETRAIN, *QUICK]  # fmt: skip
+               *override_flags(TINY, PRETRAIN, QUICK)]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONHASHSEED": "12345"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from test_hf_integration import HIDE_PLUGFORMER
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM
+from plugformer.runtime.arguments import override_flags
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ PARENT = {"sft": "pretrain", "grpo": "sft"}
 def launch(topology: str, stage: str, output: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "configs/accelerate" / topology), "--main_process_port", str(free_port()), str(LAUNCHER),
-               stage, "--output_dir", str(output), *TINY, *STAGE_FLAGS[stage], *extra]  # fmt: skip
+               stage, *override_flags(["--output_dir", str(output), *TINY, *STAGE_FLAGS[stage]], list(extra))]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]

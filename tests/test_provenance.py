@@ -131,11 +131,97 @@ def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists(
     _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--lora_target_modules", "q_proj",
                                                      "--lora_target_modules", "v_proj"])  # fmt: skip
     assert model_args.lora_target_modules == ["q_proj", "v_proj"]  # not the last one alone
-    # a single-value option: the last one wins (STAGE_FLAGS_RULE; the pipeline and scripts compose command lines)
-    assert (
-        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "1", "--max_steps", "9"])[2].max_steps
-        == 9
-    )
+    script_args, _, _ = parse_stage_arguments("pretrain", ["--output_dir", "unused", "--dataset_name", "json",
+                                                           "--data_files", "a.jsonl", "--data_files=b.jsonl", "c.jsonl"])  # fmt: skip
+    assert script_args.data_files == ["a.jsonl", "b.jsonl", "c.jsonl"]
+    # a single-value option given twice: refused (`--max_steps 1 ... --max_steps 9` trained 9 silently)
+    with pytest.raises(ValueError, match=r"--max_steps given twice \(--max_steps 1, then --max_steps 9\)"):
+        parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "1", "--max_steps", "9"])
+    with pytest.raises(ValueError, match=r"--config given twice"):
+        parse_stage_arguments("sft", ["--config", "configs/sft/tiny.yaml", "--config", "configs/sft/tiny.yaml"])
+
+
+def test_a_repeated_flag_on_a_stage_command_is_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    from plugformer.cli import main
+    from plugformer.training import pretrain as pretrain_module
+
+    def refuse_work(*_, **__):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "pretrain", "--output_dir", str(tmp_path / "run"), "--learning_rate", "1e-3",
+              "--learning_rate", "2e-3"])  # fmt: skip
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert "--learning_rate given twice (--learning_rate 1e-3, then --learning_rate 2e-3); give it once" in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_key_of_the_stage_yaml_given_on_the_command_line_is_no_repeat(tmp_path):
+    from plugformer.training import parse_stage_arguments
+
+    (tmp_path / "sft.yaml").write_text("learning_rate: 1.0e-3\nmax_steps: 5\n")
+    _, _, training = parse_stage_arguments("sft", ["--config", str(tmp_path / "sft.yaml"), "--output_dir", "unused",
+                                                   "--learning_rate", "2e-3"])  # fmt: skip
+    assert training.learning_rate == 2e-3 and training.max_steps == 5  # the command line wins over the YAML
+
+
+def test_override_flags_gives_each_flag_once_the_later_part_winning():
+    from plugformer.runtime.arguments import override_flags
+
+    base = ["--output_dir", "o", "--max_steps", "3", "--data_files", "a", "b", "--bf16", "--seed", "1"]
+    assert override_flags(base, ["--max-steps=9", "--data_files", "c"], ["--seed", "2", "--learning_rate", "-1"]) == [
+        "--output_dir", "o", "--max-steps=9", "--data_files", "c", "--bf16", "--seed", "2", "--learning_rate", "-1"
+    ]  # fmt: skip
+    assert override_flags(base) == base and override_flags([], base) == base
+    # a repeat within one part is kept: it is the user's, for the stage command to refuse
+    assert override_flags(["--seed", "1", "--seed", "2"], ["--max_steps", "3"]).count("--seed") == 2
+
+
+def test_compare_composes_each_stage_flag_once(tmp_path, monkeypatch):
+    """compare's runs: its own flags, then the grid's and --set's (a stage-named key winning for its stage); the
+    stage commands refuse a repeat, so the composed command line gives each flag once."""
+    from plugformer.experiments import compare
+    from plugformer.training import parse_stage_arguments
+
+    settings = {"learning_rate": "1e-3", "pretrain.learning_rate": "2e-3", "exact_match_examples": "4",
+                "max_steps": "2"}  # fmt: skip
+    options = compare.route(settings, ["pretrain", "sft"])
+    assert options["pretrain"].count("--learning_rate") == 1 and "2e-3" in options["pretrain"]
+    assert options["sft"][options["sft"].index("--learning_rate") + 1] == "1e-3"
+    seen = {}
+    monkeypatch.setattr("plugformer.training.run_stage", lambda stage, argv: seen.setdefault(stage, argv))
+    args = compare.CompareArguments(output_dir=str(tmp_path), stages=["pretrain", "sft"], seeds=[0])
+    compare.train_run(args, tmp_path / "runs" / "variant", options, seed=0)
+    for stage, argv in seen.items():
+        flags = [token for token in argv if token.startswith("--")]
+        assert len(flags) == len(set(flags)), (stage, argv)
+        parse_stage_arguments(stage, argv)  # what the stage command reads: no repeat
+        assert argv[argv.index("--exact_match_examples") + 1] == "4"  # the --set replaced compare's own 0
+    assert seen["pretrain"][seen["pretrain"].index("--learning_rate") + 1] == "2e-3"
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"set": ["max_steps=2", "max_steps=3"]}, r"--set max_steps given twice \(--set max_steps=2, then --set max_steps=3\)"),
+    ({"set": ["max_steps=2"], "grid": ["max_steps=3,4"]}, r"max_steps is set by --set max_steps=2 and by --grid"),
+])  # fmt: skip
+def test_compare_refuses_a_key_set_twice(tmp_path, overrides, match):
+    from plugformer.experiments import compare
+
+    args = compare.CompareArguments(**{"output_dir": str(tmp_path), "grid": ["position_scheme=rope"], **overrides})
+    with pytest.raises(ValueError, match=match):
+        [compare.run_plan(args, variant) for variant in compare.variants(compare.parse_grid(args.grid))]
+
+
+@pytest.mark.parametrize("entry", ["block_size=32", "pretrain.max_position_embeddings=32", "position_scheme=alibi"])
+def test_extrapolate_refuses_a_set_of_what_it_fixes_per_run(entry):
+    from plugformer.experiments.extrapolation import ExtrapolationArguments
+
+    # `--set block_size=32` replaced --train_length 64 in runs the table labels "trained at 64 tokens"
+    with pytest.raises(ValueError, match=rf"--set {entry}: extrapolate sets \w+ itself for every run; use --"):
+        ExtrapolationArguments(set=[entry])
 
 
 @pytest.mark.parametrize("command", [

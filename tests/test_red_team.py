@@ -104,11 +104,14 @@ def test_convert_overwrite_replaces_an_occupied_folder(llama_source):
 def pretrain(output_dir, *extra: str) -> dict:
     from test_training import PRETRAIN, TINY
 
+    from plugformer.runtime.arguments import override_flags
     from plugformer.training import run_stage
 
     steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
              "--exact_match_examples", "0", "--max_steps", "2"]  # fmt: skip
-    return run_stage("pretrain", ["--output_dir", str(output_dir), *TINY, *PRETRAIN, *steps, *extra])
+    return run_stage(
+        "pretrain", override_flags(["--output_dir", str(output_dir), *TINY, *PRETRAIN], steps, list(extra))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -724,11 +727,14 @@ def full_disk_cli(tmp_path, capsys, monkeypatch, *flags) -> str:
 
     from test_training import PRETRAIN, TINY
 
+    from plugformer.runtime.arguments import override_flags
+
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=12_345))  # what a full disk reports
     steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
              "--exact_match_examples", "0", "--max_steps", "4"]  # fmt: skip
-    argv = ["train", "pretrain", "--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN, *steps, *flags]
+    argv = ["train", "pretrain", *override_flags(["--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN], steps,
+                                                 list(flags))]  # fmt: skip
     from plugformer.cli import main
 
     with pytest.raises(SystemExit) as exited:

@@ -66,10 +66,13 @@ def snapshot(directory) -> dict:
 def pretrain(output_dir, *extra: str) -> dict:
     from test_training import PRETRAIN, TINY
 
+    from plugformer.runtime.arguments import override_flags
     from plugformer.training import run_stage
 
     quick = ["--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0", "--max_steps", "2"]
-    return run_stage("pretrain", ["--output_dir", str(output_dir), *TINY, *PRETRAIN, *quick, *extra])
+    return run_stage(
+        "pretrain", override_flags(["--output_dir", str(output_dir), *TINY, *PRETRAIN], quick, list(extra))
+    )
 
 
 @pytest.fixture(scope="module")

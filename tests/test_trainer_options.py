@@ -104,16 +104,20 @@ def test_compare_routes_the_new_name_to_every_trainer_stage():
 def test_the_command_line_overrides_the_yaml_whichever_name_each_uses(tmp_path):
     """transformers 5.24 lets a set new name win over the old one, so `--gradient_checkpointing true` under a YAML's
     `activation_checkpointing: false` was ignored there; the command line wins on every release, the last flag
-    given wins, `=` and TRL's `--no_gradient_checkpointing` included."""
+    given wins, `=` and TRL's `--no_gradient_checkpointing` included; both names on one command line are one option
+    given twice: refused."""
     path = tmp_path / "sft.yaml"
     for yaml_value, flags, expected in [
         (False, ["--gradient_checkpointing", "true"], True),
         (True, ["--gradient-checkpointing=false"], False),
         (True, ["--no_gradient_checkpointing"], False),
         (False, ["--activation_checkpointing=true"], True),
-        (False, ["--activation_checkpointing", "true", "--gradient_checkpointing", "false"], False),
-        (False, ["--gradient_checkpointing", "false", "--activation_checkpointing", "true"], True),
     ]:
         path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "bf16": False,
                                         "activation_checkpointing": yaml_value}))  # fmt: skip
         assert checkpointing(parse_stage_arguments("sft", ["--config", str(path), *flags])[2])[0] is expected, flags
+    for flags in (["--activation_checkpointing", "true", "--gradient_checkpointing", "false"],
+                  ["--activation_checkpointing", "true", "--no_gradient_checkpointing"]):  # fmt: skip
+        with pytest.raises(ValueError, match=r"--activation_checkpointing given twice .*--gradient_checkpointing is "
+                                             r"--activation_checkpointing"):  # fmt: skip
+            parse_stage_arguments("sft", ["--config", str(path), *flags])

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from plugformer.evaluation import rewards as reward_module
+from plugformer.runtime.arguments import override_flags
 from plugformer.training import STAGES, parse_stage_arguments, run_stage
 
 
@@ -49,7 +50,7 @@ def assert_trained(parent, child, prefix: str = "model.") -> None:
 
 def train(stage: str, output_dir, *extra: str) -> dict:
     flags = TRL if stage in ("sft", "reward", "dpo") else ONLINE if stage in ("grpo", "rlhf") else PRETRAIN
-    return run_stage(stage, ["--output_dir", str(output_dir), *TINY, *flags, *extra])
+    return run_stage(stage, override_flags(["--output_dir", str(output_dir), *TINY], flags, list(extra)))
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +238,7 @@ def launch(stage: str, output_dir, *extra: str, processes: int = 2, timeout: int
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
                "--main_process_port", str(free_port()), "-m", "plugformer", "train", stage,
-               "--output_dir", str(output_dir), *TINY, *extra]  # fmt: skip
+               *override_flags(["--output_dir", str(output_dir), *TINY], list(extra))]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((Path(output_dir) / "run_info.json").read_text())
@@ -258,8 +259,8 @@ def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
 @pytest.mark.slow  # ~75 s; tests/test_checkpoints.py kills runs at random moments in the default suite
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     """SIGKILL after a checkpoint, resume from it: the final weights equal an uninterrupted run's, bit for bit."""
-    flags = [*TINY, *PRETRAIN, "--max_steps", "120", "--save_strategy", "steps", "--save_steps", "10",
-             "--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0"]  # fmt: skip
+    flags = override_flags(TINY, PRETRAIN, ["--max_steps", "120", "--save_strategy", "steps", "--save_steps", "10",
+                                            "--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0"])  # fmt: skip
     run_stage("pretrain", ["--output_dir", str(tmp_path / "whole"), *flags])
 
     killed = tmp_path / "killed"

@@ -223,7 +223,7 @@ def renamed_trainer_options(values: dict) -> dict:
 def renamed_trainer_flags(argv: list[str]) -> list[str]:
     """`argv` with the renamed trainer options' flags (`--name value`, `--name=value`, `--name-with-dashes`, and
     `--no_gradient_checkpointing` from 5.23.0, where TRL's default of true gives it) under the names the installed
-    trainer reads; the last one given wins, as for any repeated flag."""
+    trainer reads; both names on one command line are one option given twice, which the stage commands refuse."""
     aliases = trainer_option_aliases()
     flags = {f"--{spelling}": field for name, field in aliases.items() for spelling in (name, name.replace("_", "-"))}
     negations = {f"--no{sep}{old.replace('_', sep)}": aliases[old]

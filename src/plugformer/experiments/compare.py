@@ -5,8 +5,9 @@ selected on dev, reported on test with 95% confidence intervals and paired signi
         --seeds 0 1 2 --set max_steps=200 --output_dir outputs/compare
 
 Each grid entry is `KEY=V1,V2,...`; the variants are the cartesian product. A key goes to every stage whose
-options include it (`sft.learning_rate=...` names one stage); a `PlugformerConfig` field that is not a stage
-option (e.g. `norm_type`) goes into pretrain's `config_overrides`. `--set KEY=VALUE` applies to every run.
+options include it (`sft.learning_rate=...` names one stage, and wins there over a `learning_rate=...`); a
+`PlugformerConfig` field that is not a stage option (e.g. `norm_type`) goes into pretrain's `config_overrides`.
+`--set KEY=VALUE` applies to every run; a key is set once (in `--set` or `--grid`).
 
 A run lives in `<output_dir>/runs/<variant>-<hash>/seed<N>/<stage>`, the hash covering every setting that shapes
 it (the stage command lines and the content of their YAML files): re-running the same comparison reuses finished
@@ -36,7 +37,7 @@ from ..evaluation.stats import (
     paired_bootstrap,
     paired_t_test,
 )
-from ..runtime.arguments import config_path, stage_config
+from ..runtime.arguments import config_path, override_flags, stage_config
 from ..runtime.files import write_json_atomic, write_text_atomic
 
 
@@ -72,7 +73,11 @@ class CompareArguments(CorpusArguments):
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "training seeds of every variant"})
     stages: list[str] = field(default_factory=lambda: ["pretrain"], metadata={"help": "stages run in order per run"})
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
-    set: list[str] = field(default_factory=list, metadata={"help": "KEY=VALUE for every run (repeated: they add)"})
+    set: list[str] = field(
+        default_factory=list,
+        metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once, in --set or "
+                          "--grid; stage.KEY wins over KEY for its stage)"},
+    )  # fmt: skip
     metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
@@ -154,8 +159,10 @@ def stage_options(stage: str) -> set[str]:
 
 
 def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
-    """Command-line options per stage for `settings` (grid values and `--set` values). `PlugformerConfig` fields go
-    into the `config_overrides` of the stage that builds the model (the first without a parent: pretrain)."""
+    """Command-line options per stage for `settings` (grid values and `--set` values), each flag once: a key that
+    names its stage (`sft.learning_rate`) wins there over the same key for every stage (`learning_rate`).
+    `PlugformerConfig` fields go into the `config_overrides` of the stage that builds the model (the first without
+    a parent: pretrain)."""
     from ..configuration import PlugformerConfig
     from ..training import STAGES
 
@@ -163,6 +170,7 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
     builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None), None)
     options = {stage: stage_options(stage) for stage in stages}
     argv = {stage: [] for stage in stages}
+    named = {stage: [] for stage in stages}  # the options of keys that name their stage, applied over `argv`
     config_overrides = []
     for key, value in settings.items():
         stage, _, name = key.rpartition(".")
@@ -174,12 +182,13 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
             config_overrides += [item.strip() for item in value.split(",") if item.strip()]
         elif targets:
             for target in targets:
-                argv[target] += [f"--{name}", value]
+                (named if stage else argv)[target] += [f"--{name}", value]
         elif name in config_fields and builder is not None:
             config_overrides.append(f"{name}={value}")
         else:
             raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
                              "PlugformerConfig field set at pretraining")  # fmt: skip
+    argv = {stage: override_flags(argv[stage], named[stage]) for stage in stages}
     if config_overrides:
         fields = [item.partition("=")[0].strip() for item in config_overrides]
         twice = sorted({field for field in fields if fields.count(field) > 1})
@@ -191,11 +200,15 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
 
 
 def parse_settings(entries: list[str]) -> dict[str, str]:
+    """{KEY: VALUE} of `--set` entries; a key given twice is refused (the last one won silently)."""
     settings = {}
     for entry in entries:
         key, separator, value = entry.partition("=")
         if not separator or not key.strip():
             raise ValueError(f"--set {entry!r}: expected KEY=VALUE")
+        if key.strip() in settings:
+            raise ValueError(f"--set {key.strip()} given twice (--set {key.strip()}={settings[key.strip()]}, then "
+                             f"--set {entry}); give it once")  # fmt: skip
         settings[key.strip()] = value.strip()
     return settings
 
@@ -234,9 +247,14 @@ def refuse_controlled(settings: dict[str, str], source: str) -> None:
 
 def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dict[str, list[str]]]:
     """The directory of a variant and the per-stage options of its runs (without seed and paths)."""
-    refuse_controlled(parse_settings(args.set), "--set")
+    fixed = parse_settings(args.set)
+    refuse_controlled(fixed, "--set")
     refuse_controlled(variant, "--grid")
-    settings = {**parse_settings(args.set), **variant}
+    both = sorted(set(fixed) & set(variant))
+    if both:
+        raise ValueError(f"{both[0]} is set by --set {both[0]}={fixed[both[0]]} and by --grid (here "
+                         f"{both[0]}={variant[both[0]]}); give it once: in --grid to vary it, in --set to fix it")  # fmt: skip
+    settings = {**fixed, **variant}
     options = route(settings, args.stages)
     if args.dataset_name is not None:
         add_corpus_options(args, settings, options)
@@ -292,8 +310,7 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
             continue
         argv = ["--config", stage_config(args.stage_configs, stage), "--output_dir", str(output)]
         argv += ["--seed", str(seed), "--dataset_seed", str(args.dataset_seed)]
-        if "--exact_match_examples" not in options[stage]:  # compare scores dev and test itself
-            argv += ["--exact_match_examples", "0"]
+        argv += ["--exact_match_examples", "0"]  # compare scores dev and test itself (a --set replaces it)
         # the folder is this run's own (same settings hash and seed): an interrupted stage resumes from its newest
         # checkpoint, the remains of one killed before its first checkpoint (or --rerun) are replaced
         if not args.rerun and any(output.glob("checkpoint-*")):
@@ -307,8 +324,9 @@ def train_run(args: CompareArguments, directory: Path, options: dict[str, list[s
             argv += ["--model_name_or_path", str(run_dir / parent)]
         for needed in STAGES[stage].inputs:  # rlhf: the run's own stage of the input's default (reward)
             argv += [needed.flag, str(run_dir / needed.default)]
-        print(f"=== {directory.name} seed {seed}: plugformer train {stage} {' '.join(argv + options[stage])}")
-        run_stage(stage, argv + options[stage])
+        argv = override_flags(argv, options[stage])  # each flag once: the stage commands refuse a repeat
+        print(f"=== {directory.name} seed {seed}: plugformer train {stage} {' '.join(argv)}")
+        run_stage(stage, argv)
     return run_dir / args.stages[-1]
 
 

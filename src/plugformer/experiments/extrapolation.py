@@ -30,6 +30,15 @@ from ..runtime.loading import load_checked
 from .compare import CompareArguments, run_plan, train_run, write_results
 
 
+# the pretrain options extrapolate sets itself for every run (`training_plan`), and where they come from
+FIXED = {
+    "block_size": "--train_length",
+    "max_position_embeddings": "--train_length",
+    "document_positions": "extrapolate (false: positions run 0..L-1 across each block)",
+    "position_scheme": "--position_schemes",
+}
+
+
 @dataclass
 class ExtrapolationArguments(CorpusArguments):
     output_dir: str = field(default="outputs/extrapolation", metadata={"help": "runs, table, JSON and plot"})
@@ -63,6 +72,10 @@ class ExtrapolationArguments(CorpusArguments):
         if self.test_examples < 1:  # the perplexity stream is cut from test documents (0 ended in KeyError: 'test')
             raise ValueError(f"test_examples={self.test_examples}: expected at least 1 (the evaluation stream is "
                              "made of test documents)")  # fmt: skip
+        for entry in self.set:  # `--set block_size=32` replaced --train_length's 64 in the runs the table calls 64
+            name = entry.partition("=")[0].strip().rpartition(".")[2]
+            if name in FIXED:
+                raise ValueError(f"--set {entry}: extrapolate sets {name} itself for every run; use {FIXED[name]}")
 
     def lengths(self) -> list[int]:
         """Evaluation lengths in tokens (at least 2: one to condition on, one to predict)."""

@@ -1,5 +1,6 @@
 """Per-stage script arguments. Each stage parses (its script arguments, TRL's `ModelConfig`, the trainer's config)
-with `trl.TrlParser`: dataclass defaults < YAML (`--config`) < command line, unknown keys are errors."""
+with `trl.TrlParser`: dataclass defaults < YAML (`--config`) < command line, unknown keys and a flag given twice are
+errors (a list flag accumulates: `STAGE_FLAGS_RULE`)."""
 
 from __future__ import annotations
 
