@@ -215,12 +215,17 @@ def test_compare_refuses_a_key_set_twice(tmp_path, overrides, match):
         [compare.run_plan(args, variant) for variant in compare.variants(compare.parse_grid(args.grid))]
 
 
-@pytest.mark.parametrize("entry", ["block_size=32", "pretrain.max_position_embeddings=32", "position_scheme=alibi"])
+@pytest.mark.parametrize(
+    "entry",
+    ["block_size=32", "pretrain.max_position_embeddings=32", "position_scheme=alibi", "document_positions=true"],
+)
 def test_extrapolate_refuses_a_set_of_what_it_fixes_per_run(entry):
     from plugformer.experiments.extrapolation import ExtrapolationArguments
 
     # `--set block_size=32` replaced --train_length 64 in runs the table labels "trained at 64 tokens"
-    with pytest.raises(ValueError, match=rf"--set {entry}: extrapolate sets \w+ itself for every run; use --"):
+    with pytest.raises(
+        ValueError, match=rf"--set {entry}: extrapolate sets \w+ itself for every run \((from --|false)"
+    ):
         ExtrapolationArguments(set=[entry])
 
 

@@ -30,12 +30,12 @@ from ..runtime.loading import load_checked
 from .compare import CompareArguments, run_plan, train_run, write_results
 
 
-# the pretrain options extrapolate sets itself for every run (`training_plan`), and where they come from
+# the pretrain options extrapolate sets itself for every run (`training_plan`), and where their values come from
 FIXED = {
-    "block_size": "--train_length",
-    "max_position_embeddings": "--train_length",
-    "document_positions": "extrapolate (false: positions run 0..L-1 across each block)",
-    "position_scheme": "--position_schemes",
+    "block_size": "from --train_length",
+    "max_position_embeddings": "from --train_length",
+    "document_positions": "false: positions run 0..L-1 across each block, as at evaluation",
+    "position_scheme": "from --position_schemes",
 }
 
 
@@ -75,7 +75,7 @@ class ExtrapolationArguments(CorpusArguments):
         for entry in self.set:  # `--set block_size=32` replaced --train_length's 64 in the runs the table calls 64
             name = entry.partition("=")[0].strip().rpartition(".")[2]
             if name in FIXED:
-                raise ValueError(f"--set {entry}: extrapolate sets {name} itself for every run; use {FIXED[name]}")
+                raise ValueError(f"--set {entry}: extrapolate sets {name} itself for every run ({FIXED[name]})")
 
     def lengths(self) -> list[int]:
         """Evaluation lengths in tokens (at least 2: one to condition on, one to predict)."""
