@@ -7,7 +7,7 @@ selected on dev, reported on test with 95% confidence intervals and paired signi
 Each grid entry is `KEY=V1,V2,...`; the variants are the cartesian product. A key goes to every stage whose
 options include it (`sft.learning_rate=...` names one stage, and wins there over a `learning_rate=...`); a
 `PlugformerConfig` field that is not a stage option (e.g. `norm_type`) goes into pretrain's `config_overrides`.
-`--set KEY=VALUE` applies to every run; a key is set once (in `--set` or `--grid`).
+`--set KEY=VALUE` applies to every run (each key once; a grid key replaces it).
 
 A run lives in `<output_dir>/runs/<variant>-<hash>/seed<N>/<stage>`, the hash covering every setting that shapes
 it (the stage command lines and the content of their YAML files): re-running the same comparison reuses finished
@@ -75,8 +75,8 @@ class CompareArguments(CorpusArguments):
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
     set: list[str] = field(
         default_factory=list,
-        metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once, in --set or "
-                          "--grid; stage.KEY wins over KEY for its stage)"},
+        metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once; a --grid KEY "
+                          "replaces it; stage.KEY wins over KEY for its stage)"},
     )  # fmt: skip
     metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
@@ -250,11 +250,7 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
     fixed = parse_settings(args.set)
     refuse_controlled(fixed, "--set")
     refuse_controlled(variant, "--grid")
-    both = sorted(set(fixed) & set(variant))
-    if both:
-        raise ValueError(f"{both[0]} is set by --set {both[0]}={fixed[both[0]]} and by --grid (here "
-                         f"{both[0]}={variant[both[0]]}); give it once: in --grid to vary it, in --set to fix it")  # fmt: skip
-    settings = {**fixed, **variant}
+    settings = {**fixed, **variant}  # a key in both: the grid's value (a budget in --set, one of its keys varied)
     options = route(settings, args.stages)
     if args.dataset_name is not None:
         add_corpus_options(args, settings, options)
