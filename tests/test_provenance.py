@@ -176,6 +176,7 @@ def test_override_flags_gives_each_flag_once_the_later_part_winning():
         "--output_dir", "o", "--max-steps=9", "--data_files", "c", "--bf16", "--seed", "2", "--learning_rate", "-1"
     ]  # fmt: skip
     assert override_flags(base) == base and override_flags([], base) == base
+    assert override_flags(["--seed", "1"], ["--seed", "2"], ["--seed=3"]) == ["--seed=3"]  # a third part wins too
     # a repeat within one part is kept: it is the user's, for the stage command to refuse
     assert override_flags(["--seed", "1", "--seed", "2"], ["--max_steps", "3"]).count("--seed") == 2
 

@@ -263,6 +263,8 @@ def override_flags(*parts: list[str]) -> list[str]:
 
     >>> override_flags(["--max_steps", "3", "--data_files", "a", "b"], ["--max-steps=9", "--data_files", "c"])
     ['--max-steps=9', '--data_files', 'c']
+    >>> override_flags(["--seed", "1"], ["--seed", "2"], ["--seed", "3"])
+    ['--seed', '3']
     """
     joined: list[list[str]] = []  # one entry per flag (its token and values), or per stray token
     owner: dict[str, int] = {}  # flag -> index in `joined` of its latest occurrence from an earlier part
@@ -271,13 +273,13 @@ def override_flags(*parts: list[str]) -> list[str]:
         for entry in _flag_entries(list(part)):
             name = _flag_name(entry[0])
             if name is not None and name in owner:
-                joined[owner.pop(name)] = entry  # replaces the earlier part's occurrence in place
-                seen[name] = -1
+                seen[name] = owner.pop(name)
+                joined[seen[name]] = entry  # replaces the earlier part's occurrence in place
             else:
                 joined.append(entry)
                 if name is not None:
                     seen[name] = len(joined) - 1
-        owner.update({name: index for name, index in seen.items() if index >= 0})
+        owner.update(seen)
     return [token for entry in joined for token in entry]
 
 
