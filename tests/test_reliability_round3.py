@@ -523,6 +523,36 @@ def test_a_stage_refuses_a_parent_with_unexpected_backbone_tensors(runs, tmp_pat
         run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"), *TINY, *TRL])
 
 
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_a_seq2seq_checkpoint_without_its_embedding_is_reported_and_refused(tmp_path, tie_word_embeddings):
+    """The decoder shared the encoder's embedding module: transformers then took the encoder's embedding for an
+    initialised tie target, so a checkpoint without it loaded unreported, the weight left on the meta device (and
+    `load_checked` looked only under `model.`, which the seq2seq head, its own base model, has not)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from plugformer import PlugformerConfig, PlugformerForConditionalGeneration
+    from plugformer.runtime.loading import load_checked
+
+    config = PlugformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                              num_attention_heads=2, is_encoder_decoder=True, is_causal=False, pad_token_id=0,
+                              tie_word_embeddings=tie_word_embeddings)  # fmt: skip
+    model = PlugformerForConditionalGeneration(config)
+    assert model.decoder.embed_tokens.weight is model.encoder.embed_tokens.weight  # one embedding, either way
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    reloaded = load_checked(PlugformerForConditionalGeneration, tmp_path)  # intact: loads, still one embedding
+    assert reloaded.decoder.embed_tokens.weight is reloaded.encoder.embed_tokens.weight
+    assert torch.equal(reloaded.encoder.embed_tokens.weight, weights["encoder.embed_tokens.weight"])
+    del weights["encoder.embed_tokens.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reloaded, info = PlugformerForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert "encoder.embed_tokens.weight" in info["missing_keys"]
+    assert reloaded.encoder.embed_tokens.weight.device.type == "cpu"  # initialised, not left on meta
+    with pytest.raises(ValueError, match=r"missing: .*encoder\.embed_tokens\.weight"):
+        load_checked(PlugformerForConditionalGeneration, tmp_path)
+
+
 def test_attention_map_refuses_a_text_too_long_to_draw(runs, capsys):
     from plugformer.cli import main
 

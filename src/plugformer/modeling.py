@@ -333,6 +333,11 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
     saved before this class existed loads unchanged). As T5's, the head is its own `base_model`.
     """
 
+    # The decoder reads the encoder's embedding: its own `nn.Embedding` whose weight is tied to the encoder's (a
+    # parameter tie, as transformers' models declare theirs: one module in both stacks made transformers, at load,
+    # take the encoder's embedding for an initialised tie target, so a checkpoint without it loaded, unreported, with
+    # the weight left on the meta device). Tied whatever `tie_word_embeddings` says, which is about the LM head only
+    # (`get_expanded_tied_weights_keys`).
     _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
     # Each stack brings the config's plan for its own layers; the decoder's cross-attention, which only the seq2seq
     # classes have, splits its heads the same way.
@@ -357,9 +362,21 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
             )
         self.encoder = PlugformerModel(config, is_causal=False)
         self.decoder = PlugformerModel(
-            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers,
-            embed_tokens=self.encoder.embed_tokens,
-        )  # fmt: skip
+            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers
+        )
+
+    def post_init(self) -> None:
+        super().post_init()
+        # transformers gives a model that is its own base model the config's tensor-parallel plan; that plan is one
+        # stack's (`layers.*`), which each stack brings under its own prefix (`encoder.layers.*`): here it names nothing
+        stack_plan = self.config.base_model_tp_plan or {}
+        self._tp_plan = {name: style for name, style in (self._tp_plan or {}).items() if name not in stack_plan}
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
+        """transformers' `{tied parameter: source}`, plus the decoder's embedding tied to the encoder's even without
+        `tie_word_embeddings` (which unties the LM head only)."""
+        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
+        return {**tied, **PlugformerSeq2SeqModel._tied_weights_keys}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.encoder.embed_tokens
