@@ -39,7 +39,14 @@ from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
 from .losses import fused_head_loss
 from .pretrained import PlugformerPreTrainedModel
-from .stack import PlugformerModel, document_mask_function, position_ids_from_mask
+from .stack import (
+    PlugformerModel,
+    document_mask_function,
+    position_ids_from_mask,
+    require_decoder,
+    require_encoder,
+    require_single_stack,
+)
 
 
 # the heads below, and the stack's names importable from here as before the split
@@ -78,32 +85,6 @@ except ImportError:
     pass
 else:
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault(PlugformerConfig.model_type, LORA_TARGET_MODULES)
-
-
-def require_single_stack(config: PlugformerConfig, head: str) -> None:
-    if config.is_encoder_decoder:
-        raise ValueError(
-            f"{head} is a single stack, but is_encoder_decoder=True (which makes generate() and trainers look for an "
-            "encoder): use PlugformerForConditionalGeneration, or build the config with is_encoder_decoder=False"
-        )
-
-
-def require_decoder(config: PlugformerConfig, head: str) -> None:
-    require_single_stack(config, head)
-    if not config.is_causal:
-        raise ValueError(
-            f"{head} predicts each next token, but is_causal=False lets every position attend to the tokens it "
-            "predicts: use PlugformerForMaskedLM for a bidirectional encoder, or build the config with is_causal=True"
-        )
-
-
-def require_encoder(config: PlugformerConfig, head: str) -> None:
-    require_single_stack(config, head)
-    if config.is_causal:
-        raise ValueError(
-            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
-            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
-        )
 
 
 class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin):
