@@ -4,7 +4,8 @@ transformers' `from_pretrained` initialises missing tensors freshly and drops un
 log: a checkpoint with one layer's tensors deleted loaded in `plugformer eval` and scored a perplexity. plugformer's
 own loaders (the stages, eval, compare, extrapolate) refuse that in one line naming the tensors. A different head
 (a reward stage built on a language model: `score.weight` new, `lm_head.weight` unused) is what a stage change
-means and stays allowed; only tensors of the base model (`base_model_prefix`) count.
+means and stays allowed; only tensors of the base model (`base_model_prefix`) count, every tensor of a model
+that is its own base model (the seq2seq head).
 """
 
 from __future__ import annotations
