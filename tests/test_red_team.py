@@ -69,7 +69,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
         (lambda src: src / "plugformer", "is inside the source"),
         (lambda src: src / "config.json", "is the source|inside the source"),
         (lambda src: src.parent / "afile", "is an existing file"),
-        (lambda src: src.parent / "occupied", r"already holds a model \(config.json"),
+        (lambda src: src.parent / "occupied", r"already holds another run \(config.json"),
     ],
     ids=["source", "inside-source", "a-source-file", "a-file", "occupied"],
 )
@@ -80,7 +80,7 @@ def test_convert_refuses_to_overwrite_the_source_or_save_nothing(llama_source, t
     (llama_source.parent / "occupied").mkdir()
     (llama_source.parent / "occupied" / "config.json").write_text("{}\n")
     before = snapshot(llama_source.parent)
-    with pytest.raises(ValueError, match=rf"output_dir=.*({pattern})"):
+    with pytest.raises(ValueError, match=rf"output_dir[= ].*({pattern})"):
         convert(llama_source, target(llama_source))
     assert snapshot(llama_source.parent) == before  # nothing written, nothing lost
 
@@ -90,7 +90,7 @@ def test_convert_overwrite_replaces_an_occupied_folder(llama_source):
 
     occupied = llama_source.parent / "occupied"
     convert(llama_source, occupied)
-    with pytest.raises(ValueError, match="already holds a model"):
+    with pytest.raises(ValueError, match="already holds another run"):
         convert(llama_source, occupied)
     convert(llama_source, occupied, overwrite=True, position_scheme="alibi")
     assert '"alibi"' in (occupied / "config.json").read_text()

@@ -173,6 +173,140 @@ def test_resuming_the_same_variant_still_continues(runs, tmp_path):
     assert info["stage"] == "pretrain" and (run / "checkpoint-2").is_dir()
 
 
+# --- the same rule for convert, and for eval's results and the score caches ----------------------------------------
+
+
+@pytest.fixture
+def llama_source(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
+    return tmp_path / "source"
+
+
+def test_convert_refuses_a_folder_holding_a_stage_or_a_live_run(runs, tmp_path, llama_source):
+    import os
+    import socket
+
+    from plugformer.integrations.convert import convert
+    from plugformer.training.outputs import LOCK
+
+    run = copy_run(runs, "final_only", tmp_path)
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=r"already holds another run \(config.json.*--overwrite_output_dir true"):
+        convert(llama_source, run)
+    (run / LOCK).write_text(f'{{"pid": {os.getppid()}, "host": "{socket.gethostname()}", "started": "now"}}\n')
+    locked = snapshot(run)
+    with pytest.raises(ValueError, match=r"in use by a live run"):  # not even told to replace it
+        convert(llama_source, run, overwrite=True)
+    assert snapshot(run) == locked and {k: v for k, v in locked.items() if k != LOCK} == before
+
+
+@pytest.mark.parametrize("flags", [["--overwrite_output_dir", "true"], ["--overwrite_output_dir"], ["--overwrite"]])
+def test_convert_told_to_replace_a_stage_removes_its_records_and_checkpoints(runs, tmp_path, llama_source, flags):
+    import json
+
+    from plugformer.cli import main
+    from plugformer.training.outputs import LOCK, RUN_RECORD
+
+    run = copy_run(runs, "checkpointed", tmp_path)
+    (run / "eval_test.json").write_text('{"model": "run", "split": "test", "exact_match": 0.5}\n')
+    main(["convert", str(llama_source), str(run), *flags])
+    # before: the converted model sat beside the pretrain run's record, checkpoint and scores, read as theirs
+    assert not (run / "run_info.json").exists() and not list(run.glob("checkpoint-*"))
+    assert not (run / "eval_test.json").exists()
+    assert json.loads((run / RUN_RECORD).read_text()) == {"stage": "convert"} and not (run / LOCK).exists()
+    assert json.loads((run / "config.json").read_text())["model_type"] == "plugformer"
+
+
+def test_a_claim_judges_the_folder_again_once_locked(tmp_path, monkeypatch):
+    from plugformer.training import outputs
+
+    folder = tmp_path / "out"
+    real_acquire = outputs.acquire_lock
+
+    def another_run_finishes_meanwhile(output_dir):
+        (folder / "config.json").write_text("{}\n")  # written between the first look and the lock
+        return real_acquire(output_dir)
+
+    folder.mkdir()
+    monkeypatch.setattr(outputs, "acquire_lock", another_run_finishes_meanwhile)
+    with pytest.raises(ValueError, match=r"already holds another run \(config.json"):
+        outputs.claim_folder(str(folder), "demo")
+    assert sorted(p.name for p in folder.iterdir() if p.name != outputs.TAKEOVER) == ["config.json"]
+
+
+def fake_results(args):
+    return {"model": args.model, "split": args.split, "exact_match": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("output", "pattern"),
+    [
+        ("run_info.json", r"run_info.json is the name of a model's or a run's own file"),
+        ("config.json", r"config.json is the name of a model's or a run's own file"),
+        ("notes.json", r"already holds a file that is no result of plugformer eval.*--overwrite_output true"),
+        ("other.json", r"holds the results of another model \(/elsewhere\).*--overwrite_output true"),
+        (".", r"is a folder"),
+    ],
+)
+def test_eval_refuses_an_output_that_holds_another_models_or_runs_files(runs, tmp_path, monkeypatch, output, pattern):
+    from plugformer.evaluation import scoring
+
+    run = copy_run(runs, "final_only", tmp_path)
+    (run / "notes.json").write_text('{"mine": 1}\n')
+    (run / "other.json").write_text('{"model": "/elsewhere", "split": "test", "key": {"model_dir": "/elsewhere"}}\n')
+    before = snapshot(run)
+    monkeypatch.setattr(scoring, "evaluate_directory", refuse_work)
+    with pytest.raises(ValueError, match=pattern):
+        scoring.main(["--model", str(run), "--output", str(run / output)])
+    assert snapshot(run) == before
+
+
+def test_eval_replaces_its_own_earlier_result_and_keys_what_it_depends_on(runs, tmp_path, monkeypatch):
+    import json
+
+    from plugformer.evaluation import scoring
+    from plugformer.runtime.files import weights_sha256
+
+    run = copy_run(runs, "final_only", tmp_path)
+    monkeypatch.setattr(scoring, "evaluate_directory", fake_results)
+    scoring.main(["--model", str(run), "--examples", "5"])
+    first = json.loads((run / "eval_test.json").read_text())["key"]
+    assert first["options"]["examples"] == 5 and first["model_dir"] == str(run.resolve())
+    assert first["weights_sha256"] == weights_sha256(run) and first["model_files_sha256"]
+    scoring.main(["--model", str(run), "--examples", "7"])  # the same model folder: replaced
+    assert json.loads((run / "eval_test.json").read_text())["key"]["options"]["examples"] == 7
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "x", "split": "test", "key": {"model_dir": "/elsewhere"}}))
+    scoring.main(["--model", str(run), "--output", str(other), "--overwrite_output", "true"])  # told to
+    assert json.loads(other.read_text())["key"]["model_dir"] == str(run.resolve())
+
+
+def test_the_score_caches_are_keyed_by_the_models_config_and_tokenizer_too(tmp_path):
+    from plugformer.experiments.compare import CompareArguments, score_key
+    from plugformer.experiments.extrapolation import ExtrapolationArguments, evaluation_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text('{"position_scheme": "rope"}')
+    (tmp_path / "tokenizer.json").write_text('{"vocab": 1}')
+    keys = lambda: (score_key(CompareArguments(), tmp_path, "test"), evaluation_key(ExtrapolationArguments(), tmp_path))  # noqa: E731
+    first = keys()
+    assert keys() == first
+    (tmp_path / "run_info.json").write_text("{}")  # a record beside the model changes no score
+    assert keys() == first
+    (tmp_path / "config.json").write_text('{"position_scheme": "nope"}')  # same weights, another model
+    second = keys()
+    assert second[0] != first[0] and second[1] != first[1]
+    (tmp_path / "tokenizer.json").write_text('{"vocab": 2}')
+    third = keys()
+    assert third[0] != second[0] and third[1] != second[1]
+
+
 LOCK_TAKER = """
 import json, pathlib, sys, time
 folder = pathlib.Path(sys.argv[1])
@@ -390,6 +524,36 @@ def test_a_stage_refuses_a_parent_with_unexpected_backbone_tensors(runs, tmp_pat
     run = damaged(runs, tmp_path, drop="no such tensor", add={"model.layers.9.mlp.up_proj.weight"})
     with pytest.raises(ValueError, match=r"unexpected: model\.layers\.9\.mlp\.up_proj\.weight\)"):
         run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"), *TINY, *TRL])
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_a_seq2seq_checkpoint_without_its_embedding_is_reported_and_refused(tmp_path, tie_word_embeddings):
+    """The decoder shared the encoder's embedding module: transformers then took the encoder's embedding for an
+    initialised tie target, so a checkpoint without it loaded unreported, the weight left on the meta device (and
+    `load_checked` looked only under `model.`, which the seq2seq head, its own base model, has not)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from plugformer import PlugformerConfig, PlugformerForConditionalGeneration
+    from plugformer.runtime.loading import load_checked
+
+    config = PlugformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                              num_attention_heads=2, is_encoder_decoder=True, is_causal=False, pad_token_id=0,
+                              tie_word_embeddings=tie_word_embeddings)  # fmt: skip
+    model = PlugformerForConditionalGeneration(config)
+    assert model.decoder.embed_tokens.weight is model.encoder.embed_tokens.weight  # one embedding, either way
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    reloaded = load_checked(PlugformerForConditionalGeneration, tmp_path)  # intact: loads, still one embedding
+    assert reloaded.decoder.embed_tokens.weight is reloaded.encoder.embed_tokens.weight
+    assert torch.equal(reloaded.encoder.embed_tokens.weight, weights["encoder.embed_tokens.weight"])
+    del weights["encoder.embed_tokens.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reloaded, info = PlugformerForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert "encoder.embed_tokens.weight" in info["missing_keys"]
+    assert reloaded.encoder.embed_tokens.weight.device.type == "cpu"  # initialised, not left on meta
+    with pytest.raises(ValueError, match=r"missing: .*encoder\.embed_tokens\.weight"):
+        load_checked(PlugformerForConditionalGeneration, tmp_path)
 
 
 def test_attention_map_refuses_a_text_too_long_to_draw(runs, capsys):

@@ -441,6 +441,7 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
             loss = model(**ids, labels=ids["input_ids"]).loss.item()
         total, count = total + loss * (ids["input_ids"].shape[1] - 1), count + ids["input_ids"].shape[1] - 1
     assert results["perplexity"] == pytest.approx(2.718281828459045 ** (total / count), rel=1e-4)
+    output = tmp_path / "reward_eval.json"  # another model's results never replace the sft model's
     reward = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output)])
     assert 0.0 <= reward["pairwise_accuracy"] <= 1.0 and reward["examples"] == 6
     # the pairs are drawn as the reward model's own training pairs were (recorded in run_info.json), unless told

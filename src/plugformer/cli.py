@@ -15,10 +15,11 @@ def _demo(argv: list[str]) -> None:
 
 
 def _convert(argv: list[str]) -> None:
-    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite]"""
+    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite_output_dir true]"""
     import argparse
 
     import yaml
+    from transformers.hf_argparser import string_to_bool as str_to_bool
 
     from .integrations.convert import convert
     from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
@@ -33,7 +34,10 @@ def _convert(argv: list[str]) -> None:
     parser.add_argument("output_dir", help="where the plugformer model is saved")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
                         "(repeat it: the overrides accumulate)")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUTPUT_DIR")
+    parser.add_argument("--overwrite_output_dir", nargs="?", const="true", default="false", type=str_to_bool,
+                        metavar="BOOL", help="replace the run or model already in OUTPUT_DIR (its checkpoints and "
+                        "records removed), as for `plugformer train`")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="the same as --overwrite_output_dir true")
     args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     overrides = {}
     for item in args.set:
@@ -41,7 +45,7 @@ def _convert(argv: list[str]) -> None:
         if not separator:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
         overrides[field] = yaml.safe_load(value)
-    model = convert(args.source, args.output_dir, overwrite=args.overwrite, **overrides)
+    model = convert(args.source, args.output_dir, overwrite=args.overwrite_output_dir or args.overwrite, **overrides)
     print(
         f"saved {type(model).__name__} ({model.config.attention_score}, {model.config.position_scheme}) to {args.output_dir}"
     )

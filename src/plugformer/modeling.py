@@ -39,7 +39,14 @@ from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
 from .losses import fused_head_loss
 from .pretrained import PlugformerPreTrainedModel
-from .stack import PlugformerModel, document_mask_function, position_ids_from_mask
+from .stack import (
+    PlugformerModel,
+    document_mask_function,
+    position_ids_from_mask,
+    require_decoder,
+    require_encoder,
+    require_single_stack,
+)
 
 
 # the heads below, and the stack's names importable from here as before the split
@@ -78,32 +85,6 @@ except ImportError:
     pass
 else:
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault(PlugformerConfig.model_type, LORA_TARGET_MODULES)
-
-
-def require_single_stack(config: PlugformerConfig, head: str) -> None:
-    if config.is_encoder_decoder:
-        raise ValueError(
-            f"{head} is a single stack, but is_encoder_decoder=True (which makes generate() and trainers look for an "
-            "encoder): use PlugformerForConditionalGeneration, or build the config with is_encoder_decoder=False"
-        )
-
-
-def require_decoder(config: PlugformerConfig, head: str) -> None:
-    require_single_stack(config, head)
-    if not config.is_causal:
-        raise ValueError(
-            f"{head} predicts each next token, but is_causal=False lets every position attend to the tokens it "
-            "predicts: use PlugformerForMaskedLM for a bidirectional encoder, or build the config with is_causal=True"
-        )
-
-
-def require_encoder(config: PlugformerConfig, head: str) -> None:
-    require_single_stack(config, head)
-    if config.is_causal:
-        raise ValueError(
-            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
-            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
-        )
 
 
 class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin):
@@ -333,6 +314,11 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
     saved before this class existed loads unchanged). As T5's, the head is its own `base_model`.
     """
 
+    # The decoder reads the encoder's embedding: its own `nn.Embedding` whose weight is tied to the encoder's (a
+    # parameter tie, as transformers' models declare theirs: one module in both stacks made transformers, at load,
+    # take the encoder's embedding for an initialised tie target, so a checkpoint without it loaded, unreported, with
+    # the weight left on the meta device). Tied whatever `tie_word_embeddings` says, which is about the LM head only
+    # (`get_expanded_tied_weights_keys`).
     _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
     # Each stack brings the config's plan for its own layers; the decoder's cross-attention, which only the seq2seq
     # classes have, splits its heads the same way.
@@ -357,9 +343,21 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
             )
         self.encoder = PlugformerModel(config, is_causal=False)
         self.decoder = PlugformerModel(
-            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers,
-            embed_tokens=self.encoder.embed_tokens,
-        )  # fmt: skip
+            config, is_causal=True, cross_attention=True, num_layers=config.num_decoder_layers
+        )
+
+    def post_init(self) -> None:
+        super().post_init()
+        # transformers gives a model that is its own base model the config's tensor-parallel plan; that plan is one
+        # stack's (`layers.*`), which each stack brings under its own prefix (`encoder.layers.*`): here it names nothing
+        stack_plan = self.config.base_model_tp_plan or {}
+        self._tp_plan = {name: style for name, style in (self._tp_plan or {}).items() if name not in stack_plan}
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
+        """transformers' `{tied parameter: source}`, plus the decoder's embedding tied to the encoder's even without
+        `tie_word_embeddings` (which unties the LM head only)."""
+        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
+        return {**tied, **PlugformerSeq2SeqModel._tied_weights_keys}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.encoder.embed_tokens

@@ -311,3 +311,30 @@ class PlugformerModel(PlugformerPreTrainedModel):
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
             )  # fmt: skip
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+
+# what a head needs of the config's stack layout (each head calls one of these before building)
+def require_single_stack(config: PlugformerConfig, head: str) -> None:
+    if config.is_encoder_decoder:
+        raise ValueError(
+            f"{head} is a single stack, but is_encoder_decoder=True (which makes generate() and trainers look for an "
+            "encoder): use PlugformerForConditionalGeneration, or build the config with is_encoder_decoder=False"
+        )
+
+
+def require_decoder(config: PlugformerConfig, head: str) -> None:
+    require_single_stack(config, head)
+    if not config.is_causal:
+        raise ValueError(
+            f"{head} predicts each next token, but is_causal=False lets every position attend to the tokens it "
+            "predicts: use PlugformerForMaskedLM for a bidirectional encoder, or build the config with is_causal=True"
+        )
+
+
+def require_encoder(config: PlugformerConfig, head: str) -> None:
+    require_single_stack(config, head)
+    if config.is_causal:
+        raise ValueError(
+            f"{head} needs a bidirectional encoder, but is_causal=True: build the config with is_causal=False "
+            "(e.g. PlugformerConfig.from_preset('small', is_causal=False))"
+        )

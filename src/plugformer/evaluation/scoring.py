@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
-from ..runtime.files import write_json_atomic
+from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
 from .metrics import load_metric
 from .rewards import exact_match_reward, format_reward
@@ -203,6 +203,11 @@ class EvalArguments:
     max_new_tokens: int = 32
     batch_size: int = 64
     output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
+    overwrite_output: bool = field(
+        default=False,
+        metadata={"help": "replace --output even if it holds another model's results or a file that is no result of "
+                          "plugformer eval (by default refused; an earlier result of the same model is replaced)"},
+    )  # fmt: skip
 
 
 def check_model_dir(model: str) -> None:
@@ -286,13 +291,59 @@ def evaluate_directory(args: EvalArguments) -> dict:
     return results
 
 
+# files of a model or a run that an evaluation result must never take the name of (they would read as the model's)
+NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
+
+
+def results_key(args: EvalArguments) -> dict:
+    """What an evaluation's results depend on: every option but where they go, the model folder (resolved) and the
+    digests of the model in it (`runtime.files.model_sha256`). Written beside the results: a reader (or a later
+    evaluation deciding whether it may replace them) sees which model and settings they are of."""
+    options = {name: getattr(args, name) for name in args.__dataclass_fields__ if name not in NOT_KEYED}
+    return {"options": options, "model_dir": str(Path(args.model).resolve()), **model_sha256(args.model)}
+
+
+NOT_KEYED = ("model", "output", "overwrite_output")  # the model is keyed by its folder and digests
+
+
+def output_problem(args: EvalArguments, output: Path) -> str | None:
+    """Why writing the results to `output` would destroy something, or `None`: a folder; a name of a model's or a
+    run's files (`NOT_RESULTS`); an existing file that is no `plugformer eval` result, or the result of another model
+    folder (unless `--overwrite_output true`). An earlier result of the same model folder is replaced: a rerun (other
+    settings, or the model retrained in its folder) supersedes it, and the key it writes says which it is."""
+    from fnmatch import fnmatch
+
+    if output.is_dir():
+        return f"--output {output} is a folder; give the JSON file to write (default: <model>/eval_<split>.json)"
+    if any(fnmatch(output.name, pattern) for pattern in NOT_RESULTS):
+        return (f"--output {output}: {output.name} is the name of a model's or a run's own file; results written "
+                "there would read as the model's. Choose another file name (default: <model>/eval_<split>.json)")  # fmt: skip
+    if args.overwrite_output or not output.exists():
+        return None
+    try:
+        earlier = json.loads(output.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict) or not {"model", "split"} <= earlier.keys():
+        return (f"--output {output} already holds a file that is no result of plugformer eval; choose another "
+                "--output, or replace it with --overwrite_output true")  # fmt: skip
+    theirs = (earlier.get("key") or {}).get("model_dir") or str(Path(earlier["model"]).resolve())
+    if theirs != str(Path(args.model).resolve()):
+        return (f"--output {output} holds the results of another model ({theirs}), not of --model {args.model}; "
+                "choose another --output, or replace them with --overwrite_output true")  # fmt: skip
+    return None
+
+
 def main(argv: list[str]) -> dict:
     """`plugformer eval --model DIR [--split test] ...`: prints the scores and writes them as JSON."""
     from ..runtime.arguments import parse_arguments
 
     args = parse_arguments(EvalArguments, argv, prog="plugformer eval")
-    results = evaluate_directory(args)
     output = Path(args.output or Path(args.model) / f"eval_{args.split}.json")
+    problem = output_problem(args, output)  # before any work
+    if problem is not None:
+        raise ValueError(problem)
+    results = {**evaluate_directory(args), "key": results_key(args)}
     write_json_atomic(output, results, indent=2)
     shown = {k: v for k, v in results.items() if k != "samples"}
     print(json.dumps(shown, indent=2) + f"\nwritten to {output}")

@@ -332,11 +332,12 @@ NOT_SCORING = ("output_dir", "grid", "seeds", "significance", "bootstrap_samples
 
 def score_key(args: CompareArguments, model_dir: Path, split: str) -> dict:
     """What a run's cached per-example scores depend on: every option of `args` but those in `NOT_SCORING`, the split,
-    and the sha256 of the weights scored (a model retrained or replaced in its folder is scored anew)."""
-    from ..runtime.files import weights_sha256
+    and the digests of the model scored (`runtime.files.model_sha256`: its weights, config and tokenizer; a model
+    retrained, replaced or edited in its folder is scored anew)."""
+    from ..runtime.files import model_sha256
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_SCORING}
-    return {"options": options, "split": split, "weights_sha256": weights_sha256(model_dir)}
+    return {"options": options, "split": split, **model_sha256(model_dir)}
 
 
 def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:

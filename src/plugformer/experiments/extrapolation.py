@@ -25,7 +25,7 @@ import torch
 from ..data.options import CorpusArguments
 from ..evaluation.figures import pyplot
 from ..evaluation.stats import mean_interval
-from ..runtime.files import weights_sha256, write_json_atomic
+from ..runtime.files import model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
 from .compare import CompareArguments, run_plan, train_run, write_results
 
@@ -130,11 +130,11 @@ NOT_SCORING = ("output_dir", "position_schemes", "seeds", "rerun")
 
 def evaluation_key(args: ExtrapolationArguments, model_dir: Path) -> dict:
     """What a run's cached perplexities depend on: every option but those in `NOT_SCORING`, the lengths and tokens
-    scored, and the sha256 of the weights scored."""
+    scored, and the digests of the model scored (`runtime.files.model_sha256`: its weights, config and tokenizer)."""
     lengths = args.lengths()
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_SCORING}
     key = {"options": options, "lengths": lengths, "tokens": max(lengths) * args.eval_windows,
-           "weights_sha256": weights_sha256(model_dir)}  # fmt: skip
+           **model_sha256(model_dir)}  # fmt: skip
     return json.loads(json.dumps(key, default=str))  # as it reads back from the cache
 
 

@@ -181,5 +181,6 @@ def run_jobs(
 
 
 def read_scores(path: Path) -> dict:
-    """The held-out scores a job's `plugformer eval --output` wrote."""
-    return json.loads(path.read_text())
+    """The held-out scores a job's `plugformer eval --output` wrote (without the key of what they depend on, which
+    the in-process scores have not)."""
+    return {name: value for name, value in json.loads(path.read_text()).items() if name != "key"}

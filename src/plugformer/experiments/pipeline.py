@@ -129,10 +129,11 @@ def held_out(args: PipelineArguments, stage: str) -> dict:
 
 
 def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
-    """The `plugformer eval` arguments of a stage's test scores, in this process (`--jobs 1`) or its own."""
+    """The `plugformer eval` arguments of a stage's test scores, in this process (`--jobs 1`) or its own (which
+    writes them to the stage's own `eval_test.json`, replacing the earlier pipeline run's: `overwrite_output`)."""
     return EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
                          dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens,
-                         output=str(scores_path(args, stage)))  # fmt: skip
+                         output=str(scores_path(args, stage)), overwrite_output=True)  # fmt: skip
 
 
 RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json

@@ -19,6 +19,7 @@ from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM
 from ..runtime.files import naming_a_full_disk
 from ..runtime.memory import check_model_fits
+from ..training.outputs import claim_folder, release_lock
 
 
 logger = logging.getLogger(__name__)
@@ -204,23 +205,17 @@ def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
     return {name: tensor.contiguous() for name, tensor in renamed.items()}
 
 
-MODEL_FILES = ("config.json", "*.safetensors", "*.bin", "checkpoint-*")
-
-
-def check_output_dir(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> None:
-    """Raises `ValueError` before anything is loaded if saving to `output_dir` would destroy a model or save nothing:
-    the source itself (or a folder inside it: the source's files would sit beside another model's), an existing
-    file, or, without `overwrite`, a folder already holding a model."""
+def check_output_dir(source: str | Path, output_dir: str | Path) -> None:
+    """Raises `ValueError` before anything is loaded if saving to `output_dir` would destroy the source or save
+    nothing: the source itself (or a folder inside it: the source's files would sit beside another model's), or an
+    existing file. A folder holding another run or model is refused by the output-folder rule every command follows
+    (`training.outputs.claim_folder`)."""
     source, output = Path(source).resolve(), Path(output_dir).resolve()
     if output == source or source in output.parents:
         raise ValueError(f"output_dir={str(output_dir)!r} is {'the source' if output == source else 'inside the source'} "
                          f"{str(source)!r}: converting would overwrite or mix with it; choose a folder outside it")  # fmt: skip
     if output.exists() and not output.is_dir():
         raise ValueError(f"output_dir={str(output_dir)!r} is an existing file, not a folder; choose a new folder")
-    occupied = sorted({p.name for pattern in MODEL_FILES for p in output.glob(pattern)}) if output.is_dir() else []
-    if occupied and not overwrite:
-        raise ValueError(f"output_dir={str(output_dir)!r} already holds a model ({', '.join(occupied[:4])}); choose "
-                         "a new folder, or pass --overwrite to replace it")  # fmt: skip
 
 
 CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
@@ -241,9 +236,11 @@ def convert(
         source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3, qwen3_next,
             gpt2 or deepseek_v3).
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
-            source or a folder inside it, nor an existing file; a folder that already holds a model only with
-            `overwrite`.
-        overwrite (`bool`, *optional*, defaults to `False`): Replace the model already in `output_dir`.
+            source or a folder inside it, nor an existing file; a folder that holds another run or model only with
+            `overwrite`, and never one a live run holds (the rule of every command that writes a model:
+            `training.outputs.claim_folder`; the folder is locked while converting and records stage `convert`).
+        overwrite (`bool`, *optional*, defaults to `False`): Replace the run or model already in `output_dir` (its
+            checkpoints and run records are removed first, as `--overwrite_output_dir true` does for a stage).
         overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that no longer fit
             are dropped and new parameters initialised; both lists are logged.
 
@@ -251,13 +248,35 @@ def convert(
         [`PlugformerForCausalLM`]: In eval mode; without overrides its logits equal the source model's.
     """
     if output_dir is not None:
-        check_output_dir(source, output_dir, overwrite)
+        check_output_dir(source, output_dir)
+    config, to_weights = converted_config(source, overrides)  # a bad source or override fails before the claim
+    if output_dir is None:
+        return build_converted(source, config, to_weights, overrides)
+    claim_folder(str(output_dir), "convert", overwrite)  # refused while another run or model is there, or a live run
+    try:
+        model = build_converted(source, config, to_weights, overrides)
+        with naming_a_full_disk(output_dir, "the converted model", f"the model files in it are incomplete; the source "
+                                f"{source} is untouched"):  # fmt: skip
+            model.save_pretrained(output_dir)
+    finally:
+        release_lock(output_dir)
+    return model
+
+
+def converted_config(source: str | Path, overrides: dict[str, Any]) -> tuple[PlugformerConfig, Callable]:
+    """(the plugformer config of `source` with `overrides`, its weight converter); refuses an unknown `model_type`,
+    a bad override or a model too large for memory, before any weight is read."""
     source_config = AutoConfig.from_pretrained(source)
     if source_config.model_type not in CONVERTERS:
         raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")
     to_config, to_weights = CONVERTERS[source_config.model_type]
     config = PlugformerConfig(**{**to_config(source_config), **overrides})
     check_model_fits(config, training=False, copies=2, what="convert (the source model and its conversion)")
+    return config, to_weights
+
+
+def build_converted(source, config: PlugformerConfig, to_weights: Callable, overrides: dict) -> PlugformerForCausalLM:
+    """The plugformer model of `convert` with the source's weights (in eval mode), not saved."""
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     weights = to_weights(reference.state_dict(), config)
     model = PlugformerForCausalLM(config)
@@ -269,8 +288,4 @@ def convert(
         logger.warning("after overrides %s: newly initialised %s; dropped %s", overrides, missing, unexpected)
     model.generation_config = reference.generation_config
     model.eval()
-    if output_dir is not None:
-        with naming_a_full_disk(output_dir, "the converted model", f"the model files in it are incomplete; the source "
-                                f"{source} is untouched"):  # fmt: skip
-            model.save_pretrained(output_dir)
     return model

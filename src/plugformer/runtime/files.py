@@ -120,15 +120,18 @@ def write_json_atomic(path: str | Path, value: Any, **dumps: Any) -> None:
 
 # the weight files a saved model folder holds at its top level (not its checkpoints, nor adapter/)
 WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")
+# what else of a saved model folder changes its outputs: the architecture and its fields, the generation defaults
+# (eos and pad ids end and pad `generate()`'s answers), the tokenizer (not results, records or caches kept beside them)
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer*.json", "special_tokens_map.json",
+               "chat_template.jinja", "vocab.*", "merges.txt", "*.model")  # fmt: skip
 
 
-def weights_sha256(folder: str | Path) -> str | None:
-    """The sha256 of the weight files at the top of a saved model folder (names and bytes, in sorted order), or None
-    when it holds none: equal digests, the same weights. Consumers of a run (pipeline reuse, compare's score cache, a
-    DPO stage's reference) compare it with the digest recorded when the run was made."""
+def files_sha256(folder: str | Path, patterns: tuple[str, ...]) -> str | None:
+    """The sha256 of the files matching `patterns` at the top of `folder` (names and bytes, in sorted order), or
+    None when none matches."""
     import hashlib
 
-    files = sorted({path for pattern in WEIGHT_FILES for path in Path(folder).glob(pattern) if path.is_file()})
+    files = sorted({path for pattern in patterns for path in Path(folder).glob(pattern) if path.is_file()})
     if not files:
         return None
     digest = hashlib.sha256()
@@ -138,3 +141,17 @@ def weights_sha256(folder: str | Path) -> str | None:
             for chunk in iter(lambda: handle.read(2**24), b""):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def weights_sha256(folder: str | Path) -> str | None:
+    """The sha256 of the weight files at the top of a saved model folder (names and bytes, in sorted order), or None
+    when it holds none: equal digests, the same weights. Consumers of a run (pipeline reuse, compare's score cache, a
+    DPO stage's reference) compare it with the digest recorded when the run was made."""
+    return files_sha256(folder, WEIGHT_FILES)
+
+
+def model_sha256(folder: str | Path) -> dict[str, str | None]:
+    """What a saved model folder's scores depend on, as digests: its weights (`weights_sha256`) and the config,
+    generation defaults and tokenizer beside them (`MODEL_FILES`). The key of a cached score: equal digests, the
+    same model."""
+    return {"weights_sha256": weights_sha256(folder), "model_files_sha256": files_sha256(folder, MODEL_FILES)}

@@ -12,7 +12,8 @@ holder dies), so two processes can never both take over the same stale lock.
 The folder records which stage claimed it (`RUN_RECORD`, beside `run_info.json` once the run finishes): resuming in
 a folder of another stage (`train sft --output_dir <a pretrain run> --resume_from_checkpoint last` continued the
 pretrain trainer's state at learning rate 0 and rewrote its record) is refused, and so is resuming a finished run
-that saved no checkpoint (it would train again from scratch over the finished model). `demo` follows the same rule.
+that saved no checkpoint (it would train again from scratch over the finished model). `demo` and `convert` follow
+the same rule (`claim_folder`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import socket
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 from ..runtime.files import write_json_atomic
@@ -37,7 +39,8 @@ TAKEOVER = ".plugformer.lock.takeover"  # flock'ed while a process judges and ta
 RUN_RECORD = ".plugformer_run.json"  # {"stage": ...}: the stage that claimed the folder (read by a resume)
 # what a finished or interrupted run leaves in its folder (TensorBoard's runs/ and a README alone are no model)
 # removed by --overwrite_output_dir beside the checkpoints: the other run's record and the step it reached
-REPLACED = ("run_info.json", "trainer_state.json", PROGRESS, RUN_RECORD)
+# and `plugformer eval`'s results of the replaced model (they would read as the new one's)
+REPLACED = ("run_info.json", "trainer_state.json", PROGRESS, RUN_RECORD, "eval_*.json")
 RUN_FILES = ("run_info.json", "trainer_state.json", "config.json", "*.safetensors", "checkpoint-*", "adapter")
 
 
@@ -214,6 +217,8 @@ def claim_output_dir(script_args, training_args, stage: str | None = None) -> No
     if problem is None and main:
         problem = acquire_lock(output_dir)
         locked = problem is None
+        if locked:  # judged again under the lock: a run that finished into it since the first look is refused too
+            problem = occupied_problem(output_dir, resume, overwrite, stage)
     first = next((p for p in gather_from_ranks(problem) if p), None)
     if first is not None:
         if locked:
@@ -227,7 +232,8 @@ def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
     """With `overwrite`, removes the other run's checkpoints and records (`REPLACED`); records `stage` as the
     folder's (`RUN_RECORD`)."""
     if overwrite:
-        replaced = [p for p in Path(output_dir).iterdir() if _CHECKPOINT.match(p.name) or p.name in REPLACED]
+        replaced = [p for p in Path(output_dir).iterdir()
+                    if _CHECKPOINT.match(p.name) or any(fnmatch(p.name, name) for name in REPLACED)]  # fmt: skip
         if replaced:
             logger.warning("--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced),
                            output_dir)  # fmt: skip
@@ -238,9 +244,16 @@ def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
 
 
 def claim_folder(output_dir: str, stage: str, overwrite: bool = False) -> None:
-    """`claim_output_dir` for a single-process command that writes a model (`demo`): refuses a folder holding
-    another run unless `overwrite`, locks it (`release_lock` when done) and records `stage`."""
+    """`claim_output_dir` for a single-process command that writes a model (`demo`, `convert`): refuses a folder
+    holding another run unless `overwrite`, locks it (`release_lock` when done) and records `stage`.
+
+    The folder is judged again once locked: a run that finished into it between the first look and the lock (its
+    lock released meanwhile) is refused too, so that two claimers never both find it free."""
     problem = occupied_problem(output_dir, None, overwrite, stage, resumable=False) or acquire_lock(output_dir)
+    if problem is None:
+        problem = occupied_problem(output_dir, None, overwrite, stage, resumable=False)
+        if problem is not None:
+            release_lock(output_dir)
     if problem is not None:
         raise ValueError(problem)
     take_over(output_dir, overwrite, stage)
