@@ -35,7 +35,7 @@ from plugformer.bench.report import compare, ratio_cell, throughput, train_flops
 from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
 from plugformer.runtime.arguments import parse_arguments
-from plugformer.runtime.variants import ATTENTION_MODIFIERS
+from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields, modifier_label
 
 
 @pytest.mark.parametrize("pair", ["llama", "gpt2"])
@@ -167,7 +167,8 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     assert all(row["same_tokens"] for row in results["decode"] if row["dtype"] == "fp32")
     # every registered score x scheme, then scaled_dot + none with each attention modifier, per dtype
     variants = [(s, p, "") for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
-    variants += [("scaled_dot", "none", f"{name}={value!r}") for name, value in ATTENTION_MODIFIERS.items()]
+    variants += [("scaled_dot", "none", modifier_label(name, value))
+                 for name, values in ATTENTION_MODIFIERS.items() for value in values]  # fmt: skip
     rows = [
         (r["dtype"], r["attention_score"], r["position_scheme"], r["attention_modifier"]) for r in results["variants"]
     ]
@@ -283,10 +284,12 @@ def test_variant_rows_come_from_the_registries_and_the_modifiers():
     pairs = [
         {"attention_score": s, "position_scheme": p} for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()
     ]
-    assert every == pairs + [BASELINE | {name: value} for name, value in ATTENTION_MODIFIERS.items()]
+    modified = [BASELINE | {name: value} for name, values in ATTENTION_MODIFIERS.items() for value in values]
+    assert every == pairs + modified
     chosen = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
-                            attention_modifiers=["sliding_window"], device="cpu")  # fmt: skip
-    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": ATTENTION_MODIFIERS["sliding_window"]}]
+                            attention_modifiers=["sliding_window", "value_residual"], device="cpu")  # fmt: skip
+    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": 256}, BASELINE | {"value_residual": "fixed"},
+                                              BASELINE | {"value_residual": "learned"}]  # fmt: skip
     assert len(requested_variants(BenchArguments(attention_scores=["additive"], device="cpu"))) == len(
         POSITION_SCHEMES.names()
     )
