@@ -402,3 +402,45 @@ def test_the_loss_section_times_the_fused_loss_against_llama_at_each_vocabulary(
     assert "### Fused loss" in (tmp_path / "bench.md").read_text()
     section = readme_section([results])
     assert "`plugformer bench --sizes tiny --seq_lens 16" in section and "| tiny | fp32 | 16 | 300 |" in section
+
+
+def test_modifier_fields_repeat_a_per_layer_pattern_with_the_fields_it_needs():
+    """The bench's layer_types row mixes sliding and full layers at any depth, with the window sliding layers need."""
+    pattern = ["sliding_attention", "full_attention"]
+    assert modifier_fields("layer_types", pattern, 3) == {
+        "sliding_window": 256, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
+    }  # fmt: skip
+    assert modifier_fields("value_residual", "fixed", 3) == {"value_residual": "fixed"}
+    config = BenchArguments(device="cpu").model_config("tiny", **modifier_fields("layer_types", pattern, 2))
+    assert config.layer_types == pattern and config.sliding_window == 256
+    assert modifier_label("layer_types", pattern) == (
+        "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated"
+    )
+
+
+THIRD_WAVE = [  # issue 33's variants: per-layer attention types, gated attention, value residuals, latent attention
+    "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated",
+    "use_gated_attention=True",
+    "value_residual='fixed'",
+    "value_residual='learned'",
+    "attention_projection='latent'",
+]
+
+
+def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
+    """One tiny run of `--sections variants` on the baseline pair: a row for each attention modifier's each value (the
+    third-wave variants among them), each with a ratio against the baseline and its kernel; no timing asserted."""
+    argv = ["bench", "--sizes", "tiny", "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--dtypes", "fp32",
+            "--sections", "variants", "--attention_scores", "scaled_dot", "--position_schemes", "none",
+            "--matmul_size", "64", "--device", "cpu", "--output_dir", str(tmp_path)]  # fmt: skip
+    cli_main(argv)
+    rows = json.loads((tmp_path / "bench.json").read_text())["variants"]
+    labels = [row["attention_modifier"] for row in rows]
+    assert labels == ["", *(modifier_label(name, value) for name, values in ATTENTION_MODIFIERS.items()
+                            for value in values)]  # fmt: skip
+    assert set(THIRD_WAVE) <= set(labels)
+    for row in rows:
+        assert row["ratio_tokens_per_s"]["ratio"] > 0 and row["ratio_peak_memory"] > 0
+        assert row["kernel"].split(":")[0] in row["supported_kernels"]
+    markdown = (tmp_path / "bench.md").read_text()
+    assert all(f"| {label} |" in markdown for label in THIRD_WAVE)
