@@ -35,7 +35,7 @@ from plugformer.bench.report import compare, ratio_cell, throughput, train_flops
 from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
 from plugformer.runtime.arguments import parse_arguments
-from plugformer.runtime.variants import ATTENTION_MODIFIERS
+from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields, modifier_label
 
 
 @pytest.mark.parametrize("pair", ["llama", "gpt2"])
@@ -167,7 +167,8 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     assert all(row["same_tokens"] for row in results["decode"] if row["dtype"] == "fp32")
     # every registered score x scheme, then scaled_dot + none with each attention modifier, per dtype
     variants = [(s, p, "") for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
-    variants += [("scaled_dot", "none", f"{name}={value!r}") for name, value in ATTENTION_MODIFIERS.items()]
+    variants += [("scaled_dot", "none", modifier_label(name, value))
+                 for name, values in ATTENTION_MODIFIERS.items() for value in values]  # fmt: skip
     rows = [
         (r["dtype"], r["attention_score"], r["position_scheme"], r["attention_modifier"]) for r in results["variants"]
     ]
@@ -283,10 +284,12 @@ def test_variant_rows_come_from_the_registries_and_the_modifiers():
     pairs = [
         {"attention_score": s, "position_scheme": p} for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()
     ]
-    assert every == pairs + [BASELINE | {name: value} for name, value in ATTENTION_MODIFIERS.items()]
+    modified = [BASELINE | {name: value} for name, values in ATTENTION_MODIFIERS.items() for value in values]
+    assert every == pairs + modified
     chosen = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
-                            attention_modifiers=["sliding_window"], device="cpu")  # fmt: skip
-    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": ATTENTION_MODIFIERS["sliding_window"]}]
+                            attention_modifiers=["sliding_window", "value_residual"], device="cpu")  # fmt: skip
+    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": 256}, BASELINE | {"value_residual": "fixed"},
+                                              BASELINE | {"value_residual": "learned"}]  # fmt: skip
     assert len(requested_variants(BenchArguments(attention_scores=["additive"], device="cpu"))) == len(
         POSITION_SCHEMES.names()
     )
@@ -399,3 +402,45 @@ def test_the_loss_section_times_the_fused_loss_against_llama_at_each_vocabulary(
     assert "### Fused loss" in (tmp_path / "bench.md").read_text()
     section = readme_section([results])
     assert "`plugformer bench --sizes tiny --seq_lens 16" in section and "| tiny | fp32 | 16 | 300 |" in section
+
+
+def test_modifier_fields_repeat_a_per_layer_pattern_with_the_fields_it_needs():
+    """The bench's layer_types row mixes sliding and full layers at any depth, with the window sliding layers need."""
+    pattern = ["sliding_attention", "full_attention"]
+    assert modifier_fields("layer_types", pattern, 3) == {
+        "sliding_window": 256, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
+    }  # fmt: skip
+    assert modifier_fields("value_residual", "fixed", 3) == {"value_residual": "fixed"}
+    config = BenchArguments(device="cpu").model_config("tiny", **modifier_fields("layer_types", pattern, 2))
+    assert config.layer_types == pattern and config.sliding_window == 256
+    assert modifier_label("layer_types", pattern) == (
+        "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated"
+    )
+
+
+THIRD_WAVE = [  # issue 33's variants: per-layer attention types, gated attention, value residuals, latent attention
+    "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated",
+    "use_gated_attention=True",
+    "value_residual='fixed'",
+    "value_residual='learned'",
+    "attention_projection='latent'",
+]
+
+
+def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
+    """One tiny run of `--sections variants` on the baseline pair: a row for each attention modifier's each value (the
+    third-wave variants among them), each with a ratio against the baseline and its kernel; no timing asserted."""
+    argv = ["bench", "--sizes", "tiny", "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--dtypes", "fp32",
+            "--sections", "variants", "--attention_scores", "scaled_dot", "--position_schemes", "none",
+            "--matmul_size", "64", "--device", "cpu", "--output_dir", str(tmp_path)]  # fmt: skip
+    cli_main(argv)
+    rows = json.loads((tmp_path / "bench.json").read_text())["variants"]
+    labels = [row["attention_modifier"] for row in rows]
+    assert labels == ["", *(modifier_label(name, value) for name, values in ATTENTION_MODIFIERS.items()
+                            for value in values)]  # fmt: skip
+    assert set(THIRD_WAVE) <= set(labels)
+    for row in rows:
+        assert row["ratio_tokens_per_s"]["ratio"] > 0 and row["ratio_peak_memory"] > 0
+        assert row["kernel"].split(":")[0] in row["supported_kernels"]
+    markdown = (tmp_path / "bench.md").read_text()
+    assert all(f"| {label} |" in markdown for label in THIRD_WAVE)

@@ -265,6 +265,25 @@ def test_vllm_plugin_lets_a_causal_window_through_by_layer_types():
         KERNELS._table.pop("vllm")
 
 
+def test_vllm_plugin_record_refuses_latent_attention_and_takes_gates_and_value_residuals():
+    """vLLM sizes its KV cache for `num_key_value_heads` heads of `head_dim`: the plugin's record of its kernel refuses
+    multi-head latent attention (even with values as wide as its keys), naming the field, and lets gated attention and
+    value residuals through (they run in plugformer's modules around vLLM's attention; tests/test_vllm.py)."""
+    from plugformer.capabilities import unsupported_reason
+    from plugformer.integrations import vllm_plugin
+
+    assert "vllm" not in KERNELS
+    vllm_plugin.register_vllm_kernel()
+    try:
+        latent = plugformer.PlugformerConfig.from_preset("tiny", attention_projection="latent", v_head_dim=12)
+        assert latent.v_head_dim == latent.qk_nope_head_dim + latent.qk_rope_head_dim  # the widths agree
+        assert "attention_projection='latent'" in unsupported_reason(latent, "vllm")
+        for fields in ({"use_gated_attention": True}, {"value_residual": "fixed"}, {"value_residual": "learned"}):
+            assert unsupported_reason(plugformer.PlugformerConfig.from_preset("tiny", **fields), "vllm") is None
+    finally:
+        KERNELS._table.pop("vllm")
+
+
 def test_a_score_with_wide_values_runs_only_on_kernels_declaring_them(kernel_name, monkeypatch):
     """A score whose `prepare_value` widens the values (`value_width` 2, as differential attention's) is refused, naming
     the field, by every kernel whose record does not declare `wide_values`: flash-attn's, one registered without it,

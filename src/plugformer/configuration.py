@@ -153,9 +153,11 @@ class PlugformerConfig(PreTrainedConfig):
         sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
             every layer), as Mistral's (transformers' name and masks): a causal query sees only the last
             `sliding_window` keys (itself included), an encoder's query the keys at most `sliding_window` away
-            (transformers' bidirectional sliding mask). The KV cache
-            (`DynamicCache(config=...)`) then keeps only the window; a seq2seq model's keeps every key (its
-            cross-attention sees the whole source). `None`: full attention.
+            (transformers' bidirectional sliding mask). The KV cache (`DynamicCache(config=...)`) then keeps only the
+            window; a seq2seq model's keeps every key (its cross-attention sees the whole source). `None`: no window.
+        layer_types (`list[str]`, *optional*): Each layer's attention kind, `"sliding_attention"` or `"full_attention"`
+            (transformers' field, as Gemma 2 and Qwen3; vLLM reads it); by default every layer sliding when
+            `sliding_window` is set, else full. A seq2seq model takes one kind for all its layers.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.

@@ -15,7 +15,7 @@ Sections:
 - `loss` (only when named): the `train` step of the `llama` pair with plugformer's fused loss (`model.fused_loss`,
   as `plugformer train` sets it) against Llama's full logits, at each of `--loss_vocab_sizes`.
 - `variants`: every registered score function x position scheme, and scaled_dot + none with each attention modifier
-  set (`variants.ATTENTION_MODIFIERS`, when scaled_dot and none are among the rows asked for), on the kernel the model resolves (sdpa where plugformer's capabilities allow, else eager), each interleaved with
+  set to each of its values (`variants.ATTENTION_MODIFIERS`, when scaled_dot and none are among the rows asked for), on the kernel the model resolves (sdpa where plugformer's capabilities allow, else eager), each interleaved with
   scaled_dot + none on sdpa at the same size, dtype and length; the kernel that actually ran is read from the
   profiler (e.g. `sdpa:math` when a learned bias needs grad).
 

@@ -76,8 +76,9 @@ class BenchArguments:
     position_schemes: list[str] = field(default_factory=POSITION_SCHEMES.names, metadata={"help": "variant rows"})
     attention_modifiers: list[str] = field(
         default_factory=lambda: list(ATTENTION_MODIFIERS),
-        metadata={"help": "variant rows of scaled_dot + none with one of these fields set ("
-                          + ", ".join(f"{name}={value!r}" for name, value in ATTENTION_MODIFIERS.items())
+        metadata={"help": "variant rows of scaled_dot + none with one of these fields set, a row per value ("
+                          + ", ".join(f"{name}={' | '.join(map(repr, values))}"
+                                      for name, values in ATTENTION_MODIFIERS.items())
                           + "), run when scaled_dot and none are among the variant rows"},
     )  # fmt: skip
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt (min = max: EOS never stops)"})

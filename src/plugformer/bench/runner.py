@@ -9,7 +9,7 @@ from pathlib import Path
 from ..capabilities import KERNELS, supported_kernels, unsupported_reason
 from ..positions import POSITION_SCHEMES
 from ..projections import ATTENTION_PROJECTIONS
-from ..runtime.variants import ATTENTION_MODIFIERS
+from ..runtime.variants import ATTENTION_MODIFIERS, modifier_fields, modifier_label
 from .arguments import BenchArguments
 from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
 from .models import build_pair, build_variant, matmul_parameters
@@ -157,11 +157,16 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
 def variant_row(
     args: BenchArguments, spec: str, baseline, variant: dict, seq_len: int, dtype: str, peak: float
 ) -> dict:
-    """One variant (`variant`: the config fields attention_score, position_scheme and at most one attention modifier),
-    interleaved with `baseline` (scaled_dot + none on sdpa)."""
-    config = args.model_config(spec, **variant)
-    modifier = ", ".join(f"{name}={value!r}" for name, value in variant.items() if name in ATTENTION_MODIFIERS)
+    """One variant (`variant`: the config fields attention_score, position_scheme and at most one attention modifier
+    with one of its values), interleaved with `baseline` (scaled_dot + none on sdpa)."""
     score, scheme = variant["attention_score"], variant["position_scheme"]
+    modifiers = [name for name in variant if name in ATTENTION_MODIFIERS]
+    layers = args.model_config(spec).num_hidden_layers
+    fields = {"attention_score": score, "position_scheme": scheme}
+    for name in modifiers:
+        fields |= modifier_fields(name, variant[name], layers)
+    config = args.model_config(spec, **fields)
+    modifier = ", ".join(modifier_label(name, variant[name]) for name in modifiers)
     model = build_variant(config, args.seed + 1, args.device)
     measured = measure_training(args, {"variant": model, "baseline": baseline}, model.config, seq_len, dtype, peak)
     mine, base = measured["variant"], measured["baseline"]
@@ -176,12 +181,13 @@ def variant_row(
 
 
 def requested_variants(args: BenchArguments) -> list[dict]:
-    """The requested variants as config fields: every score x position scheme, then, when the baseline is among them,
-    the baseline with each requested attention modifier set (`variants.ATTENTION_MODIFIERS`' value)."""
+    """The requested variants: every score x position scheme, then, when the baseline is among them, the baseline with
+    each requested attention modifier set to each of its values (`variants.ATTENTION_MODIFIERS`; a per-layer value is
+    the pattern `variant_row` repeats over the layers)."""
     found = [{"attention_score": score, "position_scheme": scheme}
              for score in args.attention_scores for scheme in args.position_schemes]  # fmt: skip
     if BASELINE in found:
-        found += [BASELINE | {name: ATTENTION_MODIFIERS[name]} for name in args.attention_modifiers]
+        found += [BASELINE | {name: value} for name in args.attention_modifiers for value in ATTENTION_MODIFIERS[name]]
     return found
 
 

@@ -22,7 +22,9 @@ vLLM's linear layers, KV cache and attention) with two differences.
 
 Everything else is as in vLLM's Transformers backend, and what it cannot compute stays refused by plugformer's
 kernel table when the model is built (`ValueError` naming the variant): T5 and clamped biases (kernel `vllm`:
-no bias) and additive scoring (not a dot product). Tensor parallelism with ALiBi is refused (each rank would need
+no bias), additive scoring (not a dot product) and `attention_projection="latent"` (vLLM sizes its KV cache for
+`num_key_value_heads` heads of `head_dim`). Gated attention and value residuals run in plugformer's own modules
+around vLLM's attention: greedy tokens equal transformers' (`tests/test_vllm.py`). Tensor parallelism with ALiBi is refused (each rank would need
 its heads' slopes; not verified here).
 
 Without the plugin installed (`pip install -e .` declares the entry point), `register()` can be called by hand in
@@ -58,11 +60,12 @@ def register() -> None:
 
 def register_vllm_kernel() -> None:
     """The record of vLLM's own kernel (transformers' interface already has its function): a dot product without a
-    bias that windows the layers `layer_types` marks sliding. Not `available` outside vLLM's engine, so no suite or
-    `supported_kernels` picks it."""
+    bias that windows the layers `layer_types` marks sliding, on the heads vLLM sizes its KV cache for
+    (`num_key_value_heads` of `head_dim`: multi-head latent attention is refused). Not `available` outside vLLM's
+    engine, so no suite or `supported_kernels` picks it."""
     if VLLM_KERNEL not in KERNELS:
         KERNELS.register(KernelSpec(VLLM_KERNEL, scores="dot_product", bias="none", sliding_window=False,
-                                    windows_layer_types=True, available=lambda: False))  # fmt: skip
+                                    windows_layer_types=True, head_shapes=False, available=lambda: False))  # fmt: skip
 
 
 def register_alibi_kernel() -> None:

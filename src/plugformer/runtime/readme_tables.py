@@ -8,7 +8,8 @@
   with their entries in `PlugformerConfig`'s docstring.
 - `kernels` (section "Kernels"): every registered kernel against every attention_score x position_scheme, and against
   each attention modifier, each cell asked of the refusal rule (`capabilities.supported_kernels`), so the table
-  cannot disagree with what the model does. Scores with the same answers everywhere share a row, and so do schemes.
+  cannot disagree with what the model does. Scores with the same answers everywhere share a row, and so do schemes
+  and modifiers.
 
 `tests/test_project.py` fails while the README's blocks differ from these.
 """
@@ -26,7 +27,7 @@ from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
 from .arguments import merge_repeated_flags
 from .markers import markers, write_blocks
-from .variants import ATTENTION_MODIFIERS, AXES, field_summary, summary
+from .variants import ATTENTION_MODIFIERS, AXES, field_summary, modifier_fields, summary
 
 
 COMMAND = "plugformer info --readme README.md"
@@ -60,8 +61,7 @@ def variants_block() -> str:
             variant = registry.get(name)
             fields = _names(list(getattr(variant, "config_fields", ())))
             rows.append([f"`{axis}`" if index == 0 else "", f"`{name}`", summary(variant), fields])
-    modifiers = [[f"`{field}`", f"`{value!r}`" if isinstance(value, bool) else f"e.g. `{value!r}`",
-                  field_summary(field)] for field, value in ATTENTION_MODIFIERS.items()]  # fmt: skip
+    modifiers = [[f"`{field}`", _values(values), field_summary(field)] for field, values in ATTENTION_MODIFIERS.items()]
     lines = [
         VARIANTS_NOTE,
         "",
@@ -72,8 +72,18 @@ def variants_block() -> str:
     return "\n".join(lines)
 
 
+def _values(values: tuple[Any, ...]) -> str:
+    """The "set to" cell of a modifier: `True`, or its values as examples."""
+    if values == (True,):
+        return "`True`"
+    return "e.g. " + " or ".join(f"`{value!r}`" for value in values)
+
+
 def _config(score: str, scheme: str, **fields: Any) -> PlugformerConfig:
     return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **fields)
+
+
+TINY_LAYERS = PlugformerConfig.from_preset("tiny").num_hidden_layers
 
 
 def _kernel_cells(computed: list[str]) -> list[str]:
@@ -105,26 +115,31 @@ def kernel_matrix() -> list[str]:
     return _table(["attention_score", "position_scheme", *(f"`{kernel}`" for kernel in KERNELS)], rows)
 
 
-def modifier_matrix() -> list[str]:
-    """Per attention modifier: the scores that accept it, and per kernel whether it still computes, with the field set,
+def _modifier_cells(field: str, values: tuple[Any, ...]) -> tuple[str, ...]:
+    """The scores that accept modifier `field`, then per kernel whether it still computes, with each of `values` set,
     every score x scheme it computes without it ("yes"), none of them ("—") or some ("partly")."""
-    rows = []
-    for field, value in ATTENTION_MODIFIERS.items():
-        accepted, kept = set(), {kernel: [] for kernel in KERNELS}
+    accepted, kept = set(), {kernel: [] for kernel in KERNELS}
+    for value in values:
         for score in ATTENTION_SCORES:
             for scheme in POSITION_SCHEMES:
                 try:
-                    modified = set(supported_kernels(_config(score, scheme, **{field: value}), available_only=False))
+                    modified = _config(score, scheme, **modifier_fields(field, value, TINY_LAYERS))
                 except ValueError:  # the config refuses the field with this score or scheme
                     continue
                 accepted.add(score)
+                modified_kernels = set(supported_kernels(modified, available_only=False))
                 for kernel in supported_kernels(_config(score, scheme), available_only=False):
-                    kept[kernel].append(kernel in modified)
-        answers = {kernel: "partly" if any(found) and not all(found) else "yes" if found and all(found) else "—"
-                   for kernel, found in kept.items()}  # fmt: skip
-        scores = [name for name in ATTENTION_SCORES if name in accepted]
-        rows.append([f"`{field}`", "every score" if len(scores) == len(ATTENTION_SCORES.names()) else _names(scores),
-                     *answers.values()])  # fmt: skip
+                    kept[kernel].append(kernel in modified_kernels)
+    answers = ["partly" if any(found) and not all(found) else "yes" if found and all(found) else "—"
+               for found in kept.values()]  # fmt: skip
+    scores = [name for name in ATTENTION_SCORES if name in accepted]
+    return ("every score" if len(scores) == len(ATTENTION_SCORES.names()) else _names(scores), *answers)
+
+
+def modifier_matrix() -> list[str]:
+    """A row per set of attention modifiers with the same cells (`_modifier_cells`), in registration order."""
+    groups = _groups(list(ATTENTION_MODIFIERS), lambda field: _modifier_cells(field, ATTENTION_MODIFIERS[field]))
+    rows = [[_names(fields), *cells] for cells, fields in groups.items()]
     return _table(["attention modifier", "attention_score", *(f"`{kernel}`" for kernel in KERNELS)], rows)
 
 

@@ -5,8 +5,9 @@
   the paper (or the reference model), as the shipped classes do. The fields it owns (`config_fields`) are listed
   beside it.
 - `ATTENTION_MODIFIERS`: config fields that change the attention of whichever score and scheme are chosen, each with
-  the value the bench rows and the kernel table switch it on with; each is described by its entry in
-  `PlugformerConfig`'s docstring (`field_summary`). Unlike a registered variant, a new field is added here by hand.
+  the values the bench rows and the kernel table switch it on with (`modifier_fields` adds the fields a value needs
+  beside it and repeats a per-layer pattern over the layers); each is described by its entry in `PlugformerConfig`'s
+  docstring (`field_summary`). Unlike a registered variant, a new field is added here by hand.
 """
 
 from __future__ import annotations
@@ -29,15 +30,36 @@ AXES: dict[str, Registry[Any]] = {
     "ffn_type": FEED_FORWARDS,
 }
 
-ATTENTION_MODIFIERS: dict[str, Any] = {
-    "use_qk_norm": True,
-    "attn_logit_softcapping": 50.0,  # Gemma 2's attention cap
-    "use_attention_sinks": True,
-    "sliding_window": 256,
-    "use_gated_attention": True,
-    "value_residual": "learned",
-    "attention_projection": "latent",  # multi-head latent attention (DeepSeek-V2/V3)
+# field -> the values it is switched on with, one bench row each (the README shows them; the kernel table asks each)
+ATTENTION_MODIFIERS: dict[str, tuple[Any, ...]] = {
+    "use_qk_norm": (True,),
+    "attn_logit_softcapping": (50.0,),  # Gemma 2's attention cap
+    "use_attention_sinks": (True,),
+    "sliding_window": (256,),  # every layer sliding
+    "layer_types": (["sliding_attention", "full_attention"],),  # alternating, as Gemma 2's (a pattern: PER_LAYER)
+    "use_gated_attention": (True,),
+    "value_residual": ("fixed", "learned"),
+    "attention_projection": ("latent",),  # multi-head latent attention (DeepSeek-V2/V3)
 }
+# Fields whose value has one entry per layer: a modifier's value is a pattern, repeated over the layers.
+PER_LAYER = ("layer_types",)
+# What a modifier's values need set beside them: sliding layers need a window.
+REQUIRED_FIELDS: dict[str, dict[str, Any]] = {"layer_types": {"sliding_window": 256}}
+
+
+def modifier_fields(field: str, value: Any, num_hidden_layers: int) -> dict[str, Any]:
+    """The config fields that set modifier `field` to `value` in a model of `num_hidden_layers` layers: the fields it
+    needs (`REQUIRED_FIELDS`), then `field`, a per-layer pattern repeated (and cut) to one entry per layer."""
+    if field in PER_LAYER:
+        value = [value[index % len(value)] for index in range(num_hidden_layers)]
+    return {**REQUIRED_FIELDS.get(field, {}), field: value}
+
+
+def modifier_label(field: str, value: Any) -> str:
+    """`field=value` as the bench rows name a modifier's value (a per-layer pattern marked as repeated), after the
+    fields it needs."""
+    required = [f"{name}={needed!r}" for name, needed in REQUIRED_FIELDS.get(field, {}).items()]
+    return ", ".join([*required, f"{field}={value!r}" + (" repeated" if field in PER_LAYER else "")])
 
 
 def summary(variant: type) -> str:
