@@ -185,15 +185,17 @@ def test_learned_bias_keeps_no_score_sized_tensor(scheme, small_blocks):
 
 
 @pytest.mark.parametrize("pad", [0, 5], ids=["no-mask", "padding-mask"])
-def test_alibi_keeps_only_mask_blocks(pad, small_blocks):
-    """ALiBi's fixed mask is kept for the fused backward in (B or 1, H, 16, keys) blocks, none (·, N, N); a causal
-    block sees only the keys up to its last query, with a padding mask too."""
+def test_alibi_keeps_no_mask_only_the_allowed_keys_of_its_blocks(pad, small_blocks):
+    """ALiBi's float mask is not kept for the fused backward (`kernels_fixed` builds each block's again): of the
+    4-D tensors beside query, key, value and output blocks, only each block's boolean allowed keys
+    (B or 1, 1, 16, keys), no (·, H, ·, ·) mask and none (·, N, N); a causal block sees only the keys up to its last
+    query, with a padding mask too."""
     config = tiny_config("scaled_dot", "alibi")
     models = model_pair(PlugformerForCausalLM, config)
     shapes = [shape for shape in saved_shapes(models["sdpa"], **batch(length=48, pad=pad)) if len(shape) == 4]
     masks = [shape for shape in shapes if shape[-1] != config.head_dim]  # the rest: query, key, value, output blocks
     rows = 2 if pad else 1  # a padding mask differs per sequence
-    expected = [(rows, config.num_attention_heads, 16, keys) for keys in (16, 32, 48)]
+    expected = [(rows, 1, 16, keys) for keys in (16, 32, 48)]
     assert masks == expected * config.num_hidden_layers
 
 

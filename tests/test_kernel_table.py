@@ -304,7 +304,8 @@ def test_a_score_with_wide_values_runs_only_on_kernels_declaring_them(kernel_nam
 
 PACKAGE = Path(plugformer.__file__).parent
 # The kernel table: the records (capabilities.py) and the kernel functions they name.
-KERNEL_TABLE_MODULES = {"capabilities.py", "kernels.py", "kernels_sdpa.py", "kernels_sinks.py"}
+KERNEL_TABLE_MODULES = {"capabilities.py", "kernels.py", "kernels_sdpa.py", "kernels_sinks.py", "kernels_banded.py",
+                        "kernels_fixed.py"}  # fmt: skip
 # (module, string) pairs that match a name by coincidence: `plugformer plot sinusoidal` is a command named after the
 # encoding it draws, not a config's position scheme.
 COINCIDENCES = {("evaluation/plots.py", "sinusoidal")}

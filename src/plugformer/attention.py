@@ -98,7 +98,11 @@ class PlugformerAttention(nn.Module):
         mixes = config.value_residual is not None and layer_idx > 0
         self.value_residual = VALUE_RESIDUALS.get(config.value_residual)(config) if mixes else None
         # the kind of bias object the kernels get (`biases`): a `RelativeBias` per distance, FIRE's per query position
-        self.bias_type = POSITION_SCHEMES.get(config.position_scheme).bias_type
+        scheme = POSITION_SCHEMES.get(config.position_scheme)
+        self.bias_type = scheme.bias_type
+        # a bias constant beyond a distance (T5 buckets, clamped distances) says so: sdpa exploits it (`kernels_banded`)
+        distance = scheme.constant_bias_distance(config)
+        self.bias_options = {} if distance is None else {"constant_beyond": distance}
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
@@ -159,8 +163,8 @@ class PlugformerAttention(nn.Module):
         takes (`KernelSpec.position_bias`), the score's own (e.g. the additive energy vector) and the caller's."""
         if position_bias is not None:
             # The layers get the bias values as a plain tensor: (reentrant) gradient checkpointing sees it as an input.
-            position_bias = kernel.position_bias(self.bias_type(position_bias, query.shape[2], key.shape[2]),
-                                                 batch=query.shape[0])  # fmt: skip
+            bias = self.bias_type(position_bias, query.shape[2], key.shape[2], **self.bias_options)
+            position_bias = kernel.position_bias(bias, batch=query.shape[0])
         softcap = self.config.attn_logit_softcapping  # the kernel table refused the kernels that cannot apply it
         return {
             "dropout": self.attention_dropout if self.training else 0.0,

@@ -38,19 +38,24 @@ class RelativeBias:
             first key) to K − 1 (the first query to the last key), relative to the slot offsets.
         query_length (`int`): Q.
         key_length (`int`): K.
+        constant_beyond (`int`, *optional*): a distance W from which the bias is one value per head on each side
+            (T5's last bucket, the clamp of `clamped_bias`), declared by the scheme
+            (`PositionScheme.constant_bias_distance`): the sdpa kernel then scores the keys W or more slots behind a
+            causal query with the fused kernel and no mask (`kernels_banded`).
     """
 
     kind = "relative"
     head_axis = 0
     folds_gradient = True
 
-    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
+    def __init__(self, values: torch.Tensor, query_length: int, key_length: int, constant_beyond: int | None = None):
         if values.shape[-1] != query_length + key_length - 1:
             raise ValueError(f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
                              f"{key_length} keys (expected {query_length + key_length - 1} distances)")  # fmt: skip
         self.values = values
         self.query_length = query_length
         self.key_length = key_length
+        self.constant_beyond = constant_beyond
 
     def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
         """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by

@@ -14,8 +14,8 @@ Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 | `attn_implementation` | kernel | kept for backward |
 |---|---|---|
 | `sdpa` | `sdpa_relative_bias_forward`: fused torch SDPA per block of query rows, the block's bias as its mask (a mask
-  that never requires grad) | learned bias: no score-sized tensor (`LearnedBiasAttention` recomputes the block's
-  weights in its backward); fixed bias (ALiBi): each block's mask, H·N²/2 numbers per causal layer |
+  that never requires grad) | no score-sized tensor: `LearnedBiasAttention` (learned bias) and, on CPU,
+  `kernels_fixed.FixedBiasBlock` (ALiBi) recompute the block's weights / mask in the backward |
 | `eager` | `eager_attention_forward` (materialises the scores anyway) | the scores; the bias (1, H, Q, K) |
 | `flex_attention` | transformers' flex; `score_mod` reads the bias per distance from the (H, Q + K − 1) values | no
   score-sized tensor (no backward on CPU) |
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
 from .biases import QueryPositionBias, RelativeBias
+from .kernels_fixed import FixedBiasBlock, recomputes_fixed_mask
 
 
 # Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once.
@@ -305,6 +306,8 @@ def _sdpa(query, key, value, mask, scaling: float, dropout: float = 0.0) -> torc
 
 
 def _sdpa_bias_block(query, key, value, position_bias, allowed, start, stop, scaling, dropout) -> torch.Tensor:
+    if recomputes_fixed_mask(query, key, value, position_bias, dropout):  # ALiBi in training: no mask kept
+        return FixedBiasBlock.apply(query, key, value, position_bias, allowed, start, stop, scaling)
     mask = _bias_mask(position_bias, allowed, start, stop, key.shape[2], query.dtype)
     return _sdpa(query, key, value, mask, scaling, dropout)
 
@@ -421,17 +424,15 @@ def sdpa_relative_bias_forward(
     (B or 1, H, block, K) is built from the bias's rows, and a causal block skips the keys after its last query
     (`causal_keys`; with a mask, when `mask_blocks_the_future`). Per block:
 
-    - bias requiring grad (`t5_bias`, `clamped_bias` in training): `LearnedBiasAttention`, a fused forward (with
-      attention dropout, the block's weights and a seeded keep mask) and a backward that recomputes the block's
-      weights (and mask) and reduces the bias gradient into the bias values;
-    - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training autograd keeps each block's mask
-      for the fused backward (H·N²/2 numbers per layer for a causal N-token sequence — recomputing them instead
-      measured 1.85× SDPA-without-bias time against 1.36× at N=2048 on CPU);
+    - bias requiring grad (`t5_bias`, `clamped_bias`, `kerple_log` in training; `kernels_banded` where it applies):
+      `LearnedBiasAttention`, a fused forward (with attention dropout, the block's weights and a seeded keep mask),
+      a backward that recomputes the block's weights (and mask) and reduces the bias gradient into the bias values;
+    - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training on CPU `kernels_fixed.FixedBiasBlock`
+      (the fused forward and backward, the block's mask built again in the backward, not kept);
     - FIRE's per-row bias (`QueryPositionBias`, nothing to fold): the fused kernel with the rows as its mask; in
       training that mask requires grad, so SDPA takes its math path and autograd carries the gradient to θ.
 
-    Returns:
-        `(output (B, Q, H, D), None)`: no attention weights (use eager for `output_attentions`).
+    Returns `(output (B, Q, H, D), None)`: no attention weights (use eager for `output_attentions`).
     """
     is_causal = module.is_causal if is_causal is None else is_causal
     batch, heads, query_length, _ = query.shape

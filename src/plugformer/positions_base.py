@@ -69,6 +69,13 @@ class PositionScheme(ConfigHooks, nn.Module):
         `bias="alibi"`) computes exactly the schemes that answer here."""
         return None
 
+    @classmethod
+    def constant_bias_distance(cls, config: PlugformerConfig) -> int | None:
+        """A distance W from which this scheme's bias is one value per head on each side of the query (every farther
+        distance looks up the same parameter), or `None`. The sdpa kernel scores the keys beyond it with the fused
+        causal kernel (`biases.RelativeBias.constant_beyond`)."""
+        return None
+
     def embed(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
 

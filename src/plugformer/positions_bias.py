@@ -110,6 +110,10 @@ class T5BucketBias(PositionScheme):
                 "each direction of an encoder)"
             )
 
+    @classmethod
+    def constant_bias_distance(cls, config):
+        return config.relative_attention_max_distance  # the last bucket (of each side) from there on
+
     def distance_bias(self, distances):
         buckets = t5_relative_position_bucket(distances, self.bidirectional, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).T  # (M, H) -> (H, M)
@@ -133,6 +137,10 @@ class ClampedDistanceBias(PositionScheme):
         self.max_distance = config.max_relative_distance
         num_distances = 2 * self.max_distance + 1 if self.bidirectional else self.max_distance + 1
         self.relative_attention_bias = nn.Embedding(num_distances, self.num_heads)
+
+    @classmethod
+    def constant_bias_distance(cls, config):
+        return config.max_relative_distance  # the clamp
 
     def distance_bias(self, distances):  # key − query
         if self.bidirectional:

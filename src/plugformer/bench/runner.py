@@ -150,7 +150,7 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
     if "blockwise-bias" in sdpa_backends:
-        return "blockwise bias, backward by hand" if learned else "blockwise bias, masks kept"
+        return "blockwise bias, backward by hand" if learned else "blockwise bias, masks rebuilt in backward"
     return ""
 
 

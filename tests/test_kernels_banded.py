@@ -1,0 +1,179 @@
+"""The banded sdpa kernel for biases constant beyond a distance (`kernels_banded`): its output and every gradient
+against the materialised softmax, when the sdpa kernel selects it, and the schemes' declarations against T5's
+reference bucketing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers.models.t5.modeling_t5 import T5Attention
+
+import plugformer.kernels_banded as banded
+from plugformer import PlugformerForCausalLM
+from plugformer.biases import RelativeBias
+from plugformer.kernels_banded import BandedBiasAttention, banded_bias_applies
+from plugformer.positions import POSITION_SCHEMES
+
+
+CONSTANT_BIAS_SCHEMES = ["t5_bias", "clamped_bias"]
+
+
+def materialised(query, key, value, values, scaling):
+    """softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
+    length, groups = query.shape[2], query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    slots = torch.arange(length)
+    bias = values[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N): value of distance j − i
+    scores = query @ key.transpose(-1, -2) * scaling + bias
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ value
+
+
+@pytest.mark.parametrize(
+    ("length", "far", "rows", "kv_heads", "group_bytes"),
+    [(37, 5, 8, 3, None), (64, 16, 8, 1, 1), (50, 1, 16, 3, None), (70, 13, 64, 1, None), (33, 32, 4, 3, 1)],
+    ids=["blocks", "gqa-one-block-per-group", "width-1", "one-short-block", "far-part-of-one-row"],
+)
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, group_bytes,
+                                                                  monkeypatch):  # fmt: skip
+    """fp64: output and the gradients of Q, K, V and the bias table (distances clamped at `far`, as clamped_bias's)
+    equal autograd through the materialised computation."""
+    monkeypatch.setattr(banded, "BAND_ROWS", rows)
+    if group_bytes is not None:
+        monkeypatch.setattr(banded, "BIAS_BLOCK_BYTES", group_bytes)
+    generator = torch.Generator().manual_seed(length)
+    heads, dim = 3, 4
+
+    def tensor(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).requires_grad_()
+
+    query = tensor(2, heads, length, dim)
+    key, value = tensor(2, kv_heads, length, dim), tensor(2, kv_heads, length, dim)
+    table = tensor(heads, far + 1)
+    distances = torch.arange(2 * length - 1) - (length - 1)  # key − query
+    inputs = (query, key, value, table)
+    grad_output = torch.randn(2, heads, length, dim, dtype=torch.float64, generator=generator)
+    results = []
+    for function, extra in ((BandedBiasAttention.apply, (far, 0.37)), (materialised, (0.37,))):
+        values = table[:, (-distances).clamp(0, far)]  # (H, 2N − 1)
+        output = function(query, key, value, values, *extra)
+        results.append((output, torch.autograd.grad(output, inputs, grad_output)))
+    (output, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    for name, grad, reference in zip(("query", "key", "value", "table"), grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0, msg=name)
+
+
+def test_bf16_output_is_as_close_to_fp64_as_the_materialised_bf16_softmax():
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, 4, 96, 16)
+    query, key, value = (torch.randn(*shape, dtype=torch.float64, generator=generator) for _ in range(3))
+    values = torch.randn(4, 2 * 96 - 1, dtype=torch.float64, generator=generator)
+    values[:, : 96 - 1 - 10] = values[:, 96 - 1 - 10 : 96 - 10]  # distances ≤ −10 share one value per head
+    exact = materialised(query, key, value, values, 0.25)
+    low = [tensor.bfloat16() for tensor in (query, key, value)]
+    error = (BandedBiasAttention.apply(*low, values.float(), 10, 0.25).double() - exact).abs().max()
+    reference_error = (materialised(*low, values.bfloat16(), 0.25).double() - exact).abs().max()
+    assert error <= 2 * reference_error
+
+
+def count_banded_calls(monkeypatch) -> list:
+    calls = []
+    apply = BandedBiasAttention.apply
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return apply(*args)
+
+    monkeypatch.setattr(BandedBiasAttention, "apply", counted)
+    return calls
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
+@pytest.mark.parametrize("scheme", CONSTANT_BIAS_SCHEMES)
+def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, monkeypatch):
+    """A causal batch without padding, 40 tokens beyond the tiny preset's distances (T5: 16, clamped: 8), GQA:
+    sdpa takes the banded kernel in every layer, and its logits and every parameter's gradient (the bias table's
+    included) equal eager's."""
+    calls = count_banded_calls(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 40), generator=generator)
+    results = {}
+    for kernel in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        config = copy.deepcopy(tiny_config(score, scheme))
+        config._attn_implementation = kernel
+        model = PlugformerForCausalLM(config).train()
+        output = model(input_ids=ids, labels=ids)
+        output.loss.backward()
+        results[kernel] = output.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert len(calls) == config.num_hidden_layers
+    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=2e-5, rtol=0)
+    assert results["sdpa"][1].keys() == results["eager"][1].keys()
+    for name, grad in results["eager"][1].items():
+        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("scheme", CONSTANT_BIAS_SCHEMES)
+def test_padding_and_decoding_take_the_blockwise_kernel(scheme, monkeypatch):
+    """A padding mask, a cached decoding step and a sequence within the constant distance leave the banded kernel
+    out (the blockwise kernel computes them; `test_fast_paths` checks it against eager)."""
+    calls = count_banded_calls(monkeypatch)
+    config = copy.deepcopy(tiny_config("scaled_dot", scheme))
+    config._attn_implementation = "sdpa"
+    model = PlugformerForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids[:, :8])  # within both schemes' constant distance
+        model.generate(ids[:1, :20], max_new_tokens=2, do_sample=False)  # the prefill takes it, the steps do not
+    assert len(calls) == config.num_hidden_layers
+
+
+def test_applies_only_to_causal_unmasked_undropped_equal_lengths():
+    query = key = value = torch.zeros(1, 2, 20, 4)
+    bias = RelativeBias(torch.zeros(2, 39), 20, 20, constant_beyond=8)
+    assert banded_bias_applies(query, key, value, None, 0.0, bias, True)
+    assert not banded_bias_applies(query, key, value, None, 0.0, bias, False)  # an encoder sees later keys
+    assert not banded_bias_applies(query, key, value, torch.ones(1, 1, 20, 20, dtype=torch.bool), 0.0, bias, True)
+    assert not banded_bias_applies(query, key, value, None, 0.1, bias, True)  # attention dropout
+    assert not banded_bias_applies(query, key, torch.zeros(1, 2, 20, 8), None, 0.0, bias, True)  # wider values
+    assert not banded_bias_applies(query, key, value, None, 0.0, RelativeBias(torch.zeros(2, 39), 20, 20), True)
+    assert not banded_bias_applies(query, key, value, None, 0.0, RelativeBias(bias.values, 20, 20, 20), True)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_buckets_are_constant_beyond_the_declared_distance(bidirectional):
+    """transformers' T5 bucketing (the reference) puts every distance from `relative_attention_max_distance` on in
+    one bucket per side, as `T5BucketBias.constant_bias_distance` declares."""
+    config = tiny_config("scaled_dot", "t5_bias")
+    far = POSITION_SCHEMES.get("t5_bias").constant_bias_distance(config)
+    distances = torch.arange(far, 4 * far)
+    for sign in (-1, 1) if bidirectional else (-1,):
+        buckets = T5Attention._relative_position_bucket(
+            sign * distances, bidirectional, config.relative_attention_num_buckets,
+            config.relative_attention_max_distance,
+        )  # fmt: skip
+        assert (buckets == buckets[0]).all()
+    scheme = POSITION_SCHEMES.get("t5_bias")(config, bidirectional=bidirectional)
+    bias = scheme.distance_bias(torch.cat([-distances, distances]))  # (H, 2M)
+    assert (bias[:, : len(distances)] == bias[:, :1]).all() and (bias[:, len(distances) :] == bias[:, -1:]).all()
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_clamped_bias_is_constant_beyond_the_clamp(bidirectional):
+    config = tiny_config("scaled_dot", "clamped_bias")
+    far = POSITION_SCHEMES.get("clamped_bias").constant_bias_distance(config)
+    assert far == config.max_relative_distance
+    scheme = POSITION_SCHEMES.get("clamped_bias")(config, bidirectional=bidirectional)
+    distances = torch.arange(far, 4 * far)
+    bias = scheme.distance_bias(torch.cat([-distances, distances]))  # (H, 2M)
+    behind = bias[:, : len(distances)]
+    assert (behind == behind[:, :1]).all()
+    if bidirectional:
+        assert (bias[:, len(distances) :] == bias[:, -1:]).all()
