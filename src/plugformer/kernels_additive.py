@@ -48,9 +48,11 @@ def tanh_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor) ->
     """The scores s_ij = Σ_a v_a tanh(q_ia + k_ja) `(B, H, c, K)` of queries `(B, H, c, A)` over keys `(B, H, K, A)`
     with the energy vectors v `(H, A)`, and the tanh tensor t `(B, H, c, K, A)`."""
     batch, heads, rows, attn_dim = query.shape
-    hidden = torch.add(query[:, :, :, None, :], key[:, :, None, :, :])  # (B, H, c, K, A)
+    # contiguous whatever the inputs' layout (`add` would follow a permuted one, e.g. an einsum's output)
+    hidden = query.new_empty(batch, heads, rows, key.shape[2], attn_dim)  # (B, H, c, K, A)
+    torch.add(query[:, :, :, None, :], key[:, :, None, :, :], out=hidden)
     flat = hidden.view(batch, heads, -1, attn_dim)  # (B, H, c·K, A)
-    array, vector = _numpy_view(hidden), _numpy_view(energy.contiguous())
+    array, vector = _numpy_view(hidden), _numpy_view(energy.detach().contiguous())  # a Parameter: a plain tensor
     if array is not None and vector is not None and vector.dtype == array.dtype:
         np.tanh(array, out=array)
         scores = torch.from_numpy(np.matmul(array.reshape(flat.shape), vector.reshape(1, heads, attn_dim, 1)))
