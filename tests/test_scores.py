@@ -323,3 +323,22 @@ def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd()
     expected = torch.autograd.grad(reference, leaves, upstream)
     for name, grad, want in zip(("query", "key", "value", "energy"), grads, expected, strict=True):
         torch.testing.assert_close(grad, want, atol=1e-6, rtol=0, msg=name)
+
+
+def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
+    """A CPU fp32 model's training step and its decoding scores every chunk with numpy's tanh and contraction: the
+    energy reaches the kernel as a Parameter and the projected queries in an einsum's layout, neither of which may
+    send it to torch's tanh (measured ~10x slower there)."""
+    seen = []
+    original = kernels_additive._numpy_view
+
+    def spy(tensor):
+        seen.append(original(tensor) is not None)
+        return seen[-1] and original(tensor)
+
+    monkeypatch.setattr(kernels_additive, "_numpy_view", spy)
+    model = build(tiny_config("additive", "rope")).train()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(tokens, labels=tokens).loss.backward()
+    model.eval().generate(tokens[:, :4], max_new_tokens=3, do_sample=False)
+    assert seen and all(seen)
