@@ -3,7 +3,7 @@
 Each chunk of query rows i scores the keys j as s_ij = Σ_a v_a tanh(q_ia + k_ja): a (B, H, c, K, A) tanh tensor that
 no GEMM forms, so its elementwise passes are the cost. `AdditiveScores` computes them with one allocation, an in-place
 tanh and one contraction, and its backward forms the gradients directly from the kept tanh t (sums of ds·t and of
-ds·t², no (c, K, A) tensor of autograd's own). On the CPU the tanh and the contraction with v run in numpy (its SIMD
+ds·t²: one (c, K, A) temporary, where autograd's graph made several). On the CPU the tanh and the contraction with v run in numpy (its SIMD
 tanh is faithfully rounded, < 1 ulp, against torch's correctly rounded one; measured ~10x faster than torch's CPU tanh
 here), elsewhere in torch.
 """
