@@ -16,6 +16,7 @@ from conftest import SCHEMES, build, tiny_config
 from transformers import DynamicCache
 
 import plugformer.kernels as kernels
+import plugformer.kernels_additive as kernels_additive
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, PlugformerForSequenceClassification
 from plugformer.biases import RelativeBias
 from plugformer.positions import POSITION_SCHEMES
@@ -330,13 +331,13 @@ def test_additive_causal_chunks_score_only_the_keys_up_to_their_last_query(monke
     """With a padding mask (the eager path always has one), chunk c of 8 queries scores keys 0..8c+7 only; under a
     prefix-LM mask every chunk scores all keys and 8-query chunks still equal one chunk."""
     seen = []
-    original = kernels._additive_chunk
+    original = kernels_additive._additive_chunk
 
     def spy(module, query_chunk, key, *args):
         seen.append((query_chunk.shape[2], key.shape[2]))
         return original(module, query_chunk, key, *args)
 
-    monkeypatch.setattr(kernels, "_additive_chunk", spy)
+    monkeypatch.setattr(kernels_additive, "_additive_chunk", spy)
     torch.manual_seed(0)
     model = PlugformerForCausalLM(copy.deepcopy(tiny_config("additive", "t5_bias"))).train()
     for layer in model.model.layers:

@@ -11,7 +11,7 @@ from conftest import build, tiny_config
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from plugformer import ATTENTION_SCORES, kernels
+from plugformer import ATTENTION_SCORES, kernels_additive
 
 
 Q = [[1.0, 2.0], [0.5, -1.0], [3.0, 0.0]]
@@ -223,13 +223,13 @@ def test_the_value_and_output_hooks_run_after_the_cache_and_before_o_proj(kernel
 class _Recorder:
     def __init__(self, monkeypatch):
         self.chunks = []
-        original = kernels._additive_chunk
+        original = kernels_additive._additive_chunk
 
         def record(module, query_chunk, key, *args):
             self.chunks.append((query_chunk.shape, key.shape))
             return original(module, query_chunk, key, *args)
 
-        monkeypatch.setattr(kernels, "_additive_chunk", record)
+        monkeypatch.setattr(kernels_additive, "_additive_chunk", record)
 
 
 def additive_inputs(batch=2, heads=4, length=40, dim=8, seed=0):
@@ -248,10 +248,10 @@ def naive_additive(query, key, value, energy, mask):
 def test_additive_kernel_bounds_memory_per_chunk(monkeypatch):
     """With a 16 KiB budget no chunk's (B, H, c, K, A) tanh tensor may exceed it, and the result is unchanged."""
     query, key, value, energy, mask = additive_inputs()
-    monkeypatch.setattr(kernels, "ADDITIVE_CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr(kernels_additive, "ADDITIVE_CHUNK_BYTES", 16 * 1024)
     recorder = _Recorder(monkeypatch)
     module = SimpleNamespace(num_key_value_groups=1, training=False, config=SimpleNamespace(output_attentions=False))
-    out, weights = kernels.additive_attention_forward(module, query, key, value, mask, energy=energy)
+    out, weights = kernels_additive.additive_attention_forward(module, query, key, value, mask, energy=energy)
     torch.testing.assert_close(out, naive_additive(query, key, value, energy, mask), atol=1e-5, rtol=0)
     assert weights is None
     assert len(recorder.chunks) > 1
@@ -265,8 +265,80 @@ def test_additive_checkpointed_chunks_give_the_same_gradients():
     for chunk_size in (24, 5):
         leaves = [t.clone().requires_grad_() for t in (query, key, value, energy)]
         module = SimpleNamespace(num_key_value_groups=1, training=True, config=SimpleNamespace(output_attentions=False))
-        out, _ = kernels.additive_attention_forward(module, *leaves[:3], mask, energy=leaves[3], chunk_size=chunk_size)
+        out, _ = kernels_additive.additive_attention_forward(
+            module, *leaves[:3], mask, energy=leaves[3], chunk_size=chunk_size
+        )
         out.square().sum().backward()
         grads.append([leaf.grad for leaf in leaves])
     for full, chunked in zip(*grads, strict=True):
         torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+
+
+def fp64_leaves(*shapes, scale=2.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).requires_grad_() for shape in shapes
+    ]
+
+
+@pytest.mark.parametrize("numpy_path", [True, False], ids=["numpy", "torch"])
+def test_additive_scores_function_equals_autograd_in_fp64(numpy_path, monkeypatch):
+    """`AdditiveScores` (gradients formed by hand from the kept tanh) gives the scores s_ij = Σ_a v_a tanh(q_ia + k_ja)
+    and the gradients of plain autograd over that formula, in fp64, on its numpy (CPU) and its torch path; a graph
+    kept with `retain_graph` backpropagates twice to the same gradients."""
+    if not numpy_path:
+        monkeypatch.setattr(kernels_additive, "_numpy_view", lambda tensor: None)
+    query, key, energy = fp64_leaves((2, 3, 5, 4), (2, 3, 7, 4), (3, 4))
+    upstream = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scores = kernels_additive.AdditiveScores.apply(query, key, energy)
+    reference = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy)
+    torch.testing.assert_close(scores, reference, atol=1e-13, rtol=0)
+    expected = torch.autograd.grad(reference, (query, key, energy), upstream)
+    for _ in range(2):
+        grads = torch.autograd.grad(scores, (query, key, energy), upstream, retain_graph=True)
+        for name, grad, want in zip(("query", "key", "energy"), grads, expected, strict=True):
+            torch.testing.assert_close(grad, want, atol=1e-12, rtol=0, msg=name)
+
+
+def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd():
+    """The checkpointed chunks of the kernel in training (4-query chunks, causal key truncation, `AdditiveScores`)
+    give the gradients of plain autograd over the whole formula (softmax(v·tanh(q + k) masked) V), fp64 inputs, with
+    a causal mask and a left-padded row; the padding queries, which see no key, are left out of the loss."""
+    length, heads, dim = 11, 3, 4
+    query, key, value, energy = fp64_leaves(*[(2, heads, length, dim)] * 3, (heads, dim))
+    real = torch.ones(2, length, dtype=torch.bool)
+    real[1, :3] = False  # the second row is left-padded by 3
+    mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]  # (B, 1, Q, K)
+    upstream = torch.randn(2, length, heads, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    upstream = upstream * real[:, :, None, None]
+    module = SimpleNamespace(num_key_value_groups=1, training=True, is_causal=True,
+                             config=SimpleNamespace(output_attentions=False))  # fmt: skip
+    out, _ = kernels_additive.additive_attention_forward(module, query, key, value, mask, energy=energy, chunk_size=4)
+    scores = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy).float()
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)  # the kernel scores in fp32, as eager does
+    reference = torch.matmul(scores.softmax(-1).to(value.dtype), value).transpose(1, 2)  # (B, Q, H, D)
+    torch.testing.assert_close(out * real[:, :, None, None], reference * real[:, :, None, None], atol=1e-6, rtol=0)
+    leaves = (query, key, value, energy)
+    grads = torch.autograd.grad(out, leaves, upstream)
+    expected = torch.autograd.grad(reference, leaves, upstream)
+    for name, grad, want in zip(("query", "key", "value", "energy"), grads, expected, strict=True):
+        torch.testing.assert_close(grad, want, atol=1e-6, rtol=0, msg=name)
+
+
+def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
+    """A CPU fp32 model's training step and its decoding scores every chunk with numpy's tanh and contraction: the
+    energy reaches the kernel as a Parameter and the projected queries in an einsum's layout, neither of which may
+    send it to torch's tanh (measured ~10x slower there)."""
+    seen = []
+    original = kernels_additive._numpy_view
+
+    def spy(tensor):
+        seen.append(original(tensor) is not None)
+        return seen[-1] and original(tensor)
+
+    monkeypatch.setattr(kernels_additive, "_numpy_view", spy)
+    model = build(tiny_config("additive", "rope")).train()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(tokens, labels=tokens).loss.backward()
+    model.eval().generate(tokens[:, :4], max_new_tokens=3, do_sample=False)
+    assert seen and all(seen)

@@ -91,6 +91,7 @@ class PlugformerAttention(nn.Module):
         # queries and keys before RoPE (transformers' modeling_qwen3.py, `q_norm`/`k_norm`); any score follows it
         self.q_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(config, self.head_dim) if config.use_qk_norm else nn.Identity()
+        self.uses_qk_norm = config.use_qk_norm  # without it, `qk_norm` skips the Identity's module call per step
         # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config, layer_idx)
@@ -130,7 +131,11 @@ class PlugformerAttention(nn.Module):
             per_head = projected.view(*projected.shape[:-1], -1, 2 * self.head_dim)  # (B, T, H, 2·D)
             query, gate = per_head.chunk(2, dim=-1)  # (B, T, H, D) each
             projected, gate = query.flatten(-2), gate.flatten(-2)  # (B, T, H·D) each
-        return self.q_norm(self.split_heads(projected)), gate
+        return self.qk_norm(self.q_norm, self.split_heads(projected)), gate
+
+    def qk_norm(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """`norm` (`q_norm` or `k_norm`) applied to `(B, H, T, D)` heads with `use_qk_norm`, else the heads."""
+        return norm(heads) if self.uses_qk_norm else heads
 
     def output(self, attn_output: torch.Tensor, query: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The kernel's output through the score's `prepare_output`, merged to `(B, Q, H·D)`, gated (Qwen3-Next's
@@ -245,7 +250,7 @@ class PlugformerCrossAttention(PlugformerAttention):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             key, value = layer.keys, layer.values
         else:
-            key = self.k_norm(self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, D)
+            key = self.qk_norm(self.k_norm, self.split_heads(self.k_proj(encoder_hidden_states)))  # (B, H_kv, S, D)
             key = self.score.prepare_key(key)  # (B, H_kv, S, ·)
             value = self.project_value(encoder_hidden_states)  # (B, H_kv, S, D)
             if cache is not None:

@@ -1,5 +1,5 @@
-"""plugformer's own attention kernels: the eager dot-product kernel, the query-chunked additive (Bahdanau) kernel,
-and the blockwise SDPA kernel for relative score biases.
+"""plugformer's own attention kernels: the eager dot-product kernel and the blockwise SDPA kernel for relative score
+biases (the query-chunked additive kernel, which shares the helpers here, is `kernels_additive`).
 
 All follow transformers' attention-function signature, `(module, query, key, value, attention_mask, *, scaling,
 dropout, position_bias, **kwargs) -> (output (B, Q, H, D), weights (B, H, Q, K) | None)`, so they are
@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
 from .biases import QueryPositionBias, RelativeBias
 from .kernels_fixed import FixedBiasBlock, recomputes_fixed_mask
 
 
-# Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once.
-ADDITIVE_CHUNK_BYTES = 64 * 2**20
 # Bytes of one (B, H, block, K) score-sized tensor of the relative-bias SDPA kernel.
 BIAS_BLOCK_BYTES = 16 * 2**20
 # The profiler range around that kernel.
@@ -162,105 +159,6 @@ def eager_attention_forward(
     scores = _add_bias_and_mask(scores, attention_mask, bias_rows(position_bias, slice(None)), softcap)  # (B, H, Q, K)
     output, weights = _softmax_dropout_values(module, scores, value, dropout, s_aux)
     return output.transpose(1, 2).contiguous(), weights  # (B, Q, H, D)
-
-
-def _additive_chunk(
-    module: nn.Module,
-    query_chunk: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    energy: torch.Tensor,
-    mask_chunk: torch.Tensor | None,
-    position_bias: RelativeBias | None,
-    rows: slice,
-    dropout: float,
-) -> torch.Tensor:
-    """The output rows `(B, H, c, D)` of one query chunk."""
-    return _additive_chunk_weights(module, query_chunk, key, value, energy, mask_chunk, position_bias, rows, dropout)[0]
-
-
-def _additive_chunk_weights(
-    module: nn.Module,
-    query_chunk: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    energy: torch.Tensor,
-    mask_chunk: torch.Tensor | None,
-    position_bias: RelativeBias | None,
-    rows: slice,
-    dropout: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output rows `(B, H, c, D)` and weights `(B, H, c, K)` of one query chunk."""
-    # e_ij = vᵀ tanh(W1 q_i + W2 k_j): the projections were applied by the score function, so here the
-    # (B, H, c, K, A) tanh tensor exists for one query chunk only. fp16 is scored in fp32 (as in the eager kernel):
-    # vᵀ tanh(.) reaches sum |v|, which overflows 65504 when the energies are large; bf16/fp32 keep their dtype.
-    compute_dtype = torch.float32 if query_chunk.dtype == torch.float16 else query_chunk.dtype
-    query_chunk, key, energy = query_chunk.to(compute_dtype), key.to(compute_dtype), energy.to(compute_dtype)
-    hidden = torch.tanh(query_chunk[:, :, :, None, :] + key[:, :, None, :, :])  # (B, H, c, K, A)
-    scores = torch.einsum("bhqka,ha->bhqk", hidden, energy).float()  # (B, H, c, K)
-    # the chunk's bias rows are made here, inside the checkpoint: recomputed in the backward, not kept
-    scores = _add_bias_and_mask(scores, mask_chunk, bias_rows(position_bias, rows, key.shape[2]))
-    return _softmax_dropout_values(module, scores, value, dropout)
-
-
-def additive_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float = 1.0,
-    dropout: float = 0.0,
-    position_bias: RelativeBias | None = None,
-    energy: torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Bahdanau et al. (2015) additive attention, processed in query chunks so peak memory stays bounded.
-
-    `query` and `key` arrive already projected (`W1 q`, `W2 k`, last dim A); `energy` is the per-head vector v
-    `(H, A)`. Each chunk holds a `(B, H, chunk, K, A)` tanh tensor of at most `ADDITIVE_CHUNK_BYTES`; in training
-    each chunk is checkpointed so the backward recomputes it instead of storing every chunk's activations. A causal
-    chunk scores only the keys up to its last query (`causal_keys`): about half the work of a causal sequence.
-    `scaling` is ignored: the score has no dot product to scale.
-    """
-    key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, A)
-    value = repeat_kv(value, module.num_key_value_groups)  # (B, H, K, D)
-    batch, heads, q_len, attn_dim = query.shape
-    key_length = key.shape[2]
-    symbolic = symbolic_sizes(query, key)
-    if symbolic:  # traced with dynamic shapes: one chunk of every query over every key (see `symbolic_sizes`)
-        chunk_size = q_len
-    elif chunk_size is None:
-        element_size = 4 if query.dtype == torch.float16 else query.element_size()  # fp16 is scored in fp32
-        per_query = batch * heads * key_length * attn_dim * element_size
-        chunk_size = max(1, ADDITIVE_CHUNK_BYTES // per_query)
-    recompute = module.training and torch.is_grad_enabled()
-    # the mask holds the causal pattern within a chunk; the keys dropped after it are blocked for every row
-    causal = not symbolic and attention_mask is not None and q_len > 1
-    causal = causal and kwargs.get("is_causal", getattr(module, "is_causal", False))
-    causal = causal and mask_blocks_the_future(attention_mask, q_len, key_length)
-    wants_weights = _wants_weights(module, kwargs)
-    outputs, weights = [], []
-    for start in range(0, q_len, chunk_size) if not symbolic else (0,):
-        rows = slice(start, start + chunk_size)
-        keys = causal_keys(q_len, key_length, rows.stop) if causal else key_length
-        mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
-        args = (module, query[:, :, rows], key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias,
-                rows, dropout)  # fmt: skip
-        chunk = _additive_chunk_weights if wants_weights else _additive_chunk
-        result = checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args)
-        if wants_weights:
-            weights.append(nn.functional.pad(result[1], (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
-        else:
-            outputs.append(result)
-    if wants_weights:
-        # The output is computed from the very weights returned, so they stay in the autograd graph (as eager's do:
-        # transformers' tests take their gradient); the (B, H, Q, K) weights are materialised anyway.
-        attn_weights = torch.cat(weights, dim=2)  # (B, H, Q, K)
-        output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()  # (B, Q, H, D)
-        return output, attn_weights
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None  # (B, Q, H, D)
 
 
 def _allowed_keys(

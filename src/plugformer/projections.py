@@ -129,7 +129,8 @@ class StandardProjection(AttentionProjection):
     @staticmethod
     def project(attention, hidden_states, rotary):
         query, gate = attention.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
-        key = attention.k_norm(attention.split_heads(attention.k_proj(hidden_states)))  # (B, H_kv, T, D)
+        key = attention.split_heads(attention.k_proj(hidden_states))  # (B, H_kv, T, D)
+        key = attention.qk_norm(attention.k_norm, key)
         value = attention.project_value(hidden_states)  # (B, H_kv, T, D)
         if rotary is not None:
             query, key = apply_rotary(query, key, *rotary)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .kernels import additive_attention_forward, eager_attention_forward
+from .kernels import eager_attention_forward
+from .kernels_additive import additive_attention_forward
 from .projections import ATTENTION_PROJECTIONS
 from .registry import ConfigHooks, Registry
 
@@ -191,8 +192,8 @@ class AdditiveScore(AttentionScore):
     """e = v_hᵀ tanh(W1_h q + W2_h k), with W1, W2 (d_k, d_k) and v (d_k,) learned per head (Bahdanau et al. 2015).
 
     W1 belongs to each query head and W2 to each key/value head, so with GQA the cache stores the projected keys
-    W2 k once per key/value head. The kernel (`kernels.additive_attention_forward`) works through the queries in
-    chunks, keeping the (B, H, chunk, K, d_k) tanh tensor within a fixed memory budget.
+    W2 k once per key/value head. The kernel (`kernels_additive.additive_attention_forward`) works through the queries
+    in chunks, keeping the (B, H, chunk, K, d_k) tanh tensor within a fixed memory budget.
     """
 
     dot_product = False
