@@ -62,14 +62,23 @@ def compute_text(result: dict) -> str | None:
     compute = result.get("compute")
     if not compute or compute.get("train_tokens") is None:
         return None
-    text = f"compute {compute['steps']} steps, {compute['train_tokens'] / 1e6:.2f}M tokens trained"
+    text = f"compute {compute['steps']} steps, {tokens_text(compute['train_tokens'])} tokens trained"
     if compute.get("sampling_tokens"):
-        text += f" + {compute['sampling_tokens'] / 1e6:.2f}M sampled"
+        text += f" + {tokens_text(compute['sampling_tokens'])} sampled"
     matched = result.get("matched_compute")
     if matched:
         chain = " + ".join(record["stage"] for record in reversed(matched["stages"]))
-        text += f" (matched to {chain}: {matched['token_budget'] / 1e6:.2f}M tokens)"
+        text += f" (matched to {chain}: {tokens_text(matched['token_budget'])} tokens)"
     return text
+
+
+def tokens_text(count: int) -> str:
+    """`1.23M` from a million tokens on, else the count with thousands separators.
+
+    >>> tokens_text(1_234_567), tokens_text(98_765)
+    ('1.23M', '98,765')
+    """
+    return f"{count / 1e6:.2f}M" if count >= 1_000_000 else f"{count:,}"
 
 
 def seed_baseline_text(stage: str, runs: list[dict]) -> str:
@@ -80,7 +89,8 @@ def seed_baseline_text(stage: str, runs: list[dict]) -> str:
     for baseline in gains[0]:
         if not all(baseline in g for g in gains) or len(runs) < 2:
             continue
-        test = paired_t_test([run[stage]["exact_match"] for run in runs], [run[baseline]["exact_match"] for run in runs])
+        scores = [run[stage]["exact_match"] for run in runs]
+        test = paired_t_test(scores, [run[baseline]["exact_match"] for run in runs])
         per_run = ", ".join(f"{g[baseline]['difference'] * 100:+.1f} (p {g[baseline]['p_value']:.2g})" for g in gains)
         parts.append(f"vs {baseline} {test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), "
                      f"p {test.p_value:.2g}; per run {per_run}")  # fmt: skip

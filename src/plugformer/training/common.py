@@ -308,9 +308,8 @@ def run_trainer(
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`. `data(model, tokenizer) -> splits` replaces the stage's own splits (rft: the loaded parent's
-verified samples); `prepare(trainer) -> dict`
-    runs on the built trainer before training (sft_matched: its step count), its result going into `run_info.json`;
-    `compute` counts the tokens (`compute_record`)."""
+    verified samples); `prepare(trainer) -> dict` runs on the built trainer before training (sft_matched: its step
+    count), its result going into `run_info.json`; `compute` counts the tokens (`compute_record`)."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early

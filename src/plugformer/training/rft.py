@@ -18,10 +18,13 @@ from .arguments import RFTArguments, refuse_liger_kernel
 from .stages import Stage, register_stage
 
 
-def verified_rows(prompts: list, answers: list, completions: list[str], samples: int, max_kept: int = 0) -> tuple:
+def verified_rows(
+    prompts: list, answers: list, completions: list[str], samples: int, max_kept: int = 0, verify=None
+) -> tuple[list[dict], dict]:
     """(SFT rows, record) from `samples` completions per prompt (prompt by prompt, as `generate_answers` returns them).
 
-    A completion is kept when `exact_match_reward` verifies it, unless the same text was already kept for the same
+    A completion is kept when `verify` (a reward function in TRL's signature; default GRPO's `exact_match`) gives
+    it 1, unless the same text was already kept for the same
     prompt, or `max_kept` (> 0) answers of that prompt already were. Rows are conversational prompt-completion pairs
     (TRL's format, loss on the completion); the record counts what was sampled, verified, dropped and kept.
     """
@@ -29,11 +32,11 @@ def verified_rows(prompts: list, answers: list, completions: list[str], samples:
 
     if len(completions) != len(prompts) * samples:
         raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x {samples} samples")
-    right = exact_match_reward(completions, answer=[str(a) for a in answers for _ in range(samples)])
+    right = (verify or exact_match_reward)(completions, answer=[str(a) for a in answers for _ in range(samples)])
     rows, seen, kept = [], set(), {}
     duplicates = over_cap = 0
-    for index, (completion, verified) in enumerate(zip(completions, right, strict=True)):
-        if not verified:
+    for index, (completion, reward) in enumerate(zip(completions, right, strict=True)):
+        if reward != 1:
             continue
         prompt, text = prompts[index // samples], completion.strip()
         key = json.dumps(prompt, sort_keys=True)
@@ -47,7 +50,7 @@ def verified_rows(prompts: list, answers: list, completions: list[str], samples:
         kept[key] = kept.get(key, 0) + 1
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": text}]})
     record = {"prompts": len(prompts), "samples_per_prompt": samples, "sampled": len(completions),
-              "verified": int(sum(right)), "duplicates": duplicates, "over_cap": over_cap, "kept": len(rows),
+              "verified": sum(reward == 1 for reward in right), "duplicates": duplicates, "over_cap": over_cap, "kept": len(rows),
               "prompts_kept": len(kept)}  # fmt: skip
     return rows, record
 

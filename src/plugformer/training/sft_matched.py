@@ -35,13 +35,13 @@ def compute_chain(matched: str, parent: str) -> list[dict]:
                              "output directory")  # fmt: skip
         info = json.loads(info_path.read_text())
         compute = info.get("compute") or {}
+        if compute and compute.get("parent") is None or len(chain) > 64:
+            raise ValueError(f"--match_compute_of {matched}: its chain of parents ends at {folder} without reaching "
+                             f"this run's parent {stop}; match a stage that descends from it")  # fmt: skip
         if compute.get("train_tokens") is None:
             raise ValueError(f"--match_compute_of {matched}: {info_path} records no token count (its 'compute'); "
                              "retrain that stage with this version of plugformer")  # fmt: skip
         chain.append({"stage": info.get("stage"), "folder": str(folder), **compute})
-        if compute.get("parent") is None or len(chain) > 64:
-            raise ValueError(f"--match_compute_of {matched}: its chain of parents ends at {folder} without reaching "
-                             f"this run's parent {stop}; match a stage that descends from it")  # fmt: skip
         folder = Path(compute["parent"]).resolve()
     if not chain:
         raise ValueError(f"--match_compute_of {matched} is this run's parent: there is no compute to match")
@@ -77,8 +77,9 @@ def match_steps(script_args, model_args):
         batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
         batch *= trainer.accelerator.num_processes
         trainer.args.max_steps = matched_steps(budget, per_example, batch)
-        print(f"[sft_matched] {budget} tokens processed by {' + '.join(r['stage'] for r in reversed(chain))}: "
-              f"{trainer.args.max_steps} steps of {batch} examples (~{per_example:.1f} tokens each)", flush=True)
+        chain_text = " + ".join(record["stage"] for record in reversed(chain))
+        print(f"[sft_matched] {budget} tokens processed by {chain_text}: {trainer.args.max_steps} steps of {batch} "
+              f"examples (~{per_example:.1f} tokens each)", flush=True)  # fmt: skip
         chained = [{key: r.get(key) for key in ("stage", "folder", "steps", "train_tokens", "sampling_tokens")}
                    for r in chain]  # fmt: skip
         return {"matched_compute": {"stages": chained, "token_budget": budget, "tokens_per_example": per_example,
@@ -108,6 +109,10 @@ def train(script_args, model_args, training_args) -> dict:
                        prepare=match_steps(script_args, model_args))  # fmt: skip
 
 
+# the stage whose compute (with its ancestors' down to this stage's parent) sets the steps
+MATCHED = StageInput(flag="--match_compute_of", option="matched_stage", sources=("grpo", "rlhf", "dpo", "rft"),
+                     default="grpo")  # fmt: skip
+
 STAGE = register_stage(
     Stage(
         name="sft_matched",
@@ -119,9 +124,7 @@ STAGE = register_stage(
         data_parallel=True,
         card=StageCard("fine-tuned on worked demonstrations for the compute of the RL stage's chain", "trl.SFTTrainer"),
         language_model_loss=True,
-        # the stage whose compute (with its ancestors' down to this stage's parent) sets the steps
-        inputs=(StageInput(flag="--match_compute_of", option="matched_stage", sources=("grpo", "rlhf", "dpo", "rft"),
-                           default="grpo"),),  # fmt: skip
+        inputs=(MATCHED,),
         baseline=True,
         train=train,
     )
