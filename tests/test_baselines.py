@@ -173,8 +173,8 @@ def test_a_micro_pipeline_trains_the_baselines_and_compares_the_rl_stage_with_th
                              "--stage_configs", micro_stage_configs(tmp_path), "--stages", "pretrain", "sft", "grpo",
                              "rft", "sft_matched", "--test_examples", "6", "--max_new_tokens", "6", "--jobs", "1"])  # fmt: skip
     info = {stage: json.loads((out / stage / "run_info.json").read_text()) for stage in results}
-    assert info["rft"]["rft"]["sampled"] == 48 * 2 and info["rft"]["rft"]["verified"] == 48
-    assert info["rft"]["rft"]["kept"] + info["rft"]["rft"]["duplicates"] == 48
+    assert info["rft"]["sampling"]["sampled"] == 48 * 2 and info["rft"]["sampling"]["verified"] == 48
+    assert info["rft"]["sampling"]["kept"] + info["rft"]["sampling"]["duplicates"] == 48
     assert info["rft"]["compute"]["sampling_tokens"] > 96 and info["rft"]["compute"]["steps"] == 2
     assert info["rft"]["compute"]["parent"] == str(out / "sft")  # the parent recorded with the compute
     assert info["grpo"]["compute"]["sampling_tokens"] == info["grpo"]["compute"]["train_tokens"] > 0

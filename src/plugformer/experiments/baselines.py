@@ -65,6 +65,10 @@ def compute_text(result: dict) -> str | None:
     text = f"compute {compute['steps']} steps, {tokens_text(compute['train_tokens'])} tokens trained"
     if compute.get("sampling_tokens"):
         text += f" + {tokens_text(compute['sampling_tokens'])} sampled"
+    sampled = result.get("sampling")
+    if sampled:
+        text += (f" (kept {sampled['kept']} distinct verified of {sampled['sampled']} samples, sampled in "
+                 f"{sampled.get('sampling_seconds', 0):.0f} s)")  # fmt: skip
     matched = result.get("matched_compute")
     if matched:
         chain = " + ".join(record["stage"] for record in reversed(matched["stages"]))

@@ -341,8 +341,9 @@ def stage_result(args: PipelineArguments, stage: str, results: dict, held: dict,
     result["eval_perplexity"] = info["metrics"].get("eval_perplexity")
     result["gain"] = gain_over_parent({**results, stage: result}, stage)
     result["compute"] = {k: v for k, v in info.get("compute", {}).items() if k != "parent"} or None
-    if "matched_compute" in info:
-        result["matched_compute"] = info["matched_compute"]
+    for record in ("matched_compute", "sampling"):  # what a baseline matched, or sampled and kept
+        if record in info:
+            result[record] = info[record]
     if "dev_pass_at_k" in info:
         result["dev_pass_at_k"] = info["dev_pass_at_k"]
     if "selection" in info:

@@ -53,7 +53,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     prog = f"plugformer train {stage}"
     # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates
     parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=prog, allow_abbrev=False,
-                         epilog=STAGE_FLAGS_RULE)  # fmt: skip
+                         description=entry.description, epilog=STAGE_FLAGS_RULE)  # fmt: skip
     accept_renamed_trainer_options(parser)
     if deepspeed_on_cpu():
         # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate

@@ -6,12 +6,13 @@ reward GRPO uses (`exact_match`: the final number equals the ground truth) keeps
 Kept: every distinct verified answer of a prompt (`--max_kept_per_prompt 0`, Yuan et al.'s choice: distinct
 reasoning paths each add data), or at most N of them (1: best-of-k); an answer repeated for one prompt is kept once.
 Sampling runs before training, on every process alike (same seed, same samples); `run_info.json` records what was
-sampled and kept (`rft`) and the sampled tokens (`compute.sampling_tokens`: prompt and completion tokens of each
+sampled and kept (`sampling`) and the sampled tokens (`compute.sampling_tokens`: prompt and completion tokens of each
 sampled sequence, as TRL's GRPO counts its own)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 from ..evaluation.cards import StageCard
 from .arguments import RFTArguments, refuse_liger_kernel
@@ -57,7 +58,7 @@ def verified_rows(
 
 def sampled_data(script_args, counts: dict):
     """`run_trainer`'s `data`: the parent's verified samples of the training prompts as the train split, the
-    conversation dev split for the dev loss; the tokens sampled go into `counts`, the record into `counts["rft"]`."""
+    conversation dev split for the dev loss; the tokens sampled go into `counts`, the record into `counts["sampling"]`."""
 
     def build(model, tokenizer):
         from accelerate import PartialState
@@ -69,11 +70,13 @@ def sampled_data(script_args, counts: dict):
         problems = stage_data("rft", script_args)["train"]
         prompts, answers, k = list(problems["prompt"]), list(problems["answer"]), script_args.num_samples
         model.to(PartialState().device)
+        started = time.perf_counter()
         completions = generate_answers(model, tokenizer, prompts, script_args.sampling_max_new_tokens,
                                        batch_size=max(1, script_args.sampling_batch_size // k), samples=k,
                                        temperature=script_args.sampling_temperature, counts=counts)  # fmt: skip
-        rows, counts["rft"] = verified_rows(prompts, answers, completions, k, script_args.max_kept_per_prompt)
-        counts["rft"]["temperature"] = script_args.sampling_temperature
+        rows, counts["sampling"] = verified_rows(prompts, answers, completions, k, script_args.max_kept_per_prompt)
+        counts["sampling"].update(temperature=script_args.sampling_temperature,
+                             sampling_seconds=round(time.perf_counter() - started, 1))  # fmt: skip
         print(f"[rft] kept {len(rows)} verified answers of {len(completions)} sampled ({counts['rft']['verified']} "
               f"right, {counts['rft']['prompts_kept']} of {len(prompts)} prompts)", flush=True)  # fmt: skip
         if not rows:
@@ -100,7 +103,7 @@ def train(script_args, model_args, training_args) -> dict:
 
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
     return run_trainer("rft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
-                       data=sampled_data(script_args, counts), prepare=lambda trainer: {"rft": counts["rft"]},
+                       data=sampled_data(script_args, counts), prepare=lambda trainer: {"sampling": counts["sampling"]},
                        compute=compute)  # fmt: skip
 
 
