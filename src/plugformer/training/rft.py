@@ -74,11 +74,12 @@ def sampled_data(script_args, counts: dict):
         completions = generate_answers(model, tokenizer, prompts, script_args.sampling_max_new_tokens,
                                        batch_size=max(1, script_args.sampling_batch_size // k), samples=k,
                                        temperature=script_args.sampling_temperature, counts=counts)  # fmt: skip
-        rows, counts["sampling"] = verified_rows(prompts, answers, completions, k, script_args.max_kept_per_prompt)
-        counts["sampling"].update(temperature=script_args.sampling_temperature,
-                             sampling_seconds=round(time.perf_counter() - started, 1))  # fmt: skip
-        print(f"[rft] kept {len(rows)} verified answers of {len(completions)} sampled ({counts['rft']['verified']} "
-              f"right, {counts['rft']['prompts_kept']} of {len(prompts)} prompts)", flush=True)  # fmt: skip
+        rows, record = verified_rows(prompts, answers, completions, k, script_args.max_kept_per_prompt)
+        record.update(temperature=script_args.sampling_temperature,
+                      sampling_seconds=round(time.perf_counter() - started, 1))  # fmt: skip
+        counts["sampling"] = record
+        print(f"[rft] kept {len(rows)} verified answers of {len(completions)} sampled ({record['verified']} right, "
+              f"{record['prompts_kept']} of {len(prompts)} prompts, {record['sampling_seconds']:.0f} s)", flush=True)  # fmt: skip
         if not rows:
             raise ValueError(f"stage 'rft': none of the {len(completions)} sampled answers was verified right; nothing "
                              "to fine-tune on: sample more (--num_samples) or start from a better parent")  # fmt: skip
