@@ -393,7 +393,8 @@ def other_text(result: dict) -> str:
 
 
 def report(args: PipelineArguments, results: dict) -> None:
-    """Prints and writes the results table, then answers `args.prompt` with the last stage's model."""
+    """Prints and writes the results table, then answers `args.prompt` with the model of the last stage that
+    generates text and is not a baseline (the pipeline's final model)."""
     from transformers import pipeline
 
     heading = (f"held-out test split ({args.test_examples} problems whose facts never appear in training)"

@@ -35,7 +35,7 @@ def compute_chain(matched: str, parent: str) -> list[dict]:
                              "output directory")  # fmt: skip
         info = json.loads(info_path.read_text())
         compute = info.get("compute") or {}
-        if compute and compute.get("parent") is None or len(chain) > 64:
+        if (compute and compute.get("parent") is None) or len(chain) > 64:
             raise ValueError(f"--match_compute_of {matched}: its chain of parents ends at {folder} without reaching "
                              f"this run's parent {stop}; match a stage that descends from it")  # fmt: skip
         if compute.get("train_tokens") is None:
