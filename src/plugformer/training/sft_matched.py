@@ -8,7 +8,8 @@ pipeline's defaults, sft + grpo.
 The rule (stated in the pipeline's table): a stage processed the tokens it trained on plus the tokens it sampled,
 as its `run_info.json` `compute` records them (TRL's counts: prompt and completion tokens, padding excluded). A
 sampled token costs one forward pass, about a third of a trained token's forward and backward; counting it as a
-trained token gives the baseline the larger budget, never a smaller one than the compute RL used. The steps are
+trained token gives the baseline the larger budget, never a smaller one than the compute RL used (a reward model's
+forward passes, rlhf's, are not counted). The steps are
 ceil(budget / (effective batch x mean tokens of a training example, as `SFTTrainer` tokenized them)); they replace
 `--max_steps`, and `run_info.json` records the budget, the chain it came from and the tokens actually trained on.
 """
