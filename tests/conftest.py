@@ -185,8 +185,8 @@ def micro_stage_configs(folder) -> str:
     root = Path(__file__).resolve().parents[1]
     micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
              "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
-             "per_device_train_batch_size": 8, "vocab_size": 300}  # fmt: skip
-    for stage in ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo"):
+             "per_device_train_batch_size": 8, "vocab_size": 300, "num_samples": 2, "sampling_batch_size": 32}  # fmt: skip
+    for stage in ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched"):
         values = yaml.safe_load((root / f"configs/{stage}/tiny.yaml").read_text())
         values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
         (Path(folder) / f"{stage}.yaml").write_text(yaml.safe_dump(values))

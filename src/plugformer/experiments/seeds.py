@@ -2,7 +2,8 @@
 
 Each stage's held-out exact match is shown as its mean with a 95% t interval over the runs, and its gain over its
 parent two ways: per run (the pipeline's paired bootstrap over the same test problems, its p-value) and over runs
-(a paired t-test of the per-run gains, which also counts how much a seed moves the result).
+(a paired t-test of the per-run gains, which also counts how much a seed moves the result); its gain over the
+baseline stages (rft, sft_matched) the same two ways (`experiments/baselines.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from ..evaluation.stats import mean_interval, paired_t_test
 from ..runtime.files import write_text_atomic
 from ..training import STAGES
+from .baselines import COMPUTE_RULE, compute_text, seed_baseline_text
 from .pipeline import RUN_RECORD
 
 
@@ -118,7 +120,7 @@ def stage_row(stage: str, runs: list[dict]) -> str:
     if "exact_match" not in results[0]:  # the reward model: pairwise accuracy
         accuracy = [r["pairwise_accuracy"] for r in results] if "pairwise_accuracy" in results[0] else None
         score = f"pairwise accuracy {interval_text(accuracy)}" if accuracy else "—"
-        return f"| {stage} | {score} | — | — | {seconds:.0f} |"
+        return f"| {stage} | {score} | — | — | — | {seconds:.0f} |"
     matches = [r["exact_match"] for r in results]
     score = interval_text(matches)
     if all("implicit_reward_pairwise_accuracy" in r for r in results):  # a DPO policy scored as a reward model too
@@ -126,15 +128,16 @@ def stage_row(stage: str, runs: list[dict]) -> str:
         score += f"; implicit reward pairwise accuracy {implicit}"
     parent = STAGES[stage].parent
     gains = [r.get("gain") for r in results]
+    baselines = seed_baseline_text(stage, runs)
     if parent is None or any(g is None for g in gains):
-        return f"| {stage} | {score} | — | — | {seconds:.0f} |"
+        return f"| {stage} | {score} | — | — | {baselines} | {seconds:.0f} |"
     per_run = ", ".join(f"{g['difference'] * 100:+.1f} (p {g['p_value']:.2g})" for g in gains)
     if len(runs) > 1:
         test = paired_t_test(matches, [run[parent]["exact_match"] for run in runs])
         over = f"{test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), p {test.p_value:.2g}"
     else:
         over = "—"
-    return f"| {stage} | {score} | {over} | {per_run} | {seconds:.0f} |"
+    return f"| {stage} | {score} | {over} | {per_run} | {baselines} | {seconds:.0f} |"
 
 
 def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
@@ -145,10 +148,20 @@ def seed_table(runs: list[dict], names: list[str] | None = None) -> str:
         "mean (95% t interval over runs)",
         "",
         "| stage | test exact match | gain over parent over runs (95% CI), paired t p | gain per run (paired "
-        "bootstrap p) | training time (s, mean) |",
-        "|---|---|---|---|---|",
+        "bootstrap p) | gain over baselines over runs (95% CI), paired t p; per run (paired bootstrap p) | "
+        "training time (s, mean) |",
+        "|---|---|---|---|---|---|",
     ]
-    return "\n".join(lines + [stage_row(stage, runs) for stage in stages])
+    rows = [stage_row(stage, runs) for stage in stages]
+    notes = [compute_line(stage, runs) for stage in stages]
+    notes = [note for note in notes if note]
+    return "\n".join(lines + rows + (["", COMPUTE_RULE, *notes] if notes else []))
+
+
+def compute_line(stage: str, runs: list[dict]) -> str | None:
+    """`- grpo: compute ...` from the first run's results."""
+    text = compute_text(runs[0][stage])
+    return f"- {stage}: {text} (first run; token counts vary a little with the seed)" if text else None
 
 
 def wall_times(directories: list[str]) -> str | None:

@@ -2,7 +2,8 @@
 
 `plugformer train <stage> --config configs/<stage>/<name>.yaml [--key value ...]`, also under
 `accelerate launch -m plugformer train <stage> ...`. Each stage's `--model_name_or_path` is the previous stage's
-output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo. A stage is one `Stage` record
+output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo; the baselines sft -> rft and
+pretrain -> sft_matched (compute-matched to an RL stage). A stage is one `Stage` record
 (`training/stages.py`) that its module registers.
 """
 
@@ -31,7 +32,7 @@ from .stages import STAGES, Stage, StageInput, register_stage
 __all__ = ["STAGES", "Stage", "StageInput", "check_stage_yaml", "parse_stage_arguments", "register_stage", "run_stage"]
 
 # the modules that register the shipped stages, in the pipeline's default order; each registers its record on import
-STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo")
+STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched")
 for _module in STAGE_MODULES:
     importlib.import_module(f".{_module}", __name__)
 
@@ -54,7 +55,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates, any other
     # repeated option is refused (a key of the --config YAML given on the command line is no repeat: it wins)
     parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=prog, allow_abbrev=False,
-                         epilog=STAGE_FLAGS_RULE)  # fmt: skip
+                         description=entry.description, epilog=STAGE_FLAGS_RULE)  # fmt: skip
     accept_renamed_trainer_options(parser)
     if deepspeed_on_cpu():
         # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate

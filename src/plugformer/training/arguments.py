@@ -279,3 +279,38 @@ class SFTArguments(PolicyArguments):
         metadata={"help": FUSED_LOSS_HELP + "; true is TRL's own chunked LM head (SFTTrainer's loss and its entropy "
                           "and token-accuracy metrics), false the model's unfused loss (without those metrics)"},
     )  # fmt: skip
+
+
+@dataclass
+class RFTArguments(SFTArguments):
+    """Rejection-sampling fine-tuning: the parent's own samples of the training prompts, verified, then SFT."""
+
+    num_samples: int = field(default=8, metadata={"help": "completions sampled per training prompt (k)"})
+    sampling_temperature: float = field(default=1.0, metadata={"help": "temperature of the sampling (pure sampling)"})
+    sampling_max_new_tokens: int = field(default=48, metadata={"help": "generation budget of each sample"})
+    sampling_batch_size: int = field(default=256, metadata={"help": "sequences generated per `generate` call"})
+    max_kept_per_prompt: int = field(
+        default=0,
+        metadata={"help": "verified completions kept per prompt after removing duplicates; 0: every distinct one "
+                          "(Yuan et al. 2023's RFT), 1: best-of-k (one right answer per prompt)"},
+    )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"num_samples": 1, "sampling_max_new_tokens": 1, "sampling_batch_size": 1,
+                            "max_kept_per_prompt": 0})  # fmt: skip
+        temperature = self.sampling_temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < 1e6:
+            raise ValueError(f"--sampling_temperature {temperature!r}: expected a positive number")
+
+
+@dataclass
+class MatchedSFTArguments(SFTArguments):
+    """SFT whose optimizer steps are set by the compute another stage's chain used (`training/sft_matched.py`)."""
+
+    match_compute_of: str | None = field(
+        default=None,
+        metadata={"help": "output directory of the stage whose compute this run matches (e.g. grpo): the tokens "
+                          "trained on and sampled by it and by each stage it descends from down to this run's parent "
+                          "(run_info.json's compute records) set --max_steps"},
+    )  # fmt: skip

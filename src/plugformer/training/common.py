@@ -7,7 +7,9 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -193,13 +195,40 @@ def evaluate_saved(trainer, stage: str, saved: str = "the trained model is saved
         raise
 
 
+def trained_tokens(trainer) -> dict:
+    """The tokens an offline trainer trained on: TRL's own count behind its logged `num_tokens` (SFT, DPO: the
+    non-padding tokens of every micro-batch, prompts included), else transformers' `num_input_tokens_seen`."""
+    counted = getattr(trainer, "_total_train_tokens", None) or trainer.state.num_input_tokens_seen or None
+    return {"train_tokens": int(counted) if counted else None, "sampling_tokens": 0}
+
+
+def sampled_tokens(trainer) -> dict:
+    """The tokens of an online RL trainer (GRPO, RLOO): TRL counts the prompt and completion tokens of every sampled
+    sequence (`num_input_tokens_seen`, its logged `num_tokens`); each is generated once and trained on
+    `num_iterations` times."""
+    seen = int(trainer.state.num_input_tokens_seen)
+    return {"train_tokens": seen * getattr(trainer.args, "num_iterations", 1), "sampling_tokens": seen}
+
+
+def compute_record(trainer, compute: Callable | None = None) -> dict:
+    """`run_info.json`'s `compute`: optimizer steps, tokens trained on and sampled (`compute(trainer)`, by default
+    `trained_tokens`), and the folder the stage started from (`parent`: whose `compute` the chain continues)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    parent = getattr(model.config, "_name_or_path", None) or None
+    if parent is not None and Path(parent).is_dir():
+        parent = os.path.abspath(parent)
+    return {"steps": trainer.state.global_step, **(compute or trained_tokens)(trainer), "parent": parent}
+
+
 def train_and_save(
-    trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None
-) -> dict:
+    trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None,
+    compute: Callable | None = None,
+) -> dict:  # fmt: skip
     """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`.
 
     With `selection` (a `DevSelection` callback of the trainer) the saved model is the best dev step's, and
-    `run_info.json` records the selected and the last step with the dev history."""
+    `run_info.json` records the selected and the last step with the dev history. `compute` counts the run's
+    tokens (`compute_record`)."""
     args = trainer.args
     refuse_unsharded_fallback(trainer)
     checkpoint = resume_checkpoint(args)
@@ -238,6 +267,7 @@ def train_and_save(
         "parameter_digests": digests,
         "metrics": metrics,
         **({"data": embedded_data_record(script_args)} if script_args.dataset_name is None else {}),
+        "compute": compute_record(trainer, compute),
         **(extra or {}),
         **({"selection": selection.summary()} if selection is not None else {}),
     }
@@ -270,11 +300,16 @@ def run_trainer(
     model_kwargs: dict | None = None,
     evaluate: bool = True,
     extra: dict | None = None,
+    data=None,
+    prepare: Callable | None = None,
+    compute: Callable | None = None,
     **trainer_kwargs,
 ) -> dict:
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
-    `run_info.json`."""
+    `run_info.json`. `data(model, tokenizer) -> splits` replaces the stage's own splits (rft: the loaded parent's
+    verified samples); `prepare(trainer) -> dict` runs on the built trainer before training (sft_matched: its step
+    count), its result going into `run_info.json`; `compute` counts the tokens (`compute_record`)."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early
@@ -282,7 +317,7 @@ def run_trainer(
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
-    data = stage_data(stage, script_args)
+    data = stage_data(stage, script_args) if data is None else data(model, tokenizer)
     selection = dev_selection(script_args, tokenizer, model)
     trainer = atomic_checkpoints(trainer_class)(
         model=model,
@@ -295,7 +330,8 @@ def run_trainer(
         **trainer_kwargs,
     )
     extra = {**(extra or {}), "effective_batch": log_effective_batch(trainer, stage)}
-    return train_and_save(trainer, stage, script_args, tokenizer, extra, selection)
+    extra.update(prepare(trainer) if prepare is not None else {})
+    return train_and_save(trainer, stage, script_args, tokenizer, extra, selection, compute)
 
 
 def dev_selection(script_args, tokenizer, model) -> DevSelection | None:

@@ -20,12 +20,12 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
-    from .common import run_trainer
+    from .common import run_trainer, sampled_tokens
 
     rewards = reward_functions(script_args.reward_functions)
     return run_trainer(
         "grpo", GRPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
-        evaluate=False, reward_funcs=rewards,
+        evaluate=False, compute=sampled_tokens, reward_funcs=rewards,
     )  # fmt: skip
 
 

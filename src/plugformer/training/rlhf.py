@@ -56,13 +56,13 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import RLOOTrainer
 
-    from .common import run_trainer
+    from .common import run_trainer, sampled_tokens
     from .selection import plot_overoptimisation
 
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
     info = run_trainer(
         "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
-        evaluate=False, extra={"reward_model": script_args.reward_model_path},
+        evaluate=False, extra={"reward_model": script_args.reward_model_path}, compute=sampled_tokens,
         reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
     )  # fmt: skip
     if "selection" in info and PartialState().is_main_process:

@@ -51,6 +51,8 @@ class Stage:
         language_model_loss (`bool`, *optional*, defaults to `False`): Whether its `eval_loss` is a language-model
             loss, so that `run_info.json` records the dev perplexity (DPO's loss is not one).
         inputs (`tuple[StageInput, ...]`, *optional*): Further stages it reads (rlhf: the model that rewards it).
+        baseline (`bool`, *optional*, defaults to `False`): A comparison point (rft, sft_matched): the pipeline's
+            table reports the other stages' gains against it, and never hands it on as the final model.
         train (`Callable`): `train(script_args, model_args, training_args) -> dict`, what `run_info.json` holds.
     """
 
@@ -64,6 +66,7 @@ class Stage:
     card: StageCard
     language_model_loss: bool = False
     inputs: tuple[StageInput, ...] = ()
+    baseline: bool = False
     train: Callable[..., dict]
 
     def config_type(self) -> type:
