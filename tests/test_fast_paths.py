@@ -293,7 +293,7 @@ def test_learned_bias_dropout_forward_equals_the_formula_with_its_masks(small_bl
 def test_attention_dropout_with_a_learned_bias_trains_on_the_hand_written_path(monkeypatch, small_blocks):
     """Nothing is checkpointed; a seed repeats the step exactly; the masks are drawn (not the dropout-free step);
     the bias table gets its gradient."""
-    monkeypatch.setattr(kernels, "checkpoint", None)  # any checkpointed block would fail
+    monkeypatch.setattr(kernels_additive, "checkpoint", None)  # the one checkpointing kernel: a call would fail
     results = {}
     for dropout, seed in [(0.3, 7), (0.3, 7), (0.0, 7)]:
         config = tiny_config("scaled_dot", "t5_bias", attention_dropout=dropout)

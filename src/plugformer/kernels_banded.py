@@ -216,7 +216,8 @@ def banded_bias_applies(query, key, value, attention_mask, dropout: float, posit
     W, causal self-attention over N > W tokens from slot 0 (no cache offset) with no mask (no padding, packing or
     window: transformers then leaves the mask out), no attention dropout, on CPU (the fused kernel it calls is
     torch's CPU flash attention, which also wants values as wide as the queries), outside torch.compile / export
-    tracing. Any other call takes the blockwise kernel
+    tracing, in fp32, bf16 or fp64 (float16 scores can overflow in the fused kernel, where the blockwise kernel
+    keeps them finite). Any other call takes the blockwise kernel
     (`kernels.sdpa_relative_bias_forward`), which computes all of them."""
     if not isinstance(position_bias, RelativeBias) or position_bias.constant_beyond is None:
         return False
@@ -226,6 +227,7 @@ def banded_bias_applies(query, key, value, attention_mask, dropout: float, posit
     same = length == key.shape[2] == position_bias.query_length == position_bias.key_length
     same = same and value.shape[-1] == query.shape[-1]
     simple = is_causal and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
+    simple = simple and query.dtype != torch.float16
     return simple and same and length > position_bias.constant_beyond
 
 
