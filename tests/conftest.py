@@ -222,3 +222,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if smoke(item):
             item.add_marker(pytest.mark.smoke)
+
+
+@pytest.fixture
+def llama_source(tmp_path):
+    """A tiny `LlamaForCausalLM` saved under `tmp_path/source` (convert's source in the red-team tests)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
+    return tmp_path / "source"

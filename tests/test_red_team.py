@@ -46,18 +46,6 @@ def test_compare_refuses_options_it_sets_per_run(tmp_path, monkeypatch, where, e
 # --- convert: never onto its source, never "saved" without saving ------------------------------------------------
 
 
-@pytest.fixture
-def llama_source(tmp_path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
-    return tmp_path / "source"
-
-
 def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 

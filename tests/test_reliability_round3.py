@@ -176,18 +176,6 @@ def test_resuming_the_same_variant_still_continues(runs, tmp_path):
 # --- the same rule for convert, and for eval's results and the score caches ----------------------------------------
 
 
-@pytest.fixture
-def llama_source(tmp_path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
-    return tmp_path / "source"
-
-
 def test_convert_refuses_a_folder_holding_a_stage_or_a_live_run(runs, tmp_path, llama_source):
     import os
     import socket

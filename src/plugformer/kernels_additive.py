@@ -105,19 +105,10 @@ def additive_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor
     return AdditiveScores.apply(query, key, energy) if wants_grad else tanh_scores(query, key, energy)[0]
 
 
-def _additive_chunk(
-    module: nn.Module,
-    query_chunk: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    energy: torch.Tensor,
-    mask_chunk: torch.Tensor | None,
-    position_bias: RelativeBias | None,
-    rows: slice,
-    dropout: float,
-) -> torch.Tensor:
-    """The output rows `(B, H, c, D)` of one query chunk."""
-    return _additive_chunk_weights(module, query_chunk, key, value, energy, mask_chunk, position_bias, rows, dropout)[0]
+def _additive_chunk(*args) -> torch.Tensor:
+    """The output rows `(B, H, c, D)` of one query chunk (`_additive_chunk_weights`' arguments): the checkpoint's
+    function, which must return tensors that need their gradient only."""
+    return _additive_chunk_weights(*args)[0]
 
 
 def _additive_chunk_weights(
