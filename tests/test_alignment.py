@@ -364,3 +364,41 @@ def test_seed_table_over_pipeline_runs(tmp_path):
                           "seed1 301 s (151 GFLOP/s)")  # fmt: skip
     with pytest.raises(ValueError, match=r"no results\.json"):
         seeds.main([str(tmp_path)])
+
+
+def test_dev_selection_keeps_the_last_step_for_a_dpo_reward(monkeypatch, tmp_path):
+    """`keep_last`: the selected step is handed on and the last step's weights are written beside it, in last_step/
+    (the dpo stage's implicit reward reads them); nothing is written when the last step is the selected one."""
+    from conftest import build, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    scores = iter([0.5, 0.2, 0.1])  # the start is the best
+    monkeypatch.setattr(selection, "exact_match", lambda *a, **k: {"exact_match": next(scores), "format": 1.0})
+    model = build(tiny_config(), seed=0)
+    tokenizer = type("Tokenizer", (), {"save_pretrained": lambda self, path: None})()
+    callback = selection.DevSelection(rows=None, tokenizer=None, every=2, keep_last=True)
+    callback.on_train_begin(None, Step(0), None, model=model)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in (2, 4):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * step)
+        callback.on_step_end(None, Step(step), None, model=model)
+    last = {n: p.detach().clone() for n, p in model.named_parameters()}
+    callback.on_train_end(None, Step(4), None, model=model)
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # step 0 handed on
+    model.save_pretrained(tmp_path)  # what the stage saves: the selected model
+    trainer = type("Trainer", (), {"is_world_process_zero": lambda self: True,
+                                   "accelerator": type("A", (), {"wait_for_everyone": lambda self: None})()})()  # fmt: skip
+    assert selection.save_last_step(trainer, tokenizer, callback, str(tmp_path)) == "last_step"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "last_step")
+    assert all(torch.equal(p, last[n]) for n, p in saved.named_parameters())
+    assert any(not torch.equal(last[n], start[n]) for n in start)
+    # the last step selected: nothing kept, nothing written
+    scores = iter([0.1, 0.5])
+    again = selection.DevSelection(rows=None, tokenizer=None, every=2, keep_last=True)
+    again.on_train_begin(None, Step(0), None, model=model)
+    again.on_train_end(None, Step(2), None, model=model)
+    assert (
+        again.last_weights is None and selection.save_last_step(trainer, tokenizer, again, str(tmp_path / "b")) is None
+    )

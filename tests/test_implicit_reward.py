@@ -170,3 +170,47 @@ def test_rlhf_refuses_a_reward_source_without_a_trained_reward_head(tmp_path):
     tokenizer.save_pretrained(classifier)
     model, reward_tokenizer = load_reward_model(str(classifier))
     assert model.config.num_labels == 1 and reward_tokenizer is not None
+
+
+def test_a_policy_that_is_its_reference_gives_no_reward_and_no_accuracy(tmp_path):
+    """Issue 32: a DPO stage whose dev selection handed on step 0 saved the SFT weights; its implicit reward was 0 for
+    every answer, the pipeline's table read "implicit reward pairwise accuracy 0.0%" and RLHF trained on no signal."""
+    import shutil
+
+    from plugformer.evaluation.implicit_reward import ImplicitReward, ZeroReward
+    from plugformer.evaluation.scoring import EvalArguments, evaluate_directory
+    from plugformer.training.rlhf import load_reward_model
+
+    paths, _, _ = save_dpo_like(tmp_path)
+    shutil.copy(paths["reference"] / "model.safetensors", paths["policy"] / "model.safetensors")  # step 0 handed on
+    with pytest.raises(ZeroReward, match="0 for every answer"):
+        ImplicitReward.from_dpo_stage(str(paths["policy"]))
+    with pytest.raises(ValueError, match="holds its reference's weights"):
+        load_reward_model(str(paths["policy"]))
+    results = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=6, max_new_tokens=2))
+    assert results["implicit_reward_pairwise_accuracy"] is None
+    assert "0 for every answer" in results["implicit_reward_note"]
+
+
+def test_the_implicit_reward_reads_the_last_step_a_dpo_stage_kept(tmp_path):
+    """Where dev selection handed on an earlier step, the dpo stage keeps its last step in last_step/ and records it:
+    the reward is that policy's log-ratio, not the handed-on one's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from plugformer.evaluation.implicit_reward import ImplicitReward
+
+    paths, tokenizer, rows = save_dpo_like(tmp_path, beta=0.5)
+    shutil.copytree(paths["policy"], paths["policy"] / "last_step", ignore=shutil.ignore_patterns("run_info.json"))
+    shutil.copy(paths["reference"] / "model.safetensors", paths["policy"] / "model.safetensors")  # step 0 handed on
+    info = json.loads((paths["policy"] / "run_info.json").read_text())
+    (paths["policy"] / "run_info.json").write_text(json.dumps({**info, "last_step_model": "last_step"}))
+    reward = ImplicitReward.from_dpo_stage(str(paths["policy"]))
+    prompts, completions = list(rows["prompt"])[:3], list(rows["chosen"])[:3]
+    last, reference = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (paths["policy"] / "last_step",
+                                                                                  paths["reference"]))  # fmt: skip
+    expected = [0.5 * (sequence_log_prob(last, tokenizer, p, c) - sequence_log_prob(reference, tokenizer, p, c))
+                for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
+    assert reward(prompts, completions) == pytest.approx(expected, rel=1e-4, abs=1e-4)
+    assert any(abs(value) > 1e-2 for value in expected)

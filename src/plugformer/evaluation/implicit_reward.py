@@ -2,7 +2,9 @@
 "your language model is secretly a reward model"; RewardBench ranks DPO models by the same log-ratio).
 
 A DPO stage's output directory records its reference (the model it started from) and β in `run_info.json`, so
-`--reward_model_path` of the `rlhf` stage takes it as it takes a reward stage's classifier. Where a small classifier
+`--reward_model_path` of the `rlhf` stage takes it as it takes a reward stage's classifier. The policy scored is what
+DPO learned: its last step (`last_step/`) where dev selection handed on an earlier one; a policy whose weights are the
+reference's is refused, its implicit reward being 0 for every answer. Where a small classifier
 reading the last token does not learn to check the answer, the log-ratio reads every token's likelihood: on the
 embedded arithmetic task (three seeds, 300 test pairs each) it ranked 85.0–91.7% of the pairs right, against
 81.3–83.7% for the classifier.
@@ -29,7 +31,13 @@ def dpo_record(path: str | Path) -> dict | None:
     if "reference" not in record or "beta" not in record:
         return None
     return {"reference": record["reference"], "reference_weights_sha256": record.get("reference_weights_sha256"),
-            "beta": float(record["beta"])}  # fmt: skip
+            "beta": float(record["beta"]), "last_step_model": record.get("last_step_model")}  # fmt: skip
+
+
+def reward_policy(path: str | Path, record: dict) -> str:
+    """The folder of the policy whose implicit reward a DPO stage gives: its last step (`last_step_model`) where dev
+    selection handed on an earlier step, else the stage's own folder."""
+    return str(Path(path, record["last_step_model"])) if record.get("last_step_model") else str(path)
 
 
 def verified_reference(path: str | Path, record: dict) -> str:
@@ -52,6 +60,16 @@ def verified_reference(path: str | Path, record: dict) -> str:
     return reference
 
 
+class ZeroReward(ValueError):
+    """The DPO policy holds its reference's weights: its implicit reward is 0 for every answer."""
+
+
+def same_weights(model, other) -> bool:
+    """Whether two models hold equal parameters under the same names."""
+    mine, theirs = dict(model.named_parameters()), dict(other.named_parameters())
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+
 class ImplicitReward:
     """A TRL reward function (`f(prompts, completions, **kwargs) -> list[float]`) scoring each completion by the
     implicit reward of a DPO-trained policy against its reference.
@@ -72,6 +90,11 @@ class ImplicitReward:
             raise ValueError(f"implicit reward: beta={beta!r} must be positive (the DPO stage's --beta)")
         self.policy = AutoModelForCausalLM.from_pretrained(policy).eval()
         self.reference = AutoModelForCausalLM.from_pretrained(reference).eval()
+        if same_weights(self.policy, self.reference):
+            raise ZeroReward(f"implicit reward: the policy {policy} holds its reference's weights ({reference}), so "
+                             "the reward is 0 for every answer (a DPO stage whose dev selection handed on step 0 and "
+                             "kept no last step); retrain the dpo stage, which keeps its last step in last_step/, or "
+                             "reward with the reward stage's classifier")  # fmt: skip
         self.tokenizer = load_tokenizer(policy)
         self.beta, self.batch_size = beta, batch_size
 
@@ -80,7 +103,7 @@ class ImplicitReward:
         record = dpo_record(path)
         if record is None:
             raise ValueError(f"{path}: not a finished DPO stage that recorded its reference and beta in run_info.json")
-        return cls(path, verified_reference(path, record), record["beta"], **kwargs)
+        return cls(reward_policy(path, record), verified_reference(path, record), record["beta"], **kwargs)
 
     def token_ids(self, prompt: str | list[dict], completion: str | list[dict]) -> tuple[list[int], int]:
         """The ids of the whole text or conversation and where the completion starts (after the assistant's

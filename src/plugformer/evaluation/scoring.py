@@ -273,7 +273,7 @@ def evaluate_directory(args: EvalArguments) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data.sources import load_stage_dataset
-    from .implicit_reward import ImplicitReward, dpo_record
+    from .implicit_reward import ImplicitReward, ZeroReward, dpo_record
     from .stats import wilson_interval
 
     if args.split not in ("train", "dev", "test"):
@@ -302,8 +302,12 @@ def evaluate_directory(args: EvalArguments) -> dict:
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
     if dpo_record(args.model) is not None:  # a DPO policy is a reward model too: its implicit reward
         pairs, _ = scored_pairs(args)
-        reward = ImplicitReward.from_dpo_stage(args.model, batch_size=args.batch_size)
-        results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, pairs)
+        try:
+            reward = ImplicitReward.from_dpo_stage(args.model, batch_size=args.batch_size)
+        except ZeroReward as error:  # every pair a tie: no accuracy to report, and the reason instead of a 0.0
+            results["implicit_reward_pairwise_accuracy"], results["implicit_reward_note"] = None, str(error)
+        else:
+            results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, pairs)
     return results
 
 

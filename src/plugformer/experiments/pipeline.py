@@ -376,8 +376,10 @@ def other_text(result: dict) -> str:
     parts = []
     if "pairwise_accuracy" in result:
         parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
-    if "implicit_reward_pairwise_accuracy" in result:
+    if result.get("implicit_reward_pairwise_accuracy") is not None:
         parts.append(f"implicit reward pairwise accuracy {result['implicit_reward_pairwise_accuracy']:.1%}")
+    elif "implicit_reward_pairwise_accuracy" in result:  # the policy is its reference: every pair ties
+        parts.append("implicit reward 0 for every answer (the policy is its reference)")
     if compute_text(result):
         parts.append(compute_text(result))
     if result.get("eval_perplexity"):

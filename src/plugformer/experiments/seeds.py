@@ -123,9 +123,11 @@ def stage_row(stage: str, runs: list[dict]) -> str:
         return f"| {stage} | {score} | — | — | — | {seconds:.0f} |"
     matches = [r["exact_match"] for r in results]
     score = interval_text(matches)
-    if all("implicit_reward_pairwise_accuracy" in r for r in results):  # a DPO policy scored as a reward model too
-        implicit = interval_text([r["implicit_reward_pairwise_accuracy"] for r in results])
-        score += f"; implicit reward pairwise accuracy {implicit}"
+    implicit = [r.get("implicit_reward_pairwise_accuracy") for r in results]  # a DPO policy as a reward model too
+    if all(value is not None for value in implicit):
+        score += f"; implicit reward pairwise accuracy {interval_text(implicit)}"
+    elif any("implicit_reward_pairwise_accuracy" in r for r in results):  # some policy is its reference
+        score += f"; implicit reward 0 for every answer in {sum(v is None for v in implicit)} of {len(results)} runs"
     parent = STAGES[stage].parent
     gains = [r.get("gain") for r in results]
     baselines = seed_baseline_text(stage, runs)

@@ -25,7 +25,7 @@ from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .outputs import claim_output_dir, release_lock
-from .selection import DevSelection
+from .selection import DevSelection, save_last_step
 from .sharding import is_sharded, refuse_unsharded_fallback
 from .stages import STAGES
 
@@ -257,6 +257,10 @@ def train_and_save(
     if lora:
         with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
             save_final_model(trainer, tokenizer, args.output_dir)
+    if selection is not None and selection.keep_last:  # dpo: its implicit reward is what it learned, not step 0's
+        with naming_a_full_disk(args.output_dir, "the last step's model", "the selected model is saved"):
+            last_step = save_last_step(trainer, tokenizer, selection, args.output_dir)
+        extra = {**(extra or {}), "last_step_model": last_step}
     if "eval_loss" in metrics and STAGES.get_stage(stage).language_model_loss:  # exp of it is a perplexity
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
@@ -303,13 +307,15 @@ def run_trainer(
     data=None,
     prepare: Callable | None = None,
     compute: Callable | None = None,
+    keep_last_step: bool = False,
     **trainer_kwargs,
 ) -> dict:
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`. `data(model, tokenizer) -> splits` replaces the stage's own splits (rft: the loaded parent's
     verified samples); `prepare(trainer) -> dict` runs on the built trainer before training (sft_matched: its step
-    count), its result going into `run_info.json`; `compute` counts the tokens (`compute_record`)."""
+    count), its result going into `run_info.json`; `compute` counts the tokens (`compute_record`). With
+    `keep_last_step` and dev selection, the last step is saved beside the selected one (`save_last_step`: dpo)."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early
@@ -318,7 +324,7 @@ def run_trainer(
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
     data = stage_data(stage, script_args) if data is None else data(model, tokenizer)
-    selection = dev_selection(script_args, tokenizer, model)
+    selection = dev_selection(script_args, tokenizer, model, keep_last_step)
     trainer = atomic_checkpoints(trainer_class)(
         model=model,
         args=training_args,
@@ -334,7 +340,7 @@ def run_trainer(
     return train_and_save(trainer, stage, script_args, tokenizer, extra, selection, compute)
 
 
-def dev_selection(script_args, tokenizer, model) -> DevSelection | None:
+def dev_selection(script_args, tokenizer, model, keep_last: bool = False) -> DevSelection | None:
     """The dev-selection callback asked for by `--selection_steps` (policy stages), on the first
     `--selection_examples` dev problems; None when off."""
     steps = getattr(script_args, "selection_steps", 0)
@@ -348,7 +354,7 @@ def dev_selection(script_args, tokenizer, model) -> DevSelection | None:
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
     rows = rows.select(range(min(script_args.selection_examples, len(rows))))
-    return DevSelection(rows, tokenizer, steps, max_new_tokens=script_args.max_new_tokens)
+    return DevSelection(rows, tokenizer, steps, max_new_tokens=script_args.max_new_tokens, keep_last=keep_last)
 
 
 def write_card(trainer, info: dict, script_args) -> None:

@@ -20,9 +20,11 @@ def train(script_args, model_args, training_args) -> dict:
 
     # the reference and beta make the saved policy a reward model too (`implicit_reward`, the rlhf stage's
     # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory. Recorded by absolute
-    # path beside its weights' sha256: a relative path was read against the consumer's working folder
+    # path beside its weights' sha256: a relative path was read against the consumer's working folder. Dev selection
+    # picks the policy handed on; the last step is kept as the reward (`keep_last_step`)
     implicit = {**reference_record(model_args.model_name_or_path), "beta": training_args.beta}
-    return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit)
+    return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit,
+                       keep_last_step=True)  # fmt: skip
 
 
 def reference_record(reference: str) -> dict:

@@ -5,11 +5,18 @@ The NLP recipe's rule: the dev split chooses, the test split is read once at the
 keeps a copy of the best weights, and loads them back when training ends, before the stage saves its model. The
 history (step, dev exact match, the trainer's proxy reward and KL at that step) goes into `run_info.json`; the RLHF
 stage draws it as the over-optimisation curve of Gao et al. (2023).
+
+A DPO policy is also a reward model (its implicit reward against the reference). Selection chooses the policy it
+hands on; the reward is what DPO learned, so with `keep_last=True` the last step's weights are saved beside the
+selected ones, in `LAST_STEP_DIR` (`save_last_step`): a DPO stage whose dev selection handed on step 0 holds the
+reference itself, whose implicit reward is 0 for every answer.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -22,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # what TRL's online trainers log that the history keeps beside the gold dev score
 LOGGED = ("reward", "kl")
+# the subfolder of a stage's output directory that holds its last step when selection handed on an earlier one
+LAST_STEP_DIR = "last_step"
 
 
 class DevSelection(TrainerCallback):
@@ -32,6 +41,8 @@ class DevSelection(TrainerCallback):
         tokenizer: The policy's tokenizer.
         every (`int`): Steps between two scores; the start (step 0) and the last step are always scored.
         max_new_tokens (`int`, *optional*, defaults to 32): Generation budget per answer.
+        keep_last (`bool`, *optional*, defaults to `False`): Keep a full copy of the last step's weights when an
+            earlier step is handed on (`last_weights`, for `save_last_step`).
 
     Every rank scores the same problems: unsharded, each its own replica (no collective); sharded by FSDP2, all in
     step (`synced_gpus`), as each forward gathers parameters from every rank, and the weights are copied and
@@ -40,11 +51,12 @@ class DevSelection(TrainerCallback):
     among the best.
     """
 
-    def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32):
+    def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32, keep_last: bool = False):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"selection_steps={every!r}: expected a positive number of steps (0 turns selection off)")
         self.rows, self.tokenizer, self.every = rows, tokenizer, every
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.keep_last = max_new_tokens, keep_last
+        self.last_weights: dict[str, torch.Tensor] | None = None
         self.history: list[dict] = []
         self.best: dict | None = None
         self._best_weights: dict[str, torch.Tensor] | None = None
@@ -83,6 +95,8 @@ class DevSelection(TrainerCallback):
             self.score(model, state.global_step)
         if self.best["step"] != state.global_step:
             reshard(model)
+            if self.keep_last and not hasattr(model, "peft_config"):  # LoRA: see save_last_step
+                self.last_weights = full_weights(model)
             with torch.no_grad():
                 parameters = dict(model.named_parameters())
                 for name, value in self._best_weights.items():
@@ -95,6 +109,53 @@ class DevSelection(TrainerCallback):
     def summary(self) -> dict:
         """What `run_info.json` records: the selected and the last step with their dev scores, and the history."""
         return {"selected": self.best, "last": self.history[-1], "every": self.every, "history": self.history}
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """A CPU copy of every parameter, whole: FSDP2's shards are gathered (a collective: every rank calls it)."""
+    weights = {}
+    for name, parameter in model.named_parameters():
+        tensor = parameter.detach()
+        if hasattr(tensor, "full_tensor"):  # a DTensor shard
+            tensor = tensor.full_tensor()
+        weights[name] = tensor.cpu().clone()
+    return weights
+
+
+def save_last_step(trainer, tokenizer, selection: DevSelection, output_dir: str) -> str | None:
+    """Writes the last step's weights, kept by `selection` (`keep_last`), as a model folder in
+    `output_dir/LAST_STEP_DIR` beside the selected model already saved in `output_dir`; returns the subfolder's
+    name, or None when the last step is the one handed on (nothing to keep).
+
+    The folder is the saved model reloaded with the last step's parameters copied in, so its config, tokenizer and
+    tied weights are the selected model's. LoRA runs keep no copy: their parameters are adapters and a merged base,
+    which the copy cannot map (a warning says so, and the implicit reward reads the selected model).
+    """
+    if selection.last_weights is None:
+        stale = Path(output_dir, LAST_STEP_DIR)
+        if trainer.is_world_process_zero() and stale.is_dir():  # an earlier run's, in a folder being overwritten
+            shutil.rmtree(stale)
+        if selection.keep_last and selection.best["step"] != selection.history[-1]["step"]:
+            logger.warning("dev selection: the last step's weights were not kept (LoRA); %s holds the selected step "
+                           "only", output_dir)  # fmt: skip
+        return None
+    if trainer.is_world_process_zero():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(output_dir)
+        parameters = dict(model.named_parameters())
+        unknown = sorted(set(selection.last_weights) - set(parameters))
+        if unknown:
+            raise ValueError(f"dev selection: the last step's parameters {unknown[:3]} are not in the saved model "
+                             f"{output_dir}; its last step cannot be written")  # fmt: skip
+        with torch.no_grad():
+            for name, value in selection.last_weights.items():
+                parameters[name].copy_(value)
+        model.save_pretrained(Path(output_dir, LAST_STEP_DIR))
+        tokenizer.save_pretrained(Path(output_dir, LAST_STEP_DIR))
+    trainer.accelerator.wait_for_everyone()
+    selection.last_weights = None
+    return LAST_STEP_DIR
 
 
 def reshard(model) -> None:
