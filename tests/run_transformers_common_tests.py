@@ -6,9 +6,12 @@ the installed version's:
 - a transformers source tree, or
 - its sdist (`pip download transformers==5.24.0 --no-binary :all: --no-deps`), which holds `tests/test_*_common.py`
   but not `tests/generation/` or `tests/exporters/`; those mixins are then replaced by empty ones (the generation
-  tests are not run; the report says so).
+  tests are not run; the report says so). A source tree may hold the sdist's `tests/` with a `tests/generation/`
+  added from a git mirror of another version (see tests/README.md).
 
-    python tests/run_transformers_common_tests.py --source PATH [--report report.json] [-- pytest options]
+    python tests/run_transformers_common_tests.py --source PATH [--report FILE] [--mixin NAME] [-- pytest options]
+
+`--mixin GenerationTesterMixin` runs only the tests that class defines (its parameterized expansions included).
 
 Prints and writes per-configuration passed / failed / skipped counts, and exits 0 when nothing failed. Without a
 source (`--source` or `TRANSFORMERS_SOURCE`), it says so and exits 0 ("skipped").
@@ -82,11 +85,23 @@ def prepare(source: Path, folder: Path) -> list[str]:
     return stubbed
 
 
+def select_mixins(folder: Path, mixins: list[str]) -> None:
+    """Writes a conftest that keeps only the tests defined by the classes named in `mixins`."""
+    (folder / "tests" / "conftest.py").write_text(
+        f"MIXINS = {set(mixins)!r}\n\n\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    kept = [item for item in items if getattr(item, 'function', None) is not None\n"
+        "            and item.function.__qualname__.split('.')[0] in MIXINS]\n"
+        "    config.hook.pytest_deselected(items=[item for item in items if item not in kept])\n"
+        "    items[:] = kept\n"
+    )
+
+
 def counts(junit: Path) -> dict[str, dict[str, int]]:
-    """Per test class (one per head and configuration): passed, failed (errors included), skipped."""
+    """Per test class (one per head and configuration): passed, failed (errors included), skipped (with reasons)."""
     import xml.etree.ElementTree as ElementTree
 
-    table = collections.defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "failures": []})
+    table = collections.defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skips": {}})
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         row = table[case.get("classname").rsplit(".", 1)[-1]]
         if case.find("failure") is not None or case.find("error") is not None:
@@ -94,6 +109,7 @@ def counts(junit: Path) -> dict[str, dict[str, int]]:
             row["failures"].append(case.get("name"))
         elif case.find("skipped") is not None:
             row["skipped"] += 1
+            row["skips"][case.get("name")] = case.find("skipped").get("message", "")
         else:
             row["passed"] += 1
     return dict(table)
@@ -106,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", help="write the counts as JSON here")
     parser.add_argument("--path", action="append", default=[],
                         help="a folder with the tests' own requirements (`parameterized`), e.g. pip install --target")  # fmt: skip
+    parser.add_argument("--mixin", action="append", default=[],
+                        help="run only the tests this mixin class defines (e.g. GenerationTesterMixin)")  # fmt: skip
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     if not args.source or not Path(args.source).exists():
@@ -113,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as folder:
         stubbed = prepare(Path(args.source), Path(folder))
+        if args.mixin:
+            select_mixins(Path(folder), args.mixin)
         junit = Path(folder) / "junit.xml"
         paths = [str(HERE.parent / "src"), folder, *args.path]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

@@ -189,3 +189,26 @@ def test_convert_command_imports_a_dense_deepseek_v3(tmp_path, capsys, tokens):
     assert config.attention_projection == "latent" and config.rope_interleave and config.use_latent_cache
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, source(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_a_convert_that_fails_after_its_claim_hands_the_folder_back_for_a_retry(tmp_path, llama_source, monkeypatch):
+    import json
+
+    from plugformer.training.outputs import LOCK, RUN_RECORD, TAKEOVER
+
+    output = tmp_path / "out"
+
+    def disk_fills_after_the_config(self, folder, **kwargs):
+        self.config.save_pretrained(folder)  # config.json is written, the weights are not
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PlugformerForCausalLM, "save_pretrained", disk_fills_after_the_config)
+        with pytest.raises(OSError, match="the disk is full"):
+            convert(llama_source, output)
+    # before: config.json, the record and (until exit) the lock stayed, and the retry was refused as another run's
+    assert sorted(path.name for path in output.iterdir()) == [TAKEOVER]
+    model = convert(llama_source, output)
+    assert json.loads((output / RUN_RECORD).read_text()) == {"stage": "convert"} and not (output / LOCK).exists()
+    reloaded = PlugformerForCausalLM.from_pretrained(output)
+    assert all(torch.equal(reloaded.state_dict()[name], tensor) for name, tensor in model.state_dict().items())

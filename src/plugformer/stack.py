@@ -86,14 +86,13 @@ class PlugformerModel(PlugformerPreTrainedModel):
     """The bare transformer stack returning `last_hidden_state` (and the cache).
 
     By default a decoder (`config.is_causal=True`) or an encoder (`False`); a seq2seq model builds one of each
-    from the same config, the decoder with cross-attention and the encoder's embedding.
+    from the same config, the decoder with cross-attention (the seq2seq model ties its embedding to the encoder's).
 
     Args:
         config ([`PlugformerConfig`]): The configuration.
         is_causal (`bool`, *optional*): Overrides `config.is_causal` for this stack.
         cross_attention (`bool`, *optional*, defaults to `False`): Add encoder-decoder attention to every block.
         num_layers (`int`, *optional*): Number of blocks; defaults to `config.num_hidden_layers`.
-        embed_tokens (`nn.Embedding`, *optional*): An embedding shared with another stack.
     """
 
     def __init__(
@@ -102,12 +101,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
         is_causal: bool | None = None,
         cross_attention: bool = False,
         num_layers: int | None = None,
-        embed_tokens: nn.Embedding | None = None,
     ):
         super().__init__(config)
         self.is_causal = config.is_causal if is_causal is None else is_causal
         self.cross_attention = cross_attention
-        self.embed_tokens = embed_tokens or nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
         self.hidden_dropout = config.hidden_dropout
         num_layers = config.num_hidden_layers if num_layers is None else num_layers

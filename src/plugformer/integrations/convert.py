@@ -19,7 +19,7 @@ from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM
 from ..runtime.files import naming_a_full_disk
 from ..runtime.memory import check_model_fits
-from ..training.outputs import claim_folder, release_lock
+from ..training.outputs import claimed_folder
 
 
 logger = logging.getLogger(__name__)
@@ -252,14 +252,12 @@ def convert(
     config, to_weights = converted_config(source, overrides)  # a bad source or override fails before the claim
     if output_dir is None:
         return build_converted(source, config, to_weights, overrides)
-    claim_folder(str(output_dir), "convert", overwrite)  # refused while another run or model is there, or a live run
-    try:
+    # refused while another run or model is there, or a live run; a failure hands the folder back for a retry
+    with claimed_folder(str(output_dir), "convert", overwrite):
         model = build_converted(source, config, to_weights, overrides)
-        with naming_a_full_disk(output_dir, "the converted model", f"the model files in it are incomplete; the source "
-                                f"{source} is untouched"):  # fmt: skip
+        with naming_a_full_disk(output_dir, "the converted model", f"its partly written files are removed; the "
+                                f"source {source} is untouched"):  # fmt: skip
             model.save_pretrained(output_dir)
-    finally:
-        release_lock(output_dir)
     return model
 
 

@@ -13,7 +13,7 @@ The folder records which stage claimed it (`RUN_RECORD`, beside `run_info.json` 
 a folder of another stage (`train sft --output_dir <a pretrain run> --resume_from_checkpoint last` continued the
 pretrain trainer's state at learning rate 0 and rewrote its record) is refused, and so is resuming a finished run
 that saved no checkpoint (it would train again from scratch over the finished model). `demo` and `convert` follow
-the same rule (`claim_folder`).
+the same rule (`claim_folder`); a `convert` that fails hands the folder back (`claimed_folder`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from fnmatch import fnmatch
@@ -257,3 +258,28 @@ def claim_folder(output_dir: str, stage: str, overwrite: bool = False) -> None:
     if problem is not None:
         raise ValueError(problem)
     take_over(output_dir, overwrite, stage)
+
+
+@contextlib.contextmanager
+def claimed_folder(output_dir: str, stage: str, overwrite: bool = False):
+    """`claim_folder` for the block, unlocked when it ends. If the block raises, what the claim and the block added
+    to the folder (the record, the lock, partly written files) is removed first, so that a retry is not refused as
+    a folder holding another run: it finds the folder as it was, less what `overwrite` had already removed.
+
+    For commands whose whole output is written inside the block (`convert`); files that existed before the claim
+    are left as they are (the claim only ran because they were no run, or `overwrite` allowed replacing them)."""
+    folder = Path(output_dir)
+    before = set(os.listdir(folder)) if folder.is_dir() else set()
+    claim_folder(output_dir, stage, overwrite)
+    try:
+        yield
+    except BaseException:
+        # the flock guard stays: another taker may hold it open, and a new file would let two take over at once
+        added = [path for path in folder.iterdir() if path.name not in before and path.name not in (LOCK, TAKEOVER)]
+        for path in [*added, folder / RUN_RECORD]:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        logger.warning("%s failed: removed %s from %s", stage, sorted({p.name for p in added} | {RUN_RECORD}),
+                       output_dir)  # fmt: skip
+        raise
+    finally:
+        release_lock(output_dir)
