@@ -79,6 +79,9 @@ class PlugformerAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
+        # Gemma 2's logit cap, read once here as transformers' Gemma 2 reads it (a config read is a share of a small
+        # model's decoding step); the kernel table refuses the kernels that cannot apply it
+        self.attn_logit_softcapping = config.attn_logit_softcapping
         self.is_causal = is_causal
         check_tensor_parallel(config)
         # gated attention (`use_gated_attention`, Qwen3-Next): the standard q_proj also yields each head's output gate
@@ -131,16 +134,22 @@ class PlugformerAttention(nn.Module):
             per_head = projected.view(*projected.shape[:-1], -1, 2 * self.head_dim)  # (B, T, H, 2·D)
             query, gate = per_head.chunk(2, dim=-1)  # (B, T, H, D) each
             projected, gate = query.flatten(-2), gate.flatten(-2)  # (B, T, H·D) each
-        return self.qk_norm(self.q_norm, self.split_heads(projected)), gate
+        query = self.split_heads(projected)
+        return (self.q_norm(query) if self.uses_qk_norm else query), gate
 
     def qk_norm(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
         """`norm` (`q_norm` or `k_norm`) applied to `(B, H, T, D)` heads with `use_qk_norm`, else the heads."""
         return norm(heads) if self.uses_qk_norm else heads
 
-    def output(self, attn_output: torch.Tensor, query: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """The kernel's output through the score's `prepare_output`, merged to `(B, Q, H·D)`, gated (Qwen3-Next's
-        `output · sigmoid(gate)`), then `o_proj`."""
-        merged = self.merge_heads(self.score.prepare_output(attn_output), query)  # (B, Q, H·D)
+    def output(
+        self, attn_output: torch.Tensor, query: torch.Tensor, gate: torch.Tensor | None, score: nn.Module | None = None
+    ) -> torch.Tensor:
+        """The kernel's output through the score's `prepare_output` (`score`: `self.score`, looked up by the caller),
+        merged to `(B, Q, H·D)`, gated (Qwen3-Next's `output · sigmoid(gate)`), then `o_proj`."""
+        score = self.score if score is None else score
+        attn_output = score.prepare_output(attn_output)
+        # transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)
+        merged = attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()  # (B, Q, H·D)
         if gate is not None:
             merged = merged * torch.sigmoid(gate)
         return self.o_proj(merged)
@@ -163,20 +172,20 @@ class PlugformerAttention(nn.Module):
             self._kernel, self._checked_implementation = kernel, kernel.name
         return kernel
 
-    def kernel_kwargs(self, kernel: KernelSpec, query, key, position_bias, kwargs) -> dict:
+    def kernel_kwargs(self, kernel: KernelSpec, score: nn.Module, query, key, position_bias, kwargs) -> dict:
         """The kernel's keyword arguments besides `scaling`: dropout, the position bias in the form `kernel`'s record
-        takes (`KernelSpec.position_bias`), the score's own (e.g. the additive energy vector) and the caller's."""
+        takes (`KernelSpec.position_bias`), `score`'s own (e.g. the additive energy vector) and the caller's."""
         if position_bias is not None:
             # The layers get the bias values as a plain tensor: (reentrant) gradient checkpointing sees it as an input.
             bias = self.bias_type(position_bias, query.shape[2], key.shape[2], **self.bias_options)
             position_bias = kernel.position_bias(bias, batch=query.shape[0])
-        softcap = self.config.attn_logit_softcapping  # the kernel table refused the kernels that cannot apply it
+        softcap = self.attn_logit_softcapping
         return {
             "dropout": self.attention_dropout if self.training else 0.0,
             "position_bias": position_bias,
             **({} if softcap is None else {"softcap": softcap}),
             **({} if self.sinks is None else {"s_aux": self.sinks}),
-            **self.score.kernel_kwargs(),
+            **score.kernel_kwargs(),
             **self.window_kwargs,
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
             # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
@@ -184,10 +193,6 @@ class PlugformerAttention(nn.Module):
             **kwargs,
             "is_causal": self.is_causal,
         }
-
-    def merge_heads(self, attn_output: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """The kernel's output as (B, Q, H·D): transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)."""
-        return attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()
 
     @renamed_cache_kwarg
     def forward(
@@ -201,13 +206,14 @@ class PlugformerAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rotary = position_embeddings if self.use_rope else None
+        score = self.score  # looked up once for its hooks below: a module attribute costs a share of a decoding step
         # queries (B, H, T, D), the key and value states to cache, the output gate (B, T, H·D) or None
         query, key, value, gate = self.projection.project(self, hidden_states, rotary)
         if self.value_residual is not None:  # mixed per token, before the cache: it holds the values attended with
             value = self.value_residual(value, first_values)
-        query = self.score.prepare_query(query)
+        query = score.prepare_query(query)
         key, value = self.projection.keys_and_values(self, key, value, cache)  # (B, H_kv, K, D), cache updated
-        value = self.score.prepare_value(value)  # (B, H_kv, K, value_width·D)
+        value = score.prepare_value(value)  # (B, H_kv, K, value_width·D)
         head_axis = self.bias_type.head_axis
         if position_bias is not None and position_bias.shape[head_axis] != query.shape[1]:
             # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
@@ -218,12 +224,12 @@ class PlugformerAttention(nn.Module):
         # plugformer's own `AttentionInterface` (`capabilities`); transformers' `set_attn_implementation` and vLLM's
         # transformers backend look for this very lookup, and one call of it with `scaling=self.<attr>`, in `forward`
         kernel = self.checked_kernel()
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, self.score.eager_kernel)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, score.eager_kernel)
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
-            **self.kernel_kwargs(kernel, query, key, position_bias, kwargs),
+            **self.kernel_kwargs(kernel, score, query, key, position_bias, kwargs),
         )  # fmt: skip
-        return self.output(attn_output, query, gate), attn_weights
+        return self.output(attn_output, query, gate, score), attn_weights
 
 
 class PlugformerCrossAttention(PlugformerAttention):
@@ -261,6 +267,6 @@ class PlugformerCrossAttention(PlugformerAttention):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, self.score.eager_kernel)
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
-            **self.kernel_kwargs(kernel, query, key, None, kwargs),
+            **self.kernel_kwargs(kernel, self.score, query, key, None, kwargs),
         )  # fmt: skip
-        return self.output(attn_output, query, gate), attn_weights
+        return self.output(attn_output, query, gate, self.score), attn_weights

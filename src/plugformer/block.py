@@ -63,6 +63,8 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         # `position_bias`, `encoder_hidden_states` and `first_values` are positional: they need their gradients under
         # reentrant checkpointing.
+        dropout = self.hidden_dropout if self.training else 0.0  # 0: no dropout call per sublayer (`dropout_if_active`)
+
         def attend(x: torch.Tensor) -> torch.Tensor:
             out, _ = self.self_attn(
                 x,
@@ -75,19 +77,18 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
                 first_values=first_values,
                 **kwargs,
             )
-            return dropout_if_active(out, self.hidden_dropout, self.training)
+            return dropout_if_active(out, dropout, True) if dropout else out
 
         def attend_to_encoder(x: torch.Tensor) -> torch.Tensor:
             out, _ = self.cross_attn(
                 x, encoder_hidden_states, attention_mask=encoder_attention_mask, cache=cross_cache, **kwargs
             )
-            return dropout_if_active(out, self.hidden_dropout, self.training)
+            return dropout_if_active(out, dropout, True) if dropout else out
 
-        hidden_states = self.placement.residual(hidden_states, attend, self.input_layernorm)
+        placement = self.placement
+        hidden_states = placement.residual(hidden_states, attend, self.input_layernorm)
         if encoder_hidden_states is not None:
-            hidden_states = self.placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
-        return self.placement.residual(
-            hidden_states,
-            lambda x: dropout_if_active(self.mlp(x), self.hidden_dropout, self.training),
-            self.post_attention_layernorm,
-        )
+            hidden_states = placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
+        mlp = self.mlp
+        feed_forward = (lambda x: dropout_if_active(mlp(x), dropout, True)) if dropout else mlp
+        return placement.residual(hidden_states, feed_forward, self.post_attention_layernorm)

@@ -279,7 +279,8 @@ class KernelTable:
     def of(self, config: PlugformerConfig) -> KernelSpec:
         """The record of the kernel `config` runs on: the one place plugformer reads `config._attn_implementation`
         (set by transformers at load and by `set_attn_implementation`, or by an engine such as vLLM by hand)."""
-        return self.get(config._attn_implementation)
+        name = config._attn_implementation
+        return self._table.get(name) or self.get(name)  # (a registered kernel without a second call: once per layer)
 
     def names(self) -> list[str]:
         return list(self._table)

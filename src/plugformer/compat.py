@@ -1,6 +1,7 @@
 """The transformers versions plugformer supports (`>=5.19,<5.25`) differ in the names below; this is the only module
 that knows. Each shim tests for the feature, not the version, and says which release changed it. On 5.24 every name
-is transformers' own object (no wrapper, no per-call work).
+is transformers' own object (no wrapper, no per-call work), but `renamed_cache_kwarg`, which hands transformers'
+`deprecate_kwarg` only the calls that use the old name.
 
 - 5.24.0 renamed the KV cache from `past_key_values` to `cache`: the output field (`BaseModelOutputWithPast.cache`),
   the mask builders' argument (`create_causal_mask(cache=)`) and what `generate()` passes to `forward`. plugformer
@@ -149,9 +150,20 @@ ActivationCheckpointingNames = (
 
 def renamed_cache_kwarg(forward: Callable) -> Callable:
     """Lets `forward(cache=...)` also be called with `past_key_values=`: deprecated from 5.24.0 (transformers' own
-    `deprecate_kwarg`, as its models carry it), the name `generate()` and every caller uses before (renamed silently)."""
+    `deprecate_kwarg`, as its models carry it, for the calls that use it), the name `generate()` and every caller uses
+    before (renamed silently)."""
     if CACHE_NAMED_CACHE:
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+        deprecated = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+        @functools.wraps(forward)
+        def checked(*args, **kwargs):
+            # only a call with the old name goes through transformers' wrapper, which formats its warning's subject on
+            # every call (a share of a small model's decoding step, six calls deep)
+            if "past_key_values" in kwargs:
+                return deprecated(*args, **kwargs)
+            return forward(*args, **kwargs)
+
+        return checked
 
     @functools.wraps(forward)
     def renamed(*args, **kwargs):

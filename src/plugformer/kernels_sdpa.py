@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .biases import RelativeBias
-from .kernels import sdpa_attention_forward
+from .kernels import sdpa_attention_forward, transformers_sdpa
 from .kernels_banded import banded_bias_applies, banded_bias_attention_forward
 from .kernels_sinks import sdpa_sinks_forward
 
@@ -32,6 +32,8 @@ def sdpa_forward(
     if s_aux is not None:
         return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
                                   **kwargs)  # fmt: skip
+    if position_bias is None:  # transformers' SDPA, without the calls that look for a bias (every Llama-like step)
+        return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     is_causal = module.is_causal if kwargs.get("is_causal") is None else kwargs["is_causal"]
     if banded_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return banded_bias_attention_forward(query, key, value, scaling, position_bias)

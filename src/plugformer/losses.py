@@ -152,9 +152,9 @@ def fused_head_loss(
     `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
     `ignore_index` from `kwargs`). `shift=False` (masked LM): the mean over the labelled positions, as its unfused loss.
     """
-    head = getattr(module, "lm_head", None)
     if labels is None or not getattr(module, "fused_loss", False) or not module.training:
         return None
+    head = getattr(module, "lm_head", None)
     if (
         type(head) is not nn.Linear
         or head.bias is not None

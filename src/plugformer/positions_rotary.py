@@ -181,7 +181,8 @@ class RotaryPositions(PositionScheme):
     def _look_up(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin(position_ids)` gathered from a table of `cos_sin(arange(N))`, grown to the next power of two
         when a position passes its end (the same elementwise values: the tests compare them bit for bit)."""
-        low, high = (int(value) for value in torch.aminmax(position_ids))
+        low, high = torch.aminmax(position_ids)
+        low, high = int(low), int(high)
         if low < 0:  # not a gather index; the angles are defined all the same
             return self.cos_sin(position_ids)
         if self._table is None or high >= self._table[0].shape[0]:

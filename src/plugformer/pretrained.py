@@ -25,6 +25,31 @@ from .positions import PositionScheme
 from .scores import AttentionScore
 
 
+class MethodSignature(inspect.Signature):
+    """A function's `inspect.Signature` that keeps the signature of its bound method once built.
+
+    `inspect.signature(model.forward)` takes the function's stored signature and drops `self` through `replace`, a new
+    `Signature` validated parameter by parameter, on every call: `generate()` asks once per decoding step, for a custom
+    code model such as plugformer's (`GenerationMixin.prepare_inputs_for_generation`, "cache_position"). Signatures
+    are immutable, so the same parameters give back the same object.
+    """
+
+    __slots__ = ("_replaced",)
+
+    @classmethod
+    def of(cls, function) -> MethodSignature:
+        signature = inspect.signature(function)
+        return cls(list(signature.parameters.values()), return_annotation=signature.return_annotation)
+
+    def replace(self, **changes) -> inspect.Signature:
+        cached = getattr(self, "_replaced", None)
+        if cached is not None and cached[0] == changes:  # a tuple of the same `Parameter`s (`_signature_bound_method`)
+            return cached[1]
+        replaced = super().replace(**changes)
+        self._replaced = changes, replaced
+        return replaced
+
+
 class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
     config: PlugformerConfig
     config_class = PlugformerConfig
@@ -48,7 +73,8 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
             # Stored on the innermost function, which `inspect.signature` reaches through `__wrapped__`: on a
             # `(*args, **kwargs)` wrapper it would also be what torch.compile binds that wrapper's frame by
             # (`follow_wrapped=False`), so a compiled top-level forward (vLLM's) found no `args` local
-            inspect.unwrap(forward).__signature__ = inspect.signature(forward)
+            # A `MethodSignature`: the bound method's signature (`self` dropped) is built once too
+            inspect.unwrap(forward).__signature__ = MethodSignature.of(forward)
 
     def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
         """transformers' `save_pretrained`, also for a model whose class a wrapper replaced.

@@ -128,10 +128,18 @@ class StandardProjection(AttentionProjection):
 
     @staticmethod
     def project(attention, hidden_states, rotary):
-        query, gate = attention.project_query(hidden_states)  # (B, H, T, D), gate (B, T, H·D) or None
-        key = attention.split_heads(attention.k_proj(hidden_states))  # (B, H_kv, T, D)
-        key = attention.qk_norm(attention.k_norm, key)
-        value = attention.project_value(hidden_states)  # (B, H_kv, T, D)
+        # `split_heads` inlined, one shape for queries, keys and values (as Llama's): a call is a share of a small
+        # model's decoding step
+        heads = (*hidden_states.shape[:-1], -1, attention.head_dim)
+        if attention.gated:
+            query, gate = attention.project_query(hidden_states)  # (B, H, T, D) QK-normed, gate (B, T, H·D)
+        else:
+            query, gate = attention.q_proj(hidden_states).view(heads).transpose(1, 2), None  # (B, H, T, D)
+            query = attention.q_norm(query) if attention.uses_qk_norm else query
+        key = attention.k_proj(hidden_states).view(heads).transpose(1, 2)  # (B, T, H_kv·D) -> (B, H_kv, T, D)
+        if attention.uses_qk_norm:
+            key = attention.k_norm(key)
+        value = attention.v_proj(hidden_states).view(heads).transpose(1, 2)  # (B, T, H_kv·D) -> (B, H_kv, T, D)
         if rotary is not None:
             query, key = apply_rotary(query, key, *rotary)
         return query, key, value, gate

@@ -41,7 +41,10 @@ def position_ids_from_mask(
     """Positions of the current tokens: counted over the non-padding tokens of a 2-D mask (so a left-padded row
     starts at 0, as the same text alone would), else `past_length + arange(query_length)`. Shape `(B or 1, Q)`."""
     if attention_mask is not None and attention_mask.ndim == 2:
-        positions = attention_mask.long().cumsum(-1) - 1
+        counts = attention_mask if attention_mask.dtype == torch.long else attention_mask.long()
+        if query_length == 1:  # a decoding step: the last count is the row's sum (one op fewer than the cumsum)
+            return (counts.sum(-1, keepdim=True) - 1).clamp_(min=0)  # (B, 1)
+        positions = counts.cumsum(-1) - 1
         return positions.clamp(min=0)[:, -query_length:]
     return (torch.arange(query_length, device=device) + past_length)[None]
 
@@ -108,6 +111,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
         self.hidden_dropout = config.hidden_dropout
+        # `value_residual`: the blocks mix in the first block's values (read once: see `_use_cache`)
+        self.mixes_first_values = bool(config.value_residual)
         num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(
             PlugformerDecoderLayer(config, i, self.is_causal, cross_attention) for i in range(num_layers)
@@ -135,13 +140,14 @@ class PlugformerModel(PlugformerPreTrainedModel):
             return False
         return bool(use_cache)
 
-    def _self_attention_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
-        """The self-attention mask of each attention kind among the layers (`layer_types`), by kind, as transformers'
-        Qwen3 and Gemma build them: the sliding-window masks size themselves by the sliding cache layers
-        `DynamicCache(config=...)` makes from the same fields, the full ones by the full layers."""
+    def _self_attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, kinds=None) -> dict:
+        """The self-attention mask of each attention kind among the layers (`layer_types`; `kinds`, when the caller
+        has them), by kind, as transformers' Qwen3 and Gemma build them: the sliding-window masks size themselves by
+        the sliding cache layers `DynamicCache(config=...)` makes from the same fields, the full ones by the full
+        layers."""
         batch, query_length = inputs_embeds.shape[:2]
         documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
-        kinds = {layer.attention_type for layer in self.layers}
+        kinds = {layer.attention_type for layer in self.layers} if kinds is None else kinds
         if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
             functions = {"full_attention": create_bidirectional_mask,
                          "sliding_attention": create_bidirectional_sliding_window_mask}  # fmt: skip
@@ -271,10 +277,14 @@ class PlugformerModel(PlugformerPreTrainedModel):
         # `generate` with a static cache builds the masks itself, one per kind of `layer_types` (as Qwen3 takes them)
         prepared_masks = attention_mask if isinstance(attention_mask, dict) else None
         attention_mask = None if prepared_masks is not None else attention_mask
-        kinds = {layer.attention_type for layer in self.layers}
-        if prepared_masks is not None and not kinds <= prepared_masks.keys():
+        layers = self.layers
+        first_layers = {}  # the first layer of each attention kind, whose cache slots size that kind's bias
+        for i, layer in enumerate(layers):
+            first_layers.setdefault(layer.attention_type, i)
+        if prepared_masks is not None and not first_layers.keys() <= prepared_masks.keys():
             raise ValueError(f"attention_mask is a dict of {sorted(prepared_masks)}; it needs a mask for each of the "
-                             f"layers' kinds {sorted(kinds)} (config.layer_types), or pass a 2-D padding mask")  # fmt: skip
+                             f"layers' kinds {sorted(first_layers)} (config.layer_types), or pass a 2-D padding "
+                             "mask")  # fmt: skip
         if validate_inputs:
             check_inputs(
                 self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
@@ -285,26 +295,29 @@ class PlugformerModel(PlugformerPreTrainedModel):
         cache = self._checked_cache(cache, use_cache, attention_mask)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # from the caller's position_ids (the packing), before they are derived from the mask
-        masks = prepared_masks or self._self_attention_masks(inputs_embeds, attention_mask, self_cache, position_ids)
+        masks = prepared_masks or self._self_attention_masks(
+            inputs_embeds, attention_mask, self_cache, position_ids, first_layers.keys()
+        )
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
-            past_length = self_cache.get_seq_length() if self_cache is not None else 0
+            # the cached length counts only without a 2-D mask (`position_ids_from_mask`)
+            padded = attention_mask is not None and attention_mask.ndim == 2
+            past_length = self_cache.get_seq_length() if self_cache is not None and not padded else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
         encoder_mask = self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
-        first_layers = {}  # the first layer of each attention kind, whose cache slots size that kind's bias
-        for i, layer in enumerate(self.layers):
-            first_layers.setdefault(layer.attention_type, i)
+        positions = self.positions
         biases = {kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
-                  for kind, i in first_layers.items()}  # fmt: skip
+                  for kind, i in first_layers.items()} if positions.has_bias else None  # fmt: skip
         hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
-        rotary = self.positions.rotary(hidden_states, position_ids)
+        rotary = positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
         # `value_residual`: the first block's values, which every later block mixes into its own (Zhou et al. 2024)
-        first_values = self.layers[0].attention_values(hidden_states) if self.config.value_residual else None
-        for layer in self.layers:
+        first_values = layers[0].attention_values(hidden_states) if self.mixes_first_values else None
+        for layer in layers:
+            kind = layer.attention_type
             hidden_states = layer(
-                hidden_states, biases[layer.attention_type], encoder_hidden_states, first_values,
-                attention_mask=masks[layer.attention_type],
+                hidden_states, None if biases is None else biases[kind], encoder_hidden_states, first_values,
+                attention_mask=masks[kind],
                 encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
             )  # fmt: skip
