@@ -2,7 +2,8 @@
 cache, in blocks small enough that every multi-block branch runs; and they keep no (B, H, N, N) tensor.
 
 The blockwise SDPA kernel for score biases (`kernels.sdpa_relative_bias_forward`) is forced to 16-row blocks by
-`BIAS_BLOCK_BYTES = 1`; the additive kernel to 8-query chunks.
+`BIAS_BLOCK_BYTES = 1`, ALiBi's causal kernel (`kernels_alibi`) by `ROWS = 16`; the additive kernel to 8-query
+chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import DynamicCache
 
 import plugformer.kernels as kernels
 import plugformer.kernels_additive as kernels_additive
+import plugformer.kernels_alibi as kernels_alibi
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, PlugformerForSequenceClassification
 from plugformer.biases import RelativeBias
 from plugformer.positions import POSITION_SCHEMES
@@ -41,6 +43,7 @@ ATOL = 2e-5
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "BIAS_BLOCK_BYTES", 1)
+    monkeypatch.setattr(kernels_alibi, "ROWS", 16)
 
 
 def model_pair(head, config, seed: int = 0):
@@ -187,16 +190,16 @@ def test_learned_bias_keeps_no_score_sized_tensor(scheme, small_blocks):
 
 @pytest.mark.parametrize("pad", [0, 5], ids=["no-mask", "padding-mask"])
 def test_alibi_keeps_no_mask_only_the_allowed_keys_of_its_blocks(pad, small_blocks):
-    """ALiBi's float mask is not kept for the fused backward (`kernels_fixed` builds each block's again): of the
-    4-D tensors beside query, key, value and output blocks, only each block's boolean allowed keys
+    """ALiBi's float mask is not kept for the fused backward. With a padding mask (`kernels_fixed` builds each block's
+    again): of the 4-D tensors beside query, key, value and output blocks, only each block's boolean allowed keys
     (B or 1, 1, 16, keys), no (·, H, ·, ·) mask and none (·, N, N); a causal block sees only the keys up to its last
-    query, with a padding mask too."""
+    query. Without one (`kernels_alibi`, no mask built at all): only query, key, value and output."""
     config = tiny_config("scaled_dot", "alibi")
     models = model_pair(PlugformerForCausalLM, config)
     shapes = [shape for shape in saved_shapes(models["sdpa"], **batch(length=48, pad=pad)) if len(shape) == 4]
     masks = [shape for shape in shapes if shape[-1] != config.head_dim]  # the rest: query, key, value, output blocks
     rows = 2 if pad else 1  # a padding mask differs per sequence
-    expected = [(rows, 1, 16, keys) for keys in (16, 32, 48)]
+    expected = [(rows, 1, 16, keys) for keys in (16, 32, 48)] if pad else []
     assert masks == expected * config.num_hidden_layers
 
 

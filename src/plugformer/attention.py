@@ -104,9 +104,12 @@ class PlugformerAttention(nn.Module):
         # the kind of bias object the kernels get (`biases`): a `RelativeBias` per distance, FIRE's per query position
         scheme = POSITION_SCHEMES.get(config.position_scheme)
         self.bias_type = scheme.bias_type
-        # a bias constant beyond a distance (T5 buckets, clamped distances) says so: sdpa exploits it (`kernels_banded`)
+        # a bias constant beyond a distance (T5 buckets, clamped distances) or linear in it (ALiBi) says so: sdpa
+        # exploits it (`kernels_banded`, `kernels_alibi`)
         distance = scheme.constant_bias_distance(config)
         self.bias_options = {} if distance is None else {"constant_beyond": distance}
+        if scheme.linear_bias_slopes(config) is not None:
+            self.bias_options["linear"] = True
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked

@@ -42,13 +42,23 @@ class RelativeBias:
             (T5's last bucket, the clamp of `clamped_bias`), declared by the scheme
             (`PositionScheme.constant_bias_distance`): the sdpa kernel then scores the keys W or more slots behind a
             causal query with the fused kernel and no mask (`kernels_banded`).
+        linear (`bool`, *optional*, defaults to `False`): whether the bias is m_h · (j − i) for every key j at or
+            before query i (ALiBi), declared by the scheme (`PositionScheme.linear_bias_slopes`): the sdpa kernel then
+            folds the bias of a causal block into a mask of its keys alone (`kernels_alibi`).
     """
 
     kind = "relative"
     head_axis = 0
     folds_gradient = True
 
-    def __init__(self, values: torch.Tensor, query_length: int, key_length: int, constant_beyond: int | None = None):
+    def __init__(
+        self,
+        values: torch.Tensor,
+        query_length: int,
+        key_length: int,
+        constant_beyond: int | None = None,
+        linear: bool = False,
+    ):
         if values.shape[-1] != query_length + key_length - 1:
             raise ValueError(f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
                              f"{key_length} keys (expected {query_length + key_length - 1} distances)")  # fmt: skip
@@ -56,6 +66,7 @@ class RelativeBias:
         self.query_length = query_length
         self.key_length = key_length
         self.constant_beyond = constant_beyond
+        self.linear = linear
 
     def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
         """The bias `(1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by

@@ -15,7 +15,8 @@ Which path runs where, for a score bias (`alibi`, `t5_bias`, `clamped_bias`):
 |---|---|---|
 | `sdpa` | `sdpa_relative_bias_forward`: fused torch SDPA per block of query rows, the block's bias as its mask (a mask
   that never requires grad) | no score-sized tensor: `LearnedBiasAttention` (learned bias) and, on CPU,
-  `kernels_fixed.FixedBiasBlock` (ALiBi) recompute the block's weights / mask in the backward |
+  `kernels_fixed.FixedBiasBlock` (ALiBi with a mask; causal ALiBi without one takes `kernels_alibi`, no mask at all)
+  recompute the block's weights / mask in the backward |
 | `eager` | `eager_attention_forward` (materialises the scores anyway) | the scores; the bias (1, H, Q, K) |
 | `flex_attention` | transformers' flex; `score_mod` reads the bias per distance from the (H, Q + K − 1) values | no
   score-sized tensor (no backward on CPU) |

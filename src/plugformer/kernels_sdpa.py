@@ -1,8 +1,8 @@
 """plugformer's `sdpa` entry point, the function every `attn_implementation="sdpa"` call goes through (the kernel
 table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa_sinks_forward`, else
 `kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one); a bias constant
-beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded` where it
-applies."""
+beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded`, a bias linear
+in the distance (ALiBi) `kernels_alibi`, where they apply."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from .biases import RelativeBias
 from .kernels import sdpa_attention_forward, transformers_sdpa
+from .kernels_alibi import linear_bias_applies, linear_bias_attention_forward
 from .kernels_banded import banded_bias_applies, banded_bias_attention_forward
 from .kernels_sinks import sdpa_sinks_forward
 
@@ -28,7 +29,8 @@ def sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the banded kernel
-    for a bias constant beyond a distance where `banded_bias_applies`; else `kernels.sdpa_attention_forward`."""
+    for a bias constant beyond a distance where `banded_bias_applies`, the linear-bias kernel for ALiBi where
+    `linear_bias_applies`; else `kernels.sdpa_attention_forward`."""
     if s_aux is not None:
         return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
                                   **kwargs)  # fmt: skip
@@ -37,4 +39,6 @@ def sdpa_forward(
     is_causal = module.is_causal if kwargs.get("is_causal") is None else kwargs["is_causal"]
     if banded_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return banded_bias_attention_forward(query, key, value, scaling, position_bias)
+    if linear_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
+        return linear_bias_attention_forward(query, key, value, scaling, position_bias)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
