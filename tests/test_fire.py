@@ -106,8 +106,8 @@ def step(model, tokens, mask):
 
 @pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
 def test_sdpa_training_step_equals_eager_gradients_to_theta_c_and_l_included(score, small_blocks):
-    """sdpa adds the rows as a float mask that requires grad (SDPA's math path), three 16-row blocks: logits and
-    every gradient equal eager's, and c, L and θ get theirs."""
+    """sdpa computes each block's rows from the positions, in its backward again (`kernels_query_bias`), three 16-row
+    blocks: logits and every gradient equal eager's, and c, L and θ get theirs."""
     eager = fire_model(score=score)
     tokens, mask = left_padded(length=40, pad=7)
     logits_eager, grads_eager = step(eager, tokens, mask)

@@ -130,7 +130,7 @@ class QueryPositionBias:
     head_axis = 1
     folds_gradient = False
 
-    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
+    def __init__(self, values: torch.Tensor | QueryBiasRecipe, query_length: int, key_length: int):
         if values.ndim != 4 or tuple(values.shape[-2:]) != (query_length, key_length):
             raise ValueError(f"values of shape {tuple(values.shape)} are not (B, H, {query_length} queries, "
                              f"{key_length} keys)")  # fmt: skip
@@ -138,23 +138,82 @@ class QueryPositionBias:
         self.query_length = query_length
         self.key_length = key_length
 
+    @property
+    def recipe(self) -> QueryBiasRecipe | None:
+        """The `QueryBiasRecipe` the values are computed from block by block, or `None` for stored values."""
+        return self.values if isinstance(self.values, QueryBiasRecipe) else None
+
     def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor:
         """The bias `(B or 1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by
-        default): a view of the values."""
+        default): a view of the values, or those rows computed by the recipe (with autograd, when it is on)."""
         keys = self.key_length if keys is None else keys
+        if self.recipe is not None:
+            return self.recipe.rows(start, stop, keys)
         return self.values[:, :, start:stop, :keys]
 
     def dense(self) -> torch.Tensor:
         """The whole `(B or 1, H, Q, K)` bias."""
-        return self.values
+        return self.rows(0, self.query_length) if self.recipe is not None else self.values
 
     def __getitem__(self, index: tuple) -> torch.Tensor:
         """`bias[b, h, i, j]` (flex attention's `score_mod`); values shared by the batch are read at row 0 (indexing
         a size-1 batch axis with b > 0 would read out of bounds)."""
+        if self.recipe is not None:  # the stack makes a recipe only for kernels whose record computes blocks
+            raise TypeError("a QueryPositionBias computed from a QueryBiasRecipe has no stored values to read one "
+                            "score at a time; give this kernel the scheme's bias_values()")  # fmt: skip
         batch, head, query, key = index
         if self.values.shape[0] == 1:
             return self.values[0, head, query, key]
         return self.values[batch, head, query, key]
+
+
+class QueryBiasRecipe:
+    """How to compute a `QueryPositionBias` a block of query rows at a time, standing in for its values: the queries'
+    positions and slots, the keys' slots, and the scheme's function of its parameters.
+
+    The stack hands it instead of the `(B or 1, H, Q, K)` values to a kernel whose record computes the bias per block
+    (`capabilities.KernelSpec.bias_recipe`), in training: that bias, and FIRE's (B', Q, K, width) hidden layer, then
+    never exist whole, and the sdpa kernel (`kernels_query_bias`) computes each block's rows again in its backward
+    from `parameters` to send their gradient to them. A block's rows equal the same rows of the scheme's
+    `bias_values`: the same function on the same inputs, cast to the same `dtype`.
+
+    Args:
+        function (`Callable`): `(query_positions (B or 1, r), behind (r, keys), parameters) -> (B or 1, H, r, keys)`,
+            `behind` being query slot − key slot; `parameters` `None` for the scheme's own, else tensors standing in
+            for `parameters` (the kernel's detached copies in its backward).
+        parameters (`tuple[torch.Tensor, ...]`): the tensors `function` reads (the scheme's parameters).
+        query_positions (`torch.Tensor` of shape `(B or 1, Q)`): the queries' positions (`position_ids`).
+        query_slots (`torch.Tensor` of shape `(Q,)`), key_slots (`torch.Tensor` of shape `(K,)`): their cache slots.
+        num_heads (`int`): H.
+        dtype (`torch.dtype`): the dtype of the values (the stack's; `bias_values(...).to(dtype)`).
+        width (`int`, *optional*, defaults to 1): numbers `function` holds per score at once besides the H of its
+            result (FIRE's hidden layer), for sizing blocks.
+    """
+
+    ndim = 4
+
+    def __init__(self, function, parameters, query_positions, query_slots, key_slots, num_heads: int,
+                 dtype: torch.dtype, width: int = 1):  # fmt: skip
+        self.function, self.parameters = function, tuple(parameters)
+        self.query_positions, self.query_slots, self.key_slots = query_positions, query_slots, key_slots
+        self.num_heads, self.dtype, self.width = num_heads, dtype, width
+
+    @property
+    def shape(self) -> torch.Size:
+        """`(B or 1, H, Q, K)`, the shape of the values it stands for."""
+        return torch.Size((self.query_positions.shape[0], self.num_heads, len(self.query_slots), len(self.key_slots)))
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the values it stands for would require grad (autograd on and a parameter requiring it)."""
+        return torch.is_grad_enabled() and any(parameter.requires_grad for parameter in self.parameters)
+
+    def rows(self, start: int, stop: int, keys: int, parameters: tuple[torch.Tensor, ...] | None = None):
+        """The bias `(B or 1, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys, from
+        `parameters` (by default the scheme's own)."""
+        behind = self.query_slots[start:stop, None] - self.key_slots[None, :keys]  # (r, keys)
+        positions = self.query_positions[:, start:stop]  # (B or 1, r)
+        return self.function(positions, behind, parameters).to(self.dtype)
 
 
 # The bias kinds by the name kernel records list (`capabilities.KernelSpec.bias_kinds`).

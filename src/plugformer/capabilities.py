@@ -116,6 +116,10 @@ class KernelSpec:
             bias object it takes (`biases.BIAS_KINDS`): `"relative"` (`RelativeBias`, per distance; a kernel may read
             its per-distance values) and `"query_position"` (`QueryPositionBias`, per batch row: FIRE). A scheme
             whose `bias_type` is of another kind is refused.
+        bias_recipe (`bool`, *optional*, defaults to `False`): In training, takes a `QueryPositionBias` whose values
+            are a `biases.QueryBiasRecipe` (the queries' positions and the scheme's parameters) and computes the bias
+            a block of query rows at a time, in its backward again: the stack then builds no `(B, H, Q, K)` values
+            (`sdpa`: `kernels_query_bias`). The kernel's `rows` calls compute them otherwise (exact, with autograd).
         static_cache (`bool`, *optional*, defaults to `True`): Decodes with a static cache (`StaticCache`, whose
             length is a tensor updated in place). `False` for transformers' flex: its block mask reads the cache length
             after layer 0's update changed it and masks every chunk after the first at the wrong offset.
@@ -139,6 +143,7 @@ class KernelSpec:
     attention_weights: bool = False
     available: Callable[[], bool] = field(default=lambda: True)
     bias_kinds: tuple[str, ...] = ("relative",)
+    bias_recipe: bool = False
     static_cache: bool = True
     padding: bool = True
     head_shapes: bool = True
@@ -329,13 +334,13 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-# eager, sdpa and flex take FIRE's per-row bias too: eager and sdpa add its rows (sdpa: as a float mask, autograd
-# reaching θ through it), flex's `score_mod` reads it per score
+# eager, sdpa and flex take FIRE's per-row bias too: eager and sdpa add its rows (sdpa in training computes them per
+# block from the positions, `kernels_query_bias`), flex's `score_mod` reads it per score
 EVERY_BIAS_KIND = tuple(BIAS_KINDS)
 KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=EVERY_BIAS_KIND, softcap=True,
                             sinks=True, wide_values=True, attention_weights=True))  # fmt: skip
 KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
-                            function=sdpa_forward, sinks=True, wide_values=True))  # fmt: skip
+                            function=sdpa_forward, sinks=True, wide_values=True, bias_recipe=True))  # fmt: skip
 KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
                             function=flex_attention_forward, softcap=True, wide_values=True,
                             static_cache=False, padding=FLEX_PADDING_VERIFIED))  # fmt: skip

@@ -217,26 +217,16 @@ class LearnedBiasAttention(torch.autograd.Function):
     Forward without dropout: the fused kernel with the bias folded into a mask that does not require grad (torch's
     CPU SDPA would take its math path for one that does). With attention dropout: the weights P of the block, a
     keep mask Z drawn from a generator seeded per block (the seed is drawn from torch's default generator, so
-    `torch.manual_seed` makes runs repeat), O = (P ⊙ Z / (1 − p)) V.
+    `torch.manual_seed` makes runs repeat), O = (P ⊙ Z / (1 − p)) V (`block_output`).
 
-    Backward, by hand from P recomputed for this block only (and Z regenerated from its seed):
-    dV = (P ⊙ Z')ᵀ dO, dP = (dO Vᵀ) ⊙ Z', dS = P ⊙ (dP − rowsum(dO ⊙ O)) (the softmax backward; Z' = Z / (1 − p),
-    or 1 without dropout), dQ = s·dS K, dK = s·dSᵀ Q, and the bias gradient dS summed over the batch and folded
-    along the diagonals into the bias values.
+    Backward, by hand from P recomputed for this block only (`block_gradients`), and the bias gradient dS summed over
+    the batch and folded along the diagonals into the bias values.
     """
 
     @staticmethod
     def forward(ctx, query, key, value, values, lengths, allowed, start, stop, scaling, dropout):
         bias = RelativeBias(values, *lengths)
-        seed = None
-        with torch.no_grad():
-            if dropout == 0.0:
-                output = _sdpa_bias_block(query, key, value, bias, allowed, start, stop, scaling, 0.0)
-            else:
-                seed = int(torch.randint(2**62, (), device="cpu"))
-                block = _BlockWeights(query, key, value, bias, allowed, (start, stop), scaling)
-                kept = block.weights * _kept_scale(block.weights, dropout, seed)  # (B, H, r, K)
-                output = torch.matmul(kept.to(block.compute), block.value_heads).to(query.dtype)  # (B, H, r, D)
+        output, seed = block_output(query, key, value, bias, allowed, (start, stop), scaling, dropout)
         ctx.save_for_backward(query, key, value, values, output, allowed)
         ctx.lengths, ctx.rows, ctx.scaling, ctx.dropout, ctx.seed = lengths, (start, stop), scaling, dropout, seed
         return output
@@ -244,29 +234,52 @@ class LearnedBiasAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, values, output, allowed = ctx.saved_tensors
-        block = _BlockWeights(query, key, value, RelativeBias(values, *ctx.lengths), allowed, ctx.rows, ctx.scaling)
-        weights, compute = block.weights, block.compute  # (B, H, r, K) in fp32 (fp64 for fp64 inputs)
-        grad_output = grad_output.to(compute)
-        d_weights = torch.matmul(grad_output, block.value_heads.transpose(2, 3)).to(weights.dtype)  # (B, H, r, K)
-        kept = weights
-        if ctx.dropout:
-            scale = _kept_scale(weights, ctx.dropout, ctx.seed)  # the forward's mask, regenerated
-            kept, d_weights = weights * scale, d_weights * scale
-        delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
-        d_scores = weights * (d_weights - delta)  # (B, H, r, K)
-        grad_value = torch.matmul(kept.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
-        d_scores_cast = d_scores.to(compute)
-        grad_query = torch.matmul(d_scores_cast, block.key_heads) * ctx.scaling  # (B, H, r, D)
-        grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query) * ctx.scaling  # (B, H, K, D)
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-            grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, K, D)
-            grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+        bias = RelativeBias(values, *ctx.lengths)
+        *grads, d_scores = block_gradients(query, key, value, bias, allowed, ctx.rows, ctx.scaling, output,
+                                           grad_output, ctx.dropout, ctx.seed)  # fmt: skip
         # the bias is shared by the batch; blocked entries have zero weight, so zero d_scores
-        grad_values = block.bias.fold_rows(d_scores.sum(dim=0), ctx.rows[0])
-        dtype = query.dtype
-        grads = (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), grad_values.to(values.dtype))
-        return *grads, None, None, None, None, None, None
+        grad_values = bias.fold_rows(d_scores.sum(dim=0), ctx.rows[0])
+        return *grads, grad_values.to(values.dtype), None, None, None, None, None, None
+
+
+def block_output(query, key, value, bias, allowed, rows: tuple[int, int], scaling: float, dropout: float):
+    """The output `(B, H, r, D)` of one block of query rows with `bias` (its rows `rows`) and no autograd, and the seed
+    of its dropout mask (`None` without dropout): the fused kernel with the bias as a mask, or with dropout the block's
+    weights P, a keep mask Z from a generator seeded per block, O = (P ⊙ Z / (1 − p)) V."""
+    with torch.no_grad():
+        if dropout == 0.0:
+            return _sdpa_bias_block(query, key, value, bias, allowed, *rows, scaling, 0.0), None
+        seed = int(torch.randint(2**62, (), device="cpu"))
+        block = _BlockWeights(query, key, value, bias, allowed, rows, scaling)
+        kept = block.weights * _kept_scale(block.weights, dropout, seed)  # (B, H, r, K)
+        return torch.matmul(kept.to(block.compute), block.value_heads).to(query.dtype), seed  # (B, H, r, D)
+
+
+def block_gradients(query, key, value, bias, allowed, rows, scaling, output, grad_output, dropout, seed):
+    """dQ, dK, dV (in the inputs' dtype) and the score gradient dS `(B, H, r, K)` (fp32, fp64 for fp64 inputs) of one
+    block of query rows, by hand from its weights P recomputed (and its dropout mask Z regenerated from `seed`):
+    dV = (P ⊙ Z')ᵀ dO, dP = (dO Vᵀ) ⊙ Z', dS = P ⊙ (dP − rowsum(dO ⊙ O)) (the softmax backward; Z' = Z / (1 − p), or
+    1 without dropout), dQ = s·dS K, dK = s·dSᵀ Q. dS is also the gradient of the bias rows."""
+    block = _BlockWeights(query, key, value, bias, allowed, rows, scaling)
+    weights, compute = block.weights, block.compute  # (B, H, r, K) in fp32 (fp64 for fp64 inputs)
+    grad_output = grad_output.to(compute)
+    d_weights = torch.matmul(grad_output, block.value_heads.transpose(2, 3)).to(weights.dtype)  # (B, H, r, K)
+    kept = weights
+    if dropout:
+        scale = _kept_scale(weights, dropout, seed)  # the forward's mask, regenerated
+        kept, d_weights = weights * scale, d_weights * scale
+    delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
+    d_scores = weights * (d_weights - delta)  # (B, H, r, K)
+    grad_value = torch.matmul(kept.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
+    d_scores_cast = d_scores.to(compute)
+    grad_query = torch.matmul(d_scores_cast, block.key_heads) * scaling  # (B, H, r, D)
+    grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query) * scaling  # (B, H, K, D)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
+        grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, K, D)
+        grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+    dtype = query.dtype
+    return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), d_scores
 
 
 class _BlockWeights:
@@ -328,15 +341,16 @@ def sdpa_relative_bias_forward(
       a backward that recomputes the block's weights (and mask) and reduces the bias gradient into the bias values;
     - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training on CPU `kernels_fixed.FixedBiasBlock`
       (the fused forward and backward, the block's mask built again in the backward, not kept);
-    - FIRE's per-row bias (`QueryPositionBias`, nothing to fold): the fused kernel with the rows as its mask; in
-      training that mask requires grad, so SDPA takes its math path and autograd carries the gradient to θ.
+    - FIRE's per-row bias (`QueryPositionBias`, nothing to fold): the fused kernel with the rows as its mask. Training
+      runs `kernels_query_bias` instead (rows recomputed in the backward); traced graphs and attention sinks get
+      rows that require grad here, so SDPA takes its math path and autograd carries the gradient to θ.
 
     Returns `(output (B, Q, H, D), None)`: no attention weights (use eager for `output_attentions`).
     """
     is_causal = module.is_causal if is_causal is None else is_causal
     batch, heads, query_length, _ = query.shape
     key_length = key.shape[2]
-    # a bias whose gradient folds into its values (`RelativeBias`); FIRE's rows reach θ through SDPA's float mask
+    # a bias whose gradient folds into its values (`RelativeBias`); FIRE's rows here reach θ through SDPA's float mask
     learned = torch.is_grad_enabled() and position_bias.folds_gradient and position_bias.values.requires_grad
     if symbolic_sizes(query, key):
         # traced with dynamic shapes: one block of all rows over all keys (see `symbolic_sizes`)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .biases import RelativeBias
+from .biases import QueryBiasRecipe, RelativeBias
 from .registry import ConfigHooks, Registry
 
 
@@ -112,6 +112,20 @@ class PositionScheme(ConfigHooks, nn.Module):
         positions are `position_ids` `(B or 1, Q)`, over keys at slots `key_offset + j` (j < K); `None` without a bias.
         By default the per-distance values of `bias_by_distance` (the positions are not needed)."""
         return self.bias_by_distance(query_offset, query_length, key_offset, key_length, position_ids.device)
+
+    def bias_recipe(
+        self,
+        query_offset: int,
+        query_length: int,
+        key_offset: int,
+        key_length: int,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> QueryBiasRecipe | None:
+        """A `QueryBiasRecipe` standing in for `bias_values(...).to(dtype)` (same arguments), for a kernel that computes
+        the bias a block of rows at a time in training (`capabilities.KernelSpec.bias_recipe`); `None` (the default)
+        when the scheme has none, or nothing needs a gradient: the stack then computes the values."""
+        return None
 
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .biases import QueryPositionBias
+from .biases import QueryBiasRecipe, QueryPositionBias
 from .positions_base import POSITION_SCHEMES, PositionScheme
 
 
@@ -237,11 +237,19 @@ class FireBias(PositionScheme):
         """L, the learned threshold below which positions are normalised by L itself (a 0-d tensor)."""
         return self.threshold_scale.abs() * self.initial_threshold
 
-    def mlp_inputs(self, query_positions: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
+    def bias_parameters(self) -> tuple[torch.Tensor, ...]:
+        """c's and L's raw scales, then θ: the tensors the bias is a function of, in the order `fire_bias` takes them
+        as `parameters`."""
+        return (self.distance_scale, self.threshold_scale, self.mlp_in.weight, self.mlp_in.bias, self.mlp_out.weight,
+                self.mlp_out.bias)  # fmt: skip
+
+    def mlp_inputs(self, query_positions: torch.Tensor, behind: torch.Tensor, parameters=None) -> torch.Tensor:
         """The normalised distances `(B or 1, Q, K)` f_θ reads, for queries at `query_positions` `(B or 1, Q)` over keys
-        `behind` `(Q, K)` = query slot − key slot before them (negative: after them; masked in a causal stack)."""
-        dtype = torch.promote_types(self.distance_scale.dtype, torch.float32)
-        scale, threshold = self.distance_scale.abs().to(dtype), self.threshold().to(dtype)
+        `behind` `(Q, K)` = query slot − key slot before them (negative: after them; masked in a causal stack);
+        `parameters` as in `fire_bias`."""
+        distance_scale, threshold_scale = (self.bias_parameters() if parameters is None else parameters)[:2]
+        dtype = torch.promote_types(distance_scale.dtype, torch.float32)
+        scale, threshold = distance_scale.abs().to(dtype), (threshold_scale.abs() * self.initial_threshold).to(dtype)
         later = query_positions[:, :, None].to(dtype)  # (B', Q, 1): the query's position i
         if self.bidirectional:
             later = later + (-behind).clamp(min=0).to(dtype)  # a key after the query: its position j
@@ -252,10 +260,19 @@ class FireBias(PositionScheme):
         normaliser = torch.log1p(scale * torch.maximum(later, threshold)) + self.eps  # ψ(max(L, i))
         return sign * torch.log1p(scale * distance.to(dtype)) / normaliser  # (B', Q, K)
 
-    def fire_bias(self, query_positions: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
-        """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)`."""
-        inputs = self.mlp_inputs(query_positions, behind)[..., None].to(self.mlp_in.weight.dtype)  # (B', Q, K, 1)
-        bias = self.mlp_out(nn.functional.relu(self.mlp_in(inputs)))  # (B', Q, K, H)
+    def fire_bias(self, query_positions: torch.Tensor, behind: torch.Tensor, parameters=None) -> torch.Tensor:
+        """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)`; from `parameters` (tensors in the order of
+        `bias_parameters`, e.g. the detached copies a kernel's backward recomputes a block from) instead of the
+        module's own when given."""
+        if parameters is None:
+            weight = self.mlp_in.weight
+            inputs = self.mlp_inputs(query_positions, behind)[..., None].to(weight.dtype)  # (B', Q, K, 1)
+            bias = self.mlp_out(nn.functional.relu(self.mlp_in(inputs)))  # (B', Q, K, H)
+        else:
+            weight_in, bias_in, weight_out, bias_out = parameters[2:]
+            inputs = self.mlp_inputs(query_positions, behind, parameters)[..., None].to(weight_in.dtype)
+            hidden = nn.functional.relu(nn.functional.linear(inputs, weight_in, bias_in))  # (B', Q, K, width)
+            bias = nn.functional.linear(hidden, weight_out, bias_out)  # (B', Q, K, H)
         return bias.permute(0, 3, 1, 2).contiguous()  # (B', H, Q, K)
 
     def bias(self, query_slots, key_slots):
@@ -272,6 +289,15 @@ class FireBias(PositionScheme):
         query_slots = torch.arange(query_length, device=device) + query_offset  # (Q,)
         key_slots = torch.arange(key_length, device=device) + key_offset  # (K,)
         return self.fire_bias(position_ids, query_slots[:, None] - key_slots[None, :])  # (B', H, Q, K)
+
+    def bias_recipe(self, query_offset, query_length, key_offset, key_length, position_ids, dtype):
+        if not any(parameter.requires_grad for parameter in self.bias_parameters()):
+            return None  # frozen: the values need no gradient, so nothing a backward would recompute
+        device = position_ids.device
+        query_slots = torch.arange(query_length, device=device) + query_offset  # (Q,)
+        key_slots = torch.arange(key_length, device=device) + key_offset  # (K,)
+        return QueryBiasRecipe(self.fire_bias, self.bias_parameters(), position_ids, query_slots, key_slots,
+                               self.num_heads, dtype, width=self.mlp_width)  # fmt: skip
 
     def reset_parameters(self, config):
         init.constant_(self.distance_scale, self.initial_distance_scale)

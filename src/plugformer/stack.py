@@ -15,6 +15,7 @@ from transformers.utils import logging
 from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import capture_outputs
 
+from .biases import QueryBiasRecipe
 from .block import PlugformerDecoderLayer, dropout_if_active
 from .capabilities import KERNELS
 from .compat import (
@@ -215,10 +216,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
 
     def _position_bias(
         self, cache: Cache | None, position_ids: torch.Tensor, query_length: int, dtype: torch.dtype, layer_idx: int
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | QueryBiasRecipe | None:
         """The values of the score bias over the cache slots the kernel will see in layer `layer_idx` (same sizes as
         its mask), shared by the layers of its attention kind: those of the scheme's `bias_type` (a `RelativeBias` per
-        distance, `(H, Q + K − 1)`; FIRE's `QueryPositionBias` from the queries' `position_ids`, `(B or 1, H, Q, K)`)."""
+        distance, `(H, Q + K − 1)`; FIRE's `QueryPositionBias` from the queries' `position_ids`, `(B or 1, H, Q, K)`),
+        or, in training on a kernel whose record says `bias_recipe`, the scheme's `QueryBiasRecipe` for them."""
         if not self.positions.has_bias:
             return None
         if cache is None:
@@ -226,6 +228,12 @@ class PlugformerModel(PlugformerPreTrainedModel):
         else:
             query_offset = cache.get_query_offset(layer_idx)
             kv_length, kv_offset = cache.get_mask_sizes(query_length, layer_idx)
+        if KERNELS.of(self.config).bias_recipe and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # training on a kernel that computes the bias per block of rows, in its backward too: no (B, H, Q, K)
+            # values are kept (traced graphs keep the values: the kernel's backward calls autograd)
+            recipe = self.positions.bias_recipe(query_offset, query_length, kv_offset, kv_length, position_ids, dtype)
+            if recipe is not None:
+                return recipe
         values = self.positions.bias_values(query_offset, query_length, kv_offset, kv_length, position_ids)
         return values.to(dtype)
 
