@@ -24,13 +24,15 @@ from __future__ import annotations
 import torch
 
 from .biases import RelativeBias
-from .kernels import PROFILER_NAME, repeat_kv, symbolic_sizes
+from .kernels import repeat_kv, symbolic_sizes
 
 
 # Query rows per block. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread, CPU time, shared
 # machine): 256 rows 0.96-0.99x at N = 2048, 0.89-0.96x at 4096; 128: 0.94x, 0.86x; 512: 0.88x, 0.90x; 1024: 0.81x,
 # 0.90x (the square's mask, H·ROWS² numbers, is read for each block).
 ROWS = 256
+# what a profile (`plugformer bench`) names this path by
+PROFILER_NAME = "plugformer::linear_bias"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 

@@ -24,13 +24,15 @@ import torch
 from torch import nn
 
 from .biases import RelativeBias
-from .kernels import BIAS_BLOCK_BYTES, PROFILER_NAME, repeat_kv, symbolic_sizes
+from .kernels import BIAS_BLOCK_BYTES, repeat_kv, symbolic_sizes
 
 
 # Query rows per band block: the window is BAND_ROWS + W − 1 keys, of which W are scored per row. 64 measured
 # fastest (fwd + bwd, B=2, H=6, D=64, W=128, 2 CPU threads: 1.24x causal SDPA at N=2048, 1.20x at 4096; 32: 1.45x,
 # 1.25x; 128: 1.36x, 1.26x).
 BAND_ROWS = 64
+# what a profile (`plugformer bench`) names this path by
+PROFILER_NAME = "plugformer::banded_bias"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 

@@ -22,7 +22,6 @@ from torch import nn
 
 from .biases import QueryPositionBias
 from .kernels import (
-    PROFILER_NAME,
     _allowed_keys,
     bias_block_rows,
     block_gradients,
@@ -31,6 +30,10 @@ from .kernels import (
     mask_blocks_the_future,
     symbolic_sizes,
 )
+
+
+# what a profile (`plugformer bench`) names this path by
+PROFILER_NAME = "plugformer::query_bias"
 
 
 def query_bias_applies(query: torch.Tensor, key: torch.Tensor, position_bias) -> bool:

@@ -149,6 +149,12 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
+    if "banded-bias" in sdpa_backends:
+        return "far keys fused, near band explicit"
+    if "linear-bias" in sdpa_backends:
+        return "key-side bias per block, no N x N mask"
+    if "query-bias" in sdpa_backends:
+        return "bias per block, recomputed in backward"
     if "blockwise-bias" in sdpa_backends:
         return "blockwise bias, backward by hand" if learned else "blockwise bias, masks rebuilt in backward"
     return ""
