@@ -164,6 +164,19 @@ def decode_in_chunks(model, tokens, chunks, cache):
     return torch.cat(logits, dim=1)
 
 
+def count_applies(monkeypatch, function) -> list:
+    """The first input's shape of every `function.apply` call (a kernel's `torch.autograd.Function`) from now on."""
+    calls = []
+    apply = function.apply
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return apply(*args)
+
+    monkeypatch.setattr(function, "apply", counted)
+    return calls
+
+
 def trainable_on_this_device(kernel: str) -> bool:
     return kernel in CPU_TRAINING_KERNELS or torch.cuda.is_available()
 

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import count_applies, tiny_config
 
 import plugformer.kernels_alibi as kernels_alibi
 from plugformer import PlugformerForCausalLM
@@ -90,24 +90,12 @@ def test_long_rows_are_as_close_to_fp64_as_the_materialised_softmax(dtype):
         assert error <= 2 * bound, (name, error, bound)
 
 
-def count_calls(monkeypatch) -> list:
-    calls = []
-    apply = LinearBiasAttention.apply
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return apply(*args)
-
-    monkeypatch.setattr(LinearBiasAttention, "apply", counted)
-    return calls
-
-
 @pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
 def test_sdpa_training_takes_the_alibi_kernel_and_equals_eager(score, monkeypatch):
     """A causal batch without padding, 40 tokens in 16-row blocks, GQA (the tiny preset): sdpa takes the kernel in
     every layer, and its logits and every parameter's gradient equal eager's."""
     monkeypatch.setattr(kernels_alibi, "ROWS", 16)
-    calls = count_calls(monkeypatch)
+    calls = count_applies(monkeypatch, LinearBiasAttention)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     results = {}
     for kernel in ("eager", "sdpa"):
@@ -128,7 +116,7 @@ def test_sdpa_training_takes_the_alibi_kernel_and_equals_eager(score, monkeypatc
 def test_padding_dropout_and_decoding_take_the_blockwise_kernel(monkeypatch):
     """A padding mask, attention dropout and cached decoding steps leave the kernel out (the blockwise kernel computes
     them; `test_fast_paths` checks it against eager); a generate's prefill takes it."""
-    calls = count_calls(monkeypatch)
+    calls = count_applies(monkeypatch, LinearBiasAttention)
     config = copy.deepcopy(tiny_config("scaled_dot", "alibi", attention_dropout=0.1))
     config._attn_implementation = "sdpa"
     model = PlugformerForCausalLM(config)

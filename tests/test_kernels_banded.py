@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import count_applies, tiny_config
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import plugformer.kernels_banded as banded
@@ -80,25 +80,13 @@ def test_bf16_output_is_as_close_to_fp64_as_the_materialised_bf16_softmax():
     assert error <= 2 * reference_error
 
 
-def count_banded_calls(monkeypatch) -> list:
-    calls = []
-    apply = BandedBiasAttention.apply
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return apply(*args)
-
-    monkeypatch.setattr(BandedBiasAttention, "apply", counted)
-    return calls
-
-
 @pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
 @pytest.mark.parametrize("scheme", CONSTANT_BIAS_SCHEMES)
 def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, monkeypatch):
     """A causal batch without padding, 40 tokens beyond the tiny preset's distances (T5: 16, clamped: 8), GQA:
     sdpa takes the banded kernel in every layer, and its logits and every parameter's gradient (the bias table's
     included) equal eager's."""
-    calls = count_banded_calls(monkeypatch)
+    calls = count_applies(monkeypatch, BandedBiasAttention)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 40), generator=generator)
     results = {}
@@ -121,7 +109,7 @@ def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, m
 def test_padding_and_decoding_take_the_blockwise_kernel(scheme, monkeypatch):
     """A padding mask, a cached decoding step and a sequence within the constant distance leave the banded kernel
     out (the blockwise kernel computes them; `test_fast_paths` checks it against eager)."""
-    calls = count_banded_calls(monkeypatch)
+    calls = count_applies(monkeypatch, BandedBiasAttention)
     config = copy.deepcopy(tiny_config("scaled_dot", scheme))
     config._attn_implementation = "sdpa"
     model = PlugformerForCausalLM(config).eval()
