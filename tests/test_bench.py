@@ -308,6 +308,9 @@ def test_variant_rows_come_from_the_registries_and_the_modifiers():
     assert len(requested_variants(BenchArguments(attention_scores=["additive"], device="cpu"))) == len(
         POSITION_SCHEMES.names()
     )
+    unmodified = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
+                                attention_modifiers=[], device="cpu")  # fmt: skip
+    assert requested_variants(unmodified) == [BASELINE, BASELINE | {"position_scheme": "alibi"}]
 
 
 def test_variants_table_has_a_modifier_column_only_when_a_row_has_one():

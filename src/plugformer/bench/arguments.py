@@ -79,7 +79,7 @@ class BenchArguments:
         metadata={"help": "variant rows of scaled_dot + none with one of these fields set, a row per value ("
                           + ", ".join(f"{name}={' | '.join(map(repr, values))}"
                                       for name, values in ATTENTION_MODIFIERS.items())
-                          + "), run when scaled_dot and none are among the variant rows"},
+                          + "), run when scaled_dot and none are among the variant rows; [] in a --config YAML: none"},
     )  # fmt: skip
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt (min = max: EOS never stops)"})
     matmul_size: int = field(default=4096, metadata={"help": "n of the n x n matmul timed for the peak FLOP/s"})
@@ -110,7 +110,8 @@ class BenchArguments:
         _choice("pairs", self.pairs, list(PAIRS))
         _choice("attention_scores", self.attention_scores, ATTENTION_SCORES.names())
         _choice("position_schemes", self.position_schemes, POSITION_SCHEMES.names())
-        _choice("attention_modifiers", self.attention_modifiers, list(ATTENTION_MODIFIERS))
+        # none: the variant rows without modifier rows (`attention_modifiers: []` in a --config YAML)
+        _choice("attention_modifiers", self.attention_modifiers, list(ATTENTION_MODIFIERS), allow_none=True)
         for name, low in (("batch_size", 1), ("repeats", 1), ("warmup", 0), ("new_tokens", 2), ("matmul_size", 64)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be at least {low}")
@@ -147,8 +148,8 @@ class BenchArguments:
         return PlugformerConfig.from_preset(preset, **fields) if preset else PlugformerConfig(**fields)
 
 
-def _choice(option: str, values: list[str], choices: list[str]) -> None:
-    if not values:
+def _choice(option: str, values: list[str], choices: list[str], allow_none: bool = False) -> None:
+    if not values and not allow_none:
         raise ValueError(f"{option}: expected at least one of {choices}")
     for value in values:
         if value not in choices:
