@@ -189,3 +189,24 @@ def test_a_micro_pipeline_trains_the_baselines_and_compares_the_rl_stage_with_th
     table = (out / "results.md").read_text()
     assert "gain over baselines (95% CI), p" in table and baselines.COMPUTE_RULE in table
     assert f"pipeline('text-generation', model={str(out / 'grpo')!r})" in capsys.readouterr().out  # not a baseline
+
+
+def test_the_same_difference_in_every_run_is_reported_as_such_not_as_a_tiny_p_value():
+    """Three seeds each one problem of 300 apart: float subtraction left a spread near 1e-16 and the t-test printed
+    `+0.3 (+0.3, +0.3), p 1.2e-28`; the rule for zero spread applies, and the table says there was none."""
+    from plugformer.evaluation.stats import paired_t_test
+    from plugformer.experiments.baselines import over_runs_text
+    from plugformer.experiments.seeds import interval_text
+
+    a, b = [292 / 300, 294 / 300, 293 / 300], [291 / 300, 293 / 300, 292 / 300]
+    assert len({x - y for x, y in zip(a, b, strict=True)}) > 1  # the float differences are not all equal
+    test = paired_t_test(a, b)
+    assert test.no_spread and test.p_value == 0.0 and test.low == test.high == pytest.approx(1 / 300)
+    assert over_runs_text(test) == "+0.3 in every run (no spread to test)"
+    same = paired_t_test(a, a)
+    assert same.no_spread and same.p_value == 1.0 and same.difference == 0.0
+    spread = paired_t_test([0.5, 0.7, 0.6], [0.4, 0.5, 0.6])
+    assert not spread.no_spread and over_runs_text(spread).endswith(f"p {spread.p_value:.2g}")
+    # a rate's t interval is cut to [0, 100]: mean 0.93, s = sqrt(0.0086 / 2), t_{2, 0.975} = 4.3027: half-width
+    # 0.1629, so (76.7, 109.3) uncut
+    assert interval_text([0.86, 0.99, 0.94]) == "93.0 (76.7, 100.0)"

@@ -59,6 +59,11 @@ class PairedTest:
     def significant(self, alpha: float = 0.05) -> bool:
         return self.p_value < alpha
 
+    @property
+    def no_spread(self) -> bool:
+        """Whether every pair differed by the same amount (a zero-width interval: p is the mean's sign alone)."""
+        return self.low == self.high
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -120,8 +125,10 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
 def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> PairedTest:
     """Two-sided paired t-test of mean(a − b) = 0, with the t interval of the mean difference.
 
-    `a[i]` and `b[i]` must come from the same pair (here: the same seed). With zero spread the test is decided by
-    the mean alone: p = 1 if it is 0, else 0.
+    `a[i]` and `b[i]` must come from the same pair (here: the same seed). With zero spread (every pair the same
+    difference, up to float rounding: exact-match rates k/300 subtract with errors near 1e-16, which gave a
+    p-value of 1e-28 for three identical differences of one problem) the test is decided by the mean alone: p = 1 if
+    it is 0, else 0; `PairedTest.no_spread` says so, and tables should too.
     """
     from scipy.stats import t as student_t
 
@@ -132,8 +139,10 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], confidence: float = 0.
         raise ValueError(f"a paired t-test needs at least 2 pairs (seeds), got {n}")
     interval = mean_interval(differences, confidence)
     spread = differences.std(ddof=1)
-    if spread == 0:
-        p_value = 1.0 if interval.mean == 0 else 0.0
+    if spread <= 1e-12 * max(1.0, abs(interval.mean)):  # float rounding of equal differences
+        mean = 0.0 if abs(interval.mean) <= 1e-12 else interval.mean
+        interval = Interval(mean, mean, mean, n, confidence)
+        p_value = 1.0 if mean == 0 else 0.0
     else:
         statistic = interval.mean / (spread / math.sqrt(n))
         p_value = float(2 * student_t.sf(abs(statistic), n - 1))

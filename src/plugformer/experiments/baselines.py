@@ -12,6 +12,13 @@ from ..evaluation.stats import paired_bootstrap, paired_t_test
 from ..training import STAGES
 
 
+def over_runs_text(test) -> str:
+    """A paired t-test over runs in points: `+d (low, high), p`, or `+d in every run (no spread to test)`."""
+    if test.no_spread:
+        return f"{test.difference * 100:+.1f} in every run (no spread to test)"
+    return f"{test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), p {test.p_value:.2g}"
+
+
 COMPUTE_RULE = ("compute: optimizer steps and tokens processed = tokens trained on + tokens sampled (TRL's counts: "
                 "prompt and completion tokens, padding excluded); a compute-matched baseline trains on as many tokens "
                 "as its matched stage and that stage's ancestors down to the baseline's parent processed, a sampled "
@@ -96,6 +103,5 @@ def seed_baseline_text(stage: str, runs: list[dict]) -> str:
         scores = [run[stage]["exact_match"] for run in runs]
         test = paired_t_test(scores, [run[baseline]["exact_match"] for run in runs])
         per_run = ", ".join(f"{g[baseline]['difference'] * 100:+.1f} (p {g[baseline]['p_value']:.2g})" for g in gains)
-        parts.append(f"vs {baseline} {test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), "
-                     f"p {test.p_value:.2g}; per run {per_run}")  # fmt: skip
+        parts.append(f"vs {baseline} {over_runs_text(test)}; per run {per_run}")
     return "; ".join(parts) or "—"

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..evaluation.stats import mean_interval, paired_t_test
 from ..runtime.files import write_text_atomic
 from ..training import STAGES
-from .baselines import COMPUTE_RULE, compute_text, seed_baseline_text
+from .baselines import COMPUTE_RULE, compute_text, over_runs_text, seed_baseline_text
 from .pipeline import RUN_RECORD
 
 
@@ -106,11 +106,12 @@ def percent(value: float) -> str:
 
 
 def interval_text(values: list[float]) -> str:
-    """`mean (low, high)` in percent, or the single value for one run."""
+    """`mean (low, high)` in percent, the t interval cut to [0, 100]; the single value for one run."""
     interval = mean_interval(values)
     if interval.n < 2:  # not from `seed_table`, which refuses fewer than two runs
         return percent(interval.mean)
-    return f"{percent(interval.mean)} ({percent(interval.low)}, {percent(interval.high)})"
+    # rates: a t interval over three runs can pass 100% (92.9 (80.3, 105.4)); what lies outside [0, 1] is no rate
+    return f"{percent(interval.mean)} ({percent(max(interval.low, 0.0))}, {percent(min(interval.high, 1.0))})"
 
 
 def stage_row(stage: str, runs: list[dict]) -> str:
@@ -136,7 +137,7 @@ def stage_row(stage: str, runs: list[dict]) -> str:
     per_run = ", ".join(f"{g['difference'] * 100:+.1f} (p {g['p_value']:.2g})" for g in gains)
     if len(runs) > 1:
         test = paired_t_test(matches, [run[parent]["exact_match"] for run in runs])
-        over = f"{test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), p {test.p_value:.2g}"
+        over = over_runs_text(test)
     else:
         over = "—"
     return f"| {stage} | {score} | {over} | {per_run} | {baselines} | {seconds:.0f} |"
