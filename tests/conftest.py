@@ -164,6 +164,31 @@ def decode_in_chunks(model, tokens, chunks, cache):
     return torch.cat(logits, dim=1)
 
 
+def training_step_by_kernel(config: PlugformerConfig, ids: torch.Tensor, kernels=("eager", "sdpa")) -> dict:
+    """kernel -> (logits, {parameter name: gradient}) of one training step on `ids` (labels = ids), every model built
+    from the same seed."""
+    results = {}
+    for kernel in kernels:
+        torch.manual_seed(0)
+        config = copy.deepcopy(config)
+        config._attn_implementation = kernel
+        model = PlugformerForCausalLM(config).train()
+        output = model(input_ids=ids, labels=ids)
+        output.loss.backward()
+        results[kernel] = output.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return results
+
+
+def assert_same_training_step(results: dict, reference: str = "eager", atol: float = 2e-5) -> None:
+    """Every kernel's logits and gradients in `results` (`training_step_by_kernel`) equal the reference kernel's."""
+    logits, grads = results[reference]
+    for kernel, (other_logits, other_grads) in results.items():
+        torch.testing.assert_close(other_logits, logits, atol=atol, rtol=0, msg=kernel)
+        assert other_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(other_grads[name], grad, atol=atol, rtol=1e-4, msg=f"{kernel}: {name}")
+
+
 def count_applies(monkeypatch, function) -> list:
     """The first input's shape of every `function.apply` call (a kernel's `torch.autograd.Function`) from now on."""
     calls = []

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import count_applies, tiny_config
+from conftest import assert_same_training_step, count_applies, tiny_config, training_step_by_kernel
 
 import plugformer.kernels_alibi as kernels_alibi
 from plugformer import PlugformerForCausalLM
@@ -97,20 +97,10 @@ def test_sdpa_training_takes_the_alibi_kernel_and_equals_eager(score, monkeypatc
     monkeypatch.setattr(kernels_alibi, "ROWS", 16)
     calls = count_applies(monkeypatch, LinearBiasAttention)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for kernel in ("eager", "sdpa"):
-        torch.manual_seed(0)
-        config = copy.deepcopy(tiny_config(score, "alibi"))
-        config._attn_implementation = kernel
-        model = PlugformerForCausalLM(config).train()
-        output = model(input_ids=ids, labels=ids)
-        output.loss.backward()
-        results[kernel] = output.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    config = tiny_config(score, "alibi")
+    results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=2e-5, rtol=0)
-    assert results["sdpa"][1].keys() == results["eager"][1].keys()
-    for name, grad in results["eager"][1].items():
-        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=2e-5, rtol=1e-4, msg=name)
+    assert_same_training_step(results)
 
 
 def test_padding_dropout_and_decoding_take_the_blockwise_kernel(monkeypatch):

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import count_applies, tiny_config
+from conftest import assert_same_training_step, count_applies, tiny_config, training_step_by_kernel
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import plugformer.kernels_banded as banded
@@ -89,20 +89,10 @@ def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, m
     calls = count_applies(monkeypatch, BandedBiasAttention)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 40), generator=generator)
-    results = {}
-    for kernel in ("eager", "sdpa"):
-        torch.manual_seed(0)
-        config = copy.deepcopy(tiny_config(score, scheme))
-        config._attn_implementation = kernel
-        model = PlugformerForCausalLM(config).train()
-        output = model(input_ids=ids, labels=ids)
-        output.loss.backward()
-        results[kernel] = output.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    config = tiny_config(score, scheme)
+    results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], atol=2e-5, rtol=0)
-    assert results["sdpa"][1].keys() == results["eager"][1].keys()
-    for name, grad in results["eager"][1].items():
-        torch.testing.assert_close(results["sdpa"][1][name], grad, atol=2e-5, rtol=1e-4, msg=name)
+    assert_same_training_step(results)
 
 
 @pytest.mark.parametrize("scheme", CONSTANT_BIAS_SCHEMES)
