@@ -29,7 +29,14 @@ from plugformer.bench.models import (
     logit_difference,
     matmul_parameters,
 )
-from plugformer.bench.readme import check_markers, command_line, readme_section, update_readme, variants_tables
+from plugformer.bench.readme import (
+    check_markers,
+    command_line,
+    pair_label,
+    readme_section,
+    update_readme,
+    variants_tables,
+)
 from plugformer.bench.readme import main as readme_main
 from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
 from plugformer.bench.runner import BASELINE, requested_variants
@@ -51,6 +58,18 @@ def test_pairs_have_identical_logits_before_timing(pair, tokens):
         assert twin.config.position_scheme == "rope"
     else:
         assert type(reference).__name__ == "GPT2LMHeadModel" and twin.config.position_scheme == "learned"
+
+
+def test_the_aa_pair_times_llama_against_its_own_copy(tokens):
+    config = BenchArguments(sizes=["tiny"], seq_lens=[12], device="cpu").model_config("tiny")
+    copy, reference, difference = build_pair("aa", config, seed=0, device="cpu", parity_length=12)
+    assert type(copy) is type(reference) and type(reference).__name__ == "LlamaForCausalLM" and copy is not reference
+    assert difference == 0.0
+    for (name, mine), (_, theirs) in zip(copy.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name  # equal, not shared
+    row = {"models": {"reference": {"class": "LlamaForCausalLM"}}}
+    assert pair_label("aa", row) == "A/A: LlamaForCausalLM vs its copy"
+    assert pair_label("llama", row) == "llama vs LlamaForCausalLM"
 
 
 def test_parity_check_refuses_models_that_differ(tokens):
@@ -176,7 +195,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     assert results["arguments"]["dtypes"] == dtypes and results["arguments"]["seq_lens"] == [64]
     for section in ("train", "decode"):
         assert [(r["pair"], r["dtype"]) for r in results[section]] == [
-            (pair, dtype) for pair in ("llama", "gpt2") for dtype in dtypes
+            (pair, dtype) for pair in ("llama", "gpt2", "aa") for dtype in dtypes
         ]
     for row in results["train"] + results["decode"]:
         assert row["max_abs_logit_diff"] <= PARITY_TOLERANCE
@@ -259,7 +278,7 @@ def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
     for row in results["train"]:
         mine, other = row["models"]["plugformer"], decode[row["pair"], row["dtype"]]
         assert (
-            f"| {row['pair']} vs {row['models']['reference']['class']} | tiny | {row['dtype']} | 64 | "
+            f"| {pair_label(row['pair'], row)} | tiny | {row['dtype']} | 64 | "
             f"{ratio_cell(row['ratio_tokens_per_s'])} | {ratio_cell(row['ratio_peak_memory'])} | "
             f"{other['ratio_prefill']['ratio']:.2f} | {ratio_cell(other['ratio_decode'])} | sdpa:flash / sdpa:flash | "
             f"{mine['mfu']:.1%} |"

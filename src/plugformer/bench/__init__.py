@@ -11,7 +11,8 @@ Sections:
   `scaled_dot + learned` against `GPT2LMHeadModel`, both on sdpa. The reference is built from a transformers config
   (random init, no download), saved and converted with `plugformer.integrations.convert`; logits must agree to 1e-4 before
   anything is timed. `train` times forward + backward + AdamW and measures peak memory and MFU; `decode` times
-  greedy `generate` with the KV cache, split into prefill and decode.
+  greedy `generate` with the KV cache, split into prefill and decode. The `aa` pair times `LlamaForCausalLM` against
+  its own copy: the A/A row, whose spread is the run's noise floor.
 - `loss` (only when named): the `train` step of the `llama` pair with plugformer's fused loss (`model.fused_loss`,
   as `plugformer train` sets it) against Llama's full logits, at each of `--loss_vocab_sizes`.
 - `variants`: every registered score function x position scheme, and scaled_dot + none with each attention modifier

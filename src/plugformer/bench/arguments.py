@@ -17,7 +17,8 @@ from .markers import check_markers
 
 SECTIONS = ("train", "decode", "variants", "loss")
 DEFAULT_SECTIONS = ("train", "decode", "variants")  # `loss` builds a pair per vocabulary size: asked for by name
-PAIRS = ("llama", "gpt2")
+# `aa`: LlamaForCausalLM against its own copy, the A/A row: the spread a ratio of two identical models shows
+PAIRS = ("llama", "gpt2", "aa")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["bf16", "fp16"]}
 # The dimensions a size may set; everything else (norms, activation, tying) comes from the preset or the defaults.
@@ -71,7 +72,10 @@ class BenchArguments:
         default_factory=lambda: [8192, 32768, 131072],
         metadata={"help": "section loss: the vocabulary sizes (each replaces the size's vocab_size)"},
     )
-    pairs: list[str] = field(default_factory=lambda: list(PAIRS), metadata={"help": "A/B pairs: llama gpt2"})
+    pairs: list[str] = field(
+        default_factory=lambda: list(PAIRS),
+        metadata={"help": "A/B pairs: llama gpt2, and aa (LlamaForCausalLM against its own copy: the noise floor)"},
+    )
     attention_scores: list[str] = field(default_factory=ATTENTION_SCORES.names, metadata={"help": "variant rows"})
     position_schemes: list[str] = field(default_factory=POSITION_SCHEMES.names, metadata={"help": "variant rows"})
     attention_modifiers: list[str] = field(

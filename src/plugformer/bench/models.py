@@ -84,13 +84,17 @@ def check_parity(model: nn.Module, reference: nn.Module, tokens: torch.Tensor, n
 
 def build_pair(
     pair: str, config: PlugformerConfig, seed: int, device: str, parity_length: int
-) -> tuple[PlugformerForCausalLM, PreTrainedModel, float]:
+) -> tuple[PlugformerForCausalLM | PreTrainedModel, PreTrainedModel, float]:
     """The reference, saved and converted by `plugformer.integrations.convert` (identical weights), both on sdpa and `device`,
-    and their logit difference on one random sequence of `parity_length` tokens (at most `PARITY_TOLERANCE`)."""
-    reference = reference_model(pair, config, seed)
-    with tempfile.TemporaryDirectory() as directory:
-        reference.save_pretrained(directory)
-        twin = convert(directory)
+    and their logit difference on one random sequence of `parity_length` tokens (at most `PARITY_TOLERANCE`). Pair `aa`
+    returns Llama's reference and a copy of it in the twin's place (an A/A comparison)."""
+    reference = reference_model("llama" if pair == "aa" else pair, config, seed)
+    if pair == "aa":  # the A/A row: the same model on both sides, so its ratio's spread is the machine's noise
+        twin = copy.deepcopy(reference)
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            reference.save_pretrained(directory)
+            twin = convert(directory)
     twin.set_attn_implementation("sdpa")
     twin, reference = twin.to(device), reference.to(device)
     tokens = random_tokens(1, parity_length, config.vocab_size, seed, device)

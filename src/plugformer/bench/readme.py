@@ -61,6 +61,12 @@ def _kernels(row: dict) -> str:
     return f"{row['models']['plugformer']['kernel']} / {row['models']['reference']['kernel']}"
 
 
+def pair_label(pair: str, row: dict) -> str:
+    """`llama vs LlamaForCausalLM`; the A/A pair names its model against its own copy."""
+    reference = row["models"]["reference"]["class"]
+    return f"A/A: {reference} vs its copy" if pair == "aa" else f"{pair} vs {reference}"
+
+
 def pairs_table(results: dict) -> list[str]:
     """One row per (pair, size, dtype, length): the train row and the decode row of the same prompt length."""
     rows: dict[tuple, dict] = {}
@@ -70,13 +76,15 @@ def pairs_table(results: dict) -> list[str]:
     if not rows:
         return []
     lines = ["plugformer / transformers reference, ratio of medians [range of the interleaved per-repeat ratios]; "
-             "throughput > 1: plugformer faster, memory < 1: plugformer smaller.", ""]  # fmt: skip
+             "throughput > 1: plugformer faster, memory < 1: plugformer smaller."
+             + (" The A/A row times a transformers model against its own copy: its spread is this run's noise floor."
+                if any(pair == "aa" for pair, *_ in rows) else ""), ""]  # fmt: skip
     cells = []
     for (pair, size, dtype, length), row in rows.items():
         train, decode = row.get("train"), row.get("decode")
         either = train or decode
         cells.append([
-            f"{pair} vs {either['models']['reference']['class']}", size, dtype, length,
+            pair_label(pair, either), size, dtype, length,
             ratio_cell(train["ratio_tokens_per_s"]) if train else "-",
             ratio_cell(train["ratio_peak_memory"]) if train else "-",
             ratio_cell(decode["ratio_prefill"]["ratio"]) if decode else "-",

@@ -68,7 +68,9 @@ def attention_width(config) -> float:
 
 
 def train_row(args: BenchArguments, spec: str, pair: str, models: dict, seq_len: int, dtype: str, peak: float) -> dict:
-    measured = measure_training(args, models, models["plugformer"].config, seq_len, dtype, peak)
+    # the FLOPs count reads plugformer's config; the A/A pair's models are both Llama, of the size's dimensions
+    config = args.model_config(spec) if pair == "aa" else models["plugformer"].config
+    measured = measure_training(args, models, config, seq_len, dtype, peak)
     mine, reference = measured["plugformer"], measured["reference"]
     return {
         "pair": pair, "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size,
