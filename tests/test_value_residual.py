@@ -31,6 +31,7 @@ def kernel_values(model, tokens) -> tuple[list[torch.Tensor], list[torch.Tensor]
         score = layer.self_attn.score
         score.prepare_value = functools.partial(lambda original, v: got.append(v.detach()) or original(v),
                                                 score.prepare_value)  # fmt: skip
+        layer.self_attn.score_hooks |= {"prepare_value"}  # attention calls the hooks named there (the identity too)
     with torch.no_grad():
         model(tokens, use_cache=False)
     return got, inputs

@@ -98,6 +98,12 @@ class PlugformerAttention(nn.Module):
         # gpt-oss's attention sinks (`use_attention_sinks`): one learned logit per query head (`sinks`, its name)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.use_attention_sinks else None
         self.score = ATTENTION_SCORES.get(config.attention_score)(config, layer_idx)
+        # The score's softmax scale, fixed by the config, passed as `scaling=self.scaling`: vLLM's transformers backend
+        # reads the scale off the module from that expression in `forward`'s source (a literal or `self.<attr>` only).
+        # An attribute, not a property: two calls per layer fewer in a small model's decoding step.
+        self.scaling = self.score.scaling * self.scaling_factor
+        # the score hooks this score overrides (`AttentionScore.hooks`): the others, the identity, are not called
+        self.score_hooks = self.score.hooks()
         # value residual learning (`value_residual`): every layer after the first mixes in the first layer's values
         mixes = config.value_residual is not None and layer_idx > 0
         self.value_residual = VALUE_RESIDUALS.get(config.value_residual)(config) if mixes else None
@@ -150,18 +156,13 @@ class PlugformerAttention(nn.Module):
         """The kernel's output through the score's `prepare_output` (`score`: `self.score`, looked up by the caller),
         merged to `(B, Q, H·D)`, gated (Qwen3-Next's `output · sigmoid(gate)`), then `o_proj`."""
         score = self.score if score is None else score
-        attn_output = score.prepare_output(attn_output)
+        if "prepare_output" in self.score_hooks:
+            attn_output = score.prepare_output(attn_output)
         # transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)
         merged = attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()  # (B, Q, H·D)
         if gate is not None:
             merged = merged * torch.sigmoid(gate)
         return self.o_proj(merged)
-
-    @property
-    def scaling(self) -> float:
-        """The score's softmax scale, passed as `scaling=self.scaling`: vLLM's transformers backend reads the scale off
-        the module from that expression in `forward`'s source (a literal or `self.<attr>` only)."""
-        return self.score.scaling * self.scaling_factor
 
     def checked_kernel(self) -> KernelSpec:
         """The record of the config's kernel (`KERNELS.of`), refused by the kernel table if it cannot compute this
@@ -188,7 +189,7 @@ class PlugformerAttention(nn.Module):
             "position_bias": position_bias,
             **({} if softcap is None else {"softcap": softcap}),
             **({} if self.sinks is None else {"s_aux": self.sinks}),
-            **score.kernel_kwargs(),
+            **(score.kernel_kwargs() if "kernel_kwargs" in self.score_hooks else {}),
             **self.window_kwargs,
             # sdpa obeys an `is_causal` kwarg over the module's flag, and transformers' generic code passes
             # config.is_causal; each attention's direction is fixed when built (a seq2seq encoder and its
@@ -214,9 +215,12 @@ class PlugformerAttention(nn.Module):
         query, key, value, gate = self.projection.project(self, hidden_states, rotary)
         if self.value_residual is not None:  # mixed per token, before the cache: it holds the values attended with
             value = self.value_residual(value, first_values)
-        query = score.prepare_query(query)
+        hooks = self.score_hooks  # the score's hooks that are not the identity
+        if "prepare_query" in hooks:
+            query = score.prepare_query(query)
         key, value = self.projection.keys_and_values(self, key, value, cache)  # (B, H_kv, K, D), cache updated
-        value = score.prepare_value(value)  # (B, H_kv, K, value_width·D)
+        if "prepare_value" in hooks:
+            value = score.prepare_value(value)  # (B, H_kv, K, value_width·D)
         head_axis = self.bias_type.head_axis
         if position_bias is not None and position_bias.shape[head_axis] != query.shape[1]:
             # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this

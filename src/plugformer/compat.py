@@ -54,6 +54,7 @@ __all__ = [
     "FLEX_PADDING_VERIFIED",
     "RENAMED_TRAINER_OPTIONS",
     "ActivationCheckpointingNames",
+    "BaseModelOutputWithPast",
     "BaseModelOutputWithPastAndCrossAttentions",
     "CausalLMOutputWithPast",
     "Seq2SeqLMOutput",
@@ -114,6 +115,7 @@ def _answering_cache(output_class: type) -> type:
     return type(output_class.__name__, (output_class,), namespace)
 
 
+BaseModelOutputWithPast = _answering_cache(modeling_outputs.BaseModelOutputWithPast)
 BaseModelOutputWithPastAndCrossAttentions = _answering_cache(modeling_outputs.BaseModelOutputWithPastAndCrossAttentions)
 CausalLMOutputWithPast = _answering_cache(modeling_outputs.CausalLMOutputWithPast)
 Seq2SeqLMOutput = _answering_cache(modeling_outputs.Seq2SeqLMOutput)

@@ -135,7 +135,8 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        loss = fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True, **kwargs)  # None: unfused
+        loss = None if labels is None else fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True,
+                                                           **kwargs)  # None: unfused  # fmt: skip
         logits = None if loss is not None else self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
         if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)

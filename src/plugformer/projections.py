@@ -86,7 +86,8 @@ class AttentionProjection(ConfigHooks):
     def keys_and_values(attention: nn.Module, key: torch.Tensor, value: torch.Tensor, cache: Cache | None):
         """The states of `project` -> the keys the kernel consumes (score `prepare_key` applied) and the projected
         values, `(B, H_kv, K, d_k)` and `(B, H_kv, K, d_v)` over every cached slot; the cache updated."""
-        key = attention.score.prepare_key(key)
+        if "prepare_key" in attention.score_hooks:
+            key = attention.score.prepare_key(key)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx)
         return key, value

@@ -119,6 +119,14 @@ class AttentionScore(ConfigHooks, nn.Module):
         """Extra keyword arguments for the kernel (e.g. the additive energy vector)."""
         return {}
 
+    HOOKS = ("prepare_query", "prepare_key", "prepare_value", "prepare_output", "kernel_kwargs")
+
+    @classmethod
+    def hooks(cls) -> frozenset[str]:
+        """The hooks among `HOOKS` this score overrides; attention calls only these (the others are the identity, or
+        no keyword arguments: a call each per layer is a share of a small model's decoding step)."""
+        return frozenset(name for name in cls.HOOKS if getattr(cls, name) is not getattr(AttentionScore, name))
+
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises this score's parameters; called from `_init_weights`. Uses `transformers.initialization`,
         which leaves weights loaded from a checkpoint untouched."""

@@ -19,6 +19,7 @@ from .biases import QueryBiasRecipe
 from .block import PlugformerDecoderLayer, dropout_if_active
 from .capabilities import KERNELS
 from .compat import (
+    BaseModelOutputWithPast,
     BaseModelOutputWithPastAndCrossAttentions,
     create_bidirectional_mask,
     create_bidirectional_sliding_window_mask,
@@ -29,7 +30,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .inputs import check_inputs, embed_ids
 from .layers import NORM_PLACEMENTS, NORMS
-from .positions import POSITION_SCHEMES
+from .positions import POSITION_SCHEMES, PositionScheme
 from .pretrained import PlugformerPreTrainedModel
 
 
@@ -109,8 +110,13 @@ class PlugformerModel(PlugformerPreTrainedModel):
         super().__init__(config)
         self.is_causal = config.is_causal if is_causal is None else is_causal
         self.cross_attention = cross_attention
+        # a stack without cross-attention returns transformers' `BaseModelOutputWithPast`, as Llama's (no
+        # `cross_attentions` field to fill and check per step)
+        self.output_class = BaseModelOutputWithPastAndCrossAttentions if cross_attention else BaseModelOutputWithPast
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.positions = POSITION_SCHEMES.get(config.position_scheme)(config, bidirectional=not self.is_causal)
+        # whether the scheme adds vectors to the embeddings (overrides `embed`): a call fewer per step without
+        self.adds_position_embeddings = type(self.positions).embed is not PositionScheme.embed
         self.hidden_dropout = config.hidden_dropout
         # `value_residual`: the blocks mix in the first block's values (read once: see `_use_cache`)
         self.mixes_first_values = bool(config.value_residual)
@@ -147,7 +153,12 @@ class PlugformerModel(PlugformerPreTrainedModel):
         the sliding cache layers `DynamicCache(config=...)` makes from the same fields, the full ones by the full
         layers."""
         batch, query_length = inputs_embeds.shape[:2]
-        documents = document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        # one query (a decoding step) is one document: nothing to keep apart
+        documents = (
+            None
+            if position_ids is None or query_length == 1
+            else document_mask_function(position_ids, attention_mask, cache, batch, query_length)
+        )
         kinds = {layer.attention_type for layer in self.layers} if kinds is None else kinds
         if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
             functions = {"full_attention": create_bidirectional_mask,
@@ -195,12 +206,10 @@ class PlugformerModel(PlugformerPreTrainedModel):
     def _encoder_mask(
         self,
         inputs_embeds: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None,
+        encoder_hidden_states: torch.Tensor,
         encoder_attention_mask: torch.Tensor | None,
     ):
-        """The cross-attention mask over the encoder output (its padding), or `None` without an encoder output."""
-        if encoder_hidden_states is None:
-            return None
+        """The cross-attention mask over the encoder output `encoder_hidden_states` (its padding)."""
         return create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
@@ -251,7 +260,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
         encoder_attention_mask: torch.Tensor | None = None,
         validate_inputs: bool = True,
         **kwargs,
-    ) -> BaseModelOutputWithPastAndCrossAttentions:
+    ) -> BaseModelOutputWithPast | BaseModelOutputWithPastAndCrossAttentions:
         r"""
         Args:
             input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): Token ids.
@@ -312,11 +321,17 @@ class PlugformerModel(PlugformerPreTrainedModel):
             padded = attention_mask is not None and attention_mask.ndim == 2
             past_length = self_cache.get_seq_length() if self_cache is not None and not padded else 0
             position_ids = position_ids_from_mask(attention_mask, past_length, query_length, inputs_embeds.device)
-        encoder_mask = self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        encoder_mask = (
+            None
+            if encoder_hidden_states is None
+            else self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        )
         positions = self.positions
         biases = {kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
                   for kind, i in first_layers.items()} if positions.has_bias else None  # fmt: skip
-        hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
+        hidden_states = inputs_embeds
+        if self.adds_position_embeddings or (self.hidden_dropout and self.training):  # (else nothing to add or drop)
+            hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
         rotary = positions.rotary(hidden_states, position_ids)
         cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
         # `value_residual`: the first block's values, which every later block mixes into its own (Zhou et al. 2024)
@@ -329,7 +344,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
                 encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
                 cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
             )  # fmt: skip
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return self.output_class(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
 # what a head needs of the config's stack layout (each head calls one of these before building)
