@@ -172,16 +172,20 @@ def quick_run(tmp_path_factory) -> Path:
 
 # the schemes whose training step at the quick run's length (64, from slot 0, no padding) takes a kernel of their own:
 # ALiBi's key-side bias per block (kernels_alibi), FIRE's bias recomputed per block (kernels_query_bias), and the
-# biases constant beyond a distance the tiny preset puts below 64 (kernels_banded: clamped at 8, T5 buckets at 16)
-OWN_BIAS_PATHS = {"alibi": "linear-bias", "fire": "query-bias", "t5_bias": "banded-bias", "clamped_bias": "banded-bias"}
+# biases constant beyond a distance the tiny preset puts below 64 (kernels_banded: clamped at 8, T5 buckets at 16),
+# and KERPLE's through the Toeplitz-view kernel (kernels_relative), which takes fp32 only (not bf16)
+OWN_BIAS_PATHS = {"alibi": "linear-bias", "fire": "query-bias", "t5_bias": "banded-bias", "clamped_bias": "banded-bias",
+                  "kerple_log": "relative-bias"}  # fmt: skip
 
 
-def expected_sdpa_kernel(score: str, scheme: str) -> str:
+def expected_sdpa_kernel(score: str, scheme: str, dtype: str) -> str:
     """The profile label of a variant's training step on sdpa at the quick run's length. Differential attention's
     values are twice as wide as its queries, which torch's CPU flash kernel refuses: SDPA runs its math path, and of
     the bias kernels only FIRE's (no flash call of its own) takes it."""
     wide_values = score == "differential"
     path = OWN_BIAS_PATHS.get(scheme) if not wide_values or scheme == "fire" else None
+    if path == "relative-bias" and dtype != "fp32":
+        path = None
     if path is None and POSITION_SCHEMES.get(scheme).has_bias:
         path = "blockwise-bias"  # plugformer's blockwise kernel for a score bias, fused SDPA inside
     return "sdpa:" + "+".join(sorted({"math" if wide_values else "flash", path} - {None}))
@@ -215,7 +219,7 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
         elif row["attention_modifier"]:
             kernel = row["kernel"] if row["kernel"].startswith("sdpa:") else "sdpa:..."  # the backend varies
         else:
-            kernel = expected_sdpa_kernel(row["attention_score"], row["position_scheme"])
+            kernel = expected_sdpa_kernel(row["attention_score"], row["position_scheme"], row["dtype"])
         assert row["kernel"] == kernel
         assert row["baseline"]["kernel"] == "sdpa:flash"
         cells = [row["attention_score"], row["position_scheme"], row["attention_modifier"] or "-", kernel]

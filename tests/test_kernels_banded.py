@@ -12,6 +12,7 @@ from conftest import assert_same_training_step, count_applies, tiny_config, trai
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import plugformer.kernels_banded as banded
+import plugformer.kernels_relative as kernels_relative
 from plugformer import PlugformerForCausalLM
 from plugformer.biases import RelativeBias
 from plugformer.kernels_banded import BandedBiasAttention, banded_bias_applies
@@ -33,17 +34,16 @@ def materialised(query, key, value, values, scaling):
 
 
 @pytest.mark.parametrize(
-    ("length", "far", "rows", "kv_heads", "group_bytes"),
-    [(37, 5, 8, 3, None), (64, 16, 8, 1, 1), (50, 1, 16, 3, None), (70, 13, 64, 1, None), (33, 32, 4, 3, 1)],
-    ids=["blocks", "gqa-one-block-per-group", "width-1", "one-short-block", "far-part-of-one-row"],
+    ("length", "far", "rows", "kv_heads", "fused_rows"),
+    [(37, 5, 8, 3, 16), (64, 16, 8, 1, 7), (50, 1, 16, 3, 64), (70, 13, 64, 1, 32), (33, 32, 4, 3, 8)],
+    ids=["blocks", "gqa-short-fused-blocks", "width-1", "one-short-band-block", "far-part-of-one-row"],
 )
-def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, group_bytes,
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, fused_rows,
                                                                   monkeypatch):  # fmt: skip
     """fp64: output and the gradients of Q, K, V and the bias table (distances clamped at `far`, as clamped_bias's)
-    equal autograd through the materialised computation."""
+    equal autograd through the materialised computation, with band and fused blocks of several sizes."""
     monkeypatch.setattr(banded, "BAND_ROWS", rows)
-    if group_bytes is not None:
-        monkeypatch.setattr(banded, "BIAS_BLOCK_BYTES", group_bytes)
+    monkeypatch.setattr(kernels_relative, "ROWS", fused_rows)
     generator = torch.Generator().manual_seed(length)
     heads, dim = 3, 4
 
@@ -67,7 +67,8 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, r
         torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0, msg=name)
 
 
-def test_bf16_output_is_as_close_to_fp64_as_the_materialised_bf16_softmax():
+def test_bf16_output_is_as_close_to_fp64_as_the_materialised_bf16_softmax(monkeypatch):
+    monkeypatch.setattr(kernels_relative, "ROWS", 32)  # three fused blocks
     generator = torch.Generator().manual_seed(0)
     shape = (2, 4, 96, 16)
     query, key, value = (torch.randn(*shape, dtype=torch.float64, generator=generator) for _ in range(3))
@@ -87,6 +88,7 @@ def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, m
     sdpa takes the banded kernel in every layer, and its logits and every parameter's gradient (the bias table's
     included) equal eager's."""
     calls = count_applies(monkeypatch, BandedBiasAttention)
+    monkeypatch.setattr(kernels_relative, "ROWS", 16)  # three fused blocks
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 40), generator=generator)
     config = tiny_config(score, scheme)

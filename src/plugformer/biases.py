@@ -40,8 +40,8 @@ class RelativeBias:
         key_length (`int`): K.
         constant_beyond (`int`, *optional*): a distance W from which the bias is one value per head on each side
             (T5's last bucket, the clamp of `clamped_bias`), declared by the scheme
-            (`PositionScheme.constant_bias_distance`): the sdpa kernel then scores the keys W or more slots behind a
-            causal query with the fused kernel and no mask (`kernels_banded`).
+            (`PositionScheme.constant_bias_distance`): the sdpa kernel then computes the bias gradient of the keys
+            less than W slots behind a causal query alone, explicitly (`kernels_banded`).
         linear (`bool`, *optional*, defaults to `False`): whether the bias is m_h · (j − i) for every key j at or
             before query i (ALiBi), declared by the scheme (`PositionScheme.linear_bias_slopes`): the sdpa kernel then
             folds the bias of a causal block into a mask of its keys alone (`kernels_alibi`).

@@ -336,7 +336,8 @@ def sdpa_relative_bias_forward(
     (B or 1, H, block, K) is built from the bias's rows, and a causal block skips the keys after its last query
     (`causal_keys`; with a mask, when `mask_blocks_the_future`). Per block:
 
-    - bias requiring grad (`t5_bias`, `clamped_bias`, `kerple_log` in training; `kernels_banded` where it applies):
+    - bias requiring grad (`t5_bias`, `clamped_bias`, `kerple_log` in training; `kernels_banded` and
+      `kernels_relative` where they apply):
       `LearnedBiasAttention`, a fused forward (with attention dropout, the block's weights and a seeded keep mask),
       a backward that recomputes the block's weights (and mask) and reduces the bias gradient into the bias values;
     - fixed bias (`alibi`, or no gradient wanted): the fused kernel; in training on CPU `kernels_fixed.FixedBiasBlock`

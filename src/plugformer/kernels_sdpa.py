@@ -2,8 +2,8 @@
 table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa_sinks_forward`, else
 `kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one); a bias constant
 beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded`, a bias linear
-in the distance (ALiBi) `kernels_alibi`, where they apply, and a bias computed from the queries' positions (FIRE) in
-training `kernels_query_bias`."""
+in the distance (ALiBi) `kernels_alibi`, any other relative bias (KERPLE) `kernels_relative`, where they apply, and a
+bias computed from the queries' positions (FIRE) in training `kernels_query_bias`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .kernels import sdpa_attention_forward, transformers_sdpa
 from .kernels_alibi import linear_bias_applies, linear_bias_attention_forward
 from .kernels_banded import banded_bias_applies, banded_bias_attention_forward
 from .kernels_query_bias import query_bias_applies, query_bias_attention_forward
+from .kernels_relative import relative_bias_applies, relative_bias_attention_forward
 from .kernels_sinks import sdpa_sinks_forward
 
 
@@ -32,7 +33,8 @@ def sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the banded kernel
     for a bias constant beyond a distance where `banded_bias_applies`, the linear-bias kernel for ALiBi where
-    `linear_bias_applies`, `query_bias_attention_forward` for a bias recipe where `query_bias_applies`; else
+    `linear_bias_applies`, the Toeplitz-view kernel for any other relative bias where `relative_bias_applies`,
+    `query_bias_attention_forward` for a bias recipe where `query_bias_applies`; else
     `kernels.sdpa_attention_forward`."""
     if s_aux is not None:
         return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
@@ -44,6 +46,8 @@ def sdpa_forward(
         return banded_bias_attention_forward(query, key, value, scaling, position_bias)
     if linear_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return linear_bias_attention_forward(query, key, value, scaling, position_bias)
+    if relative_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
+        return relative_bias_attention_forward(query, key, value, scaling, position_bias)
     if query_bias_applies(query, key, position_bias):
         return query_bias_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias,
                                             is_causal=is_causal)  # fmt: skip

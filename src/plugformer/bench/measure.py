@@ -33,7 +33,8 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
     "aten::_scaled_dot_product_attention_math": "math",
     "plugformer::sdpa_relative_bias": "blockwise-bias",  # kernels.PROFILER_NAME: SDPA per block of query rows
-    "plugformer::banded_bias": "banded-bias",  # kernels_banded: far keys fused, the near band explicit
+    "plugformer::banded_bias": "banded-bias",  # kernels_banded: fused, the bias gradient of the near band explicit
+    "plugformer::relative_bias": "relative-bias",  # kernels_relative: fused forward, bias as a view; hand backward
     "plugformer::linear_bias": "linear-bias",  # kernels_alibi: ALiBi as a key-side row per query block
     "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's bias per block, recomputed in the backward
 }

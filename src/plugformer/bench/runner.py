@@ -152,7 +152,9 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
     if "banded-bias" in sdpa_backends:
-        return "far keys fused, near band explicit"
+        return "fused, bias as a view; near band's bias gradient explicit"
+    if "relative-bias" in sdpa_backends:
+        return "fused forward, bias as a view; backward by hand"
     if "linear-bias" in sdpa_backends:
         return "key-side bias per block, no N x N mask"
     if "query-bias" in sdpa_backends:

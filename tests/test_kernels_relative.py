@@ -1,0 +1,85 @@
+"""The sdpa kernel for any relative bias (`kernels_relative`, KERPLE's): its output and every gradient against the
+materialised softmax, and that the sdpa kernel selects it where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_training_step, count_applies, tiny_config, training_step_by_kernel
+
+import plugformer.kernels_relative as kernels_relative
+from plugformer.biases import RelativeBias
+from plugformer.kernels_relative import RelativeBiasAttention, relative_bias_applies
+
+
+def materialised(query, key, value, values, scaling):
+    """softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
+    length, groups = query.shape[2], query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    slots = torch.arange(length)
+    bias = values[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N): value of distance j − i
+    scores = query @ key.transpose(-1, -2) * scaling + bias
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ value
+
+
+@pytest.mark.parametrize("learned", [True, False], ids=["learned-bias", "fixed-bias"])
+@pytest.mark.parametrize(
+    ("length", "rows", "hand_rows", "kv_heads"),
+    [(37, 16, 8, 3), (64, 7, 64, 1), (50, 64, 5, 3), (1, 4, 4, 3)],
+    ids=["blocks", "gqa-short-fused-blocks", "one-fused-block", "one-token"],
+)
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, rows, hand_rows, kv_heads, learned,
+                                                                  monkeypatch):  # fmt: skip
+    """fp64: output and the gradients of Q, K, V and of every bias value (future distances: none) equal autograd
+    through the materialised computation, by the hand backward (learned) or the fused one (fixed)."""
+    monkeypatch.setattr(kernels_relative, "ROWS", rows)
+    monkeypatch.setattr(kernels_relative, "HAND_ROWS", hand_rows)
+    generator = torch.Generator().manual_seed(length)
+    heads, dim = 3, 4
+
+    def tensor(*shape, grad=True):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).requires_grad_(grad)
+
+    query = tensor(2, heads, length, dim)
+    key, value = tensor(2, kv_heads, length, dim), tensor(2, kv_heads, length, dim)
+    values = tensor(heads, 2 * length - 1, grad=learned)
+    inputs = (query, key, value, values) if learned else (query, key, value)
+    grad_output = torch.randn(2, heads, length, dim, dtype=torch.float64, generator=generator)
+    results = []
+    for function in (RelativeBiasAttention.apply, materialised):
+        output = function(query, key, value, values, 0.37)
+        results.append((output, torch.autograd.grad(output, inputs, grad_output)))
+    (output, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    names = ("query", "key", "value", "values")[: len(grads)]
+    for name, grad, reference in zip(names, grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
+def test_sdpa_training_takes_the_relative_kernel_and_equals_eager(score, monkeypatch):
+    """A causal batch without padding, GQA, KERPLE's bias: sdpa takes this kernel in every layer, and its logits and
+    every parameter's gradient (r1, r2 included) equal eager's."""
+    calls = count_applies(monkeypatch, RelativeBiasAttention)
+    monkeypatch.setattr(kernels_relative, "ROWS", 16)  # three fused blocks
+    monkeypatch.setattr(kernels_relative, "HAND_ROWS", 8)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    config = tiny_config(score, "kerple_log")
+    results = training_step_by_kernel(config, ids)
+    assert len(calls) == config.num_hidden_layers
+    assert_same_training_step(results)
+
+
+def test_applies_only_to_causal_unmasked_undropped_equal_lengths():
+    query = key = value = torch.zeros(1, 2, 20, 4)
+    bias = RelativeBias(torch.zeros(2, 39), 20, 20)
+    assert relative_bias_applies(query, key, value, None, 0.0, bias, True)
+    assert not relative_bias_applies(query, key, value, None, 0.0, bias, False)  # an encoder sees later keys
+    assert not relative_bias_applies(query, key, value, torch.ones(1, 1, 20, 20, dtype=torch.bool), 0.0, bias, True)
+    assert not relative_bias_applies(query, key, value, None, 0.1, bias, True)  # attention dropout
+    assert not relative_bias_applies(query, key, torch.zeros(1, 2, 20, 8), None, 0.0, bias, True)  # wider values
+    assert not relative_bias_applies(query[:, :, :1], key, value, None, 0.0, bias, True)  # a decoding step
+    assert not relative_bias_applies(query.half(), key.half(), value.half(), None, 0.0, bias, True)
+    assert not relative_bias_applies(query.bfloat16(), key.bfloat16(), value.bfloat16(), None, 0.0, bias, True)
+    assert not relative_bias_applies(query, key, value, None, 0.0, RelativeBias(bias.values.half(), 20, 20), True)
