@@ -23,16 +23,19 @@ def materialised(query, key, value, values, scaling):
     return torch.softmax(scores, dim=-1) @ value
 
 
+@pytest.mark.parametrize("layout", ["heads-first", "distances-first"])
 @pytest.mark.parametrize("learned", [True, False], ids=["learned-bias", "fixed-bias"])
 @pytest.mark.parametrize(
     ("length", "rows", "hand_rows", "kv_heads"),
     [(37, 16, 8, 3), (64, 7, 64, 1), (50, 64, 5, 3), (1, 4, 4, 3)],
     ids=["blocks", "gqa-short-fused-blocks", "one-fused-block", "one-token"],
 )
-def test_output_and_every_gradient_equal_the_materialised_softmax(length, rows, hand_rows, kv_heads, learned,
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, rows, hand_rows, kv_heads, learned, layout,
                                                                   monkeypatch):  # fmt: skip
     """fp64: output and the gradients of Q, K, V and of every bias value (future distances: none) equal autograd
-    through the materialised computation, by the hand backward (learned) or the fused one (fixed)."""
+    through the materialised computation, by the hand backward (learned) or the fused one (fixed); also with the
+    values laid out distances-first, as T5's bucket lookup hands them over (a transposed (2N − 1, H) tensor: the
+    backward once read it as if heads-first, and got every gradient wrong while the output was right)."""
     monkeypatch.setattr(kernels_relative, "ROWS", rows)
     monkeypatch.setattr(kernels_relative, "HAND_ROWS", hand_rows)
     generator = torch.Generator().manual_seed(length)
@@ -43,7 +46,10 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, rows, 
 
     query = tensor(2, heads, length, dim)
     key, value = tensor(2, kv_heads, length, dim), tensor(2, kv_heads, length, dim)
-    values = tensor(heads, 2 * length - 1, grad=learned)
+    if layout == "heads-first":
+        values = tensor(heads, 2 * length - 1, grad=learned)
+    else:
+        values = tensor(2 * length - 1, heads, grad=learned).t()  # (H, 2N − 1), strides (1, H)
     inputs = (query, key, value, values) if learned else (query, key, value)
     grad_output = torch.randn(2, heads, length, dim, dtype=torch.float64, generator=generator)
     results = []
@@ -66,6 +72,18 @@ def test_sdpa_training_takes_the_relative_kernel_and_equals_eager(score, monkeyp
     monkeypatch.setattr(kernels_relative, "HAND_ROWS", 8)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     config = tiny_config(score, "kerple_log")
+    results = training_step_by_kernel(config, ids)
+    assert len(calls) == config.num_hidden_layers
+    assert_same_training_step(results)
+
+
+def test_t5_bias_shorter_than_its_far_distance_takes_the_relative_kernel_and_equals_eager(monkeypatch):
+    """T5's buckets (constant from 16 slots in `tiny`) over 12 tokens: the banded kernel does not apply, this one
+    does, with the bucket lookup's transposed values; logits and every gradient equal eager's."""
+    calls = count_applies(monkeypatch, RelativeBiasAttention)
+    monkeypatch.setattr(kernels_relative, "HAND_ROWS", 5)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    config = tiny_config("dot", "t5_bias")
     results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
     assert_same_training_step(results)

@@ -41,7 +41,9 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def hankel(table: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
-    """The view `(1, H, rows, keys)` of `table` (H, M), contiguous, whose entry (t, j) is `table[h, start + t + j]`."""
+    """The view `(1, H, rows, keys)` of `table` (H, M) whose entry (t, j) is `table[h, start + t + j]`."""
+    if table.stride(-1) != 1:  # the view steps one value per key: a table laid out (M, H) (T5's lookup) is copied
+        table = table.contiguous()
     offset = table.storage_offset() + start
     return table.as_strided((1, table.shape[0], rows, keys), (0, table.stride(0), 1, 1), offset)
 
@@ -182,7 +184,8 @@ class RelativeBiasAttention(torch.autograd.Function):
         groups = query.shape[1] // key.shape[1]
         key_heads, value_heads = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, H, N, D)
         grad_output = grad_output.contiguous()
-        table = values.detach().to(lse.dtype).clone()
+        # a copy (the future distances are overwritten below), laid out (H, 2N − 1) as the Hankel views step
+        table = values.detach().to(lse.dtype).clone(memory_format=torch.contiguous_format)
         if ctx.needs_input_grad[3]:
             table[:, length:] = float("-inf")  # the future distances: a block's keys after a row
             grads = hand_backward(grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling)
