@@ -202,6 +202,17 @@ def count_applies(monkeypatch, function) -> list:
     return calls
 
 
+def materialised_relative_attention(query, key, value, values, scaling):
+    """The reference of the relative-bias kernels: softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
+    length, groups = query.shape[2], query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    slots = torch.arange(length)
+    bias = values[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N): value of distance j − i
+    scores = query @ key.transpose(-1, -2) * scaling + bias
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ value
+
+
 def trainable_on_this_device(kernel: str) -> bool:
     return kernel in CPU_TRAINING_KERNELS or torch.cuda.is_available()
 

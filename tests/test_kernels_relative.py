@@ -6,21 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same_training_step, count_applies, tiny_config, training_step_by_kernel
+from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_relative as kernels_relative
 from plugformer.biases import RelativeBias
 from plugformer.kernels_relative import RelativeBiasAttention, relative_bias_applies
-
-
-def materialised(query, key, value, values, scaling):
-    """softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
-    length, groups = query.shape[2], query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    slots = torch.arange(length)
-    bias = values[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N): value of distance j − i
-    scores = query @ key.transpose(-1, -2) * scaling + bias
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ value
 
 
 @pytest.mark.parametrize("layout", ["heads-first", "distances-first"])
