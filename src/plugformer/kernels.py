@@ -29,7 +29,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
 from .biases import QueryPositionBias, RelativeBias
-from .kernels_fixed import FixedBiasBlock, recomputes_fixed_mask
+from .kernels_fixed import FixedBiasBlock, recomputes_fixed_mask, sum_over_groups
 
 
 # Bytes of one (B, H, block, K) score-sized tensor of the relative-bias SDPA kernel.
@@ -85,6 +85,29 @@ def symbolic_sizes(*tensors: torch.Tensor) -> bool:
     symbolic length would specialise the graph to the traced length (torch.export refuses, ONNX exported a fixed
     shape). One block is exact, but holds the whole (B, H, Q, K) score-sized tensor the blocks bound."""
     return any(isinstance(size, torch.SymInt) for tensor in tensors for size in tensor.shape[-2:])
+
+
+def fused_causal_call(query, key, value, attention_mask, dropout: float, position_bias, is_causal: bool) -> bool:
+    """What every bias kernel on torch's fused CPU flash kernel (`kernels_alibi`, `kernels_banded`, `kernels_relative`)
+    needs of a call: a `RelativeBias` over causal self-attention of N tokens from slot 0 (no cache offset: Q = K) with
+    no mask (no padding, packing or window: transformers then leaves the mask out), no attention dropout, values as wide
+    as the queries (the CPU flash kernel wants them so), on CPU, outside torch.compile / export tracing (a Python loop
+    over blocks would specialise the graph). Each kernel adds its own conditions (bias kind, dtypes)."""
+    if not isinstance(position_bias, RelativeBias) or torch.compiler.is_compiling() or symbolic_sizes(query, key):
+        return False
+    length = query.shape[2]
+    same = length == key.shape[2] == position_bias.query_length == position_bias.key_length
+    same = same and value.shape[-1] == query.shape[-1]
+    return same and is_causal and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
+
+
+def merge_by_lse(first, first_lse, second, second_lse, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions of the same queries over disjoint keys, `(B, H, r, D)` each with its log-sum-exp
+    `(B, H, r)`, merged into the attention over all their keys (as FlashAttention-2 merges key blocks), in `dtype`."""
+    merged = torch.logaddexp(first_lse, second_lse)  # (B, H, r)
+    output = (first.to(dtype) * (first_lse - merged).exp()[..., None]
+              + second.to(dtype) * (second_lse - merged).exp()[..., None])  # fmt: skip
+    return output, merged
 
 
 def _add_bias_and_mask(
@@ -274,10 +297,7 @@ def block_gradients(query, key, value, bias, allowed, rows, scaling, output, gra
     d_scores_cast = d_scores.to(compute)
     grad_query = torch.matmul(d_scores_cast, block.key_heads) * scaling  # (B, H, r, D)
     grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query) * scaling  # (B, H, K, D)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-        grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, K, D)
-        grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+    grad_key, grad_value = sum_over_groups(grad_key, grad_value, query.shape[1] // key.shape[1])  # (B, H_kv, K, D)
     dtype = query.dtype
     return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), d_scores
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .biases import RelativeBias
-from .kernels import repeat_kv, symbolic_sizes
+from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
 
 
 # Query rows per block. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread, CPU time, shared
@@ -75,10 +75,7 @@ class LinearBiasAttention(torch.autograd.Function):
                 far, far_lse = _flash(query[:, :, rows], key_heads[:, :, :start], value_heads[:, :, :start], 0.0,
                                       False, attn_mask=_before(values, start), scale=scaling)  # fmt: skip
                 far_lse = far_lse + _row_offsets(values, count)
-                merged = torch.logaddexp(far_lse, block_lse)  # (B, H, r)
-                block = (far.to(accumulate) * (far_lse - merged).exp()[..., None]
-                         + block.to(accumulate) * (block_lse - merged).exp()[..., None])  # fmt: skip
-                block_lse = merged
+                block, block_lse = merge_by_lse(far, far_lse, block, block_lse, accumulate)
             output[:, :, rows] = block
             lse[:, :, rows] = block_lse
         ctx.save_for_backward(query, key, value, values, output, lse)
@@ -117,9 +114,7 @@ class LinearBiasAttention(torch.autograd.Function):
                 grad_key[:, :, :start] += far_key
                 grad_value[:, :, :start] += far_value
             grad_query[:, :, rows] = d_query
-        if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-            grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, N, D)
-            grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+        grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, N, D)
         return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), None, None
 
 
@@ -130,18 +125,12 @@ def linear_bias_applies(query, key, value, attention_mask, dropout: float, posit
     attention dropout, on CPU (torch's CPU flash kernel, which wants values as wide as the queries), outside
     torch.compile / export tracing, in fp32, bf16 or fp64 (fp16 scores can overflow in the fused kernel). Any other
     call takes the blockwise kernel (`kernels.sdpa_relative_bias_forward`), which computes all of them."""
-    if not isinstance(position_bias, RelativeBias) or not position_bias.linear:
-        return False
-    if torch.compiler.is_compiling() or symbolic_sizes(query, key):
+    if not fused_causal_call(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return False
     values = position_bias.values
-    if values.requires_grad or values.dtype not in (torch.float32, torch.float64):
+    if not position_bias.linear or values.requires_grad or values.dtype not in (torch.float32, torch.float64):
         return False
-    length = query.shape[2]
-    same = length == key.shape[2] == position_bias.query_length == position_bias.key_length
-    same = same and value.shape[-1] == query.shape[-1]
-    simple = is_causal and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
-    return simple and same and query.dtype in (torch.float32, torch.bfloat16, torch.float64)
+    return query.dtype in (torch.float32, torch.bfloat16, torch.float64)
 
 
 def linear_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .biases import RelativeBias
-from .kernels import repeat_kv, symbolic_sizes
+from .kernels import fused_causal_call, repeat_kv, sum_over_groups
 from .kernels_relative import flash_backward, flash_forward
 
 
@@ -100,9 +100,7 @@ class BandedBiasAttention(torch.autograd.Function):
         grad_values = None
         if ctx.needs_input_grad[3]:
             grad_values = band_bias_gradient(*operands, ctx.width, ctx.scaling).to(values.dtype)
-        if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-            grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, N, D)
-            grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+        grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, N, D)
         return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), grad_values, None, None
 
 
@@ -114,16 +112,11 @@ def banded_bias_applies(query, key, value, attention_mask, dropout: float, posit
     tracing, in fp32, bf16 or fp64 (float16 scores can overflow in the fused kernel, where the blockwise kernel
     keeps them finite). Any other call takes the blockwise kernel
     (`kernels.sdpa_relative_bias_forward`), which computes all of them."""
-    if not isinstance(position_bias, RelativeBias) or position_bias.constant_beyond is None:
+    if not fused_causal_call(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return False
-    if torch.compiler.is_compiling() or symbolic_sizes(query, key):
+    if position_bias.constant_beyond is None or query.dtype == torch.float16:
         return False
-    length = query.shape[2]
-    same = length == key.shape[2] == position_bias.query_length == position_bias.key_length
-    same = same and value.shape[-1] == query.shape[-1]
-    simple = is_causal and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
-    simple = simple and query.dtype != torch.float16
-    return simple and same and length > position_bias.constant_beyond
+    return query.shape[2] > position_bias.constant_beyond
 
 
 def banded_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):

@@ -38,6 +38,14 @@ def _heads(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor.repeat_interleave(groups, 1) if groups > 1 else tensor
 
 
+def sum_over_groups(grad_key: torch.Tensor, grad_value: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H_kv · groups, S, D) gradients -> (B, H_kv, S, D): each key/value head served `groups` query heads (GQA),
+    so its gradient is theirs summed (the adjoint of `kernels.repeat_kv`)."""
+    if groups == 1:
+        return grad_key, grad_value
+    return grad_key.unflatten(1, (-1, groups)).sum(2), grad_value.unflatten(1, (-1, groups)).sum(2)
+
+
 class FixedBiasBlock(torch.autograd.Function):
     """softmax(s · Q Kᵀ + bias, blocked where `allowed` is false) V for the query rows `start..stop-1` (`query`
     `(B, H, r, D)`) over `key`, `value` `(B, H_kv, keys, D)`, a bias object whose values need no gradient."""
@@ -60,7 +68,5 @@ class FixedBiasBlock(torch.autograd.Function):
         mask = _mask(ctx.bias, allowed, *ctx.rows, key.shape[2], query.dtype)
         grad_query, grad_key, grad_value = _flash_backward(grad_output.contiguous(), query, key_heads, value_heads,
                                                            output, lse, 0.0, False, attn_mask=mask, scale=ctx.scaling)  # fmt: skip
-        if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-            grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, keys, D)
-            grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+        grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, keys, D)
         return grad_query, grad_key, grad_value, None, None, None, None, None

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .biases import RelativeBias
-from .kernels import repeat_kv, symbolic_sizes
+from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
 
 
 # Query rows per fused block. Forward + backward with the fused backward against causal SDPA (B=2, H=6, D=64, fp32,
@@ -73,10 +73,7 @@ def flash_forward(query, key_heads, value_heads, values, scaling: float):
                                   False, attn_mask=_reversed_rows(values, rows.stop, count, start),
                                   scale=scaling)  # fmt: skip
             far, far_lse = far.flip(2), far_lse.flip(2)
-            merged = torch.logaddexp(far_lse, block_lse)  # (B, H, r)
-            block = (far.to(lse.dtype) * (far_lse - merged).exp()[..., None]
-                     + block.to(lse.dtype) * (block_lse - merged).exp()[..., None])  # fmt: skip
-            block_lse = merged
+            block, block_lse = merge_by_lse(far, far_lse, block, block_lse, lse.dtype)
         output[:, :, rows] = block
         lse[:, :, rows] = block_lse
     return output, lse
@@ -195,9 +192,7 @@ class RelativeBiasAttention(torch.autograd.Function):
             grad_query, grad_key, grad_value = flash_backward(grad_output, query, key_heads, value_heads, table,
                                                               output, lse, ctx.scaling)  # fmt: skip
             grad_values = None
-        if groups > 1:  # each key/value head served `groups` query heads: sum their gradients
-            grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)  # (B, H_kv, N, D)
-            grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+        grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, N, D)
         return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), grad_values, None
 
 
@@ -211,17 +206,12 @@ def relative_bias_applies(query, key, value, attention_mask, dropout: float, pos
     error under autocast (eager bf16: 0.6-1.2%, the blockwise kernel 1.2-1.5%); nor fp16 (its scores can overflow
     in the fused kernel). Any other call takes the blockwise kernel (`kernels.sdpa_relative_bias_forward`), which
     computes all of them."""
-    if not isinstance(position_bias, RelativeBias):
+    if not fused_causal_call(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return False
-    if torch.compiler.is_compiling() or symbolic_sizes(query, key):
-        return False
-    if position_bias.values.dtype not in (torch.float32, torch.float64):
-        return False
-    length = query.shape[2]
-    same = length == key.shape[2] == position_bias.query_length == position_bias.key_length
-    same = same and value.shape[-1] == query.shape[-1]
-    simple = is_causal and attention_mask is None and dropout == 0.0 and query.device.type == "cpu"
-    return simple and same and query.dtype in (torch.float32, torch.float64)
+    return position_bias.values.dtype in (torch.float32, torch.float64) and query.dtype in (
+        torch.float32,
+        torch.float64,
+    )
 
 
 def relative_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
