@@ -354,12 +354,17 @@ def test_command_line_gives_the_options_that_differ_and_parses_back():
         BenchArguments(sizes=["small"], seq_lens=[512], sections=["train", "decode"], device="cpu"),
         BenchArguments(quick=True, repeats=7, dtypes=["bf16"], device="cpu", output_dir="x", seed=3),
         BenchArguments(sizes=["small,num_hidden_layers=2"], attention_scores=["additive"], device="cpu"),
+        BenchArguments(position_schemes=["none", "alibi"], attention_modifiers=[], device="cpu"),
     ]
     assert command_line(dataclasses.asdict(cases[0])) == (
         "plugformer bench --sizes small --seq_lens 512 --sections train decode --device cpu"
     )
     assert command_line(dataclasses.asdict(cases[1])) == (
         "plugformer bench --repeats 7 --dtypes bf16 --device cpu --seed 3 --quick"
+    )
+    # no modifier rows: a YAML's `attention_modifiers: []`, which the command line writes as `none`
+    assert command_line(dataclasses.asdict(cases[3])) == (
+        "plugformer bench --position_schemes none alibi --attention_modifiers none --device cpu"
     )
     for arguments in cases:
         words = shlex.split(command_line(dataclasses.asdict(arguments)))

@@ -95,7 +95,7 @@ class LinearBiasAttention(torch.autograd.Function):
         grad_query = torch.empty_like(query)
         grad_key = torch.zeros(key_heads.shape, dtype=lse.dtype, device=query.device)  # (B, H, N, D)
         grad_value = torch.zeros_like(grad_key)
-        for start in range(0, length, ROWS):
+        for start in reversed(range(0, length, ROWS)):  # largest temporaries first (`kernels_relative`, Block order)
             rows = slice(start, min(start + ROWS, length))
             count = rows.stop - start
             block_args = (grad_output[:, :, rows], query[:, :, rows])

@@ -83,7 +83,8 @@ class BenchArguments:
         metadata={"help": "variant rows of scaled_dot + none with one of these fields set, a row per value ("
                           + ", ".join(f"{name}={' | '.join(map(repr, values))}"
                                       for name, values in ATTENTION_MODIFIERS.items())
-                          + "), run when scaled_dot and none are among the variant rows; [] in a --config YAML: none"},
+                          + "), run when scaled_dot and none are among the variant rows; none (or [] in a --config YAML): no "
+                          "modifier rows"},
     )  # fmt: skip
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt (min = max: EOS never stops)"})
     matmul_size: int = field(default=4096, metadata={"help": "n of the n x n matmul timed for the peak FLOP/s"})
@@ -114,7 +115,9 @@ class BenchArguments:
         _choice("pairs", self.pairs, list(PAIRS))
         _choice("attention_scores", self.attention_scores, ATTENTION_SCORES.names())
         _choice("position_schemes", self.position_schemes, POSITION_SCHEMES.names())
-        # none: the variant rows without modifier rows (`attention_modifiers: []` in a --config YAML)
+        # no modifier rows: `--attention_modifiers none` on the command line, `attention_modifiers: []` in a YAML
+        if self.attention_modifiers == ["none"]:
+            self.attention_modifiers = []
         _choice("attention_modifiers", self.attention_modifiers, list(ATTENTION_MODIFIERS), allow_none=True)
         for name, low in (("batch_size", 1), ("repeats", 1), ("warmup", 0), ("new_tokens", 2), ("matmul_size", 64)):
             if getattr(self, name) < low:

@@ -41,6 +41,8 @@ def command_line(arguments: dict) -> str:
         value = arguments[name]
         if name == "quick":
             words += ["--quick"] if value else []
+        elif value == [] and name == "attention_modifiers":  # an empty list has no command-line form but `none`
+            words += [f"--{name}", "none"]
         elif name == "device" or value != default:
             words += [f"--{name}", *(str(item) for item in (value if isinstance(value, list) else [value]))]
     return shlex.join(words)
