@@ -307,8 +307,9 @@ PACKAGE = Path(plugformer.__file__).parent
 KERNEL_TABLE_MODULES = {"capabilities.py", "kernels.py", "kernels_sdpa.py", "kernels_sinks.py", "kernels_banded.py",
                         "kernels_fixed.py"}  # fmt: skip
 # (module, string) pairs that match a name by coincidence: `plugformer plot sinusoidal` is a command named after the
-# encoding it draws, not a config's position scheme.
-COINCIDENCES = {("evaluation/plots.py", "sinusoidal")}
+# encoding it draws, not a config's position scheme; `plugformer bench --attention_modifiers none` asks for no modifier
+# rows, not for a position scheme.
+COINCIDENCES = {("evaluation/plots.py", "sinusoidal"), ("bench/arguments.py", "none")}
 
 
 def constant_strings(node: ast.AST) -> list[str]:
