@@ -150,7 +150,6 @@ def reversal_batch(count, generator, vocab=(3, 13)):
     return source, (source != PAD).long(), target
 
 
-@pytest.mark.slow  # ~70 s of training
 def test_learns_to_reverse_sequences():
     """Reversal needs cross-attention to the right source position; held-out exact match far above chance (~0)."""
     model = seq2seq(
@@ -158,11 +157,15 @@ def test_learns_to_reverse_sequences():
         num_key_value_heads=4,
     ).train()  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # decayed to 0: at a constant 3e-3 held-out exact match swings between 0.87 and 1.0 from one 100 steps to the next
+    # (seeds 0-3), so which step the test ends on decided it; decayed, 1.0 at step 300 for seeds 0-5
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 300)
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
         source, mask, target = reversal_batch(64, generator)
         model(source, attention_mask=mask, labels=target).loss.backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
     model.eval()
     source, mask, target = reversal_batch(200, torch.Generator().manual_seed(99))
@@ -171,7 +174,6 @@ def test_learns_to_reverse_sequences():
         generated[row, : (target[row] != -100).sum()].tolist() == target[row][target[row] != -100].tolist()
         for row in range(200)
     ]
-    # learned absolute positions reach 99% here in 300 steps (rope 85%, t5_bias 53%, alibi 5% at this budget)
     assert sum(correct) / 200 > 0.9, sum(correct) / 200
 
 
