@@ -65,17 +65,13 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def train(model, ids: torch.Tensor, averaged: tuple[torch.Tensor, ...] = ()) -> tuple[dict, dict]:
-    """`STEPS` AdamW steps, the gradients of `averaged` (parameters no wrapper reduces) averaged over the ranks by
-    hand. Returns the kernel calls they made and every parameter's first gradient, whole."""
+def train(model, ids: torch.Tensor) -> tuple[dict, dict]:
+    """`STEPS` AdamW steps. Returns the kernel calls they made and every parameter's first gradient, whole."""
     CALLS.clear()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     first = {}
     for step in range(STEPS):
         model(input_ids=ids, labels=ids).loss.backward()
-        for parameter in averaged:
-            dist.all_reduce(parameter.grad)
-            parameter.grad /= dist.get_world_size()
         if step == 0:
             first = {name.removeprefix("module."): gathered(p.grad).clone() for name, p in model.named_parameters()}
         optimizer.step()
@@ -91,21 +87,12 @@ def full(model) -> dict[str, torch.Tensor]:
     return {name.removeprefix("module."): gathered(p).detach().clone() for name, p in model.named_parameters()}
 
 
-def shard(model) -> tuple[str | None, tuple[torch.Tensor, ...]]:
-    """`fully_shard` on every block, then the root. FSDP2 refuses 0-d parameters (FIRE's c and L scales): then the
-    root is sharded without them (`ignored_params`), and the refusal and the parameters left out are returned."""
-    refusal, scalars = None, ()
-    try:
-        fully_shard(copy.deepcopy(model))  # a probe: a refused module stays marked as sharded, so not the model
-    except ValueError as error:
-        refusal, scalars = str(error), tuple(p for p in model.parameters() if p.ndim == 0)
-        if not scalars:
-            raise
+def shard(model) -> None:
+    """`fully_shard` on every block, then the root (as accelerate's FSDP2 plugin wraps a model)."""
     for module in model.modules():
         if type(module).__name__ in model._no_split_modules:
             fully_shard(module)
-    fully_shard(model, ignored_params=set(scalars) or None)
-    return refusal, scalars
+    fully_shard(model)
 
 
 def run_case(scheme: str, overrides: dict, rank: int, world: int) -> dict:
@@ -123,10 +110,8 @@ def run_case(scheme: str, overrides: dict, rank: int, world: int) -> dict:
         weights = full(reference)
         result["gradient_scale"] = {name: g.abs().max().item() for name, g in gradients.items()}
     sharded = copy.deepcopy(start)
-    refusal, left_out = shard(sharded)
-    result["fsdp2_refusal"] = refusal
-    result["fsdp2_left_out"] = [name for name, p in sharded.named_parameters() if any(p is q for q in left_out)]
-    runs = {"fsdp2": (sharded, train(sharded, half, left_out))}
+    shard(sharded)
+    runs = {"fsdp2": (sharded, train(sharded, half))}
     ddp = DistributedDataParallel(copy.deepcopy(start))
     runs["ddp"] = (ddp, train(ddp, half))
     initial = dict(start.named_parameters())

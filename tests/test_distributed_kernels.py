@@ -2,15 +2,13 @@
 `kernels_alibi` (ALiBi), `kernels_banded` (clamped and T5 biases over more tokens than their far distance) and
 `kernels_query_bias` (FIRE, in training) run forward and backward on every rank with FSDP2 (`fully_shard`) and with
 DDP, and both train to the weights one process reaches on the whole batch. One `torchrun` launch
-(`kernels_fsdp_worker.py`) runs every case.
-
-FSDP2 refuses FIRE's two 0-d parameters (`fully_shard doesn't support scalar parameters`): the worker shards FIRE
-without them (`ignored_params`) and averages their gradients by hand, so the kernel is still checked sharded; the
-refusal itself is the xfail below.
+(`kernels_fsdp_worker.py`) runs every case. `fully_shard` takes every parameter (it refused FIRE's c and L scales while
+they were 0-d).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -34,8 +32,6 @@ ZERO_GRADIENT = {"fire": {"model.positions.mlp_in.bias", "model.positions.mlp_ou
 # lr 1e-3 the weights differ by up to 4.7e-6 (ALiBi's embedding; at lr 1e-2 4.7e-5, and 1.1e-4 on the eager path,
 # without these kernels, so it is the optimizer, not a kernel).
 GRADIENT_ATOL, WEIGHT_ATOL = 1e-7, 1e-5
-# what the worker leaves out of FSDP2's sharding, after `fully_shard` refused it (test_fully_shard_takes_every_...)
-LEFT_OUT = {"fire": ["model.positions.distance_scale", "model.positions.threshold_scale"]}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +62,6 @@ def test_two_processes_train_to_the_one_process_weights(results, scheme, run):
     case, exempt = results[scheme], ZERO_GRADIENT.get(scheme, set())
     assert {name for name, scale in case["gradient_scale"].items() if scale < 1e-8} == exempt
     gradients, weights = case[run]["gradient_differences"], case[run]["differences"]
-    assert case["fsdp2_left_out"] == LEFT_OUT.get(scheme, [])  # sharded, but for these (averaged by hand)
     assert gradients.keys() == weights.keys() == case["gradient_scale"].keys()
     assert {name: d for name, d in gradients.items() if d > GRADIENT_ATOL} == {}
     assert {name: d for name, d in weights.items() if d > WEIGHT_ATOL and name not in exempt} == {}
@@ -76,12 +71,31 @@ def test_two_processes_train_to_the_one_process_weights(results, scheme, run):
     assert {name: d for name, d in moved.items() if d < 1e-4} == {}, "a scheme parameter did not move"
 
 
-REFUSED = "FSDP2 refuses 0-d parameters: FIRE's distance_scale and threshold_scale (left out of sharding above)"
+def every_variant_config(**overrides) -> list:
+    """The tiny preset with each score x scheme, each attention projection and each attention modifier that the config
+    accepts with `overrides`."""
+    from conftest import PROJECTIONS, SCHEMES, SCORES, tiny_config
+
+    from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields
+
+    fields = [{"score": score, "scheme": scheme} for score in SCORES for scheme in SCHEMES]
+    fields += [{"projection": projection, "num_key_value_heads": 4} for projection in PROJECTIONS]
+    fields += [modifier_fields(field, value, 2) for field, values in ATTENTION_MODIFIERS.items() for value in values]
+    configs = []
+    for chosen in fields:
+        with contextlib.suppress(ValueError):  # a combination the config refuses (e.g. a latent seq2seq)
+            configs.append(tiny_config(**chosen, **overrides))
+    return configs
 
 
-@pytest.mark.parametrize(
-    "scheme",
-    [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=REFUSED)) if s in LEFT_OUT else s for s in CASES],
-)
-def test_fully_shard_takes_every_parameter(results, scheme):
-    assert results[scheme]["fsdp2_refusal"] is None, results[scheme]["fsdp2_refusal"]
+@pytest.mark.parametrize("seq2seq", [False, True], ids=["causal", "seq2seq"])
+def test_no_variant_has_a_0d_parameter(seq2seq):
+    """`fully_shard` (FSDP2) refuses 0-d parameters ("doesn't support scalar parameters"): every variant's parameters
+    are at least vectors (FIRE's c and L scales were 0-d)."""
+    from plugformer import PlugformerForCausalLM, PlugformerForConditionalGeneration
+
+    head = PlugformerForConditionalGeneration if seq2seq else PlugformerForCausalLM
+    configs = every_variant_config(**({"is_encoder_decoder": True, "pad_token_id": 0} if seq2seq else {}))
+    scalars = {(config.position_scheme, name) for config in configs
+               for name, p in head(config).named_parameters() if p.ndim == 0}  # fmt: skip
+    assert len(configs) > 30 and scalars == set()
