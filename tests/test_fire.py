@@ -271,6 +271,33 @@ def test_saved_model_loads_with_trust_remote_code_without_the_package(tmp_path):
         assert torch.equal(result["generated"], model.generate(tokens[:, :4], max_new_tokens=4, do_sample=False))
 
 
+def test_a_checkpoint_saved_with_0d_scales_loads_into_the_vectors(tmp_path):
+    """c's and L's scales were 0-d parameters until FSDP2 refused them (tests/test_distributed_kernels.py): such a
+    checkpoint loads, through the conversion `legacy_weights` registers with transformers, into the one-element
+    vectors, with the same logits, and saves as vectors; the checkpoint carries that module for remote code."""
+    from safetensors.torch import load_file, save_file
+
+    model = fire_model("sdpa")
+    model.save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    saved = load_file(weights)
+    scales = ("model.positions.distance_scale", "model.positions.threshold_scale")
+    assert [saved[name].shape for name in scales] == [(1,), (1,)]
+    save_file({name: t.reshape(()) if name in scales else t for name, t in saved.items()}, weights, {"format": "pt"})
+    assert [load_file(weights)[name].shape for name in scales] == [(), ()]
+    loaded, info = PlugformerForCausalLM.from_pretrained(tmp_path / "model", output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    fire = loaded.model.positions
+    assert fire.distance_scale.shape == fire.threshold_scale.shape == (1,)
+    assert (fire.distance_scale.item(), fire.threshold().item()) == (SCALE, THRESHOLD)
+    tokens = ids(2, 10)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(tokens).logits, model(tokens).logits)
+    loaded.save_pretrained(tmp_path / "again")
+    assert [load_file(tmp_path / "again" / "model.safetensors")[name].shape for name in scales] == [(1,), (1,)]
+    assert "legacy_weights.py" in {path.name for path in (tmp_path / "model").iterdir()}
+
+
 def test_the_bias_is_computed_once_per_forward_and_shared_by_the_layers(monkeypatch):
     """As T5's: f_θ runs once per forward, not once per layer (the layers get the same values)."""
     model = fire_model()

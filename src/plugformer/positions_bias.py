@@ -227,14 +227,16 @@ class FireBias(PositionScheme):
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
-        self.distance_scale = nn.Parameter(torch.empty(()))  # c = |distance_scale|
-        self.threshold_scale = nn.Parameter(torch.empty(()))  # L = |threshold_scale| · initial_threshold
+        # one-element vectors, not 0-d: FSDP2's `fully_shard` refuses 0-d parameters (checkpoints saved 0-d load:
+        # `PlugformerPreTrainedModel` reshapes them)
+        self.distance_scale = nn.Parameter(torch.empty(1))  # c = |distance_scale|
+        self.threshold_scale = nn.Parameter(torch.empty(1))  # L = |threshold_scale| · initial_threshold
         self.mlp_in = nn.Linear(1, self.mlp_width)
         self.mlp_out = nn.Linear(self.mlp_width, self.num_heads)
         self.reset_parameters(config)
 
     def threshold(self) -> torch.Tensor:
-        """L, the learned threshold below which positions are normalised by L itself (a 0-d tensor)."""
+        """L, the learned threshold below which positions are normalised by L itself (a one-element tensor)."""
         return self.threshold_scale.abs() * self.initial_threshold
 
     def bias_parameters(self) -> tuple[torch.Tensor, ...]:

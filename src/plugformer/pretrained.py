@@ -21,6 +21,7 @@ from .capabilities import unsupported_reason
 from .compat import ActivationCheckpointingNames
 from .configuration import PlugformerConfig
 from .layers import LearnedValueResidual
+from .legacy_weights import register_legacy_conversions
 from .positions import PositionScheme
 from .scores import AttentionScore
 
@@ -48,6 +49,9 @@ class MethodSignature(inspect.Signature):
         replaced = super().replace(**changes)
         self._replaced = changes, replaced
         return replaced
+
+
+register_legacy_conversions()  # older checkpoints' parameter shapes, converted while from_pretrained reads them
 
 
 class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
