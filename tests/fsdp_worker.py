@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
+from worker_exit import finish
 
 import plugformer  # noqa: F401  (registers the Auto classes)
 from plugformer.training.common import parameter_digest
@@ -55,8 +56,7 @@ def sharded(source: str, output: str) -> None:
         info = {"class": type(model).__name__, "digests": digests, "losses": losses, "local_shapes": local_shapes}
         with open(f"{output}/worker.json", "w") as file:
             json.dump(info, file)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # barrier, destroy, exit without finalization (see worker_exit)
 
 
 def single(source: str, output: str) -> None:

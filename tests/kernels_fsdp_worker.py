@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from worker_exit import finish
 
 import plugformer.kernels_sdpa as kernels_sdpa
 from plugformer import PlugformerConfig, PlugformerForCausalLM
@@ -138,8 +139,7 @@ def main(output: str) -> None:
     if rank == 0:
         with open(output, "w") as file:
             json.dump(results, file, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # barrier, destroy, exit without finalization (see worker_exit)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from worker_exit import finish
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM
 from plugformer.training import selection
@@ -57,8 +58,7 @@ def main(output: str) -> None:
     if dist.get_rank() == 0:
         with open(output, "w") as file:
             json.dump({"differ": differ, "parameters": len(start)}, file)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # barrier, destroy, exit without finalization (see worker_exit)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
+from worker_exit import finish
 
 import plugformer
 
@@ -126,8 +127,7 @@ def main(manifest_path: str, out_dir: str) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish()  # barrier, destroy, exit without finalization (see worker_exit)
 
 
 if __name__ == "__main__":
