@@ -227,8 +227,8 @@ class FireBias(PositionScheme):
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
         super().__init__(config, bidirectional)
-        # one-element vectors, not 0-d: FSDP2's `fully_shard` refuses 0-d parameters (checkpoints saved 0-d load:
-        # `PlugformerPreTrainedModel` reshapes them)
+        # one-element vectors, not 0-d: FSDP2's `fully_shard` refuses 0-d parameters (a checkpoint saved with 0-d
+        # ones loads: `legacy_weights` converts them)
         self.distance_scale = nn.Parameter(torch.empty(1))  # c = |distance_scale|
         self.threshold_scale = nn.Parameter(torch.empty(1))  # L = |threshold_scale| · initial_threshold
         self.mlp_in = nn.Linear(1, self.mlp_width)
