@@ -277,3 +277,24 @@ def test_effective_batch_of_trainer_and_grpo_configs():
         128, "completions", 16, 64,
     )  # fmt: skip
     assert "16 prompts x 8 generations" in distributed.describe_effective_batch(grpo)
+
+
+def test_a_command_that_succeeded_destroys_the_process_group_and_a_failed_one_leaves_it(tmp_path, capsys):
+    """Left to the interpreter's finalization, gloo's group now and then aborted a rank of a finished launch (exit -6
+    after the model was saved); the command line destroys it once a command succeeded. A failed
+    command leaves it: another rank may still be inside a collective, which a destroy would leave hanging."""
+    import torch.distributed as dist
+
+    from plugformer.cli import main
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", "--model", str(tmp_path / "missing")])
+        assert exit_info.value.code == 2 and dist.is_initialized()
+        main(["info"])
+        assert "position_scheme" in capsys.readouterr().out
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

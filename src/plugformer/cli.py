@@ -187,3 +187,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{type(error).__name__}: {message} [plugformer {argv[0]}; traceback: plugformer --debug ... or "
               f"{DEBUG_VARIABLE}=1]", file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
+    from .training.distributed import end_process_group
+
+    end_process_group()  # under `accelerate launch`: the group goes before the interpreter's finalization

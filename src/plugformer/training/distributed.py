@@ -12,6 +12,10 @@ Three ways a multi-process launch goes silently wrong, each turned into an error
   one folder per machine (and checkpoints saved on the main machine only, the Trainer's default) one rank resumes at
   step N while another starts fresh, and the run later hangs. `agreed_checkpoint` gathers every rank's choice and
   refuses unless they match.
+- **A finished run that exits -6.** Left to the interpreter's finalization, the gloo process group was destroyed
+  there, and now and then a rank of a finished `accelerate launch` aborted ("terminate called without an active
+  exception", SIGABRT), so the launch failed after its model was saved. `end_process_group` destroys the group while
+  the interpreter is whole, at the end of every successful command (accelerate's `end_training` does the same).
 - **An effective batch nobody wrote down.** `effective_batch` / `log_effective_batch` give the examples (or, for
   GRPO/RLOO, completions) per optimizer step across all processes, printed once and kept in `run_info.json`.
 """
@@ -302,3 +306,14 @@ def log_effective_batch(trainer, stage: str) -> dict:
     if trainer.is_world_process_zero():
         print(f"[{stage}] {describe_effective_batch(record)}", flush=True)
     return record
+
+
+def end_process_group() -> None:
+    """Destroys this process's default process group, if one is up: called by the command line after a command
+    succeeded, so the group is released before the interpreter's finalization (nothing else holds it by then: the
+    trainers and wrappers went with the command). No barrier first: a rank whose peer still works alone (the main
+    process scoring the saved model) would wait on it and could time out."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
