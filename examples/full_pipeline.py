@@ -26,9 +26,9 @@ from plugformer.training.common import load_tokenizer
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# The six stages the docstring names, those configs/pipeline/tiny.yaml lists. PipelineArguments' default is every
+# The stages configs/pipeline/tiny.yaml lists (the six the docstring names). PipelineArguments' default is every
 # registered stage, which since the baselines (rft, sft_matched) were registered adds two opt-in stages of training.
-STAGES = ["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]
+STAGES = yaml.safe_load((ROOT / "configs" / "pipeline" / "tiny.yaml").read_text())["stages"]
 QUICK = {"max_steps": 3, "train_examples": 64, "dev_examples": 8, "exact_match_examples": 4, "report_to": "none",
          "hidden_size": 32, "num_hidden_layers": 1, "per_device_train_batch_size": 8, "vocab_size": 300,
          "logging_steps": 1}  # fmt: skip
