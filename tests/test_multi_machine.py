@@ -281,8 +281,8 @@ def test_effective_batch_of_trainer_and_grpo_configs():
 
 def test_a_command_that_succeeded_destroys_the_process_group_and_a_failed_one_leaves_it(tmp_path, capsys):
     """Left to the interpreter's finalization, gloo's group now and then aborted a rank of a finished launch (exit -6
-    after the model was saved); the command line destroys it once a command succeeded. A failed
-    command leaves it: another rank may still be inside a collective, which a destroy would leave hanging."""
+    after the model was saved); the command line destroys it once a command succeeded. A failed command leaves it:
+    another rank may still be inside a collective, which a destroy would leave hanging."""
     import torch.distributed as dist
 
     from plugformer.cli import main
