@@ -30,8 +30,10 @@ ZERO_GRADIENT = {"fire": {"model.positions.mlp_in.bias", "model.positions.mlp_ou
 # fp32 sums in another order (each rank's half, then the mean over ranks): first gradients agree to 2.6e-8 (relative
 # 4.5e-7). AdamW divides each gradient element by its size, so the difference of small elements grows: after 3 steps at
 # lr 1e-3 the weights differ by up to 4.7e-6 (ALiBi's embedding; at lr 1e-2 4.7e-5, and 1.1e-4 on the eager path,
-# without these kernels, so it is the optimizer, not a kernel).
-GRADIENT_ATOL, WEIGHT_ATOL = 1e-7, 1e-5
+# without these kernels, so it is the optimizer, not a kernel), and by 1.04e-5 in a run where the machine's thread
+# count changed the summation order. The bound is 1.7 % of the 3e-3 the 3 steps can move a weight; a kernel's error
+# shows in the gradients first, whose bound is tight.
+GRADIENT_ATOL, WEIGHT_ATOL = 1e-7, 5e-5
 
 
 @pytest.fixture(scope="module")

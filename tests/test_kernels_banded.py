@@ -13,7 +13,6 @@ from conftest import materialised_relative_attention as materialised
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import plugformer.kernels_banded as banded
-import plugformer.kernels_relative as kernels_relative
 from plugformer import PlugformerForCausalLM
 from plugformer.biases import RelativeBias
 from plugformer.kernels_banded import BandedBiasAttention, banded_bias_applies
@@ -24,16 +23,16 @@ CONSTANT_BIAS_SCHEMES = ["t5_bias", "clamped_bias"]
 
 
 @pytest.mark.parametrize(
-    ("length", "far", "rows", "kv_heads", "fused_rows"),
+    ("length", "far", "rows", "kv_heads", "forward_rows"),
     [(37, 5, 8, 3, 16), (64, 16, 8, 1, 7), (50, 1, 16, 3, 64), (70, 13, 64, 1, 32), (33, 32, 4, 3, 8)],
-    ids=["blocks", "gqa-short-fused-blocks", "width-1", "one-short-band-block", "far-part-of-one-row"],
+    ids=["blocks", "gqa-short-forward-blocks", "width-1", "one-short-band-block", "far-part-of-one-row"],
 )
-def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, fused_rows,
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, forward_rows,
                                                                   monkeypatch):  # fmt: skip
     """fp64: output and the gradients of Q, K, V and the bias table (distances clamped at `far`, as clamped_bias's)
-    equal autograd through the materialised computation, with band and fused blocks of several sizes."""
+    equal autograd through the materialised computation, with band blocks of several sizes, forward and backward."""
     monkeypatch.setattr(banded, "BAND_ROWS", rows)
-    monkeypatch.setattr(kernels_relative, "ROWS", fused_rows)
+    monkeypatch.setattr(banded, "FORWARD_ROWS", forward_rows)
     generator = torch.Generator().manual_seed(length)
     heads, dim = 3, 4
 
@@ -57,8 +56,33 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, r
         torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0, msg=name)
 
 
+def test_a_frozen_bias_skips_its_gradient_and_keeps_the_others_exact(monkeypatch):
+    """A bias that wants no gradient (a frozen scheme, LoRA on the projections): dQ, dK, dV still equal the
+    materialised softmax's, and the band's bias gradient is not computed."""
+    monkeypatch.setattr(banded, "BAND_ROWS", 8)
+    asked, backward = [], banded.banded_backward
+
+    def recording(*operands, bias_gradient):
+        asked.append(bias_gradient)
+        return backward(*operands, bias_gradient=bias_gradient)
+
+    monkeypatch.setattr(banded, "banded_backward", recording)
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(2, 2, 40, 4, dtype=torch.float64, generator=generator).requires_grad_()
+                         for _ in range(3))  # fmt: skip
+    values = torch.randn(2, 7, dtype=torch.float64, generator=generator)[:, (torch.arange(79) - 39).neg().clamp(0, 6)]
+    grad_output = torch.randn(2, 2, 40, 4, dtype=torch.float64, generator=generator)
+    results = []
+    for function, extra in ((BandedBiasAttention.apply, (6, 0.5)), (materialised, (0.5,))):
+        output = function(query, key, value, values, *extra)
+        results.append(torch.autograd.grad(output, (query, key, value), grad_output))
+    for grad, reference in zip(*results, strict=True):
+        torch.testing.assert_close(grad, reference, atol=1e-12, rtol=0)
+    assert asked == [False]
+
+
 def test_bf16_output_is_as_close_to_fp64_as_the_materialised_bf16_softmax(monkeypatch):
-    monkeypatch.setattr(kernels_relative, "ROWS", 32)  # three fused blocks
+    monkeypatch.setattr(banded, "FORWARD_ROWS", 32)  # three band blocks
     generator = torch.Generator().manual_seed(0)
     shape = (2, 4, 96, 16)
     query, key, value = (torch.randn(*shape, dtype=torch.float64, generator=generator) for _ in range(3))
@@ -78,7 +102,7 @@ def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, m
     sdpa takes the banded kernel in every layer, and its logits and every parameter's gradient (the bias table's
     included) equal eager's."""
     calls = count_applies(monkeypatch, BandedBiasAttention)
-    monkeypatch.setattr(kernels_relative, "ROWS", 16)  # three fused blocks
+    monkeypatch.setattr(banded, "FORWARD_ROWS", 16)  # three band blocks
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 40), generator=generator)
     config = tiny_config(score, scheme)

@@ -152,7 +152,7 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
     if "banded-bias" in sdpa_backends:
-        return "fused, bias as a view; near band's bias gradient explicit"
+        return "far keys fused without a mask; near band by blocks, its backward by hand"
     if "relative-bias" in sdpa_backends:
         return "fused forward, bias as a view; backward by hand"
     if "linear-bias" in sdpa_backends:
