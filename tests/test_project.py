@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,19 @@ def test_every_relative_link_of_the_guides_resolves(document):
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
     missing = [t for t in targets if t and not (document.parent / t).exists()]
     assert missing == [], f"{document.relative_to(ROOT)} links to missing files: {missing}"
+
+
+# the brief's fixed layout, plus what git and CI need
+TOP_LEVEL = {"pyproject.toml", "README.md", "src", "configs", "tests", "examples", "model_cards", ".ci", ".gitignore",
+             "MANIFEST.in"}  # fmt: skip
+
+
+def test_the_repository_root_holds_only_the_fixed_layout():
+    """Nothing else is committed at the top level (a figure a command wrote to the working directory once was)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an sdist has no history to list)")
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert {path.split("/")[0] for path in listed.splitlines()} <= TOP_LEVEL
 
 
 def test_the_readme_is_a_guide_of_at_most_400_lines():
