@@ -12,7 +12,10 @@ from plugformer.data.corpus import SENTIMENT_LABELS, sentiment_examples
 
 @pytest.fixture(scope="module")
 def sentiment_model(tmp_path_factory):
-    """A 2-layer bidirectional encoder (additive attention, T5 bias) trained for 150 steps on the grammar."""
+    """A 2-layer bidirectional encoder (additive attention, T5 bias) trained for 250 steps on the grammar, the
+    learning rate decayed linearly to 0. At a constant 3e-3 for 150 steps held-out accuracy swung with the step and
+    the machine's thread count (seed 0: 0.90 and "not good" called positive on 1 thread, 1.00 on 2); decayed over 250
+    steps it read 1.00 for seeds 0-2 on 1 and 2 threads."""
     train, test = sentiment_examples(2000, seed=0), sentiment_examples(300, seed=1)
     tokenizer = train_tokenizer([text for text, _ in train], vocab_size=300)
     config = PlugformerConfig.from_preset(
@@ -23,15 +26,18 @@ def sentiment_model(tmp_path_factory):
     torch.manual_seed(0)
     model = PlugformerForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    steps = 250
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     generator = torch.Generator().manual_seed(0)
     model.train()
-    for _ in range(150):
+    for _ in range(steps):
         batch = [train[i] for i in torch.randint(len(train), (32,), generator=generator)]
         inputs = tokenizer([t for t, _ in batch], padding=True, return_tensors="pt")
         loss = model(**inputs, labels=torch.tensor([label for _, label in batch])).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        schedule.step()
     model.eval()
     directory = tmp_path_factory.mktemp("sentiment")
     model.save_pretrained(directory)
