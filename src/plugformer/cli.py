@@ -178,8 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text
         usage = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
         _usage(f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{usage}", argv)
+    from .runtime.denormals import flushing_denormals
+
     try:
-        COMMANDS[argv[0]][0](argv[1:])
+        with flushing_denormals():  # before any work, so that torch's thread pool starts in this mode
+            COMMANDS[argv[0]][0](argv[1:])
     except USER_ERRORS as error:
         if debug:
             raise

@@ -53,6 +53,7 @@ def machine_line(results: dict) -> str:
     device = f"GPU {info['gpu']}, " if info.get("gpu") else ""
     decode = f", {arguments['new_tokens']} new tokens" if results.get("decode") else ""
     threads = plural(info["torch_threads"], "torch thread")
+    threads += ", subnormals flushed to zero" if info.get("subnormals_flushed") else ""
     return (f"{device}{info['cpu']} ({info['usable_cores']} usable cores, {threads}), "
             f"torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
             f"{info['date'][:10]}; batch {arguments['batch_size']}, {plural(arguments['repeats'], 'repeat')} after "

@@ -55,6 +55,7 @@ def machine(device: str) -> dict:
                  if line.startswith("model name")]  # fmt: skip
         cpu = names[0] if names else cpu
     from .. import __version__
+    from ..runtime.denormals import denormals_flushed
 
     return {
         "cpu": cpu,
@@ -62,6 +63,7 @@ def machine(device: str) -> dict:
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "subnormals_flushed": denormals_flushed(),  # bias kernels on Intel CPUs depend on it (`runtime.denormals`)
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "device": device,
         "torch": torch.__version__,
@@ -218,7 +220,8 @@ def markdown(results: dict) -> str:
     description = [
         "## Machine", "",
         f"- CPU: {info['cpu']} ({info['logical_cores']} logical cores, {info['usable_cores']} usable, "
-        f"{info['torch_threads']} torch threads, {info['cpu_capability']})",
+        f"{info['torch_threads']} torch threads, {info['cpu_capability']}"
+        f"{', subnormals flushed to zero' if info.get('subnormals_flushed') else ''})",
         *([f"- GPU: {info['gpu']}"] if info["gpu"] else []),
         f"- torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
         f"Python {info['python']}, {info['platform']}",
