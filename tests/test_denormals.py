@@ -8,6 +8,7 @@ import torch
 
 import plugformer.cli as cli
 from plugformer.runtime.denormals import VARIABLE, denormals_flushed, flushing_denormals
+from plugformer.runtime.flags import environment_flag
 
 
 @pytest.fixture(autouse=True)
@@ -50,3 +51,16 @@ def test_every_command_runs_in_the_mode(monkeypatch, value, expected):
     monkeypatch.setitem(cli.COMMANDS, "info", (lambda argv: seen.append(denormals_flushed()), "stub"))
     cli.main(["info"])
     assert seen == [expected] and not denormals_flushed()
+
+
+@pytest.mark.parametrize(
+    ("value", "default", "expected"),
+    [(None, True, True), ("", False, False), (" No ", True, False), ("FALSE", True, False), ("1", False, True),
+     ("yes", False, True)],
+)  # fmt: skip
+def test_environment_flag_reads_a_switch(monkeypatch, value, default, expected):
+    if value is None:
+        monkeypatch.delenv("PLUGFORMER_TEST_FLAG", raising=False)
+    else:
+        monkeypatch.setenv("PLUGFORMER_TEST_FLAG", value)
+    assert environment_flag("PLUGFORMER_TEST_FLAG", default) is expected

@@ -162,13 +162,13 @@ DEBUG_VARIABLE = "PLUGFORMER_DEBUG"
 def main(argv: list[str] | None = None) -> None:
     """`plugformer [--debug] <command> [options]`. A user error prints as one line, `ValueError: ...`, and exits with
     status 2; `--debug` (before the command) or `PLUGFORMER_DEBUG=1` shows the traceback instead."""
-    import os
 
+    from .runtime.flags import environment_flag
     from .runtime.offline import apply_offline_defaults
 
     apply_offline_defaults()  # nothing leaves the machine unless the user set HF_HUB_OFFLINE / ..._TELEMETRY itself
     argv = sys.argv[1:] if argv is None else argv
-    debug = os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+    debug = environment_flag(DEBUG_VARIABLE)
     if argv and argv[0] == "--debug":  # before the command: `train` and `pipeline` have a --debug option of their own
         debug, argv = True, argv[1:]
     if argv and argv[0] in ("-V", "--version"):

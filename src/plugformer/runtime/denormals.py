@@ -15,10 +15,11 @@ operation). `PLUGFORMER_FLUSH_DENORMAL=0` keeps subnormals in the command line t
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
+
+from .flags import environment_flag
 
 
 VARIABLE = "PLUGFORMER_FLUSH_DENORMAL"
@@ -34,8 +35,7 @@ def flushing_denormals() -> Iterator[bool]:
     """Flush subnormals to zero inside the block unless `PLUGFORMER_FLUSH_DENORMAL` is 0 / false / no (or the CPU
     cannot); the mode before it is restored after. Yields whether the block flushes."""
     before = denormals_flushed()
-    wanted = os.environ.get(VARIABLE, "1").strip().lower() not in ("0", "false", "no")
-    flushing = before or (wanted and torch.set_flush_denormal(True))
+    flushing = before or (environment_flag(VARIABLE, default=True) and torch.set_flush_denormal(True))
     try:
         yield flushing
     finally:

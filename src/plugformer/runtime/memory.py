@@ -12,7 +12,6 @@ and a second copy during a load are not counted): a refusal means the model cann
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
@@ -24,6 +23,7 @@ from ..modeling import (
     PlugformerForTokenClassification,
 )
 from .files import size_text
+from .flags import environment_flag
 
 
 OVERRIDE = "PLUGFORMER_SKIP_MEMORY_CHECK"
@@ -88,7 +88,7 @@ def check_model_fits(config, training: bool, device: str | None = None, copies: 
     """Raises `ValueError` naming the size fields, the estimate and the memory available when the parameters (with
     `training`, also their gradients and AdamW's moments; `copies` models at once) exceed it; skipped when
     `PLUGFORMER_SKIP_MEMORY_CHECK` is set to anything but 0/false/no."""
-    if os.environ.get(OVERRIDE, "").strip().lower() not in ("", "0", "false", "no"):
+    if environment_flag(OVERRIDE):
         return
     available, where = available_memory(device)
     if available is None:
