@@ -12,6 +12,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .biases import QueryBiasRecipe, QueryPositionBias
+from .piecewise import relu_mlp
 from .positions_base import POSITION_SCHEMES, PositionScheme
 
 
@@ -263,19 +264,13 @@ class FireBias(PositionScheme):
         return sign * torch.log1p(scale * distance.to(dtype)) / normaliser  # (B', Q, K)
 
     def fire_bias(self, query_positions: torch.Tensor, behind: torch.Tensor, parameters=None) -> torch.Tensor:
-        """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)`; from `parameters` (tensors in the order of
-        `bias_parameters`, e.g. the detached copies a kernel's backward recomputes a block from) instead of the
-        module's own when given."""
-        if parameters is None:
-            weight = self.mlp_in.weight
-            inputs = self.mlp_inputs(query_positions, behind)[..., None].to(weight.dtype)  # (B', Q, K, 1)
-            bias = self.mlp_out(nn.functional.relu(self.mlp_in(inputs)))  # (B', Q, K, H)
-        else:
-            weight_in, bias_in, weight_out, bias_out = parameters[2:]
-            inputs = self.mlp_inputs(query_positions, behind, parameters)[..., None].to(weight_in.dtype)
-            hidden = nn.functional.relu(nn.functional.linear(inputs, weight_in, bias_in))  # (B', Q, K, width)
-            bias = nn.functional.linear(hidden, weight_out, bias_out)  # (B', Q, K, H)
-        return bias.permute(0, 3, 1, 2).contiguous()  # (B', H, Q, K)
+        """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)` in θ's dtype; from `parameters` (tensors in the order
+        of `bias_parameters`, e.g. the detached copies a kernel's backward recomputes a block from) instead of the
+        module's own when given. f_θ is evaluated as the piecewise-linear function it is (`piecewise.relu_mlp`): no
+        (B, Q, K, width) hidden layer."""
+        parameters = self.bias_parameters() if parameters is None else parameters
+        inputs = self.mlp_inputs(query_positions, behind, parameters)  # (B', Q, K)
+        return relu_mlp(inputs, *parameters[2:]).to(parameters[2].dtype)  # (B', H, Q, K)
 
     def bias(self, query_slots, key_slots):
         """The bias `(1, H, Q, K)` of queries at `query_slots`, taken for their positions, over keys at `key_slots`."""
@@ -298,8 +293,9 @@ class FireBias(PositionScheme):
         device = position_ids.device
         query_slots = torch.arange(query_length, device=device) + query_offset  # (Q,)
         key_slots = torch.arange(key_length, device=device) + key_offset  # (K,)
+        # per score besides the bias: f_θ's input, its piece (int64) and the 2H slopes and intercepts it looks up
         return QueryBiasRecipe(self.fire_bias, self.bias_parameters(), position_ids, query_slots, key_slots,
-                               self.num_heads, dtype, width=self.mlp_width)  # fmt: skip
+                               self.num_heads, dtype, width=2 * self.num_heads + 3)  # fmt: skip
 
     def reset_parameters(self, config):
         init.constant_(self.distance_scale, self.initial_distance_scale)
