@@ -214,11 +214,15 @@ def _bias_mask(
     mask = position_bias.rows(start, stop, keys).to(dtype)  # (1, H, r, keys)
     if allowed is None:
         return mask
-    # A graph traced for another runtime (ONNX) may not zero a row with every key at -inf as torch's SDPA does: its
-    # NaN (a padding query) would reach the real tokens through the next layer's values. There the finite minimum
-    # blocks (fp32/bf16 scores never outweigh it; fp16 exports keep the leak risk the -inf avoids).
-    blocked = torch.finfo(dtype).min if isinstance(keys, torch.SymInt) else float("-inf")
-    return mask.masked_fill(~allowed, blocked)
+    return mask.masked_fill(~allowed, _blocked_score(keys, dtype))
+
+
+def _blocked_score(keys, dtype: torch.dtype) -> float:
+    """The score of a blocked key: -inf, or the dtype's minimum in a traced graph. A graph traced for another runtime
+    (ONNX) may not zero a row with every key at -inf as torch's SDPA does: its NaN (a padding query) would reach the
+    real tokens through the next layer's values. There the finite minimum blocks (fp32/bf16 scores never outweigh it;
+    fp16 exports keep the leak risk the -inf avoids)."""
+    return torch.finfo(dtype).min if isinstance(keys, torch.SymInt) else float("-inf")
 
 
 def _sdpa(query, key, value, mask, scaling: float, dropout: float = 0.0) -> torch.Tensor:
@@ -286,17 +290,19 @@ def block_gradients(query, key, value, bias, allowed, rows, scaling, output, gra
     block = _BlockWeights(query, key, value, bias, allowed, rows, scaling)
     weights, compute = block.weights, block.compute  # (B, H, r, K) in fp32 (fp64 for fp64 inputs)
     grad_output = grad_output.to(compute)
+    # score-sized temporaries are updated in place: each new one maps fresh pages, which cost more than the arithmetic
     d_weights = torch.matmul(grad_output, block.value_heads.transpose(2, 3)).to(weights.dtype)  # (B, H, r, K)
     kept = weights
     if dropout:
         scale = _kept_scale(weights, dropout, seed)  # the forward's mask, regenerated
-        kept, d_weights = weights * scale, d_weights * scale
+        kept = weights * scale
+        d_weights.mul_(scale)
     delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
-    d_scores = weights * (d_weights - delta)  # (B, H, r, K)
+    d_scores = d_weights.sub_(delta).mul_(weights)  # (B, H, r, K)
     grad_value = torch.matmul(kept.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
     d_scores_cast = d_scores.to(compute)
-    grad_query = torch.matmul(d_scores_cast, block.key_heads) * scaling  # (B, H, r, D)
-    grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query) * scaling  # (B, H, K, D)
+    grad_query = torch.matmul(d_scores_cast, block.key_heads).mul_(scaling)  # (B, H, r, D)
+    grad_key = torch.matmul(d_scores_cast.transpose(2, 3), block.query).mul_(scaling)  # (B, H, K, D)
     grad_key, grad_value = sum_over_groups(grad_key, grad_value, query.shape[1] // key.shape[1])  # (B, H_kv, K, D)
     dtype = query.dtype
     return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), d_scores
@@ -316,11 +322,14 @@ class _BlockWeights:
         self.bias, self.query = bias, query.to(self.compute)
         self.key_heads = repeat_kv(key.to(self.compute), groups)  # (B, H, K, D)
         self.value_heads = repeat_kv(value.to(self.compute), groups)  # (B, H, K, D)
-        mask = _bias_mask(bias, allowed, *rows, key.shape[2], accumulate)  # (B or 1, H, r, K)
-        scores = torch.matmul(self.query, self.key_heads.transpose(2, 3)).to(accumulate) * scaling + mask
+        keys = key.shape[2]
+        scores = torch.matmul(self.query, self.key_heads.transpose(2, 3)).to(accumulate)  # (B, H, r, K)
+        scores.mul_(scaling).add_(bias.rows(*rows, keys))  # in place, as `_bias_mask` without its own tensor
+        if allowed is not None:
+            scores.masked_fill_(~allowed, _blocked_score(keys, accumulate))
         weights = torch.softmax(scores, dim=-1)  # (B, H, r, K)
         if allowed is not None:  # a row with every key masked has NaN weights and zero output (no branch: compile)
-            weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+            weights.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)
         self.weights = weights
 
 

@@ -49,48 +49,74 @@ def query_bias_applies(query: torch.Tensor, key: torch.Tensor, position_bias) ->
 
 
 class QueryBiasAttention(torch.autograd.Function):
-    """Attention over one block of query rows `rows` = (start, stop) with the bias rows a `QueryBiasRecipe` computes.
+    """Attention of every query row, one block of rows at a time, with the bias rows a `QueryBiasRecipe` computes.
 
-    Forward: the rows (B', H, r, keys) without autograd, then `kernels.block_output` with them (the fused kernel with
-    the rows as its float mask; with attention dropout, the block's weights and a seeded keep mask). Kept: the block's
-    inputs and output, and the recipe (positions and parameters, no score-sized tensor).
+    Forward, per block `(start, stop, keys)` of `blocks`: its rows (B', H, r, keys) without autograd, then
+    `kernels.block_output` with them (the fused kernel with the rows as its float mask; with attention dropout, the
+    block's weights and a seeded keep mask). Kept: the inputs and output, the mask, and the recipe (positions and
+    parameters, no score-sized tensor).
 
-    Backward: dQ, dK, dV and dS by hand (`kernels.block_gradients`); the rows recomputed from `parameters` detached
-    (so the graph is this block's only), dS summed over the batch when the rows are shared by it, and
-    `torch.autograd.grad` of the rows with dS gives each parameter's gradient.
+    Backward, per block: dQ, dK, dV and dS by hand (`kernels.block_gradients`), dK and dV added into one buffer each
+    (autograd would zero and add a full-size gradient per block of a sliced input); the rows recomputed from
+    `parameters` detached (so the graph is this block's only), dS summed over the batch when the rows are shared by it,
+    and `torch.autograd.grad` of the rows with dS gives each parameter's gradient, summed over the blocks.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, allowed, recipe, rows, scaling, dropout, *parameters):
-        (start, stop), keys = rows, key.shape[2]
-        with torch.no_grad():
-            bias = QueryPositionBias(recipe.rows(start, stop, keys), stop - start, keys)  # (B', H, r, keys)
-        output, seed = block_output(query, key, value, bias, allowed, (0, stop - start), scaling, dropout)
-        ctx.save_for_backward(query, key, value, output, allowed)
-        ctx.recipe, ctx.rows, ctx.scaling, ctx.dropout, ctx.seed = recipe, rows, scaling, dropout, seed
+    def forward(ctx, query, key, value, attention_mask, recipe, blocks, is_causal, scaling, dropout, *parameters):
+        output = torch.empty_like(query)  # (B, H, Q, D)
+        seeds = []
+        for start, stop, keys in blocks:
+            allowed = _allowed_keys(attention_mask, is_causal, query.shape[2], start, stop, keys, query.device)
+            with torch.no_grad():
+                bias = QueryPositionBias(recipe.rows(start, stop, keys), stop - start, keys)  # (B', H, r, keys)
+            output[:, :, start:stop], seed = block_output(query[:, :, start:stop], key[:, :, :keys],
+                                                          value[:, :, :keys], bias, allowed, (0, stop - start),
+                                                          scaling, dropout)  # fmt: skip
+            seeds.append(seed)
+        ctx.save_for_backward(query, key, value, output, attention_mask)
+        ctx.recipe, ctx.blocks, ctx.is_causal, ctx.scaling, ctx.dropout, ctx.seeds = (recipe, blocks, is_causal,
+                                                                                       scaling, dropout, seeds)  # fmt: skip
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, output, allowed = ctx.saved_tensors
-        (start, stop), keys = ctx.rows, key.shape[2]
-        wanted = ctx.needs_input_grad[8:]  # the parameters'
+        query, key, value, output, attention_mask = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        accumulate = torch.promote_types(query.dtype, torch.float32)
+        grad_query = torch.empty_like(query)
+        grad_key, grad_value = (torch.zeros(t.shape, dtype=accumulate, device=t.device) for t in (key, value))
+        wanted = ctx.needs_input_grad[9:]  # the parameters'
         leaves = [
             parameter.detach().requires_grad_(need)
             for parameter, need in zip(ctx.recipe.parameters, wanted, strict=True)
         ]
-        with torch.enable_grad():
-            rows = ctx.recipe.rows(start, stop, keys, leaves)  # (B', H, r, keys)
-        bias = QueryPositionBias(rows.detach(), stop - start, keys)
-        *grads, d_scores = block_gradients(query, key, value, bias, allowed, (0, stop - start), ctx.scaling, output,
-                                           grad_output, ctx.dropout, ctx.seed)  # fmt: skip
-        if rows.shape[0] == 1:  # rows shared by the batch; blocked entries have zero weight, so zero d_scores
-            d_scores = d_scores.sum(dim=0, keepdim=True)  # (1, H, r, keys)
         inputs = [leaf for leaf in leaves if leaf.requires_grad]
-        found = torch.autograd.grad(rows, inputs, d_scores.to(rows.dtype), allow_unused=True) if inputs else ()
-        found = iter(found)
+        sums = [None] * len(inputs)
+        for (start, stop, keys), seed in zip(ctx.blocks, ctx.seeds, strict=True):
+            allowed = _allowed_keys(attention_mask, ctx.is_causal, query.shape[2], start, stop, keys, query.device)
+            with torch.enable_grad():
+                rows = ctx.recipe.rows(start, stop, keys, leaves)  # (B', H, r, keys)
+            bias = QueryPositionBias(rows.detach(), stop - start, keys)
+            block = slice(start, stop)
+            d_query, d_key, d_value, d_scores = block_gradients(
+                query[:, :, block], key[:, :, :keys], value[:, :, :keys], bias, allowed, (0, stop - start),
+                ctx.scaling, output[:, :, block], grad_output[:, :, block], ctx.dropout, seed
+            )  # fmt: skip
+            grad_query[:, :, block] = d_query
+            grad_key[:, :, :keys] += d_key
+            grad_value[:, :, :keys] += d_value
+            if not inputs:
+                continue
+            if rows.shape[0] == 1:  # rows shared by the batch; blocked entries have zero weight, so zero d_scores
+                d_scores = d_scores.sum(dim=0, keepdim=True)  # (1, H, r, keys)
+            found = torch.autograd.grad(rows, inputs, d_scores.to(rows.dtype), allow_unused=True)
+            sums = [total if grad is None else grad if total is None else total + grad
+                    for total, grad in zip(sums, found, strict=True)]  # fmt: skip
+        found = iter(sums)
         grad_parameters = [next(found) if leaf.requires_grad else None for leaf in leaves]
-        return *grads, None, None, None, None, None, *grad_parameters
+        grads = grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype)
+        return *grads, None, None, None, None, None, None, *grad_parameters
 
 
 def query_bias_attention_forward(
@@ -105,7 +131,7 @@ def query_bias_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with a recipe's bias, one `QueryBiasAttention` block of query rows at a time (where `query_bias_applies`).
+    """SDPA with a recipe's bias, by blocks of query rows in one `QueryBiasAttention` (where `query_bias_applies`).
 
     Blocks as in `kernels.sdpa_relative_bias_forward`: a causal block skips the keys after its last query
     (`causal_keys`; with a mask, when `mask_blocks_the_future`); a block holds the larger of its (B, H, r, K) weights
@@ -123,15 +149,11 @@ def query_bias_attention_forward(
     skip_future = skip_future and (
         attention_mask is None or mask_blocks_the_future(attention_mask, query_length, key_length)
     )
-    outputs = []
+    blocks = []
+    for start in range(0, query_length, block):
+        stop = min(start + block, query_length)
+        blocks.append((start, stop, causal_keys(query_length, key_length, stop) if skip_future else key_length))
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        for start in range(0, query_length, block):
-            stop = min(start + block, query_length)
-            keys = causal_keys(query_length, key_length, stop) if skip_future else key_length
-            allowed = _allowed_keys(attention_mask, is_causal, query_length, start, stop, keys, query.device)
-            outputs.append(
-                QueryBiasAttention.apply(query[:, :, start:stop], key[:, :, :keys], value[:, :, :keys], allowed,
-                                         recipe, (start, stop), scaling, dropout, *recipe.parameters)
-            )  # fmt: skip
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (B, H, Q, D)
+        output = QueryBiasAttention.apply(query, key, value, attention_mask, recipe, tuple(blocks), is_causal,
+                                          scaling, dropout, *recipe.parameters)  # fmt: skip
     return output.transpose(1, 2).contiguous(), None  # (B, Q, H, D)
