@@ -172,8 +172,7 @@ class QueryBiasRecipe:
     positions and slots, the keys' slots, and the scheme's function of its parameters.
 
     The stack hands it instead of the `(B or 1, H, Q, K)` values to a kernel whose record computes the bias per block
-    (`capabilities.KernelSpec.bias_recipe`), in training: that bias, and FIRE's (B', Q, K, width) hidden layer, then
-    never exist whole, and the sdpa kernel (`kernels_query_bias`) computes each block's rows again in its backward
+    (`capabilities.KernelSpec.bias_recipe`), in training: that bias then never exists whole, and the sdpa kernel (`kernels_query_bias`) computes each block's rows again in its backward
     from `parameters` to send their gradient to them. A block's rows equal the same rows of the scheme's
     `bias_values`: the same function on the same inputs, cast to the same `dtype`.
 
@@ -187,7 +186,7 @@ class QueryBiasRecipe:
         num_heads (`int`): H.
         dtype (`torch.dtype`): the dtype of the values (the stack's; `bias_values(...).to(dtype)`).
         width (`int`, *optional*, defaults to 1): numbers `function` holds per score at once besides the H of its
-            result (FIRE's hidden layer), for sizing blocks.
+            result (FIRE's input, its piece and the slopes and intercepts looked up), for sizing blocks.
     """
 
     ndim = 4

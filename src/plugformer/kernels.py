@@ -297,7 +297,13 @@ def block_gradients(query, key, value, bias, allowed, rows, scaling, output, gra
         scale = _kept_scale(weights, dropout, seed)  # the forward's mask, regenerated
         kept = weights * scale
         d_weights.mul_(scale)
-    delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
+    if compute in (torch.float16, torch.bfloat16):
+        # rowsum(dO ⊙ O) = Σ_j P dP, taken from the P recomputed here: O came from the fused forward with its bias
+        # rounded to the inputs' dtype, so its rowsum would leave each row of dS a nonzero sum, which a bias that
+        # adds about the same to a row's scores (FIRE's output layer) reads as gradient (4% error measured)
+        delta = (d_weights * weights).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
+    else:
+        delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
     d_scores = d_weights.sub_(delta).mul_(weights)  # (B, H, r, K)
     grad_value = torch.matmul(kept.to(compute).transpose(2, 3), grad_output)  # (B, H, K, D)
     d_scores_cast = d_scores.to(compute)

@@ -1,18 +1,19 @@
 """The blockwise sdpa kernel for a bias computed from the queries' positions (FIRE's `QueryPositionBias`, handed over
-as a `biases.QueryBiasRecipe`) in training: no `(B, H, Q, K)` bias, and no hidden layer of FIRE's f_θ, is kept.
+as a `biases.QueryBiasRecipe`) in training: no `(B, H, Q, K)` bias is kept.
 
-With the bias values computed once per forward under autograd, autograd keeps them (B', H, Q, K) and f_θ's hidden
-layer (B', Q, K, 32), and SDPA, handed rows that require grad as its mask, takes its math path (scores and weights
-kept per layer): FIRE measured 1.24–1.33× the memory of no bias. Here each block of query rows computes its bias rows
-from the positions without autograd and runs the fused kernel with them as its mask (`kernels.block_output`); its
-backward computes the rows again, under autograd from detached copies of the scheme's parameters, takes the score
-gradient dS of the block (`kernels.block_gradients`, the softmax backward from the recomputed weights) as their
-gradient, and autograd of that recomputation gives the parameters' gradients (θ, c and L for FIRE).
+With the bias values computed once per forward under autograd, autograd keeps them (B', H, Q, K), and SDPA, handed
+rows that require grad as its mask, takes its math path (scores and weights kept per layer): FIRE measured 1.24–1.33×
+the memory of no bias. Here each block of query rows computes its bias rows from the positions without autograd and
+runs the fused kernel with them as its mask (`kernels.block_output`); the backward computes each block's rows again,
+under autograd from detached copies of the scheme's parameters, takes the score gradient dS of the block
+(`kernels.block_gradients`, the softmax backward from the recomputed weights) as their gradient, and autograd of that
+recomputation gives the parameters' gradients (θ, c and L for FIRE). FIRE's f_θ thus runs three times per layer and
+block (forward, recomputation, its backward), which its evaluation by pieces (`piecewise`) makes cheap.
 
-Measured (`plugformer bench --sections variants`, `small`, fp32, batch 2, CPU, against scaled_dot + none on sdpa):
-peak memory 2.11× -> 1.04× at N = 2048 and 3.64× -> 1.05× at N = 4096; tokens/s 0.49× -> 0.63× and 0.26× -> 0.50×
-(speed on a shared machine: per-repeat ranges 0.42–0.69 -> 0.60–0.69 and 0.10–0.26 -> 0.40–0.60). f_θ now runs per
-layer and block, three times (forward, recomputation, its backward), instead of once per forward and backward.
+Measured (`small`, fp32, batch 2, CPU, against scaled_dot + none on sdpa): peak memory 2.11× -> 1.04× at N = 2048
+and 3.64× -> 1.05× at N = 4096 (`plugformer bench --sections variants`). One attention call at N = 2048 (B 2, H 6,
+D 64, 1 thread, forward + backward): 673 ms, where each block as its own autograd Function (a zeroed full-size
+gradient per sliced input) and `block_gradients` without in-place updates took 823 ms; causal SDPA 207 ms.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class QueryBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attention_mask, recipe, blocks, is_causal, scaling, dropout, *parameters):
-        output = torch.empty_like(query)  # (B, H, Q, D)
+        output = query.new_empty((*query.shape[:3], value.shape[-1]))  # (B, H, Q, D_v): values may be wider
         seeds = []
         for start, stop, keys in blocks:
             allowed = _allowed_keys(attention_mask, is_causal, query.shape[2], start, stop, keys, query.device)
