@@ -159,6 +159,29 @@ def test_t5_buckets_are_constant_beyond_the_declared_distance(bidirectional):
     assert (bias[:, : len(distances)] == bias[:, :1]).all() and (bias[:, len(distances) :] == bias[:, -1:]).all()
 
 
+@pytest.mark.parametrize(
+    ("buckets", "max_distance", "expected"),
+    # a decoder's distance d >= 16 takes bucket 16 + floor(16 log(d / 16) / log 8), 31 from d >= 16 * 8^(15/16) =
+    # 112.4; an encoder's side 8 + floor(8 log(d / 8) / log 16), 15 from d >= 8 * 16^(7/8) = 90.5: the larger, 113.
+    # (8, 16): decoder 4 + floor(4 log(d / 4) / log 4) = 7 from d >= 4 * 4^(3/4) = 11.3, encoder 6: 12. (32, 32):
+    # decoder 31 from d >= 16 * 2^(15/16) = 30.6, encoder 27: 31.
+    [(32, 128, 113), (8, 16, 12), (32, 32, 31)],
+    ids=["t5-default", "small-table", "short-max-distance"],
+)
+def test_t5_constant_distance_is_the_first_in_the_last_bucket(buckets, max_distance, expected):
+    """By hand for T5's default (32 buckets, 128): the band stops at 113, not at the max distance. Small configs
+    against transformers' bucketing: the distance before the declared one still has a bucket of its own."""
+    config = tiny_config("scaled_dot", "t5_bias", relative_attention_num_buckets=buckets,
+                         relative_attention_max_distance=max_distance)  # fmt: skip
+    far = POSITION_SCHEMES.get("t5_bias").constant_bias_distance(config)
+    assert far == expected
+    before = [
+        T5Attention._relative_position_bucket(torch.tensor([far - 1, far]) * sign, bidirectional, buckets, max_distance)
+        for bidirectional, sign in ((False, -1), (True, -1), (True, 1))
+    ]
+    assert any(pair[0] != pair[1] for pair in before)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_clamped_bias_is_constant_beyond_the_clamp(bidirectional):
     config = tiny_config("scaled_dot", "clamped_bias")

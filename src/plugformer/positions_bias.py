@@ -113,7 +113,17 @@ class T5BucketBias(PositionScheme):
 
     @classmethod
     def constant_bias_distance(cls, config):
-        return config.relative_attention_max_distance  # the last bucket (of each side) from there on
+        """The first distance from which every farther one falls in the last bucket of its side, for a causal and a
+        bidirectional stack alike: T5's logarithmic buckets reach the last one before `relative_attention_max_distance`
+        (113 of 128 for a decoder's 32 buckets), and every distance less is a band the sdpa kernel computes by blocks."""
+        buckets, max_distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
+        distances = torch.arange(max_distance + 1, device="cpu")  # the last is in the last bucket (the clamp)
+        first = []
+        for bidirectional, signs in ((False, (-1,)), (True, (-1, 1))):
+            for sign in signs:
+                bucket = t5_relative_position_bucket(sign * distances, bidirectional, buckets, max_distance)
+                first.append(int((bucket == bucket[-1]).nonzero()[0]))  # buckets only grow with the distance
+        return max(first)
 
     def distance_bias(self, distances):
         buckets = t5_relative_position_bucket(distances, self.bidirectional, self.num_buckets, self.max_distance)
