@@ -281,12 +281,14 @@ def fp64_leaves(*shapes, scale=2.0, seed=0):
     ]
 
 
-@pytest.mark.parametrize("numpy_path", [True, False], ids=["numpy", "torch"])
-def test_additive_scores_function_equals_autograd_in_fp64(numpy_path, monkeypatch):
+@pytest.mark.parametrize("path", ["numpy", "torch-tanh-numpy-contraction", "torch"])
+def test_additive_scores_function_equals_autograd_in_fp64(path, monkeypatch):
     """`AdditiveScores` (gradients formed by hand from the kept tanh) gives the scores s_ij = Σ_a v_a tanh(q_ia + k_ja)
-    and the gradients of plain autograd over that formula, in fp64, on its numpy (CPU) and its torch path; a graph
-    kept with `retain_graph` backpropagates twice to the same gradients."""
-    if not numpy_path:
+    and the gradients of plain autograd over that formula, in fp64, on each of its paths (numpy's tanh and contraction,
+    torch's tanh and numpy's contraction, torch only); a graph kept with `retain_graph` backpropagates twice to the
+    same gradients."""
+    monkeypatch.setattr(kernels_additive, "numpy_tanh_is_faster", lambda threads: path == "numpy")
+    if path == "torch":
         monkeypatch.setattr(kernels_additive, "_numpy_view", lambda tensor: None)
     query, key, energy = fp64_leaves((2, 3, 5, 4), (2, 3, 7, 4), (3, 4))
     upstream = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -326,9 +328,9 @@ def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd()
 
 
 def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
-    """A CPU fp32 model's training step and its decoding scores every chunk with numpy's tanh and contraction: the
-    energy reaches the kernel as a Parameter and the projected queries in an einsum's layout, neither of which may
-    send it to torch's tanh (measured ~10x slower there)."""
+    """A CPU fp32 model's training step and its decoding score every chunk with numpy's contraction (and its tanh
+    where it is the faster): the energy reaches the kernel as a Parameter and the projected queries in an einsum's
+    layout, neither of which may send it to torch's contraction (2x slower on one thread)."""
     seen = []
     original = kernels_additive._numpy_view
 
@@ -342,3 +344,13 @@ def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
     model(tokens, labels=tokens).loss.backward()
     model.eval().generate(tokens[:, :4], max_new_tokens=3, do_sample=False)
     assert seen and all(seen)
+
+
+def test_numpy_tanh_choice_is_timed_once_per_thread_count():
+    """The tanh path is chosen once per process and torch thread count (a bool, cached), so every chunk of a run
+    takes the same one."""
+    threads = torch.get_num_threads()
+    choice = kernels_additive.numpy_tanh_is_faster(threads)
+    assert isinstance(choice, bool)
+    assert kernels_additive.numpy_tanh_is_faster(threads) is choice
+    assert kernels_additive.numpy_tanh_is_faster.cache_info().hits >= 1
