@@ -348,9 +348,11 @@ def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
 
 def test_numpy_tanh_choice_is_timed_once_per_thread_count():
     """The tanh path is chosen once per process and torch thread count (a bool, cached), so every chunk of a run
-    takes the same one."""
+    takes the same one; the timing (torch's tanh on one thread) leaves torch's thread count as it found it."""
     threads = torch.get_num_threads()
+    kernels_additive.numpy_tanh_is_faster.cache_clear()
     choice = kernels_additive.numpy_tanh_is_faster(threads)
+    assert torch.get_num_threads() == threads
     assert isinstance(choice, bool)
     assert kernels_additive.numpy_tanh_is_faster(threads) is choice
     assert kernels_additive.numpy_tanh_is_faster.cache_info().hits >= 1
