@@ -172,8 +172,9 @@ class QueryBiasRecipe:
     positions and slots, the keys' slots, and the scheme's function of its parameters.
 
     The stack hands it instead of the `(B or 1, H, Q, K)` values to a kernel whose record computes the bias per block
-    (`capabilities.KernelSpec.bias_recipe`), in training: that bias then never exists whole, and the sdpa kernel (`kernels_query_bias`) computes each block's rows again in its backward
-    from `parameters` to send their gradient to them. A block's rows equal the same rows of the scheme's
+    (`capabilities.KernelSpec.bias_recipe`), in training: that bias then never exists whole, and the sdpa kernel
+    (`kernels_query_bias`) computes each block's rows again in its backward from `parameters` to send their gradient
+    to them. A block's rows equal the same rows of the scheme's
     `bias_values`: the same function on the same inputs, cast to the same `dtype`.
 
     Args:

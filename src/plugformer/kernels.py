@@ -299,8 +299,9 @@ def block_gradients(query, key, value, bias, allowed, rows, scaling, output, gra
         d_weights.mul_(scale)
     if query.dtype in (torch.float16, torch.bfloat16):
         # rowsum(dO ⊙ O) = Σ_j P dP, taken from the P recomputed here: O came from the fused forward with its bias
-        # rounded to the inputs' dtype (fp16's too, though its products here run in fp32), so its rowsum would leave each row of dS a nonzero sum, which a bias that
-        # adds about the same to a row's scores (FIRE's output layer) reads as gradient (4% error measured)
+        # rounded to the inputs' dtype (fp16's too, though its products here run in fp32), so its rowsum would leave
+        # each row of dS a nonzero sum, which a bias that adds about the same to a row's scores (FIRE's output layer)
+        # reads as gradient (4% error measured)
         delta = (d_weights * weights).sum(dim=-1, keepdim=True)  # (B, H, r, 1)
     else:
         delta = (grad_output.to(weights.dtype) * output.to(weights.dtype)).sum(dim=-1, keepdim=True)  # (B, H, r, 1)

@@ -114,8 +114,9 @@ class T5BucketBias(PositionScheme):
     @classmethod
     def constant_bias_distance(cls, config):
         """The first distance from which every farther one falls in the last bucket of its side, for a causal and a
-        bidirectional stack alike: T5's logarithmic buckets reach the last one before `relative_attention_max_distance`
-        (113 of 128 for a decoder's 32 buckets), and every distance less is a band the sdpa kernel computes by blocks."""
+        bidirectional stack alike: T5's logarithmic buckets reach the last one before
+        `relative_attention_max_distance` (113 of 128 for a decoder's 32 buckets), and every distance less is a band
+        the sdpa kernel computes by blocks."""
         buckets, max_distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
         distances = torch.arange(max_distance + 1, device="cpu")  # the last is in the last bucket (the clamp)
         first = []
