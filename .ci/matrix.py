@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 COMBINATIONS: dict[str, tuple[str, dict[str, str]]] = {
     # the lowest of each range (torch 2.6 fails `import transformers` 5.19 on a machine without an accelerator)
     "lowest": ("3.11", {"torch": "2.7.0", "transformers": "5.19.0", "accelerate": "1.15.0", "trl": "1.16.0"}),
-    # the newest of each range that installs (transformers 5.25 needs kernels>=0.19.1, not on the registry yet)
-    "newest": ("3.11", {"torch": "2.15.0", "transformers": "5.24.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
-    "py3.12": ("3.12", {"torch": "2.15.0", "transformers": "5.24.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
-    "py3.13": ("3.13", {"torch": "2.15.0", "transformers": "5.24.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
+    # the newest of each range
+    "newest": ("3.11", {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
+    "py3.12": ("3.12", {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
+    "py3.13": ("3.13", {"torch": "2.15.0", "transformers": "5.25.0", "accelerate": "1.16.0", "trl": "1.16.0"}),
 }
 DISTRIBUTIONS = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "tokenizers")
 # one pipeline stage, cut short: trains the tokenizer and two optimizer steps of the tiny causal LM

@@ -342,6 +342,7 @@ def hub_kernels_enabled(environ: dict[str, str], monkeypatch) -> bool:
     from transformers.utils.import_utils import ENV_VARS_TRUE_VALUES
 
     if callable(hub_kernels._kernels_enabled):
+        monkeypatch.delenv("USE_HUB_KERNELS", raising=False)  # conftest's "NO", unless `environ` names it
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
         return hub_kernels._kernels_enabled()
@@ -351,6 +352,7 @@ def hub_kernels_enabled(environ: dict[str, str], monkeypatch) -> bool:
 def test_the_offline_defaults_turn_hub_kernels_off_unless_the_user_turned_them_on(monkeypatch):
     from plugformer.runtime.offline import apply_offline_defaults
 
+    conftests = os.environ["USE_HUB_KERNELS"]  # read first: the helper's monkeypatch changes the environment
     environ: dict[str, str] = {}
     assert apply_offline_defaults(environ) == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
                                                "USE_HUB_KERNELS": "NO"}  # fmt: skip
@@ -358,19 +360,22 @@ def test_the_offline_defaults_turn_hub_kernels_off_unless_the_user_turned_them_o
     assert hub_kernels_enabled({}, monkeypatch)  # transformers' default, which the defaults override
     mine = {"USE_HUB_KERNELS": "YES"}
     assert "USE_HUB_KERNELS" not in apply_offline_defaults(mine) and mine["USE_HUB_KERNELS"] == "YES"
-    assert not hub_kernels_enabled({"USE_HUB_KERNELS": os.environ["USE_HUB_KERNELS"]}, monkeypatch)  # conftest's
+    assert not hub_kernels_enabled({"USE_HUB_KERNELS": conftests}, monkeypatch)
 
 
 @pytest.mark.parametrize("score,scheme", [("scaled_dot", "rope"), ("additive", "t5_bias"), ("multiplicative", "alibi")])
 def test_no_plugformer_layer_names_a_hub_kernel(score, scheme):
     """transformers 5.25 kernelizes, by default at load, the layers its `use_kernel_forward_from_hub` marked (the
-    mark is a `kernel_layer_name` class attribute): plugformer's layers carry none, so nothing is fetched for them."""
+    mark is a `kernel_layer_name` class attribute; from 5.25, where `kernels` is a dependency, the activations of
+    `ACT2FN` carry it): plugformer's own layers carry none, so only transformers' activation modules, the ones Llama's
+    MLP holds too, can be swapped for a Hub kernel of the same function, and never where `USE_HUB_KERNELS` is off."""
     from conftest import tiny_config
 
     from plugformer import PlugformerForCausalLM
 
     model = PlugformerForCausalLM(tiny_config(score, scheme))
-    assert [name for name, module in model.named_modules() if hasattr(type(module), "kernel_layer_name")] == []
+    marked = {type(module) for module in model.modules() if hasattr(type(module), "kernel_layer_name")}
+    assert all(kind.__module__ == "transformers.activations" for kind in marked), marked
 
 
 # --- late and unclear errors ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The stage YAMLs and trainer flags on every supported transformers (5.19-5.24): 5.23 renamed `TrainingArguments`'
+"""The stage YAMLs and trainer flags on every supported transformers (5.19-5.25): 5.23 renamed `TrainingArguments`'
 `gradient_checkpointing`/`_kwargs` to `activation_checkpointing`/`_kwargs`; the shipped configs and the CLI use the
 new names, which `plugformer.compat` maps to the old fields where the installed release has only those."""
 

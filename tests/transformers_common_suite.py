@@ -125,6 +125,16 @@ class PlugformerCommonTests(ModelTesterMixin):
     def test_config(self):
         self.config_tester.run_common_tests()
 
+    def test_reverse_loading_mapping(self):
+        # plugformer's conversions (`legacy_weights`) reshape FIRE's two scalars and rename nothing, so its keys stay
+        # as they were (transformers' models whose conversions only transpose pass the same flag)
+        if not hasattr(ModelTesterMixin, "test_reverse_loading_mapping"):
+            self.skipTest(f"transformers {transformers.__version__}'s mixin has no test_reverse_loading_mapping")
+        if self.scheme != "fire":
+            self.skipTest(f"position_scheme={self.scheme!r} has none of the parameters plugformer's conversions "
+                          "reshape (FIRE's `positions.distance_scale`, `positions.threshold_scale`)")  # fmt: skip
+        super().test_reverse_loading_mapping(check_keys_were_modified=False)
+
     def _rope_only(self):
         if "rope_parameters" not in POSITION_SCHEMES.get(self.scheme).config_fields:
             self.skipTest(f"position_scheme={self.scheme!r} has no RoPE: rope_parameters are refused there")

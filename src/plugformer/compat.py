@@ -1,4 +1,4 @@
-"""The transformers versions plugformer supports (`>=5.19,<5.25`) differ in the names below; this is the only module
+"""The transformers versions plugformer supports (`>=5.19,<5.26`) differ in the names below; this is the only module
 that knows. Each shim tests for the feature, not the version, and says which release changed it. On 5.24 every name
 is transformers' own object (no wrapper, no per-call work), but `renamed_cache_kwarg`, which hands transformers'
 `deprecate_kwarg` only the calls that use the old name.
@@ -16,13 +16,14 @@ is transformers' own object (no wrapper, no per-call work), but `renamed_cache_k
 - 5.21.0 added `modeling_utils.slice_logits_to_keep`, and `PreTrainedConfig.__post_init__` stopped assigning
   `base_model_tp_plan` (before, it added `embed_tokens` to the plan of a config with tied embeddings).
 
-5.25.0 is outside the range: it requires `kernels>=0.19.1,<0.20`, which the package registry does not have yet, so
-it cannot be installed and tested. Read against its released sources (the wheel), it changes four things here:
+5.25.0 requires `kernels>=0.19.1,<0.20` (a dependency, no longer optional) and changes four things here:
 - Hub kernels are on by default: `from_pretrained(use_kernels=None)` kernelizes every layer that names a Hub kernel
   (Llama's RMSNorm, ...), fetching it, unless `USE_HUB_KERNELS` is false, which it now reads at each call (before:
   `use_kernels=False` by default, and the variable only read at import, when `kernels` is installed). plugformer's
-  layers name none, but its tests and commands load transformers' reference models: its offline defaults
-  (`runtime.offline`) and `tests/conftest.py` set `USE_HUB_KERNELS=NO`; a user's `USE_HUB_KERNELS=YES` opts in.
+  own layers name none; the `ACT2FN` activations its MLPs hold (as Llama's do) name one, a kernel of the same
+  function where the Hub has one for the device (on CPU none: a checkpoint loads with nothing fetched). Its tests and
+  commands load transformers' reference models: its offline defaults (`runtime.offline`) and `tests/conftest.py` set
+  `USE_HUB_KERNELS=NO`; a user's `USE_HUB_KERNELS=YES` opts in.
 - `create_bidirectional_mask` (and the sliding variant) take `position_ids` and keep packed documents apart, as
   `create_causal_mask` already did without a mask and a cache. plugformer passes no `position_ids` to the mask
   builders and keeps documents apart itself (`stack.document_mask_function`, with a mask and a cache too), so the
