@@ -629,6 +629,9 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
     run = json.loads((tmp_path / "pipeline" / pipeline.RUN_RECORD).read_text())
     assert run["wall_seconds"] >= 0 and run["jobs"] == 1 and run["machine"]["matmul_gflops"] > 0
     assert run["machine"]["threads"] == torch.get_num_threads()
+    # measured before and after the run, the mean of the two in front
+    before, after = run["machine"]["matmul_gflops_before"], run["machine"]["matmul_gflops_after"]
+    assert before > 0 and after > 0 and run["machine"]["matmul_gflops"] == pytest.approx((before + after) / 2, abs=0.06)
 
 
 @pytest.mark.parametrize(

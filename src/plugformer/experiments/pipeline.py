@@ -226,16 +226,24 @@ def validate_stages(args: PipelineArguments) -> None:
 RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run and the speed of the machine it ran on
 
 
-def machine_speed(size: int = 1024, repeats: int = 5) -> dict:
-    """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats`): the
-    pipeline's wall time is only comparable between runs, or with a budget, next to it (2-core machines of the same
-    kind here measured 48 and 158 GFLOP/s on different days)."""
+def machine_speed(size: int = 1024, repeats: int = 25) -> dict:
+    """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats` products,
+    ~10 ms each at 200 GFLOP/s): the pipeline's wall time is only comparable between runs, or with a budget, next to
+    it (2-core machines of the same kind here measured 48 and 158 GFLOP/s on different days)."""
     import torch
 
     from ..bench.measure import matmul_peak
 
     peak = matmul_peak("fp32", "cpu", size, repeats, warmup=1)
     return {"matmul_gflops": round(peak["flops_per_s"] / 1e9, 1), "threads": torch.get_num_threads(), "size": size}
+
+
+def run_speed(before: dict, after: dict) -> dict:
+    """The rate beside a run, measured before and after it: `matmul_gflops` is their mean, and both are kept (one
+    5-product probe read 92 GFLOP/s before a run that took as long as its twin, whose probe read 216)."""
+    mean = round((before["matmul_gflops"] + after["matmul_gflops"]) / 2, 1)
+    return {**before, "matmul_gflops": mean, "matmul_gflops_before": before["matmul_gflops"],
+            "matmul_gflops_after": after["matmul_gflops"]}  # fmt: skip
 
 
 def run(args: PipelineArguments) -> dict:
@@ -254,10 +262,12 @@ def run(args: PipelineArguments) -> dict:
         add_baseline_gains(results)
         report(args, results)
         seconds = time.perf_counter() - started_pipeline
+        speed = run_speed(speed, machine_speed())
         record = {"wall_seconds": round(seconds, 1), "jobs": args.jobs, "seed": args.seed, "machine": speed}
         write_json_atomic(Path(args.output_dir, RUN_RECORD), record, indent=2)
         print(f"pipeline finished in {seconds:.0f}s (torch.mm here: {speed['matmul_gflops']:.0f} GFLOP/s on "
-              f"{speed['threads']} thread(s)); results in {args.output_dir}")  # fmt: skip
+              f"{speed['threads']} thread(s), {speed['matmul_gflops_before']:.0f} before the run and "
+              f"{speed['matmul_gflops_after']:.0f} after); results in {args.output_dir}")  # fmt: skip
     return results
 
 
