@@ -236,6 +236,8 @@ def test_rope_parameters_assigned_after_construction_are_honoured_or_refused():
     with pytest.raises(ValueError, match=r"rope_type'\]='magic'"):
         config.rope_parameters = {"rope_type": "magic"}
     assert config.rope_parameters["rope_type"] == "linear"
+    # the flag that turns the checks on (transformers' own from 5.24; plugformer's before) is never saved
+    assert "_post_init_done" not in config.to_dict() and "_post_init_done" not in config.to_json_string()
     alibi = tiny_config("scaled_dot", "alibi")
     before = dict(alibi.rope_parameters)
     with pytest.raises(ValueError, match=r"rope_parameters=.*position_scheme='alibi' has none"):

@@ -92,8 +92,7 @@ class PlugformerConfig(PreTrainedConfig):
             Defaults to `num_attention_heads`.
         head_dim (`int`, *optional*): Per-head width d_k = d_v; defaults to `hidden_size // num_attention_heads`. With
             `attention_projection="latent"`, the rotated width `qk_rope_head_dim` (transformers' DeepseekV3).
-        hidden_act (`str`, *optional*, defaults to `"silu"`): Feed-forward activation (any key of transformers'
-            `ACT2FN`).
+        hidden_act (`str`, *optional*, defaults to `"silu"`): Feed-forward activation (a key of `ACT2FN`).
         max_position_embeddings (`int`, *optional*, defaults to 2048): Positions a `learned` scheme can encode; the
             trained context for RoPE scaling.
         attention_score (`str`, *optional*, defaults to `"scaled_dot"`): A name registered in
@@ -126,8 +125,7 @@ class PlugformerConfig(PreTrainedConfig):
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters (`rope_type`, `rope_theta`, scaling
             factors); used by `position_scheme="rope"`.
         no_rope_layers (`list[int]`, *optional*): Per layer, 1 to rotate queries and keys, 0 for a NoPE layer
-            (transformers' SmolLM3 / Llama 4 field, same meaning); `position_scheme="rope"` only. `None`: every layer
-            rotates.
+            (SmolLM3's / Llama 4's field, same meaning); `position_scheme="rope"` only. `None`: every layer rotates.
         relative_attention_num_buckets (`int`, *optional*, defaults to 32): T5 buckets (`t5_bias`).
         relative_attention_max_distance (`int`, *optional*, defaults to 128): Distance where T5's last bucket starts.
         max_relative_distance (`int`, *optional*, defaults to 128): Clamp of `clamped_bias` distances.
@@ -267,6 +265,7 @@ class PlugformerConfig(PreTrainedConfig):
         if getattr(self, "auto_map", None) is None:
             self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
         self._validate_variant_fields()
+        self.__dict__["_post_init_done"] = True  # transformers' own flag from 5.24 on: assignments checked from here
 
     def __setattr__(self, name: str, value: Any) -> None:
         """A variant's own field assigned after construction (`config.rope_parameters = ...`) is checked as the
@@ -292,7 +291,8 @@ class PlugformerConfig(PreTrainedConfig):
         `layer_norm_epsilon`) are listed under `NEAR_MISS_KEY`, so the saved config loads back although the constructor
         takes such a keyword argument for a typo."""
         output = super().to_dict()
-        output.pop(NEAR_MISS_KEY, None)
+        for key in (NEAR_MISS_KEY, "_post_init_done"):  # transformers drops the flag from 5.24 on
+            output.pop(key, None)
         assigned = sorted(key for key in output if _near_miss(key) is not None)
         if assigned:
             output[NEAR_MISS_KEY] = assigned
