@@ -8,6 +8,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, StaticCache
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM, supported_kernels
+from plugformer.compat import CACHE_NAMED_CACHE
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "mscale": 0.8, "mscale_all_dim": 0.9,
@@ -134,7 +135,12 @@ def test_latent_cache_bytes_per_token_match_deepseek_v3s():
                         ("latent", plugformer_twin(source, "eager", use_latent_cache=True))):  # fmt: skip
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.arange(3, 13)[None], cache=cache, use_cache=True)
+            # transformers' DeepseekV3 takes the cache by its name of the installed release (5.24: `cache`)
+            model(
+                torch.arange(3, 13)[None],
+                **{"cache" if CACHE_NAMED_CACHE else "past_key_values": cache},
+                use_cache=True,
+            )
         tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         measured[name] = sum(t.numel() * t.element_size() for t in tensors) / 10  # per token
     layers, fp32 = 2, 4

@@ -15,6 +15,7 @@ from conftest import build, projection_combinations, tiny_config, trainable_on_t
 from transformers import DynamicCache, StaticCache
 
 from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForMaskedLM
+from plugformer.compat import CACHE_NAMED_CACHE
 
 
 WINDOW = 3
@@ -178,7 +179,8 @@ def test_sliding_window_in_seq2seq_windows_self_attention_and_keeps_every_encode
                                    return_dict_in_generate=True, output_logits=True)  # fmt: skip
         decoder_ids = generated.sequences
         logits = model(source, decoder_input_ids=decoder_ids).logits
-        assert all(layer.keys.shape[-2] == source.shape[1] for layer in generated.cache.cross_attention_cache.layers)
+        cache = generated.cache if CACHE_NAMED_CACHE else generated.past_key_values  # the name before 5.24
+        assert all(layer.keys.shape[-2] == source.shape[1] for layer in cache.cross_attention_cache.layers)
         cached = torch.stack(generated.logits, dim=1)  # (B, steps, V): each decoding step's logits
         torch.testing.assert_close(cached, logits[:, :-1], atol=ATOL, rtol=0)  # cached steps == the full forward
         assert not torch.allclose(logits, full(source, decoder_input_ids=decoder_ids).logits, atol=1e-4)
