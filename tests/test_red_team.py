@@ -901,3 +901,20 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, mo
     assert not (tmp_path / "converted").exists()
     monkeypatch.setenv(memory.OVERRIDE, "1")  # the documented override builds it anyway
     assert convert(llama_source, tmp_path / "converted").num_parameters() > 0
+
+
+def test_tensor_parallel_is_refused_where_transformers_plans_are_not_verified(monkeypatch):
+    """transformers 5.19's plans shard plugformer's models wrongly (its TP runs failed): tp_size > 1 is refused at
+    construction, naming the release, wherever compat does not vouch for the plans."""
+    from conftest import tiny_config
+    from transformers.distributed import DistributedConfig
+
+    from plugformer import PlugformerForCausalLM, compat
+
+    monkeypatch.setattr(compat, "TENSOR_PARALLEL_VERIFIED", False)
+    config = tiny_config("scaled_dot", "rope")
+    config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan=...) sets
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp_size=2\) needs transformers>=5.24"):
+        PlugformerForCausalLM(config)
+    config.distributed_config = DistributedConfig(tp_size=1)
+    PlugformerForCausalLM(config)

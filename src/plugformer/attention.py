@@ -15,9 +15,11 @@ looked up in plugformer's own `AttentionInterface` (`capabilities`) and checked 
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
+from . import compat
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
@@ -30,8 +32,15 @@ from .scores import ATTENTION_SCORES
 def check_tensor_parallel(config: PlugformerConfig) -> None:
     """Raises a `ValueError` if tensor parallelism (`from_pretrained(tp_plan=...)`, which sets
     `config.distributed_config.tp_size`) cannot compute `config`'s attention exactly: a score or position scheme that
-    declares `tensor_parallel = False`, or key/value heads the ranks cannot share out whole."""
+    declares `tensor_parallel = False`, key/value heads the ranks cannot share out whole, or a transformers release
+    whose plans are not verified (`compat.TENSOR_PARALLEL_VERIFIED`)."""
     tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)
+    if tp_size > 1 and not compat.TENSOR_PARALLEL_VERIFIED:
+        raise ValueError(
+            f"tensor parallelism (tp_size={tp_size}) needs transformers>=5.24 with plugformer (installed: "
+            f"{transformers.__version__}): on 5.19 its plans shard plugformer's models wrongly (compat.py); "
+            "use tp_size=1 or upgrade transformers"
+        )
     for registry in VARIANT_REGISTRIES:
         name = getattr(config, registry.axis)
         if tp_size > 1 and not registry.get(name).tensor_parallel:

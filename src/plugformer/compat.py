@@ -54,6 +54,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 __all__ = [
     "FLEX_PADDING_VERIFIED",
     "RENAMED_TRAINER_OPTIONS",
+    "TENSOR_PARALLEL_VERIFIED",
     "ActivationCheckpointingNames",
     "BaseModelOutputWithPast",
     "BaseModelOutputWithPastAndCrossAttentions",
@@ -78,6 +79,11 @@ CACHE_NAMED_CACHE = "cache" in modeling_outputs.BaseModelOutputWithPast.__datacl
 # from the unpadded text; transformers' own LlamaModel returns NaN there) and right ones on 5.24; 5.20-5.23 are not
 # verified. Where it is not verified, plugformer refuses flex with padding (its kernel record, `capabilities`).
 FLEX_PADDING_VERIFIED = Version(transformers.__version__).release >= (5, 24)
+# Tensor parallelism: 5.24's plans shard plugformer's per-head score parameters and gather the LM head's output as its
+# tests check; on 5.19 the same runs fail (the LM head's output twice as wide, an additive score's weights unsharded)
+# and a seq2seq plan lacks the decoder embedding's rule; 5.20-5.23 are not verified. Where it is not verified,
+# plugformer refuses tp_size > 1 (`attention.check_tensor_parallel`).
+TENSOR_PARALLEL_VERIFIED = Version(transformers.__version__).release >= (5, 24)
 
 
 def _pass_cache_as_past_key_values(builder: Callable) -> Callable:
