@@ -909,9 +909,9 @@ def test_tensor_parallel_is_refused_where_transformers_plans_are_not_verified(mo
     from conftest import tiny_config
     from transformers.distributed import DistributedConfig
 
-    from plugformer import PlugformerForCausalLM, compat
+    from plugformer import PlugformerForCausalLM, attention
 
-    monkeypatch.setattr(compat, "TENSOR_PARALLEL_VERIFIED", False)
+    monkeypatch.setattr(attention, "TENSOR_PARALLEL_VERIFIED", False)
     config = tiny_config("scaled_dot", "rope")
     config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan=...) sets
     with pytest.raises(ValueError, match=r"tensor parallelism \(tp_size=2\) needs transformers>=5.24"):

@@ -72,7 +72,10 @@ def test_value_residual_is_off_by_default_and_validated():
         tiny_config(value_residual="mean")
 
 
-def test_learned_value_residual_is_refused_under_tensor_parallelism():
+def test_learned_value_residual_is_refused_under_tensor_parallelism(monkeypatch):
+    from plugformer import attention
+
+    monkeypatch.setattr(attention, "TENSOR_PARALLEL_VERIFIED", True)  # the variant's answer, on any release
     for mode, refused in (("learned", True), ("fixed", False)):
         config = tiny_config(value_residual=mode)
         config.distributed_config = SimpleNamespace(tp_size=2)

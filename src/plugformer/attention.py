@@ -19,9 +19,8 @@ import transformers
 from torch import nn
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from . import compat
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
-from .compat import renamed_cache_kwarg
+from .compat import TENSOR_PARALLEL_VERIFIED, renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
 from .layers import VALUE_RESIDUALS, RMSNorm
 from .positions import POSITION_SCHEMES
@@ -35,12 +34,6 @@ def check_tensor_parallel(config: PlugformerConfig) -> None:
     declares `tensor_parallel = False`, key/value heads the ranks cannot share out whole, or a transformers release
     whose plans are not verified (`compat.TENSOR_PARALLEL_VERIFIED`)."""
     tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)
-    if tp_size > 1 and not compat.TENSOR_PARALLEL_VERIFIED:
-        raise ValueError(
-            f"tensor parallelism (tp_size={tp_size}) needs transformers>=5.24 with plugformer (installed: "
-            f"{transformers.__version__}): on 5.19 its plans shard plugformer's models wrongly (compat.py); "
-            "use tp_size=1 or upgrade transformers"
-        )
     for registry in VARIANT_REGISTRIES:
         name = getattr(config, registry.axis)
         if tp_size > 1 and not registry.get(name).tensor_parallel:
@@ -71,6 +64,12 @@ def check_tensor_parallel(config: PlugformerConfig) -> None:
             f"num_key_value_heads={config.num_key_value_heads} cannot be split over tp_size={tp_size} tensor-"
             f"parallel ranks: each rank must hold whole key/value heads; use a tp_size that divides "
             f"{config.num_key_value_heads}, or a model with more key/value heads"
+        )
+    if tp_size > 1 and not TENSOR_PARALLEL_VERIFIED:  # after the variants' own refusals, which hold on any release
+        raise ValueError(
+            f"tensor parallelism (tp_size={tp_size}) needs transformers>=5.24 with plugformer (installed: "
+            f"{transformers.__version__}): on 5.19 its plans shard plugformer's models wrongly (compat.py); "
+            "use tp_size=1 or upgrade transformers"
         )
 
 
