@@ -34,11 +34,14 @@ from .kernels import (
     repeat_kv,
     symbolic_sizes,
 )
+from .kernels_additive_native import NativeAdditiveAttention, NativeAdditiveScores, native_applies, native_scores
 
 
 # Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once: 16 MiB measured faster than 64
 # (training step of one layer at N = 512 on the CPU), whose buffers glibc maps and unmaps afresh for every chunk.
 ADDITIVE_CHUNK_BYTES = 16 * 2**20
+# Bytes of (B, H, chunk, K) fp32 scores a chunk of `NativeAdditiveAttention` may hold (its forward makes about three)
+NATIVE_CHUNK_BYTES = 4 * 2**20
 
 
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray | None:
@@ -147,8 +150,13 @@ class AdditiveScores(torch.autograd.Function):
 
 
 def additive_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
-    """`(B, H, c, K)` scores: through `AdditiveScores` when a gradient is wanted, else `tanh_scores` directly."""
+    """`(B, H, c, K)` scores: from the native kernel where it applies (`native_applies`), else through
+    `AdditiveScores` when a gradient is wanted, else `tanh_scores` directly."""
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or energy.requires_grad)
+    if native_applies(query, key, energy):
+        if wants_grad:
+            return NativeAdditiveScores.apply(query, key, energy)
+        return native_scores(query, key, energy)
     return AdditiveScores.apply(query, key, energy) if wants_grad else tanh_scores(query, key, energy)[0]
 
 
@@ -181,6 +189,14 @@ def _additive_chunk_weights(
     return _softmax_dropout_values(module, scores, value, dropout)
 
 
+def _native_chunks_apply(query, key, value, energy, position_bias, dropout: float) -> bool:
+    """Whether `NativeAdditiveAttention` computes the chunks in training: fp32 CPU tensors the native kernel takes, no
+    attention dropout, and no bias or a `RelativeBias` (whose gradient folds into its values)."""
+    if dropout or not (position_bias is None or isinstance(position_bias, RelativeBias)):
+        return False
+    return native_applies(query, key, value, energy, None if position_bias is None else position_bias.values)
+
+
 def additive_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -207,18 +223,25 @@ def additive_attention_forward(
     batch, heads, q_len, attn_dim = query.shape
     key_length = key.shape[2]
     symbolic = symbolic_sizes(query, key)
-    if symbolic:  # traced with dynamic shapes: one chunk of every query over every key (see `symbolic_sizes`)
+    recompute = module.training and torch.is_grad_enabled()
+    wants_weights = _wants_weights(module, kwargs)
+    fused = recompute and not symbolic and not wants_weights and _native_chunks_apply(query, key, value, energy,
+                                                                                       position_bias, dropout)
+    native = not symbolic and native_applies(query, key, energy)
+    if native:  # one copy of the keys and values: the chunks read theirs in place (`key_rows`)
+        key, value = key.contiguous(), value.contiguous()
+    if chunk_size is None and native:  # no (c, K, A) tensor: the chunk's (B, H, c, K) scores are what it holds
+        chunk_size = max(1, NATIVE_CHUNK_BYTES // (batch * heads * key_length * 4))
+    elif symbolic:  # traced with dynamic shapes: one chunk of every query over every key (see `symbolic_sizes`)
         chunk_size = q_len
     elif chunk_size is None:
         element_size = 4 if query.dtype == torch.float16 else query.element_size()  # fp16 is scored in fp32
         per_query = batch * heads * key_length * attn_dim * element_size
         chunk_size = max(1, ADDITIVE_CHUNK_BYTES // per_query)
-    recompute = module.training and torch.is_grad_enabled()
     # the mask holds the causal pattern within a chunk; the keys dropped after it are blocked for every row
     causal = not symbolic and attention_mask is not None and q_len > 1
     causal = causal and kwargs.get("is_causal", getattr(module, "is_causal", False))
     causal = causal and mask_blocks_the_future(attention_mask, q_len, key_length)
-    wants_weights = _wants_weights(module, kwargs)
     outputs, weights = [], []
     # `split`'s backward joins the chunks' query gradients in one `cat` (a slice's writes each into a zero tensor)
     starts, query_chunks = (
@@ -231,7 +254,15 @@ def additive_attention_forward(
         args = (module, query_chunk, key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias, rows,
                 dropout)  # fmt: skip
         chunk = _additive_chunk_weights if wants_weights else _additive_chunk
-        result = checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args)
+        if fused:
+            values = None if position_bias is None else position_bias.values
+            lengths = None if position_bias is None else (position_bias.query_length, position_bias.key_length)
+            result = NativeAdditiveAttention.apply(query_chunk, key[:, :, :keys], value[:, :, :keys], energy, values,
+                                                   mask_chunk, lengths, (start, start + query_chunk.shape[2]), keys)
+        elif recompute:
+            result = checkpoint(chunk, *args, use_reentrant=False)
+        else:
+            result = chunk(*args)
         if wants_weights:
             weights.append(nn.functional.pad(result[1], (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
         else:
