@@ -202,6 +202,33 @@ def count_applies(monkeypatch, function) -> list:
     return calls
 
 
+def additive_path(monkeypatch, path: str) -> None:
+    """Sends the additive kernel's fp32 CPU chunks down `path`: "torch" (the native kernel off) or "native" (skipped
+    where it is not built on this machine)."""
+    from plugformer import kernels_additive, kernels_additive_native
+
+    if path == "torch":
+        monkeypatch.setattr(kernels_additive, "native_applies", lambda *tensors: False)
+    elif kernels_additive_native.native_additive() is None:
+        pytest.skip("the native additive kernel is not built here (no C compiler, or PLUGFORMER_NATIVE_KERNELS=0)")
+
+
+def spy_additive_chunks(monkeypatch) -> list:
+    """(query chunk shape, key shape) of every chunk the additive kernel computes from now on, on either path."""
+    from plugformer import kernels_additive
+
+    seen = []
+    for name in ("_additive_chunk", "_native_chunk"):
+        original = getattr(kernels_additive, name)
+
+        def spy(module, query_chunk, key, *args, original=original):
+            seen.append((query_chunk.shape, key.shape))
+            return original(module, query_chunk, key, *args)
+
+        monkeypatch.setattr(kernels_additive, name, spy)
+    return seen
+
+
 def materialised_relative_attention(query, key, value, values, scaling):
     """The reference of the relative-bias kernels: softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
     length, groups = query.shape[2], query.shape[1] // key.shape[1]

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from conftest import SCHEMES, build, tiny_config
+from conftest import SCHEMES, additive_path, build, spy_additive_chunks, tiny_config
 from transformers import DynamicCache
 
 import plugformer.kernels as kernels
@@ -330,27 +330,22 @@ def test_additive_chunks_with_bias_equal_one_chunk(scheme, monkeypatch):
         torch.testing.assert_close(results[8][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_additive_causal_chunks_score_only_the_keys_up_to_their_last_query(monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_additive_causal_chunks_score_only_the_keys_up_to_their_last_query(path, monkeypatch):
     """With a padding mask (the eager path always has one), chunk c of 8 queries scores keys 0..8c+7 only; under a
     prefix-LM mask every chunk scores all keys and 8-query chunks still equal one chunk."""
-    seen = []
-    original = kernels_additive._additive_chunk
-
-    def spy(module, query_chunk, key, *args):
-        seen.append((query_chunk.shape[2], key.shape[2]))
-        return original(module, query_chunk, key, *args)
-
-    monkeypatch.setattr(kernels_additive, "_additive_chunk", spy)
+    additive_path(monkeypatch, path)
+    chunks = spy_additive_chunks(monkeypatch)
     torch.manual_seed(0)
     model = PlugformerForCausalLM(copy.deepcopy(tiny_config("additive", "t5_bias"))).train()
     for layer in model.model.layers:
         layer.self_attn.score.chunk_size = 8
     model(**batch(pad=5)).loss.backward()
-    assert sorted(set(seen)) == [(8, 8), (8, 16), (8, 24), (8, 32), (8, 40)]
-    seen.clear()
+    assert sorted({(query[2], key[2]) for query, key in chunks}) == [(8, 8), (8, 16), (8, 24), (8, 32), (8, 40)]
+    chunks.clear()
     inputs = {"input_ids": batch()["input_ids"], "attention_mask": prefix_lm_mask(LENGTH, prefix=12)}
     chunked = loss_and_grads(model, **inputs, labels=inputs["input_ids"])
-    assert sorted(set(seen)) == [(8, 40)]
+    assert sorted({(query[2], key[2]) for query, key in chunks}) == [(8, 40)]
     for layer in model.model.layers:
         layer.self_attn.score.chunk_size = None
     whole = loss_and_grads(model, **inputs, labels=inputs["input_ids"])

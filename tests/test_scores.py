@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import build, tiny_config
+from conftest import additive_path, build, spy_additive_chunks, tiny_config
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -220,18 +220,6 @@ def test_the_value_and_output_hooks_run_after_the_cache_and_before_o_proj(kernel
     assert calls.count("value") == calls.count("output") == 2 * (1 + tokens.shape[1]) + 6
 
 
-class _Recorder:
-    def __init__(self, monkeypatch):
-        self.chunks = []
-        original = kernels_additive._additive_chunk
-
-        def record(module, query_chunk, key, *args):
-            self.chunks.append((query_chunk.shape, key.shape))
-            return original(module, query_chunk, key, *args)
-
-        monkeypatch.setattr(kernels_additive, "_additive_chunk", record)
-
-
 def additive_inputs(batch=2, heads=4, length=40, dim=8, seed=0):
     generator = torch.Generator().manual_seed(seed)
     query, key, value = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(3))
@@ -245,18 +233,23 @@ def naive_additive(query, key, value, energy, mask):
     return torch.matmul(scores.softmax(-1), value).transpose(1, 2)
 
 
-def test_additive_kernel_bounds_memory_per_chunk(monkeypatch):
-    """With a 16 KiB budget no chunk's (B, H, c, K, A) tanh tensor may exceed it, and the result is unchanged."""
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_additive_kernel_bounds_memory_per_chunk(path, training, monkeypatch):
+    """With a 16 KiB budget no chunk may exceed it, and the result is unchanged: on the torch path the chunk's
+    (B, H, c, K, A) tanh tensor, on the native path (which forms no such tensor) its (B, H, c, K) scores."""
+    additive_path(monkeypatch, path)
     query, key, value, energy, mask = additive_inputs()
     monkeypatch.setattr(kernels_additive, "ADDITIVE_CHUNK_BYTES", 16 * 1024)
-    recorder = _Recorder(monkeypatch)
-    module = SimpleNamespace(num_key_value_groups=1, training=False, config=SimpleNamespace(output_attentions=False))
+    monkeypatch.setattr(kernels_additive, "NATIVE_CHUNK_BYTES", 16 * 1024)
+    chunks = spy_additive_chunks(monkeypatch)
+    module = SimpleNamespace(num_key_value_groups=1, training=training, config=SimpleNamespace(output_attentions=False))
     out, weights = kernels_additive.additive_attention_forward(module, query, key, value, mask, energy=energy)
     torch.testing.assert_close(out, naive_additive(query, key, value, energy, mask), atol=1e-5, rtol=0)
     assert weights is None
-    assert len(recorder.chunks) > 1
-    for (b, h, c, a), (_, _, k, _) in recorder.chunks:
-        assert b * h * c * k * a * 4 <= 16 * 1024
+    assert len(chunks) > 1
+    for (b, h, c, a), (_, _, k, _) in chunks:
+        assert b * h * c * k * (a if path == "torch" else 1) * 4 <= 16 * 1024
 
 
 def test_additive_checkpointed_chunks_give_the_same_gradients():
@@ -328,9 +321,10 @@ def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd()
 
 
 def test_additive_model_scores_on_the_numpy_path_on_the_cpu(monkeypatch):
-    """A CPU fp32 model's training step and its decoding score every chunk with numpy's contraction (and its tanh
-    where it is the faster): the energy reaches the kernel as a Parameter and the projected queries in an einsum's
-    layout, neither of which may send it to torch's contraction (2x slower on one thread)."""
+    """Without the native kernel, a CPU fp32 model's training step and its decoding score every chunk with numpy's
+    contraction (and its tanh where it is the faster): the energy reaches the kernel as a Parameter and the projected
+    queries in an einsum's layout, neither of which may send it to torch's contraction (2x slower on one thread)."""
+    additive_path(monkeypatch, "torch")
     seen = []
     original = kernels_additive._numpy_view
 

@@ -189,6 +189,16 @@ def _additive_chunk_weights(
     return _softmax_dropout_values(module, scores, value, dropout)
 
 
+def _native_chunk(module, query_chunk, key, value, energy, mask_chunk, position_bias, rows: slice, dropout: float):
+    """`_additive_chunk` through `NativeAdditiveAttention` (no checkpoint: it keeps no (c, K) tensor); no dropout."""
+    values = lengths = None
+    if position_bias is not None:
+        values, lengths = position_bias.values, (position_bias.query_length, position_bias.key_length)
+    rows = (rows.start, rows.start + query_chunk.shape[2])
+    return NativeAdditiveAttention.apply(query_chunk, key, value, energy, values, mask_chunk, lengths, rows,
+                                         key.shape[2])  # fmt: skip
+
+
 def _native_chunks_apply(query, key, value, energy, position_bias, dropout: float) -> bool:
     """Whether `NativeAdditiveAttention` computes the chunks in training: fp32 CPU tensors the native kernel takes, no
     attention dropout, and no bias or a `RelativeBias` (whose gradient folds into its values)."""
@@ -225,8 +235,12 @@ def additive_attention_forward(
     symbolic = symbolic_sizes(query, key)
     recompute = module.training and torch.is_grad_enabled()
     wants_weights = _wants_weights(module, kwargs)
-    fused = recompute and not symbolic and not wants_weights and _native_chunks_apply(query, key, value, energy,
-                                                                                       position_bias, dropout)
+    fused = (
+        recompute
+        and not symbolic
+        and not wants_weights
+        and _native_chunks_apply(query, key, value, energy, position_bias, dropout)
+    )
     native = not symbolic and native_applies(query, key, energy)
     if native:  # one copy of the keys and values: the chunks read theirs in place (`key_rows`)
         key, value = key.contiguous(), value.contiguous()
@@ -253,16 +267,8 @@ def additive_attention_forward(
         mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
         args = (module, query_chunk, key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias, rows,
                 dropout)  # fmt: skip
-        chunk = _additive_chunk_weights if wants_weights else _additive_chunk
-        if fused:
-            values = None if position_bias is None else position_bias.values
-            lengths = None if position_bias is None else (position_bias.query_length, position_bias.key_length)
-            result = NativeAdditiveAttention.apply(query_chunk, key[:, :, :keys], value[:, :, :keys], energy, values,
-                                                   mask_chunk, lengths, (start, start + query_chunk.shape[2]), keys)
-        elif recompute:
-            result = checkpoint(chunk, *args, use_reentrant=False)
-        else:
-            result = chunk(*args)
+        chunk = _additive_chunk_weights if wants_weights else _native_chunk if fused else _additive_chunk
+        result = checkpoint(chunk, *args, use_reentrant=False) if recompute and not fused else chunk(*args)
         if wants_weights:
             weights.append(nn.functional.pad(result[1], (0, key_length - keys)))  # (B, H, c, K): the future weighs 0
         else:

@@ -38,7 +38,7 @@ def native_additive() -> ctypes.CDLL | None:
                                                             count]  # fmt: skip
     library.plugformer_additive_attention_backward.argtypes = [pointer, pointer, size, pointer, pointer, size,
                                                                pointer, size, size, *[pointer] * 9, *[size] * 6,
-                                                               count]  # fmt: skip
+                                                               count, count]  # fmt: skip
     return library
 
 
@@ -114,8 +114,9 @@ class NativeAdditiveScores(torch.autograd.Function):
         grad_query, grad_key = torch.empty_like(query), key.new_empty(key.shape)  # contiguous
         grad_energy = query.new_empty(batch, heads, attn_dim)  # (B, H, A): one row per (batch, head)
         native_additive().plugformer_additive_scores_backward(
-            query.data_ptr(), key.data_ptr(), key_rows(key)[1], grad_scores.data_ptr(), grad_query.data_ptr(), grad_key.data_ptr(),
-            grad_energy.data_ptr(), batch * heads, rows, key.shape[2], attn_dim, torch.get_num_threads(),
+            query.data_ptr(), key.data_ptr(), key_rows(key)[1], grad_scores.data_ptr(), grad_query.data_ptr(),
+            grad_key.data_ptr(), grad_energy.data_ptr(), batch * heads, rows, key.shape[2], attn_dim,
+            torch.get_num_threads(),
         )  # fmt: skip
         energy_rows = energy.detach()[None, :, None, :]  # (1, H, 1, A)
         return grad_query.mul_(energy_rows), grad_key.mul_(energy_rows), grad_energy.sum(0).to(energy.dtype)
@@ -171,7 +172,8 @@ class NativeAdditiveAttention(torch.autograd.Function):
             grad_query, grad_key, grad_energy, grad_value, d_scores)]  # fmt: skip
         native_additive().plugformer_additive_attention_backward(
             *inputs, row_max.data_ptr(), row_log.data_ptr(), delta.data_ptr(), grad_output.data_ptr(),
-            *outputs, batch * heads, heads, count, key.shape[2], attn_dim, value.shape[-1], torch.get_num_threads(),
+            *outputs, batch * heads, heads, count, key.shape[2], attn_dim, value.shape[-1],
+            int(mask is not None and mask.dtype in (torch.bool, torch.float16)), torch.get_num_threads(),
         )  # fmt: skip
         energy_rows = energy.detach()[None, :, None, :]  # (1, H, 1, A)
         grad_values = None

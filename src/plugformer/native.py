@@ -112,4 +112,3 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("plugformer: the native %s kernel is unavailable (%s): it runs on its torch path", name, error)
         return None
-

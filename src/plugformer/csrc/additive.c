@@ -9,9 +9,10 @@
  * recomputed pair by pair, so that the forward keeps no (rows, keys) tensor: with x = s + extra (bias and mask) and
  * the forward's row maximum m and log-sum l, p = exp(x - m - l), ds = p (dO.V_j - delta_i), dV_j += p dO_i.
  *
- * All arrays are float32, contiguous but for the keys' and values' rows (see the backward's arguments). The work is split over POSIX threads (no OpenMP runtime, so no second thread
- * pool beside torch's): the forward by (b, i) rows, the backwards by b, whose key, value and energy gradients one
- * thread owns. Built by `plugformer.native` at first use.
+ * All arrays are float32, contiguous but for the keys' and values' rows (see the backward's arguments). The work
+ * is split over POSIX threads (no OpenMP runtime, so no second thread pool beside torch's): the forward by (b, i)
+ * rows, the backwards by b, whose key, value and energy gradients one thread owns. Built by `plugformer.native`
+ * at first use. Pairs that a mask blocks skip their tanh (see BLOCKED).
  */
 #include <float.h>
 #include <math.h>
@@ -23,7 +24,8 @@
 /* tanh in float, branch-free so that the loops below vectorise it inline (a libm call per element, or per vector
  * with glibc's libmvec, costs more than the arithmetic). |x| < 0.625: x + x^3 P(x^2), P of degree 4 fitted to the
  * relative error (max 9e-9 in double); above: 1 - 2 / (e^{2|x|} + 1), e^y = 2^n e^r with n = round(y / ln 2),
- * n <= 29, and e^r a degree-6 fit on |r| <= ln(2) / 2 (max relative error 2e-9); |x| is clamped at 10, where tanh rounds to +-1.
+ * n <= 29, and e^r a degree-6 fit on |r| <= ln(2) / 2 (max relative error 2e-9); |x| is clamped at 10, where
+ * tanh rounds to +-1.
  * Within 1.3 ulp of tanh in double over 2^21 points of [-12, 12]; exact at 0, +-inf; NaN stays NaN (tests). */
 static inline float tanh_float(float x) {
     const float a = fabsf(x);
@@ -57,6 +59,7 @@ typedef struct {
     float *scores, *gq, *gk, *genergy, *gvalue, *ds_out;
     int64_t batch_heads, heads, rows, keys, dim, value_dim, extra_batch, extra_head, key_stride, value_stride;
     int64_t first, last;
+    int blocked_stops_gradient;
 } Work;
 
 /* A pair whose extra (bias + mask) is at most BLOCKED is a blocked one (masks block with -FLT_MAX, the fp32
@@ -181,8 +184,13 @@ static void attention_backward_range(const Work *w) {
                         dp += doi[d] * vj[d];
                         gvj[d] += p * doi[d];
                     }
-                    g = p * (dp - delta);
-                    add_tanh_gradients(t, g, gqi, w->gk + (b * w->keys + j) * dim, w->genergy + b * dim, dim);
+                    /* a row with every key blocked weighs them alike; a mask that blocks by masked_fill (bool) passes
+                     * no gradient to a blocked score, one added to the scores does */
+                    const int stops = w->blocked_stops_gradient && extra[i * w->keys + j] <= BLOCKED;
+                    g = stops ? 0.0f : p * (dp - delta);
+                    if (g != 0.0f) {
+                        add_tanh_gradients(t, g, gqi, w->gk + (b * w->keys + j) * dim, w->genergy + b * dim, dim);
+                    }
                 }
                 if (w->ds_out) w->ds_out[row * w->keys + j] = g;
             }
@@ -237,25 +245,29 @@ int plugformer_additive_scores(const float *q, const float *k, int64_t key_strid
 int plugformer_additive_scores_backward(const float *q, const float *k, int64_t key_stride, const float *ds,
                                         float *gq, float *gk, float *genergy, int64_t batch_heads, int64_t rows,
                                         int64_t keys, int64_t dim, int threads) {
-    Work w = {.q = q, .k = k, .key_stride = key_stride, .ds_in = ds, .gq = gq, .gk = gk, .genergy = genergy, .batch_heads = batch_heads,
-              .heads = 1, .rows = rows, .keys = keys, .dim = dim};
+    Work w = {.q = q, .k = k, .key_stride = key_stride, .ds_in = ds, .gq = gq, .gk = gk, .genergy = genergy,
+              .batch_heads = batch_heads, .heads = 1, .rows = rows, .keys = keys, .dim = dim};
     return parallel(w, batch_heads, threads, run_scores_backward);
 }
 
-/* k, value: (batch_heads, keys, ·) rows `key_stride`, `value_stride` elements apart (a chunk's keys may be the first
- * `keys` of longer rows); extra: NULL, or the bias + mask of (batch, head) at extra + batch * extra_batch + head * extra_head, (rows, keys)
- * contiguous (a stride of 0 broadcasts); ds_out: NULL, or where the score gradients (batch_heads, rows, keys) go. */
+/* k, value: (batch_heads, keys, .) rows `key_stride`, `value_stride` elements apart (a chunk's keys may be the
+ * first `keys` of longer rows); extra: NULL, or the bias + mask of (batch, head) at extra + batch * extra_batch +
+ * head * extra_head, (rows, keys) contiguous (a stride of 0 broadcasts); blocked_stops_gradient: whether a blocked
+ * pair's score gets no gradient (a mask applied by masked_fill; it matters only in a row whose keys are all
+ * blocked); ds_out: NULL, or where the score gradients (batch_heads, rows, keys) go. */
 int plugformer_additive_attention_backward(const float *q, const float *k, int64_t key_stride, const float *energy,
-                                           const float *value, int64_t value_stride, const float *extra, int64_t extra_batch, int64_t extra_head,
+                                           const float *value, int64_t value_stride, const float *extra,
+                                           int64_t extra_batch, int64_t extra_head,
                                            const float *row_max, const float *row_log, const float *delta,
                                            const float *grad_out, float *gq, float *gk, float *genergy,
                                            float *gvalue, float *ds_out, int64_t batch_heads, int64_t heads,
-                                           int64_t rows, int64_t keys, int64_t dim, int64_t value_dim, int threads) {
+                                           int64_t rows, int64_t keys, int64_t dim, int64_t value_dim,
+                                           int blocked_stops_gradient, int threads) {
     Work w = {.q = q, .k = k, .key_stride = key_stride, .energy = energy, .value = value,
               .value_stride = value_stride, .extra = extra, .extra_batch = extra_batch,
               .extra_head = extra_head, .row_max = row_max, .row_log = row_log, .delta = delta,
               .grad_out = grad_out, .gq = gq, .gk = gk, .genergy = genergy, .gvalue = gvalue, .ds_out = ds_out,
               .batch_heads = batch_heads, .heads = heads, .rows = rows, .keys = keys, .dim = dim,
-              .value_dim = value_dim};
+              .value_dim = value_dim, .blocked_stops_gradient = blocked_stops_gradient && extra != NULL};
     return parallel(w, batch_heads, threads, run_attention_backward);
 }

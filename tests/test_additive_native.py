@@ -1,0 +1,185 @@
+"""The additive kernel's native CPU path (`plugformer.native` builds `csrc/additive.c`; `kernels_additive_native`)
+against independent references: tanh in float64, the formula under plain autograd in float64, and the torch path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import additive_path, count_applies, tiny_config
+
+from plugformer import PlugformerForCausalLM, native
+from plugformer import kernels_additive_native as native_kernels
+from plugformer.biases import RelativeBias
+
+
+@pytest.fixture(autouse=True)
+def native_path(monkeypatch):
+    additive_path(monkeypatch, "native")
+
+
+@pytest.fixture
+def fresh_load():
+    """`native.load` with its per-process cache cleared before and after (the kernel modules keep their own)."""
+    native.load.cache_clear()
+    yield native.load
+    native.load.cache_clear()
+
+
+def test_tanh_is_within_1_3_ulp_of_the_exact_one():
+    """Scores of one key at 0 with energy 1 are tanh(q): over 2^20 + 1 points of [-12, 12] within 1.3 ulp of tanh in
+    float64 (torch's own float tanh is within 0.5), and exact at the special values."""
+    grid = torch.linspace(-12, 12, 2**20 + 1)
+    specials = torch.tensor([0.0, 1e-30, -1e-30, 20.0, -20.0, float("inf"), float("-inf"), float("nan")])
+    points = torch.cat([grid, specials])
+    scores = native_kernels.native_scores(points.view(1, 1, -1, 1), torch.zeros(1, 1, 1, 1), torch.ones(1, 1))
+    scores = scores.flatten()
+    exact = torch.tanh(grid.double())
+    ulp = (torch.nextafter(exact.float(), torch.tensor(float("inf"))).double() - exact.float().double()).abs()
+    assert ((scores[: grid.numel()].double() - exact).abs() / ulp).max() <= 1.3
+    assert torch.equal(scores[-8:-1], torch.tensor([0.0, 1e-30, -1e-30, 1.0, -1.0, 1.0, -1.0]))
+    assert scores[-1].isnan()
+
+
+def float64_formula(query, key, value, energy, bias, mask):
+    """softmax(Σ_a v_a tanh(q_ia + k_ja) + bias, masked) V in float64, a bool mask applied by `masked_fill` (no
+    gradient reaches a blocked score), a float one added (0 or the fp32 minimum), as the kernels apply them."""
+    scores = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy) + bias
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    else:
+        scores = scores + mask.double()
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def leaves(*shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=generator) * 1.5).requires_grad_() for shape in shapes]
+
+
+def test_native_scores_and_gradients_equal_the_formula_in_float64():
+    """`NativeAdditiveScores` (fp32) against autograd over the formula in float64, an upstream gradient with zeros
+    (pairs the backward skips) included."""
+    query, key, energy = leaves((2, 3, 5, 4), (2, 3, 7, 4), (3, 4))
+    upstream = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(1))
+    upstream[:, :, :, 4:] = 0.0
+    scores = native_kernels.NativeAdditiveScores.apply(query, key, energy)
+    doubles = [tensor.detach().double().requires_grad_() for tensor in (query, key, energy)]
+    reference = torch.einsum("bhqka,ha->bhqk", torch.tanh(doubles[0][:, :, :, None] + doubles[1][:, :, None]),
+                             doubles[2])  # fmt: skip
+    torch.testing.assert_close(scores.double(), reference, atol=2e-6, rtol=0)
+    grads = torch.autograd.grad(scores, (query, key, energy), upstream)
+    expected = torch.autograd.grad(reference, doubles, upstream.double())
+    for name, grad, want in zip(("query", "key", "energy"), grads, expected, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=2e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_attention_chunk_equals_the_formula_with_bias_padding_and_causal_mask(with_bias, mask_kind):
+    """One chunk (query rows 3..8 over keys 0..8) of `NativeAdditiveAttention` against autograd over the formula in
+    float64: a causal mask (bool, or added as 0 / fp32 minimum), a left-padded row whose padding queries see no key
+    (uniform weights, as eager's softmax of a fully blocked row), a learned relative bias whose values get their
+    gradient; it keeps no (c, K) tensor."""
+    batch, heads, length, attn_dim, value_dim = 2, 3, 11, 4, 5
+    query, key, value = leaves((batch, heads, length, attn_dim), (batch, heads, length, attn_dim),
+                               (batch, heads, length, value_dim))  # fmt: skip
+    energy, values = leaves((heads, attn_dim), (heads, 2 * length - 1), seed=1)
+    real = torch.ones(batch, length, dtype=torch.bool)
+    real[1, :5] = False  # the second row is left-padded by 5: its queries 3 and 4 see no key
+    mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]  # (B, 1, Q, K)
+    start, stop = 3, 9
+    chunk_mask = mask[:, :, start:stop, :stop]
+    if mask_kind == "float":
+        chunk_mask = torch.zeros(chunk_mask.shape).masked_fill(~chunk_mask, torch.finfo(torch.float32).min)
+    inputs = (query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], energy)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor.shape) or tensor, lambda x: x):
+        output = native_kernels.NativeAdditiveAttention.apply(*inputs, values if with_bias else None, chunk_mask,
+                                                              (length, length), (start, stop), stop)  # fmt: skip
+    assert (batch, heads, stop - start, stop) not in saved
+    doubles = [tensor.detach().double().requires_grad_() for tensor in (*inputs, values)]
+    bias = RelativeBias(doubles[4], length, length).rows(start, stop, stop) if with_bias else 0.0
+    reference = float64_formula(*doubles[:4], bias, chunk_mask)
+    torch.testing.assert_close(output.double(), reference, atol=1e-5, rtol=0)
+    upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(2))
+    wanted = (*inputs, values) if with_bias else inputs
+    grads = torch.autograd.grad(output, wanted, upstream)
+    expected = torch.autograd.grad(reference, doubles[: len(wanted)], upstream.double())
+    for name, grad, want in zip(("query", "key", "value", "energy", "values"), grads, expected, strict=False):
+        torch.testing.assert_close(grad.double(), want, atol=2e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("scheme", ["none", "rope", "alibi", "t5_bias", "kerple_log", "fire"])
+def test_a_training_step_equals_the_torch_paths(scheme, monkeypatch):
+    """A tiny additive model (grouped key heads, a left-padded row) trains to the same loss and gradients on the
+    native path as on the torch path; the chunks run as `NativeAdditiveAttention` (FIRE's query-dependent bias, whose
+    gradient does not fold into a table: checkpointed `NativeAdditiveScores`)."""
+    config = tiny_config("additive", scheme, num_key_value_heads=2)
+    ids = torch.randint(3, config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0
+    results = []
+    for path in ("torch", "native"):
+        torch.manual_seed(0)
+        model = PlugformerForCausalLM(config).train()
+        with monkeypatch.context() as patch:
+            additive_path(patch, path)
+            fused = count_applies(patch, native_kernels.NativeAdditiveAttention)
+            scores = count_applies(patch, native_kernels.NativeAdditiveScores)
+            loss = model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+            loss.backward()
+        grads = {name: parameter.grad for name, parameter in model.named_parameters() if parameter.grad is not None}
+        results.append((loss.detach(), grads))
+    assert (len(scores) > 0) if scheme == "fire" else (len(fused) > 0 and not scores)
+    (torch_loss, torch_grads), (native_loss, native_grads) = results
+    torch.testing.assert_close(native_loss, torch_loss, atol=1e-5, rtol=0)
+    assert native_grads.keys() == torch_grads.keys()
+    for name, grad in torch_grads.items():
+        torch.testing.assert_close(native_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_chunk_reads_its_keys_in_place():
+    """The first K keys of a contiguous (B, H, N, A) tensor are read where they lie (one stride per (batch, head));
+    a transposed layout is copied once."""
+    keys = torch.randn(2, 3, 10, 4)
+    rows, stride = native_kernels.key_rows(keys[:, :, :6])
+    assert rows.data_ptr() == keys.data_ptr() and stride == 40
+    query, energy = torch.randn(2, 3, 5, 4), torch.randn(3, 4)
+    torch.testing.assert_close(native_kernels.native_scores(query, keys[:, :, :6], energy),
+                               native_kernels.native_scores(query, keys[:, :, :6].contiguous(), energy), atol=0,
+                               rtol=0)  # fmt: skip
+    rows, stride = native_kernels.key_rows(torch.randn(2, 10, 3, 4).transpose(1, 2))
+    assert rows.is_contiguous() and stride == 40
+
+
+def test_the_build_is_cached_and_written_atomically(tmp_path, monkeypatch, fresh_load):
+    """A new cache directory gets one library (no temporary file left); loading again in a new process (the
+    per-process cache cleared) builds nothing."""
+    monkeypatch.setenv(native.CACHE, str(tmp_path))
+    builds = []
+    build = native.build
+    monkeypatch.setattr(native, "build", lambda *args: builds.append(args) or build(*args))
+    assert fresh_load("additive") is not None
+    assert [path.name.startswith("additive-") for path in tmp_path.iterdir()] == [True]
+    native.load.cache_clear()
+    assert fresh_load("additive") is not None
+    assert len(builds) == 1
+
+
+def test_a_failing_compiler_leaves_the_torch_path_with_a_warning(tmp_path, monkeypatch, fresh_load, caplog):
+    """`CC=false` (a compiler that fails): `load` warns once and returns `None`, nothing is left in the cache
+    directory, and the additive kernel still computes (on its torch path)."""
+    monkeypatch.setenv(native.CACHE, str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert fresh_load("additive") is None
+    assert "unavailable" in caplog.text and "exited 1" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_switch_turns_native_kernels_off(monkeypatch, fresh_load):
+    monkeypatch.setenv(native.SWITCH, "0")
+    monkeypatch.setattr(native, "build", None)  # a build would fail
+    assert fresh_load("additive") is None
