@@ -146,8 +146,8 @@ class PlugformerConfig(PreTrainedConfig):
             layer's, V_n' = λ1·V_n + λ2·V_1 (Zhou et al. 2024, ResFormer): `"fixed"` (λ1 = λ2 = 0.5) or `"learned"`
             (λ1, λ2 learned per layer; no tensor parallelism); `None`: off. Each stack of a seq2seq model mixes with
             its own first layer.
-        additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default as many
-            as keep a chunk's tanh activations within 16 MiB (`kernels_additive.ADDITIVE_CHUNK_BYTES`), at least one.
+        additive_chunk_size (`int`, *optional*): Query rows per chunk of the additive kernel; by default as many as
+            keep a chunk's tanh tensor within 16 MiB, or its scores within 4 MiB on the native path (kernels_additive).
         sliding_window (`int`, *optional*): Local attention in the layers `layer_types` marks sliding (by default
             every layer), as Mistral's (transformers' name and masks): a causal query sees only the last
             `sliding_window` keys (itself included), an encoder's query the keys at most `sliding_window` away

@@ -20,15 +20,15 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import native
 from .biases import RelativeBias
 from .kernels import _add_bias_and_mask
+from .native import load
 
 
 @functools.cache
 def native_additive() -> ctypes.CDLL | None:
     """The fused C kernel (`csrc/additive.c`, built by `native.load`), or `None` where it is not built."""
-    library = native.load("additive")
+    library = load("additive")
     if library is None:
         return None
     pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -31,7 +31,9 @@ CACHE = "PLUGFORMER_NATIVE_CACHE"
 SOURCES = Path(__file__).with_name("csrc")
 # -fopenmp-simd honours the sources' `omp simd` loops without linking an OpenMP runtime (a second thread pool beside
 # torch's); -z now resolves every symbol at load, so a missing one is an OSError there, not a crash at the first call
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-Wl,-z,now")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd")
+# macOS' linker has no -z now (and refuses a missing symbol when it links)
+LINK_FLAGS = () if platform.system() == "Darwin" else ("-Wl,-z,now",)
 BUILD_SECONDS = 300
 
 
@@ -71,7 +73,7 @@ def cache_dir() -> Path:
 
 def library_path(name: str, command: list[str]) -> Path:
     """Where the build of `csrc/<name>.c` by `command` for this CPU lives: keyed by a hash of all that shapes it."""
-    parts = [(SOURCES / f"{name}.c").read_text(), *command, _version(command), *FLAGS, platform.machine(),
+    parts = [(SOURCES / f"{name}.c").read_text(), *command, _version(command), *FLAGS, *LINK_FLAGS, platform.machine(),
              platform.system(), " ".join(platform.libc_ver()), _cpu_identity()]  # fmt: skip
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return cache_dir() / f"{name}-{digest}.so"
@@ -83,7 +85,7 @@ def build(name: str, command: list[str], target: Path) -> None:
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{name}-", suffix=".so")
     os.close(handle)
     try:
-        argv = [*command, *FLAGS, str(SOURCES / f"{name}.c"), "-o", temporary, "-lm"]
+        argv = [*command, *FLAGS, str(SOURCES / f"{name}.c"), "-o", temporary, *LINK_FLAGS, "-lm"]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_SECONDS, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"`{shlex.join(argv)}` exited {result.returncode}: {result.stderr.strip()[-2000:]}")
@@ -99,6 +101,9 @@ def load(name: str) -> ctypes.CDLL | None:
     (`PLUGFORMER_NATIVE_KERNELS=0`), on Windows, or where no compiler builds it or the build does not load (warned
     once per process). Cached per process."""
     if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off") or platform.system() == "Windows":
+        return None
+    if not (SOURCES / f"{name}.c").is_file():  # a checkpoint's copy of plugformer (`trust_remote_code`) has no csrc/
+        logger.info("plugformer: no source for the native %s kernel here: it runs on its torch path", name)
         return None
     command = compiler()
     if command is None:

@@ -201,7 +201,8 @@ class AdditiveScore(AttentionScore):
 
     W1 belongs to each query head and W2 to each key/value head, so with GQA the cache stores the projected keys
     W2 k once per key/value head. The kernel (`kernels_additive.additive_attention_forward`) works through the queries
-    in chunks, keeping the (B, H, chunk, K, d_k) tanh tensor within a fixed memory budget.
+    in chunks, keeping the (B, H, chunk, K, d_k) tanh tensor within a fixed memory budget (on the CPU in fp32 a C
+    kernel forms it pair by pair instead: `kernels_additive_native`).
     """
 
     dot_product = False
