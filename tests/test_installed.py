@@ -1,5 +1,5 @@
-"""The package where users install it: the shipped YAMLs are package data found from any folder, and a built wheel,
-installed in a fresh virtual environment, runs a stage from another folder."""
+"""The package where users install it: the shipped YAMLs are package data found from any folder (as are the native
+kernels' C sources), and a built wheel, installed in a fresh virtual environment, runs a stage from another folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,15 @@ def test_the_package_ships_every_config_of_the_repository():
         f"configs/{path.relative_to(SHIPPED_CONFIGS).as_posix()}" for path in SHIPPED_CONFIGS.glob("**/*.yaml")
     )
     assert packaged == SHIPPED and len(SHIPPED) > 20
+
+
+def test_the_package_data_holds_the_native_kernels_sources():
+    """Every C source `plugformer.native` builds at first use is package data (a wheel without it would quietly keep
+    the torch path)."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["plugformer"]
+    sources = [path.relative_to(ROOT / "src" / "plugformer").as_posix() for path in
+               (ROOT / "src" / "plugformer" / "csrc").glob("*.c")]  # fmt: skip
+    assert sources and all(any(fnmatch(source, pattern) for pattern in patterns) for source in sources)
 
 
 @pytest.mark.parametrize(
@@ -102,9 +113,11 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
     from this environment through a .pth line, so nothing is downloaded), then from an empty folder run
     `plugformer --version`, `--help`, and `train pretrain --config configs/pretrain/tiny.yaml` (two steps)."""
     wheel = build_wheel(tmp_path)
-    assert {"plugformer/configs/demo.yaml", "plugformer/configs/pretrain/tiny.yaml"} <= set(
-        zipfile.ZipFile(wheel).namelist()
-    )
+    assert {
+        "plugformer/configs/demo.yaml",
+        "plugformer/configs/pretrain/tiny.yaml",
+        "plugformer/csrc/additive.c",
+    } <= set(zipfile.ZipFile(wheel).namelist())
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
