@@ -183,3 +183,24 @@ def test_the_switch_turns_native_kernels_off(monkeypatch, fresh_load):
     monkeypatch.setenv(native.SWITCH, "0")
     monkeypatch.setattr(native, "build", None)  # a build would fail
     assert fresh_load("additive") is None
+
+
+def test_scores_before_a_mask_skip_the_pairs_it_blocks():
+    """Given the mask applied after them (bool, or float at the fp32 minimum), the scores of blocked pairs are 0 (no
+    tanh formed) and every other score is the unmasked one's."""
+    query, key, energy = (tensor.detach() for tensor in leaves((2, 3, 5, 4), (2, 3, 7, 4), (3, 4)))
+    allowed = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(3)) > 0.5
+    plain = native_kernels.native_scores(query, key, energy)
+    for mask in (allowed, torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)):
+        scores = native_kernels.masked_scores(query, key, energy, mask)
+        torch.testing.assert_close(scores, plain.masked_fill(~allowed, 0.0), atol=0, rtol=0)
+
+
+def test_a_profile_names_the_native_path():
+    """`plugformer bench` labels a step that ran the C kernel (`eager:additive-native`)."""
+    from plugformer.bench.measure import profile_call
+
+    query, key, energy = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(2, 8)
+    assert profile_call(lambda: native_kernels.native_scores(query, key, energy), "cpu").sdpa_backends == [
+        "additive-native"
+    ]

@@ -41,6 +41,7 @@ from plugformer.bench.readme import main as readme_main
 from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
 from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
+from plugformer.kernels_additive_native import native_additive
 from plugformer.runtime.arguments import parse_arguments
 from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields, modifier_label
 
@@ -214,8 +215,9 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     ]
     assert rows == [(dtype, *variant) for dtype in dtypes for variant in variants]
     for row in results["variants"]:
-        if "sdpa" not in row["supported_kernels"]:
-            kernel = "eager"  # additive (no dot product) or a modifier sdpa refuses (softcapping)
+        if "sdpa" not in row["supported_kernels"]:  # additive (no dot product) or a modifier sdpa refuses (softcapping)
+            native = row["attention_score"] == "additive" and row["dtype"] == "fp32" and native_additive() is not None
+            kernel = "eager:additive-native" if native else "eager"  # fp32 additive: the C kernel where it is built
         elif row["attention_modifier"]:
             kernel = row["kernel"] if row["kernel"].startswith("sdpa:") else "sdpa:..."  # the backend varies
         else:

@@ -34,7 +34,7 @@ from .kernels import (
     repeat_kv,
     symbolic_sizes,
 )
-from .kernels_additive_native import NativeAdditiveAttention, NativeAdditiveScores, native_applies, native_scores
+from .kernels_additive_native import NativeAdditiveAttention, NativeAdditiveScores, masked_scores, native_applies
 
 
 # Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once: 16 MiB measured faster than 64
@@ -149,14 +149,13 @@ class AdditiveScores(torch.autograd.Function):
         return grad_query, grad_key, grad_energy
 
 
-def additive_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
-    """`(B, H, c, K)` scores: from the native kernel where it applies (`native_applies`), else through
-    `AdditiveScores` when a gradient is wanted, else `tanh_scores` directly."""
+def additive_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`(B, H, c, K)` scores: from the native kernel where it applies (`native_applies`; the pairs the `mask` applied
+    after blocks are left out there), else through `AdditiveScores` when a gradient is wanted, else `tanh_scores`."""
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or energy.requires_grad)
     if native_applies(query, key, energy):
-        if wants_grad:
-            return NativeAdditiveScores.apply(query, key, energy)
-        return native_scores(query, key, energy)
+        return (NativeAdditiveScores.apply if wants_grad else masked_scores)(query, key, energy, mask)
     return AdditiveScores.apply(query, key, energy) if wants_grad else tanh_scores(query, key, energy)[0]
 
 
@@ -183,7 +182,7 @@ def _additive_chunk_weights(
     # vᵀ tanh(.) reaches sum |v|, which overflows 65504 when the energies are large; bf16/fp32 keep their dtype.
     compute_dtype = torch.float32 if query_chunk.dtype == torch.float16 else query_chunk.dtype
     query_chunk, key, energy = query_chunk.to(compute_dtype), key.to(compute_dtype), energy.to(compute_dtype)
-    scores = additive_scores(query_chunk, key, energy).float()  # (B, H, c, K)
+    scores = additive_scores(query_chunk, key, energy, mask_chunk).float()  # (B, H, c, K)
     # the chunk's bias rows are made here, inside the checkpoint: recomputed in the backward, not kept
     scores = _add_bias_and_mask(scores, mask_chunk, bias_rows(position_bias, rows, key.shape[2]))
     return _softmax_dropout_values(module, scores, value, dropout)

@@ -25,6 +25,10 @@ from .kernels import _add_bias_and_mask
 from .native import load
 
 
+# what a profile (`plugformer bench`) names this path by
+PROFILER_NAME = "plugformer::additive_native"
+
+
 @functools.cache
 def native_additive() -> ctypes.CDLL | None:
     """The fused C kernel (`csrc/additive.c`, built by `native.load`), or `None` where it is not built."""
@@ -32,8 +36,8 @@ def native_additive() -> ctypes.CDLL | None:
     if library is None:
         return None
     pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.plugformer_additive_scores.argtypes = [pointer, pointer, size, pointer, pointer, size, size, pointer,
-                                                   *[size] * 5, count]  # fmt: skip
+    library.plugformer_additive_scores.argtypes = [pointer, pointer, size, pointer, pointer, size, size, count,
+                                                   pointer, *[size] * 5, count]  # fmt: skip
     library.plugformer_additive_scores_backward.argtypes = [pointer, pointer, size, *[pointer] * 4, *[size] * 4,
                                                             count]  # fmt: skip
     library.plugformer_additive_attention_backward.argtypes = [pointer, pointer, size, pointer, pointer, size,
@@ -79,31 +83,42 @@ def _extra_pointer(extra: torch.Tensor | None) -> tuple[int | None, int, int]:
     return extra.data_ptr(), batch_stride, head_stride
 
 
-def native_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor,
-                  extra: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def native_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, extra: torch.Tensor | None = None,
+                  add: bool = True) -> torch.Tensor:  # fmt: skip
     """The scores `(B, H, c, K)` of queries `(B, H, c, A)` over keys `(B, H, K, A)` with the energy vectors `(H, A)`
-    (fp32), plus `extra` (the bias and mask, `(B or 1, H or 1, c, K)` contiguous) if given, from the native kernel: no
-    (B, H, c, K, A) tensor, and no tanh for the pairs `extra` blocks."""
+    (fp32) from the native kernel, no (B, H, c, K, A) tensor formed. With `extra` (the bias and mask, `(B or 1,
+    H or 1, c, K)` contiguous) the pairs it blocks take no tanh: the scores plus `extra`, or with `add=False` the
+    scores alone, 0 where `extra` blocks (the mask, applied after, sets them)."""
     query, energy = query.detach().contiguous(), energy.detach().contiguous()
     key, key_stride = key_rows(key)
     batch, heads, rows, attn_dim = query.shape
     scores = query.new_empty(batch, heads, rows, key.shape[2])
-    native_additive().plugformer_additive_scores(
-        query.data_ptr(), key.data_ptr(), key_stride, energy.data_ptr(), *_extra_pointer(extra), scores.data_ptr(),
-        batch * heads, heads, rows, key.shape[2], attn_dim, torch.get_num_threads(),
-    )  # fmt: skip
+    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
+        native_additive().plugformer_additive_scores(
+            query.data_ptr(), key.data_ptr(), key_stride, energy.data_ptr(), *_extra_pointer(extra), int(add),
+            scores.data_ptr(), batch * heads, heads, rows, key.shape[2], attn_dim, torch.get_num_threads(),
+        )  # fmt: skip
     return scores
+
+
+def masked_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor | None):
+    """`native_scores` before a `mask` `(B or 1, 1, c, ≥ K)` (bool or float) is applied: 0 without a tanh where it
+    blocks."""
+    return native_scores(query, key, energy, _bias_and_mask(mask, None, None, (0, query.shape[2]), key.shape[2]),
+                         add=False)  # fmt: skip
 
 
 class NativeAdditiveScores(torch.autograd.Function):
     """`native_scores` with the gradients of `kernels_additive.AdditiveScores`, each tanh recomputed in the loop that
-    forms them: dv_a = Σ ds_ij t_ija, dq_ia = v_a Σ_j ds_ij (1 − t_ija²), dk_ja = v_a Σ_i ds_ij (1 − t_ija²)."""
+    forms them: dv_a = Σ ds_ij t_ija, dq_ia = v_a Σ_j ds_ij (1 − t_ija²), dk_ja = v_a Σ_i ds_ij (1 − t_ija²). Given
+    the `mask` applied after it, the pairs it blocks score 0 without their tanh (their value never reaches the
+    softmax)."""
 
     @staticmethod
-    def forward(ctx, query, key, energy):
+    def forward(ctx, query, key, energy, mask=None):
         query, key = query.detach().contiguous(), key_rows(key)[0]
         ctx.save_for_backward(query, key, energy)
-        return native_scores(query, key, energy)
+        return masked_scores(query, key, energy, mask)
 
     @staticmethod
     @once_differentiable
@@ -119,7 +134,7 @@ class NativeAdditiveScores(torch.autograd.Function):
             torch.get_num_threads(),
         )  # fmt: skip
         energy_rows = energy.detach()[None, :, None, :]  # (1, H, 1, A)
-        return grad_query.mul_(energy_rows), grad_key.mul_(energy_rows), grad_energy.sum(0).to(energy.dtype)
+        return grad_query.mul_(energy_rows), grad_key.mul_(energy_rows), grad_energy.sum(0).to(energy.dtype), None
 
 
 def _bias_and_mask(mask, values, lengths, rows: tuple[int, int], keys: int) -> torch.Tensor | None:

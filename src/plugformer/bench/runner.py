@@ -146,7 +146,7 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     """Why the kernel is not plain fused SDPA, from plugformer's capabilities and the model's parameters."""
     config = model.config
     if unsupported_reason(config, "sdpa") is not None:
-        return "capabilities: no sdpa"
+        return "capabilities: no sdpa" + ("; tanh pair by pair in C" if "additive-native" in sdpa_backends else "")
     scheme = POSITION_SCHEMES.get(config.position_scheme)
     learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
     if "math" in sdpa_backends:

@@ -59,7 +59,7 @@ typedef struct {
     float *scores, *gq, *gk, *genergy, *gvalue, *ds_out;
     int64_t batch_heads, heads, rows, keys, dim, value_dim, extra_batch, extra_head, key_stride, value_stride;
     int64_t first, last;
-    int blocked_stops_gradient;
+    int blocked_stops_gradient, add_extra;
 } Work;
 
 /* A pair whose extra (bias + mask) is at most BLOCKED is a blocked one (masks block with -FLT_MAX, the fp32
@@ -88,14 +88,14 @@ static void scores_range(const Work *w) {
         float *si = w->scores + row * w->keys;
         for (int64_t j = 0; j < w->keys; j++) {
             if (skips && extra[j] <= BLOCKED) {
-                si[j] = extra[j];
+                si[j] = w->add_extra ? extra[j] : 0.0f; /* a blocked score's value never reaches its softmax */
                 continue;
             }
             const float *kj = kb + j * w->dim;
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t a = 0; a < w->dim; a++) acc += eh[a] * tanh_float(qi[a] + kj[a]);
-            si[j] = extra ? acc + extra[j] : acc;
+            si[j] = extra && w->add_extra ? acc + extra[j] : acc;
         }
     }
 }
@@ -231,14 +231,15 @@ static int parallel(Work base, int64_t total, int threads, void *(*body)(void *)
     return status;
 }
 
-/* scores = s + extra, extra as in the attention backward (NULL: the scores alone) */
+/* scores = s + extra (add_extra), or s with 0 for the pairs extra blocks (the mask is applied after); extra as in
+ * the attention backward, NULL: the scores alone */
 int plugformer_additive_scores(const float *q, const float *k, int64_t key_stride, const float *energy,
-                               const float *extra, int64_t extra_batch, int64_t extra_head, float *scores,
-                               int64_t batch_heads, int64_t heads, int64_t rows, int64_t keys, int64_t dim,
-                               int threads) {
+                               const float *extra, int64_t extra_batch, int64_t extra_head, int add_extra,
+                               float *scores, int64_t batch_heads, int64_t heads, int64_t rows, int64_t keys,
+                               int64_t dim, int threads) {
     Work w = {.q = q, .k = k, .key_stride = key_stride, .energy = energy, .extra = extra, .extra_batch = extra_batch,
-              .extra_head = extra_head, .scores = scores, .batch_heads = batch_heads, .heads = heads, .rows = rows,
-              .keys = keys, .dim = dim};
+              .extra_head = extra_head, .add_extra = add_extra, .scores = scores, .batch_heads = batch_heads,
+              .heads = heads, .rows = rows, .keys = keys, .dim = dim};
     return parallel(w, batch_heads * rows, threads, run_scores);
 }
 
