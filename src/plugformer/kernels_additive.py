@@ -203,12 +203,13 @@ def _native_chunk(module, query_chunk, key, value, energy, mask_chunk, position_
                                          key.shape[2])  # fmt: skip
 
 
-def _native_chunks_apply(query, key, value, energy, position_bias, dropout: float) -> bool:
-    """Whether `NativeAdditiveAttention` computes the chunks in training: fp32 CPU tensors the native kernel takes, no
-    attention dropout, and no bias or a `RelativeBias` (whose gradient folds into its values)."""
+def _native_chunks_apply(value, position_bias, dropout: float) -> bool:
+    """Whether `NativeAdditiveAttention` computes the chunks in training, where the native kernel takes the queries,
+    keys and energy: no attention dropout, fp32 CPU values, and no bias or a `RelativeBias` (whose gradient folds
+    into its values) the kernel takes."""
     if dropout or not (position_bias is None or isinstance(position_bias, RelativeBias)):
         return False
-    return native_applies(query, key, value, energy, None if position_bias is None else position_bias.values)
+    return native_applies(value, None if position_bias is None else position_bias.values)
 
 
 def additive_attention_forward(
@@ -239,13 +240,8 @@ def additive_attention_forward(
     symbolic = symbolic_sizes(query, key)
     recompute = module.training and torch.is_grad_enabled()
     wants_weights = _wants_weights(module, kwargs)
-    fused = (
-        recompute
-        and not symbolic
-        and not wants_weights
-        and _native_chunks_apply(query, key, value, energy, position_bias, dropout)
-    )
     native = not symbolic and native_applies(query, key, energy)
+    fused = native and recompute and not wants_weights and _native_chunks_apply(value, position_bias, dropout)
     if native:  # one copy of the keys and values: the chunks read theirs in place (`key_rows`)
         key, value = key.contiguous(), value.contiguous()
     if chunk_size is None and native:  # no (c, K, A) tensor: the chunk's (B, H, c, K) scores are what it holds

@@ -57,7 +57,7 @@ static inline float tanh_float(float x) {
 typedef struct {
     const float *q, *k, *energy, *value, *extra, *row_max, *row_log, *delta, *grad_out, *ds_in;
     float *scores, *gq, *gk, *genergy, *gvalue, *ds_out;
-    int64_t batch_heads, heads, rows, keys, dim, value_dim, extra_batch, extra_head, key_stride, value_stride;
+    int64_t heads, rows, keys, dim, value_dim, extra_batch, extra_head, key_stride, value_stride;
     int64_t first, last;
     int blocked_stops_gradient, add_extra;
 } Work;
@@ -100,20 +100,7 @@ static void scores_range(const Work *w) {
     }
 }
 
-/* gq_i += u, gk_j += u with u = g (1 - t^2), genergy += g t, for t = tanh(q_i + k_j) */
-static inline void add_pair_gradients(const float *qi, const float *kj, float g, float *gqi, float *gkj,
-                                      float *genergy, int64_t dim) {
-#pragma omp simd
-    for (int64_t a = 0; a < dim; a++) {
-        const float t = tanh_float(qi[a] + kj[a]);
-        const float u = g - g * t * t;
-        genergy[a] += g * t;
-        gqi[a] += u;
-        gkj[a] += u;
-    }
-}
-
-/* the same from the kept t = tanh(q_i + k_j) */
+/* gq_i += u, gk_j += u with u = g (1 - t^2), genergy += g t, from the pair's t = tanh(q_i + k_j) */
 static inline void add_tanh_gradients(const float *t, float g, float *gqi, float *gkj, float *genergy, int64_t dim) {
 #pragma omp simd
     for (int64_t a = 0; a < dim; a++) {
@@ -126,6 +113,8 @@ static inline void add_tanh_gradients(const float *t, float g, float *gqi, float
 
 static void scores_backward_range(const Work *w) {
     const int64_t dim = w->dim;
+    float *t = malloc(sizeof(float) * dim);
+    if (t == NULL) abort();
     for (int64_t b = w->first; b < w->last; b++) {
         memset(w->gk + b * w->keys * dim, 0, sizeof(float) * w->keys * dim);
         memset(w->genergy + b * dim, 0, sizeof(float) * dim);
@@ -135,11 +124,15 @@ static void scores_backward_range(const Work *w) {
             for (int64_t j = 0; j < w->keys; j++) {
                 const float g = w->ds_in[row * w->keys + j];
                 if (g == 0.0f) continue; /* masked pairs (the future, padding) add nothing */
-                add_pair_gradients(w->q + row * dim, w->k + b * w->key_stride + j * dim, g, w->gq + row * dim,
-                                   w->gk + (b * w->keys + j) * dim, w->genergy + b * dim, dim);
+                const float *qi = w->q + row * dim, *kj = w->k + b * w->key_stride + j * dim;
+#pragma omp simd
+                for (int64_t a = 0; a < dim; a++) t[a] = tanh_float(qi[a] + kj[a]);
+                add_tanh_gradients(t, g, w->gq + row * dim, w->gk + (b * w->keys + j) * dim, w->genergy + b * dim,
+                                   dim);
             }
         }
     }
+    free(t);
 }
 
 static void attention_backward_range(const Work *w) {
@@ -238,8 +231,8 @@ int plugformer_additive_scores(const float *q, const float *k, int64_t key_strid
                                float *scores, int64_t batch_heads, int64_t heads, int64_t rows, int64_t keys,
                                int64_t dim, int threads) {
     Work w = {.q = q, .k = k, .key_stride = key_stride, .energy = energy, .extra = extra, .extra_batch = extra_batch,
-              .extra_head = extra_head, .add_extra = add_extra, .scores = scores, .batch_heads = batch_heads,
-              .heads = heads, .rows = rows, .keys = keys, .dim = dim};
+              .extra_head = extra_head, .add_extra = add_extra, .scores = scores, .heads = heads,
+              .rows = rows, .keys = keys, .dim = dim};
     return parallel(w, batch_heads * rows, threads, run_scores);
 }
 
@@ -247,7 +240,7 @@ int plugformer_additive_scores_backward(const float *q, const float *k, int64_t 
                                         float *gq, float *gk, float *genergy, int64_t batch_heads, int64_t rows,
                                         int64_t keys, int64_t dim, int threads) {
     Work w = {.q = q, .k = k, .key_stride = key_stride, .ds_in = ds, .gq = gq, .gk = gk, .genergy = genergy,
-              .batch_heads = batch_heads, .heads = 1, .rows = rows, .keys = keys, .dim = dim};
+              .heads = 1, .rows = rows, .keys = keys, .dim = dim};
     return parallel(w, batch_heads, threads, run_scores_backward);
 }
 
@@ -268,7 +261,7 @@ int plugformer_additive_attention_backward(const float *q, const float *k, int64
               .value_stride = value_stride, .extra = extra, .extra_batch = extra_batch,
               .extra_head = extra_head, .row_max = row_max, .row_log = row_log, .delta = delta,
               .grad_out = grad_out, .gq = gq, .gk = gk, .genergy = genergy, .gvalue = gvalue, .ds_out = ds_out,
-              .batch_heads = batch_heads, .heads = heads, .rows = rows, .keys = keys, .dim = dim,
+              .heads = heads, .rows = rows, .keys = keys, .dim = dim,
               .value_dim = value_dim, .blocked_stops_gradient = blocked_stops_gradient && extra != NULL};
     return parallel(w, batch_heads, threads, run_attention_backward);
 }
