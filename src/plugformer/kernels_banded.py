@@ -22,12 +22,15 @@ Every score is computed once, with its own bias value: the same numbers as the m
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
-from torch import nn
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, repeat_kv, sum_over_groups
 from .kernels_relative import hankel
+from .native import load
 
 
 # Query rows per block of the band's forward (window FORWARD_ROWS + W − 1 keys) and of its backward by hand (window
@@ -62,6 +65,17 @@ def _band_layout(length: int, width: int, rows: int, device: torch.device):
     behind = t + width - 1 - u  # (r, L): query slot − key slot
     index = (length - 1 - behind).clamp(0, 2 * length - 2)  # value index of distance −behind
     return index, (behind >= 0) & (behind < width)
+
+
+def _shifted(gradient: torch.Tensor, length: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """`gradient` `(B, H, M, D)` as rows offset..offset + M − 1 of a `(B, H, length, D)` tensor in `dtype`, zeros in
+    the other rows: written once (a zero-filled pad would write every row twice)."""
+    rows = gradient.shape[2]
+    full = gradient.new_empty((*gradient.shape[:2], length, gradient.shape[3]), dtype=dtype)
+    full[:, :, offset : offset + rows] = gradient
+    full[:, :, :offset].zero_()
+    full[:, :, offset + rows :].zero_()
+    return full
 
 
 def banded_forward(query, key_heads, value_heads, values, width: int, scaling: float):
@@ -99,20 +113,37 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
     """dQ (input dtype), dK, dV `(B, H, N, D)` (fp32 at least) and d(values) `(H, 2N − 1)` (fp32 at least, `None`
     unless `bias_gradient`) of `banded_forward`, from its merged output and log-sum-exp: the far keys through the fused
     backward, the band by hand (see the module docstring)."""
-    batch, heads, length, dim = query.shape
+    length = query.shape[2]
     accumulate = lse.dtype
     far = slice(width, length)
     far_lse = lse[:, :, far] - values[:, length - 1 - width, None]  # the far part's own: its bias c_h taken out
-    d_query, d_key, d_value = _flash_backward(grad_output[:, :, far], query[:, :, far],
-                                              key_heads[:, :, : length - width], value_heads[:, :, : length - width],
-                                              output[:, :, far], far_lse, 0.0, True, scale=scaling)  # fmt: skip
-    # the far part's gradients, 0 where it has no rows (the first W queries, the last W keys); the band adds in place
-    grad_query = nn.functional.pad(d_query.to(accumulate), (0, 0, width, 0))  # (B, H, N, D)
-    grad_key, grad_value = (nn.functional.pad(grad.to(accumulate), (0, 0, 0, width)) for grad in (d_key, d_value))
-    delta = (grad_output.to(accumulate) * output.to(accumulate)).sum(-1, keepdim=True)  # (B, H, N, 1)
-    lse = lse[..., None]  # (B, H, N, 1)
-    scaled = query.to(accumulate) * scaling
-    keys, vals, grad_output = (tensor.to(accumulate) for tensor in (key_heads, value_heads, grad_output))
+    # over all N keys (query i sees keys ≤ i − W): dK and dV come out whole, 0 for the last W keys
+    d_query, grad_key, grad_value = _flash_backward(grad_output[:, :, far], query[:, :, far], key_heads, value_heads,
+                                                    output[:, :, far], far_lse, 0.0, True, scale=scaling)  # fmt: skip
+    grad_key, grad_value = grad_key.to(accumulate), grad_value.to(accumulate)  # the band adds in place
+    if native_band_applies(query, key_heads, value_heads, grad_output, output, values):
+        grad_query = torch.empty_like(query, dtype=accumulate)
+        band_gradient = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
+                                             (d_query, grad_query, grad_key, grad_value), width, scaling)  # fmt: skip
+    else:
+        grad_query = _shifted(d_query, length, width, accumulate)  # (B, H, N, D): 0 for the first W queries
+        band_gradient = _band_backward(grad_output, query, key_heads, value_heads, values, output, lse,
+                                       (grad_query, grad_key, grad_value), width, scaling)  # fmt: skip
+    grad_values = None
+    if bias_gradient:  # the band's distances 0..W − 1 behind (value indices N − 1 .. N − W); the far keys' share
+        grad_values = torch.zeros(values.shape, dtype=accumulate, device=values.device)
+        grad_values[:, length - width : length] = band_gradient.flip(-1)
+        grad_values[:, length - 1 - width] = -band_gradient.sum(-1)
+    return grad_query.to(query.dtype), grad_key, grad_value, grad_values
+
+
+def _band_backward(grad_output, query, key_heads, value_heads, values, output, lse, grads, width: int,
+                   scaling: float) -> torch.Tensor:  # fmt: skip
+    """The band's share of the gradients by torch operations in blocks of `BAND_ROWS` rows, added to `grads` (dQ, dK,
+    dV `(B, H, N, D)`, fp32 at least); returns the band's bias gradient `(H, W)` (summed dS at 0..W − 1 behind)."""
+    length, accumulate = query.shape[2], lse.dtype
+    grad_query, grad_key, grad_value = grads
+    keys, vals = (tensor.to(accumulate) for tensor in (key_heads, value_heads))
     index, inside = _band_layout(length, width, BAND_ROWS, query.device)
     bias = values.detach()[:, index].to(accumulate).masked_fill(~inside, float("-inf"))  # (H, r, L)
     grad_bias = torch.zeros_like(bias)  # (H, r, L), summed over the batch and the blocks
@@ -121,24 +152,66 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
         rows, count = slice(start, stop), stop - start
         first = max(0, start - width + 1)  # the block's first key; its window starts W − 1 before `start`
         band = slice(first - (start - width + 1), stop - (start - width + 1))  # window columns of keys first..stop−1
-        weights = torch.matmul(scaled[:, :, rows], keys[:, :, first:stop].transpose(-1, -2))  # (B, H, r, ≤L)
-        weights.add_(bias[:, :count, band]).sub_(lse[:, :, rows]).exp_()  # P, 0 outside the band
-        d_scores = torch.matmul(grad_output[:, :, rows], vals[:, :, first:stop].transpose(-1, -2))  # dP
-        d_scores.sub_(delta[:, :, rows]).mul_(weights)  # dS
-        merged = (batch * heads, stop - first, dim)  # (B·H, window, D): a view of the window's key rows
-        flat = [tensor.reshape(batch * heads, count, -1) for tensor in (weights, d_scores, grad_output[:, :, rows],
-                                                                        scaled[:, :, rows])]  # fmt: skip
-        grad_value[:, :, first:stop].view(merged).baddbmm_(flat[0].transpose(-1, -2), flat[2])  # += Pᵀ dO
-        grad_key[:, :, first:stop].view(merged).baddbmm_(flat[1].transpose(-1, -2), flat[3])  # += dSᵀ (s·Q)
-        grad_query[:, :, rows] += torch.matmul(d_scores, keys[:, :, first:stop]).mul_(scaling)
-        if bias_gradient:
-            grad_bias[:, :count, band] += d_scores.sum(dim=0)
-    grad_values = None
-    if bias_gradient:
-        grad_values = torch.zeros(values.shape, dtype=accumulate, device=values.device)
-        grad_values.index_add_(1, index.flatten(), grad_bias.flatten(1))  # entries outside the band carry dS = 0
-        grad_values[:, length - 1 - width] -= grad_bias.sum(dim=(1, 2))
-    return grad_query.to(query.dtype), grad_key, grad_value, grad_values
+        block_query, block_grad = query[:, :, rows].to(accumulate), grad_output[:, :, rows].to(accumulate)
+        # D_i = rowsum(dO ⊙ O) of the block's rows only: a (B, H, N, D) product would fault in fresh pages every call
+        delta = (block_grad * output[:, :, rows].to(accumulate)).sum(-1, keepdim=True)  # (B, H, r, 1)
+        weights = torch.matmul(block_query, keys[:, :, first:stop].transpose(-1, -2)).mul_(scaling)  # (B, H, r, ≤L)
+        weights.add_(bias[:, :count, band]).sub_(lse[:, :, rows, None]).exp_()  # P, 0 outside the band
+        d_scores = torch.matmul(block_grad, vals[:, :, first:stop].transpose(-1, -2))  # dP
+        d_scores.sub_(delta).mul_(weights)  # dS
+        # separate products added in place: baddbmm_ into these strided windows runs one addmm per (batch, head)
+        grad_value[:, :, first:stop] += torch.matmul(weights.transpose(-1, -2), block_grad)  # Pᵀ dO
+        grad_key[:, :, first:stop].add_(torch.matmul(d_scores.transpose(-1, -2), block_query), alpha=scaling)
+        grad_query[:, :, rows].add_(torch.matmul(d_scores, keys[:, :, first:stop]), alpha=scaling)
+        grad_bias[:, :count, band] += d_scores.sum(dim=0)
+    # window column u of row t is t + W − 1 − u behind the query: fold the (r, L) sums to distances
+    behind = (torch.arange(BAND_ROWS, device=query.device)[:, None] + width - 1
+              - torch.arange(grad_bias.shape[-1], device=query.device)[None, :])  # fmt: skip
+    band_gradient = grad_bias.new_zeros(grad_bias.shape[0], width)
+    band_gradient.index_add_(1, behind.clamp(0, width - 1).flatten(), grad_bias.masked_fill(~inside, 0).flatten(1))
+    return band_gradient
+
+
+@functools.cache
+def native_band() -> ctypes.CDLL | None:
+    """The band's backward in C (`csrc/band.c`, built by `native.load`), or `None` where it is not built."""
+    library = load("band")
+    if library is not None:
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        library.plugformer_band_backward.argtypes = [*[pointer] * 5, *[size] * 5, ctypes.c_float, ctypes.c_int]
+    return library
+
+
+def native_band_applies(*tensors: torch.Tensor) -> bool:
+    """Whether `csrc/band.c` computes the band of these tensors: fp32 on the CPU, plain tensors (no FakeTensor,
+    DTensor) outside torch.compile / jit tracing, a head size that is whole 16-float vectors, where it is built."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
+            return False
+    if tensors[0].shape[-1] % 16 or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return native_band() is not None
+
+
+def native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values, grads, width: int,
+                         scaling: float) -> torch.Tensor:  # fmt: skip
+    """`_band_backward` by `csrc/band.c`. `grads`: the far keys' dQ of the queries from slot W `(B, H, N − W, D)`,
+    then dQ (written: the far part's plus the band's), dK and dV `(B, H, N, D)` (the band's added), all fp32 with
+    rows of D contiguous (any layout of the other axes); returns the band's bias gradient `(H, W)`."""
+    batch, heads, length, dim = query.shape
+    tensors = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
+               for tensor in (query, key_heads, value_heads, grad_output, output, grads[0])]  # fmt: skip
+    tensors += grads[1:]
+    strides = torch.tensor([tensor.stride()[:3] for tensor in tensors], dtype=torch.int64)  # (9, 3)
+    pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+    lse = lse.detach().contiguous()
+    band = values.detach()[:, length - width : length].flip(-1).contiguous()  # (H, W): t slots behind at [:, t]
+    grad_band = torch.empty(batch, heads, width, dtype=torch.float32)
+    with torch.profiler.record_function(PROFILER_NAME + "_native"):
+        native_band().plugformer_band_backward(pointers, strides.data_ptr(), lse.data_ptr(), band.data_ptr(),
+                                               grad_band.data_ptr(), batch * heads, heads, length, dim, width,
+                                               scaling, torch.get_num_threads())  # fmt: skip
+    return grad_band.sum(0)
 
 
 class BandedBiasAttention(torch.autograd.Function):

@@ -1,0 +1,257 @@
+/* The near band of `kernels_banded` (a relative bias constant beyond W slots), backward: for each query i its keys
+ * j = i - W + 1 .. i, with P the merged softmax's weights and the far keys' gradients already in gq, gk, gv:
+ *
+ *   P_ij = exp(s q_i.k_j + bias[h][i - j] - lse_i),  dS_ij = P_ij (dO_i.v_j - dO_i.O_i)
+ *   gq_i += s sum_j dS_ij k_j,  gk_j += s sum_i dS_ij q_i,  gv_j += sum_i P_ij dO_i,  gbias[b][t] = sum_i dS_i,i-t
+ *
+ * by tiles of ROWS queries over their ROWS + W - 1 keys, every product a register-blocked loop over (rows x 16
+ * columns) vector accumulators (what a GEMM's micro-kernel does; the torch path's small matmuls per block spend
+ * more time on dispatch and memory than on arithmetic). All arrays float32 contiguous, (batch_heads, N, D) with D a
+ * multiple of 16; the work is split over POSIX threads by (batch, head), whose rows of gk, gv and gbias one thread
+ * owns. Built by `plugformer.native` at first use.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast") /* a * b + c as one FMA (ISO C mode turns contraction off) */
+#endif
+
+typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats; any alignment */
+
+#if defined(__AVX512F__)
+#define MB 4 /* rows per micro tile: 4 x 4 vector accumulators fit AVX-512's 32 registers */
+#else
+#define MB 2 /* AVX2 splits a 16-float vector in two registers of its 16 */
+#endif
+#define ROWS 16
+#define MAX_THREADS 256
+
+/* e^x, branch-free (0 below -87, where fp32 underflows, -inf included; x is a log-weight, at most a rounding
+ * above 0): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-6 fit (relative error 2e-9), times 2^n built in the
+ * exponent bits */
+static inline float exp_weight(float x) {
+    const float y = x < -87.0f ? -87.0f : x > 80.0f ? 80.0f : x;
+    const float n = (y * 1.4426950408889634f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (y - n * 0.693145751953125f) - n * 1.4286067653302226e-6f;
+    float e = 1.3829420595802581e-3f;
+    e = e * r + 8.374771520128483e-3f;
+    e = e * r + 4.166835803302364e-2f;
+    e = e * r + 1.666642083211891e-1f;
+    e = e * r + 4.999999149303672e-1f;
+    e = e * r + 1.0000000361258996f;
+    e = e * r + 1.0000000005920209f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : e * scale.f;
+}
+
+/* C (m x n) += A (m x x) B (x x n): A(r, t) at a[r sam + t sax], B row-major (rows ldb apart), C rows ldc apart;
+ * n a multiple of 16. Micro tiles of MB rows x NV vectors: per t, NV loads of B and MB broadcasts of A feed
+ * MB x NV FMAs. */
+#define MICRO(R, NV)                                                                                                  \
+    static inline void micro_##R##_##NV(int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,        \
+                                        int64_t ldb, float *c, int64_t ldc) {                                        \
+        vf acc[R][NV];                                                                                                \
+        for (int r = 0; r < R; r++)                                                                                   \
+            for (int v = 0; v < NV; v++) acc[r][v] = *(const vf *)(c + r * ldc + 16 * v);                             \
+        for (int64_t t = 0; t < x; t++) {                                                                             \
+            vf row[NV];                                                                                               \
+            for (int v = 0; v < NV; v++) row[v] = *(const vf *)(b + t * ldb + 16 * v);                                \
+            for (int r = 0; r < R; r++) {                                                                             \
+                const float s = a[r * sam + t * sax];                                                                 \
+                for (int v = 0; v < NV; v++) acc[r][v] += s * row[v];                                                 \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < R; r++)                                                                                   \
+            for (int v = 0; v < NV; v++) *(vf *)(c + r * ldc + 16 * v) = acc[r][v];                                   \
+    }
+MICRO(MB, 4)
+MICRO(MB, 1)
+MICRO(1, 4)
+MICRO(1, 1)
+
+static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,
+                 int64_t ldb, float *c, int64_t ldc) {
+    int64_t r = 0;
+    for (; r + MB <= m; r += MB) {
+        int64_t col = 0;
+        for (; col + 64 <= n; col += 64) micro_MB_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+        for (; col < n; col += 16) micro_MB_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+    }
+    for (; r < m; r++) {
+        int64_t col = 0;
+        for (; col + 64 <= n; col += 64) micro_1_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+        for (; col < n; col += 16) micro_1_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+    }
+}
+
+/* the (batch, heads, rows, dim) tensors, rows contiguous; GQ_FAR: the far keys' dQ of the queries from slot W */
+enum { Q, K, V, GRAD_OUT, OUT, GQ_FAR, GQ, GK, GV, TENSORS };
+
+typedef struct {
+    float *tensors[TENSORS];
+    const int64_t *strides; /* per tensor: between batches, heads, rows */
+    const float *lse, *bias;
+    float *gbias;
+    int64_t heads, length, dim, width, first, last;
+    float scaling;
+} Work;
+
+/* the rows of tensor `t` for (batch, head) pair b, and the stride between them */
+static float *rows_of(const Work *w, int t, int64_t b, int64_t *row_stride) {
+    const int64_t *s = w->strides + 3 * t;
+    *row_stride = s[2];
+    return w->tensors[t] + (b / w->heads) * s[0] + (b % w->heads) * s[1];
+}
+
+/* (length x dim) rows `stride` apart -> (dim x padded) columns, zeros after `length`, and (where `rows` is not
+ * NULL) contiguous rows */
+static void transpose(const float *src, int64_t stride, float *dst, float *rows, int64_t length, int64_t dim,
+                      int64_t padded) {
+    for (int64_t d = 0; d < dim; d++) memset(dst + d * padded + length, 0, sizeof(float) * (padded - length));
+    for (int64_t start = 0; start < length; start += 16) { /* 16 rows at a time: they stay in L1 over the columns */
+        const int64_t count = start + 16 <= length ? 16 : length - start;
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t j = 0; j < count; j++) dst[d * padded + start + j] = src[(start + j) * stride + d];
+    }
+    if (rows)
+        for (int64_t j = 0; j < length; j++) memcpy(rows + j * dim, src + j * stride, sizeof(float) * dim);
+}
+
+/* rows `stride` apart += contiguous rows */
+static void add_rows(float *dst, int64_t stride, const float *src, int64_t length, int64_t dim) {
+    for (int64_t j = 0; j < length; j++)
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) dst[j * stride + d] += src[j * dim + d];
+}
+
+/* `rows` rows `stride` apart -> contiguous (ROWS x dim), zeros after them */
+static void gather(const float *src, int64_t stride, float *dst, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * dim, src + r * stride, sizeof(float) * dim);
+    memset(dst + rows * dim, 0, sizeof(float) * (ROWS - rows) * dim);
+}
+
+static void band_backward_range(const Work *w) {
+    const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
+    const int64_t span = (ROWS + width - 1 + 15) / 16 * 16; /* a tile's keys, rounded up to whole vectors */
+    float *kt = malloc(sizeof(float) * dim * padded), *vt = malloc(sizeof(float) * dim * padded);
+    float *p = malloc(sizeof(float) * ROWS * span), *ds = malloc(sizeof(float) * ROWS * span);
+    float *qs = malloc(sizeof(float) * ROWS * dim), *go = malloc(sizeof(float) * ROWS * dim);
+    float *gq = malloc(sizeof(float) * ROWS * dim);
+    /* the keys' rows, and the band's dK and dV, contiguous: the strided rows of a (batch, rows, heads, dim) layout
+     * cost more in the tile loops than one pass to copy or add them */
+    float *kc = malloc(sizeof(float) * n * dim), *gkc = malloc(sizeof(float) * n * dim);
+    float *gvc = malloc(sizeof(float) * n * dim);
+    /* the bias by distance for a tile's rows read as contiguous runs: entry u holds the value `top` - u slots
+     * behind (-inf outside the band, the mask), so row i's columns c read entries base_i + c (and their dS sums
+     * go to the same entries of `gext`) */
+    const int64_t top = ROWS + width, extent = 2 * top + 17;
+    float *ext = malloc(sizeof(float) * extent), *gext = malloc(sizeof(float) * extent);
+    if (!kt || !vt || !p || !ds || !qs || !go || !gq || !kc || !gkc || !gvc || !ext || !gext) abort();
+    for (int64_t b = w->first; b < w->last; b++) {
+        int64_t sq, sk, sv, sg, so, sf, sgq, sgk, sgv;
+        const float *q = rows_of(w, Q, b, &sq), *k = rows_of(w, K, b, &sk), *v = rows_of(w, V, b, &sv);
+        const float *dout = rows_of(w, GRAD_OUT, b, &sg), *out = rows_of(w, OUT, b, &so), *lse = w->lse + b * n;
+        const float *far = rows_of(w, GQ_FAR, b, &sf), *bias = w->bias + (b % w->heads) * width;
+        float *gq_rows = rows_of(w, GQ, b, &sgq), *gk = rows_of(w, GK, b, &sgk), *gv = rows_of(w, GV, b, &sgv);
+        float *gbias = w->gbias + b * width;
+        for (int64_t u = 0; u < extent; u++) {
+            const int64_t behind = top - u;
+            ext[u] = behind >= 0 && behind < width ? bias[behind] : -INFINITY;
+        }
+        memset(gext, 0, sizeof(float) * extent);
+        transpose(k, sk, kt, kc, n, dim, padded);
+        transpose(v, sv, vt, NULL, n, dim, padded);
+        memset(gkc, 0, sizeof(float) * n * dim);
+        memset(gvc, 0, sizeof(float) * n * dim);
+        for (int64_t start = 0; start < n; start += ROWS) {
+            const int64_t rows = start + ROWS <= n ? ROWS : n - start;
+            const int64_t first = start - width + 1 > 0 ? start - width + 1 : 0; /* the tile's first key */
+            const int64_t keys = start + rows - first, columns = (keys + 15) / 16 * 16;
+            gather(q + start * sq, sq, qs, rows, dim);
+            gather(dout + start * sg, sg, go, rows, dim);
+            memset(p, 0, sizeof(float) * ROWS * columns);
+            memset(ds, 0, sizeof(float) * ROWS * columns);
+            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns);  /* q.k */
+            gemm(rows, columns, dim, go, dim, 1, vt + first, padded, ds, columns); /* dO.v */
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = start + r;
+                float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+                for (int64_t d = 0; d < dim; d++) delta += go[r * dim + d] * out[i * so + d];
+                float *pr = p + r * columns, *dr = ds + r * columns;
+                const float row_lse = lse[i], scaling = w->scaling;
+                const float *bias_row = ext + top - (i - first); /* column c: i - first - c behind */
+                float *grad_row = gext + top - (i - first);
+#pragma omp simd
+                for (int64_t c = 0; c < columns; c++) {
+                    const float weight = exp_weight(scaling * pr[c] + bias_row[c] - row_lse); /* 0 off the band */
+                    const float score_grad = weight * (dr[c] - delta);
+                    pr[c] = weight;
+                    grad_row[c] += score_grad;
+                    dr[c] = scaling * score_grad; /* what dQ and dK take */
+                }
+            }
+            gemm(keys, dim, rows, p, 1, columns, go, dim, gvc + first * dim, dim); /* gv += P^T dO */
+            gemm(keys, dim, rows, ds, 1, columns, qs, dim, gkc + first * dim, dim); /* gk += s dS^T Q */
+            /* gq = the far keys' dQ (none before slot W) + s dS K */
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = start + r;
+                if (i >= width) memcpy(gq + r * dim, far + (i - width) * sf, sizeof(float) * dim);
+                else memset(gq + r * dim, 0, sizeof(float) * dim);
+            }
+            gemm(rows, dim, keys, ds, columns, 1, kc + first * dim, dim, gq, dim);
+            for (int64_t r = 0; r < rows; r++) memcpy(gq_rows + (start + r) * sgq, gq + r * dim, sizeof(float) * dim);
+        }
+        add_rows(gk, sgk, gkc, n, dim);
+        add_rows(gv, sgv, gvc, n, dim);
+        for (int64_t t = 0; t < width; t++) gbias[t] = gext[top - t];
+    }
+    free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq), free(kc), free(gkc), free(gvc), free(ext), free(gext);
+}
+
+static void *run_band_backward(void *w) { band_backward_range((const Work *)w); return NULL; }
+
+/* Splits [first, last) of the (batch, head) pairs into `threads` ranges, the first on the calling thread; returns
+ * 0, or -1 if a thread could not be started (its range then runs on the calling thread: the same result). */
+static int parallel(Work base, int64_t total, int threads) {
+    Work work[MAX_THREADS];
+    pthread_t handles[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (threads > total) threads = (int)total;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    for (int t = 0; t < threads; t++) {
+        work[t] = base;
+        work[t].first = total * t / threads;
+        work[t].last = total * (t + 1) / threads;
+        if (t > 0) started[t] = pthread_create(&handles[t], NULL, run_band_backward, &work[t]) == 0;
+    }
+    run_band_backward(&work[0]);
+    int status = 0;
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) {
+            pthread_join(handles[t], NULL);
+        } else {
+            run_band_backward(&work[t]);
+            status = -1;
+        }
+    }
+    return status;
+}
+
+/* tensors: q, k, v, grad_out, out, gq_far (the far keys' dQ of queries W..N-1), gq (written), gk, gv (the far
+ * keys' gradients, added to): (batch, heads, rows, dim), rows contiguous, `strides` (9 x 3: between batches, heads
+ * and rows); lse: (batch * heads, length), the merged softmax's, contiguous; bias: (heads, width), bias[h][t] the
+ * value t slots behind the query; gbias: (batch * heads, width), written. dim a multiple of 16. */
+int plugformer_band_backward(float *const *tensors, const int64_t *strides, const float *lse, const float *bias,
+                             float *gbias, int64_t batch_heads, int64_t heads, int64_t length, int64_t dim,
+                             int64_t width, float scaling, int threads) {
+    Work w = {.strides = strides, .lse = lse, .bias = bias, .gbias = gbias, .heads = heads, .length = length,
+              .dim = dim, .width = width, .scaling = scaling};
+    for (int t = 0; t < TENSORS; t++) w.tensors[t] = tensors[t];
+    return parallel(w, batch_heads, threads);
+}
