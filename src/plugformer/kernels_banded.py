@@ -78,14 +78,11 @@ def _shifted(gradient: torch.Tensor, length: int, offset: int, dtype: torch.dtyp
     return full
 
 
-def banded_forward(query, key_heads, value_heads, values, width: int, scaling: float):
-    """The output `(B, H, N, D)` (input dtype) and log-sum-exp `(B, H, N)` (fp32 at least) of causal attention with
-    the relative bias `values` `(H, 2N − 1)` (contiguous, fp32 at least), constant beyond `width` (see the module
-    docstring)."""
+def _band_forward(query, key_heads, value_heads, values, output, lse, width: int, scaling: float) -> None:
+    """The band's own output and log-sum-exp into `output` `(B, H, N, D)` and `lse` `(B, H, N)` by torch's fused
+    flash kernel, blocks of `FORWARD_ROWS` rows with their bias as a strided mask (the rows reversed)."""
     length = query.shape[2]
     near = _near_table(values, width)
-    output = query.new_empty(query.shape, dtype=values.dtype)  # (B, H, N, D), merged in fp32 at least
-    lse = query.new_empty(query.shape[:3], dtype=values.dtype)  # (B, H, N)
     for start in range(0, length, FORWARD_ROWS):
         stop = min(start + FORWARD_ROWS, length)
         first = max(0, start - width + 1)  # the block's first band key
@@ -96,6 +93,19 @@ def banded_forward(query, key_heads, value_heads, values, width: int, scaling: f
                                   scale=scaling)  # fmt: skip
         output[:, :, start:stop] = block.flip(2)
         lse[:, :, start:stop] = block_lse.flip(2)
+
+
+def banded_forward(query, key_heads, value_heads, values, width: int, scaling: float):
+    """The output `(B, H, N, D)` (input dtype) and log-sum-exp `(B, H, N)` (fp32 at least) of causal attention with
+    the relative bias `values` `(H, 2N − 1)` (contiguous, fp32 at least), constant beyond `width` (see the module
+    docstring)."""
+    length = query.shape[2]
+    output = query.new_empty(query.shape, dtype=values.dtype)  # (B, H, N, D), merged in fp32 at least
+    lse = query.new_empty(query.shape[:3], dtype=values.dtype)  # (B, H, N)
+    if native_band_applies(query, key_heads, value_heads, values):
+        native_band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
+    else:
+        _band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
     far, far_lse = _flash(query[:, :, width:], key_heads[:, :, : length - width], value_heads[:, :, : length - width],
                           0.0, True, scale=scaling)  # fmt: skip
     far_lse = far_lse.to(lse.dtype) + values[:, length - 1 - width, None]  # (B, H, N − W): + c_h
@@ -174,11 +184,13 @@ def _band_backward(grad_output, query, key_heads, value_heads, values, output, l
 
 @functools.cache
 def native_band() -> ctypes.CDLL | None:
-    """The band's backward in C (`csrc/band.c`, built by `native.load`), or `None` where it is not built."""
+    """The band's forward and backward in C (`csrc/band.c`, built by `native.load`), or `None` where it is not
+    built."""
     library = load("band")
     if library is not None:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         library.plugformer_band_backward.argtypes = [*[pointer] * 5, *[size] * 5, ctypes.c_float, ctypes.c_int]
+        library.plugformer_band_forward.argtypes = [*[pointer] * 4, *[size] * 5, ctypes.c_float, ctypes.c_int]
     return library
 
 
@@ -193,6 +205,33 @@ def native_band_applies(*tensors: torch.Tensor) -> bool:
     return native_band() is not None
 
 
+def _rows(tensors) -> tuple[ctypes.Array, torch.Tensor]:
+    """`tensors` `(B, H, ·, D)` as `csrc/band.c` reads them: their addresses, and their strides between batches,
+    heads and rows `(len, 3)`; each must have rows of D contiguous."""
+    pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+    return pointers, torch.tensor([tensor.stride()[:3] for tensor in tensors], dtype=torch.int64)
+
+
+def _band_table(values: torch.Tensor, width: int) -> torch.Tensor:
+    """`(H, W)`: the bias t slots behind the query at [:, t] (value index N − 1 − t)."""
+    length = (values.shape[-1] + 1) // 2
+    return values.detach()[:, length - width : length].flip(-1).contiguous()
+
+
+def native_band_forward(query, key_heads, value_heads, values, output, lse, width: int, scaling: float) -> None:
+    """`_band_forward` by `csrc/band.c`: the band's own output and log-sum-exp into `output` `(B, H, N, D)` and `lse`
+    `(B, H, N)` (fp32, contiguous)."""
+    batch, heads, length, dim = query.shape
+    inputs = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
+              for tensor in (query, key_heads, value_heads)]  # fmt: skip
+    pointers, strides = _rows([*inputs, output])
+    band = _band_table(values, width)  # held: the C code reads it
+    with torch.profiler.record_function(PROFILER_NAME + "_native"):
+        native_band().plugformer_band_forward(pointers, strides.data_ptr(), band.data_ptr(), lse.data_ptr(),
+                                              batch * heads, heads, length, dim, width, scaling,
+                                              torch.get_num_threads())  # fmt: skip
+
+
 def native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values, grads, width: int,
                          scaling: float) -> torch.Tensor:  # fmt: skip
     """`_band_backward` by `csrc/band.c`. `grads`: the far keys' dQ of the queries from slot W `(B, H, N − W, D)`,
@@ -201,11 +240,9 @@ def native_band_backward(grad_output, query, key_heads, value_heads, output, lse
     batch, heads, length, dim = query.shape
     tensors = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
                for tensor in (query, key_heads, value_heads, grad_output, output, grads[0])]  # fmt: skip
-    tensors += grads[1:]
-    strides = torch.tensor([tensor.stride()[:3] for tensor in tensors], dtype=torch.int64)  # (9, 3)
-    pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+    pointers, strides = _rows([*tensors, *grads[1:]])
     lse = lse.detach().contiguous()
-    band = values.detach()[:, length - width : length].flip(-1).contiguous()  # (H, W): t slots behind at [:, t]
+    band = _band_table(values, width)
     grad_band = torch.empty(batch, heads, width, dtype=torch.float32)
     with torch.profiler.record_function(PROFILER_NAME + "_native"):
         native_band().plugformer_band_backward(pointers, strides.data_ptr(), lse.data_ptr(), band.data_ptr(),

@@ -95,7 +95,7 @@ typedef struct {
     float *tensors[TENSORS];
     const int64_t *strides; /* per tensor: between batches, heads, rows */
     const float *lse, *bias;
-    float *gbias;
+    float *gbias, *lse_out;
     int64_t heads, length, dim, width, first, last;
     float scaling;
 } Work;
@@ -213,11 +213,66 @@ static void band_backward_range(const Work *w) {
     free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq), free(kc), free(gkc), free(gvc), free(ext), free(gext);
 }
 
+/* the band's own softmax: out_i = sum_j p_ij v_j / l_i over the band's keys, lse_i = m_i + log l_i (merged with the
+ * far keys' by the caller) */
+static void band_forward_range(const Work *w) {
+    const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
+    const int64_t span = (ROWS + width - 1 + 15) / 16 * 16;
+    const int64_t top = ROWS + width, extent = 2 * top + 17;
+    float *kt = malloc(sizeof(float) * dim * padded), *p = malloc(sizeof(float) * ROWS * span);
+    float *qs = malloc(sizeof(float) * ROWS * dim), *os = malloc(sizeof(float) * ROWS * dim);
+    float *ext = malloc(sizeof(float) * extent);
+    if (!kt || !p || !qs || !os || !ext) abort();
+    for (int64_t b = w->first; b < w->last; b++) {
+        int64_t sq, sk, sv, so;
+        const float *q = rows_of(w, Q, b, &sq), *k = rows_of(w, K, b, &sk), *v = rows_of(w, V, b, &sv);
+        const float *bias = w->bias + (b % w->heads) * width;
+        float *out = rows_of(w, OUT, b, &so), *lse = w->lse_out + b * n;
+        for (int64_t u = 0; u < extent; u++) {
+            const int64_t behind = top - u;
+            ext[u] = behind >= 0 && behind < width ? bias[behind] : -INFINITY;
+        }
+        transpose(k, sk, kt, NULL, n, dim, padded);
+        for (int64_t start = 0; start < n; start += ROWS) {
+            const int64_t rows = start + ROWS <= n ? ROWS : n - start;
+            const int64_t first = start - width + 1 > 0 ? start - width + 1 : 0;
+            const int64_t keys = start + rows - first, columns = (keys + 15) / 16 * 16;
+            gather(q + start * sq, sq, qs, rows, dim);
+            memset(p, 0, sizeof(float) * ROWS * columns);
+            memset(os, 0, sizeof(float) * ROWS * dim);
+            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns); /* q.k */
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = start + r;
+                float *pr = p + r * columns, high = -INFINITY, sum = 0.0f;
+                const float *bias_row = ext + top - (i - first), scaling = w->scaling;
+#pragma omp simd reduction(max : high)
+                for (int64_t c = 0; c < columns; c++) {
+                    pr[c] = scaling * pr[c] + bias_row[c];
+                    high = pr[c] > high ? pr[c] : high;
+                }
+#pragma omp simd reduction(+ : sum)
+                for (int64_t c = 0; c < columns; c++) {
+                    pr[c] = exp_weight(pr[c] - high); /* 0 off the band */
+                    sum += pr[c];
+                }
+                lse[i] = high + logf(sum);
+                const float inverse = 1.0f / sum;
+#pragma omp simd
+                for (int64_t c = 0; c < columns; c++) pr[c] *= inverse;
+            }
+            gemm(rows, dim, keys, p, columns, 1, v + first * sv, sv, os, dim); /* P V */
+            for (int64_t r = 0; r < rows; r++) memcpy(out + (start + r) * so, os + r * dim, sizeof(float) * dim);
+        }
+    }
+    free(kt), free(p), free(qs), free(os), free(ext);
+}
+
 static void *run_band_backward(void *w) { band_backward_range((const Work *)w); return NULL; }
+static void *run_band_forward(void *w) { band_forward_range((const Work *)w); return NULL; }
 
 /* Splits [first, last) of the (batch, head) pairs into `threads` ranges, the first on the calling thread; returns
  * 0, or -1 if a thread could not be started (its range then runs on the calling thread: the same result). */
-static int parallel(Work base, int64_t total, int threads) {
+static int parallel(Work base, int64_t total, int threads, void *(*body)(void *)) {
     Work work[MAX_THREADS];
     pthread_t handles[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -228,15 +283,15 @@ static int parallel(Work base, int64_t total, int threads) {
         work[t] = base;
         work[t].first = total * t / threads;
         work[t].last = total * (t + 1) / threads;
-        if (t > 0) started[t] = pthread_create(&handles[t], NULL, run_band_backward, &work[t]) == 0;
+        if (t > 0) started[t] = pthread_create(&handles[t], NULL, body, &work[t]) == 0;
     }
-    run_band_backward(&work[0]);
+    body(&work[0]);
     int status = 0;
     for (int t = 1; t < threads; t++) {
         if (started[t]) {
             pthread_join(handles[t], NULL);
         } else {
-            run_band_backward(&work[t]);
+            body(&work[t]);
             status = -1;
         }
     }
@@ -253,5 +308,22 @@ int plugformer_band_backward(float *const *tensors, const int64_t *strides, cons
     Work w = {.strides = strides, .lse = lse, .bias = bias, .gbias = gbias, .heads = heads, .length = length,
               .dim = dim, .width = width, .scaling = scaling};
     for (int t = 0; t < TENSORS; t++) w.tensors[t] = tensors[t];
-    return parallel(w, batch_heads, threads);
+    return parallel(w, batch_heads, threads, run_band_backward);
+}
+
+/* tensors: q, k, v (as in the backward), out (written): strides 4 x 3; bias as in the backward; lse: (batch *
+ * heads, length), written. The band's output and log-sum-exp alone. */
+int plugformer_band_forward(float *const *tensors, const int64_t *strides, const float *bias, float *lse,
+                            int64_t batch_heads, int64_t heads, int64_t length, int64_t dim, int64_t width,
+                            float scaling, int threads) {
+    Work w = {.strides = strides, .bias = bias, .lse_out = lse, .heads = heads, .length = length, .dim = dim,
+              .width = width, .scaling = scaling};
+    w.tensors[Q] = tensors[0], w.tensors[K] = tensors[1], w.tensors[V] = tensors[2];
+    /* the output's strides sit in the fourth row: read as OUT's through a copy laid out as the backward's */
+    int64_t all[3 * TENSORS] = {0};
+    memcpy(all, strides, sizeof(int64_t) * 9);
+    memcpy(all + 3 * OUT, strides + 9, sizeof(int64_t) * 3);
+    w.tensors[OUT] = tensors[3];
+    w.strides = all;
+    return parallel(w, batch_heads, threads, run_band_forward);
 }
