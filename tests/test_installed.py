@@ -117,6 +117,7 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
         "plugformer/configs/demo.yaml",
         "plugformer/configs/pretrain/tiny.yaml",
         "plugformer/csrc/additive.c",
+        "plugformer/csrc/band.c",
     } <= set(zipfile.ZipFile(wheel).namelist())
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

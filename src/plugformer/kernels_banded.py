@@ -43,6 +43,7 @@ FORWARD_ROWS = 64
 BAND_ROWS = 32
 # what a profile (`plugformer bench`) names this path by
 PROFILER_NAME = "plugformer::banded_bias"
+NATIVE_PROFILER_NAME = "plugformer::band_native"  # the band in C (`csrc/band.c`)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -226,7 +227,7 @@ def native_band_forward(query, key_heads, value_heads, values, output, lse, widt
               for tensor in (query, key_heads, value_heads)]  # fmt: skip
     pointers, strides = _rows([*inputs, output])
     band = _band_table(values, width)  # held: the C code reads it
-    with torch.profiler.record_function(PROFILER_NAME + "_native"):
+    with torch.profiler.record_function(NATIVE_PROFILER_NAME):
         native_band().plugformer_band_forward(pointers, strides.data_ptr(), band.data_ptr(), lse.data_ptr(),
                                               batch * heads, heads, length, dim, width, scaling,
                                               torch.get_num_threads())  # fmt: skip
@@ -244,7 +245,7 @@ def native_band_backward(grad_output, query, key_heads, value_heads, output, lse
     lse = lse.detach().contiguous()
     band = _band_table(values, width)
     grad_band = torch.empty(batch, heads, width, dtype=torch.float32)
-    with torch.profiler.record_function(PROFILER_NAME + "_native"):
+    with torch.profiler.record_function(NATIVE_PROFILER_NAME):
         native_band().plugformer_band_backward(pointers, strides.data_ptr(), lse.data_ptr(), band.data_ptr(),
                                                grad_band.data_ptr(), batch * heads, heads, length, dim, width,
                                                scaling, torch.get_num_threads())  # fmt: skip

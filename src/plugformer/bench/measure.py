@@ -34,6 +34,7 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "plugformer::sdpa_relative_bias": "blockwise-bias",  # kernels.PROFILER_NAME: SDPA per block of query rows
     "plugformer::banded_bias": "banded-bias",  # kernels_banded: fused, the bias gradient of the near band explicit
+    "plugformer::band_native": "band-native",  # kernels_banded: the near band in C (csrc/band.c)
     "plugformer::relative_bias": "relative-bias",  # kernels_relative: fused forward, bias as a view; hand backward
     "plugformer::linear_bias": "linear-bias",  # kernels_alibi: ALiBi as a key-side row per query block
     "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's bias per block, recomputed in the backward

@@ -151,6 +151,8 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
+    if "band-native" in sdpa_backends:
+        return "far keys fused without a mask; near band in C"
     if "banded-bias" in sdpa_backends:
         return "far keys fused without a mask; near band by blocks, its backward by hand"
     if "relative-bias" in sdpa_backends:

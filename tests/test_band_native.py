@@ -1,0 +1,115 @@
+"""The banded kernel's near band in C (`csrc/band.c`, built by `plugformer.native`; `kernels_banded.native_band_*`)
+against the materialised softmax in float64, the torch path, and the eager kernel of a whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_training_step, tiny_config, training_step_by_kernel
+from conftest import materialised_relative_attention as materialised
+
+import plugformer.kernels_banded as banded
+from plugformer.bench.measure import profile_call
+
+
+@pytest.fixture(autouse=True)
+def built():
+    if banded.native_band() is None:
+        pytest.skip("no C compiler builds csrc/band.c here")
+
+
+def spy(monkeypatch) -> list[str]:
+    """The native band functions called from now on, by name."""
+    calls = []
+    for name in ("native_band_forward", "native_band_backward"):
+        function = getattr(banded, name)
+        monkeypatch.setattr(banded, name, lambda *args, _f=function, _n=name: calls.append(_n) or _f(*args))
+    return calls
+
+
+def inputs(length, far, dim, kv_heads, layout, seed=0):
+    """fp32 leaves: query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)` (laid out `(B, N, H, D)` as the
+    attention projections hand them over, or contiguous), and the table `(4, far + 1)` of a bias constant from `far`
+    slots behind (clamped_bias's shape)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def leaf(heads):
+        tensor = torch.randn(2, length, heads, dim, generator=generator)
+        return (tensor.transpose(1, 2) if layout == "bnhd" else tensor.transpose(1, 2).contiguous()).requires_grad_()
+
+    table = torch.randn(4, far + 1, generator=generator).requires_grad_()
+    return leaf(4), leaf(kv_heads), leaf(kv_heads), table
+
+
+def values_of(table, length, far):
+    distances = torch.arange(2 * length - 1) - (length - 1)  # key − query
+    return table[:, (-distances).clamp(0, far)]  # (H, 2N − 1)
+
+
+@pytest.mark.parametrize(
+    ("length", "far", "dim", "kv_heads", "layout"),
+    [(37, 5, 16, 2, "bnhd"), (300, 40, 32, 4, "bhnd"), (129, 128, 64, 2, "bnhd"), (70, 16, 16, 1, "bhnd"),
+     (50, 1, 48, 4, "bnhd")],
+    ids=["short-band", "several-tiles-mha", "band-wider-than-a-tile", "band-one-tile-wide-mqa", "width-1"],
+)  # fmt: skip
+def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, dim, kv_heads, layout, monkeypatch):
+    """fp32 on the C path: output and the gradients of Q, K, V and the bias table equal autograd through the
+    materialised softmax in float64 (the same fp32 inputs), to fp32 rounding."""
+    calls = spy(monkeypatch)
+    leaves = inputs(length, far, dim, kv_heads, layout)
+    grad_output = torch.randn(2, 4, length, dim, generator=torch.Generator().manual_seed(1))
+    output = banded.BandedBiasAttention.apply(*leaves[:3], values_of(leaves[3], length, far), far, 0.3)
+    grads = torch.autograd.grad(output, leaves, grad_output)
+    assert calls == ["native_band_forward", "native_band_backward"]
+    exact = [leaf.detach().double().requires_grad_() for leaf in leaves]
+    expected = materialised(*exact[:3], values_of(exact[3], length, far), 0.3)
+    expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
+    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=1e-5)
+    for name, grad, want in zip(("query", "key", "value", "table"), grads, expected_grads, strict=True):
+        # the far entry's gradient is minus the sum of every band score gradient: fp32 sums of up to 2·N·W terms
+        atol = 5e-6 if name != "table" else 1e-5 * want.abs().max().item()
+        torch.testing.assert_close(grad.double(), want, atol=atol, rtol=1e-4, msg=name)
+
+
+def test_the_c_path_equals_the_torch_path(monkeypatch):
+    """The same call with the C path turned off (the torch blocks) gives the same numbers to fp32 rounding."""
+    leaves = inputs(200, 24, 32, 2, "bnhd", seed=3)
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(banded, "native_band_applies", lambda *tensors: False)
+        output = banded.BandedBiasAttention.apply(*leaves[:3], values_of(leaves[3], 200, 24), 24, 0.2)
+        results.append((output, torch.autograd.grad(output.square().sum(), leaves)))
+    (output, grads), (reference, reference_grads) = results
+    torch.testing.assert_close(output, reference, atol=1e-6, rtol=1e-5)
+    for grad, want in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "clamped_bias"])
+def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
+    """A model whose heads are 16 wide (GQA) over more tokens than the bias's far distance: its sdpa training step
+    runs the band in C and equals the eager kernel's logits and gradients (bias table included)."""
+    config = tiny_config("scaled_dot", scheme, hidden_size=64)  # 4 heads of 16, 2 key/value heads
+    ids = torch.randint(3, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
+    calls = spy(monkeypatch)
+    assert_same_training_step(training_step_by_kernel(config, ids))
+    assert calls.count("native_band_forward") == config.num_hidden_layers
+    assert calls.count("native_band_backward") == config.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim"), [(torch.float64, 16), (torch.float32, 8), (torch.bfloat16, 16)], ids=["fp64", "8-wide", "bf16"]
+)
+def test_other_dtypes_and_head_sizes_keep_the_torch_path(dtype, dim):
+    query = torch.zeros(1, 2, 20, dim, dtype=dtype)
+    assert not banded.native_band_applies(query, query, query, torch.zeros(2, 39))
+
+
+def test_a_profile_names_the_c_path():
+    """`plugformer bench` labels the step's kernel `band-native` (beside the far keys' flash call)."""
+    leaves = inputs(40, 8, 16, 2, "bnhd")
+    with torch.no_grad():
+        values = values_of(leaves[3], 40, 8)
+        profile = profile_call(lambda: banded.BandedBiasAttention.apply(*leaves[:3], values, 8, 0.25), "cpu")
+    assert profile.sdpa_backends == ["band-native", "flash"]
