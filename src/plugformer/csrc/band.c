@@ -48,15 +48,15 @@ static inline float exp_weight(float x) {
     return x < -87.0f ? 0.0f : e * scale.f;
 }
 
-/* C (m x n) += A (m x x) B (x x n): A(r, t) at a[r sam + t sax], B row-major (rows ldb apart), C rows ldc apart;
- * n a multiple of 16. Micro tiles of MB rows x NV vectors: per t, NV loads of B and MB broadcasts of A feed
- * MB x NV FMAs. */
+/* C (m x n) = A (m x x) B (x x n), or C += A B (`add`): A(r, t) at a[r sam + t sax], B row-major (rows ldb apart),
+ * C rows ldc apart; n a multiple of 16. Micro tiles of MB rows x NV vectors: per t, NV loads of B and MB broadcasts
+ * of A feed MB x NV FMAs. */
 #define MICRO(R, NV)                                                                                                  \
     static inline void micro_##R##_##NV(int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,        \
-                                        int64_t ldb, float *c, int64_t ldc) {                                        \
+                                        int64_t ldb, float *c, int64_t ldc, int add) {                               \
         vf acc[R][NV];                                                                                                \
         for (int r = 0; r < R; r++)                                                                                   \
-            for (int v = 0; v < NV; v++) acc[r][v] = *(const vf *)(c + r * ldc + 16 * v);                             \
+            for (int v = 0; v < NV; v++) acc[r][v] = add ? *(const vf *)(c + r * ldc + 16 * v) : (vf){0};             \
         for (int64_t t = 0; t < x; t++) {                                                                             \
             vf row[NV];                                                                                               \
             for (int v = 0; v < NV; v++) row[v] = *(const vf *)(b + t * ldb + 16 * v);                                \
@@ -74,17 +74,19 @@ MICRO(1, 4)
 MICRO(1, 1)
 
 static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,
-                 int64_t ldb, float *c, int64_t ldc) {
+                 int64_t ldb, float *c, int64_t ldc, int add) {
     int64_t r = 0;
     for (; r + MB <= m; r += MB) {
+        const float *ar = a + r * sam;
+        float *cr = c + r * ldc;
         int64_t col = 0;
-        for (; col + 64 <= n; col += 64) micro_MB_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
-        for (; col < n; col += 16) micro_MB_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+        for (; col + 64 <= n; col += 64) micro_MB_4(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col < n; col += 16) micro_MB_1(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
     }
     for (; r < m; r++) {
         int64_t col = 0;
-        for (; col + 64 <= n; col += 64) micro_1_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
-        for (; col < n; col += 16) micro_1_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc);
+        for (; col + 64 <= n; col += 64) micro_1_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc, add);
+        for (; col < n; col += 16) micro_1_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc, add);
     }
 }
 
@@ -173,10 +175,8 @@ static void band_backward_range(const Work *w) {
             const int64_t keys = start + rows - first, columns = (keys + 15) / 16 * 16;
             gather(q + start * sq, sq, qs, rows, dim);
             gather(dout + start * sg, sg, go, rows, dim);
-            memset(p, 0, sizeof(float) * ROWS * columns);
-            memset(ds, 0, sizeof(float) * ROWS * columns);
-            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns);  /* q.k */
-            gemm(rows, columns, dim, go, dim, 1, vt + first, padded, ds, columns); /* dO.v */
+            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns, 0);  /* q.k */
+            gemm(rows, columns, dim, go, dim, 1, vt + first, padded, ds, columns, 0); /* dO.v */
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = start + r;
                 float delta = 0.0f;
@@ -195,22 +195,23 @@ static void band_backward_range(const Work *w) {
                     dr[c] = scaling * score_grad; /* what dQ and dK take */
                 }
             }
-            gemm(keys, dim, rows, p, 1, columns, go, dim, gvc + first * dim, dim); /* gv += P^T dO */
-            gemm(keys, dim, rows, ds, 1, columns, qs, dim, gkc + first * dim, dim); /* gk += s dS^T Q */
+            gemm(keys, dim, rows, p, 1, columns, go, dim, gvc + first * dim, dim, 1); /* gv += P^T dO */
+            gemm(keys, dim, rows, ds, 1, columns, qs, dim, gkc + first * dim, dim, 1); /* gk += s dS^T Q */
             /* gq = the far keys' dQ (none before slot W) + s dS K */
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = start + r;
                 if (i >= width) memcpy(gq + r * dim, far + (i - width) * sf, sizeof(float) * dim);
                 else memset(gq + r * dim, 0, sizeof(float) * dim);
             }
-            gemm(rows, dim, keys, ds, columns, 1, kc + first * dim, dim, gq, dim);
+            gemm(rows, dim, keys, ds, columns, 1, kc + first * dim, dim, gq, dim, 1);
             for (int64_t r = 0; r < rows; r++) memcpy(gq_rows + (start + r) * sgq, gq + r * dim, sizeof(float) * dim);
         }
         add_rows(gk, sgk, gkc, n, dim);
         add_rows(gv, sgv, gvc, n, dim);
         for (int64_t t = 0; t < width; t++) gbias[t] = gext[top - t];
     }
-    free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq), free(kc), free(gkc), free(gvc), free(ext), free(gext);
+    free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq);
+    free(kc), free(gkc), free(gvc), free(ext), free(gext);
 }
 
 /* the band's own softmax: out_i = sum_j p_ij v_j / l_i over the band's keys, lse_i = m_i + log l_i (merged with the
@@ -238,9 +239,7 @@ static void band_forward_range(const Work *w) {
             const int64_t first = start - width + 1 > 0 ? start - width + 1 : 0;
             const int64_t keys = start + rows - first, columns = (keys + 15) / 16 * 16;
             gather(q + start * sq, sq, qs, rows, dim);
-            memset(p, 0, sizeof(float) * ROWS * columns);
-            memset(os, 0, sizeof(float) * ROWS * dim);
-            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns); /* q.k */
+            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns, 0); /* q.k */
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = start + r;
                 float *pr = p + r * columns, high = -INFINITY, sum = 0.0f;
@@ -260,7 +259,7 @@ static void band_forward_range(const Work *w) {
 #pragma omp simd
                 for (int64_t c = 0; c < columns; c++) pr[c] *= inverse;
             }
-            gemm(rows, dim, keys, p, columns, 1, v + first * sv, sv, os, dim); /* P V */
+            gemm(rows, dim, keys, p, columns, 1, v + first * sv, sv, os, dim, 0); /* P V */
             for (int64_t r = 0; r < rows; r++) memcpy(out + (start + r) * so, os + r * dim, sizeof(float) * dim);
         }
     }
