@@ -1,5 +1,6 @@
-"""The banded kernel's near band in C (`csrc/band.c`, built by `plugformer.native`; `kernels_banded.native_band_*`)
-against the materialised softmax in float64, the torch path, and the eager kernel of a whole model."""
+"""The relative-bias kernels' band in C (`csrc/band.c`, built by `plugformer.native`; `kernels_band_native`): the
+banded kernel's near band and KERPLE's whole backward, against the materialised softmax in float64, the torch paths,
+and the eager kernel of a whole model."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from conftest import assert_same_training_step, tiny_config, training_step_by_ke
 from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_banded as banded
+import plugformer.kernels_relative as relative
 from plugformer.bench.measure import profile_call
+from plugformer.kernels_band_native import native_band, native_band_applies
 
 
 @pytest.fixture(autouse=True)
 def built():
-    if banded.native_band() is None:
+    if native_band() is None:
         pytest.skip("no C compiler builds csrc/band.c here")
 
 
@@ -98,12 +101,46 @@ def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     assert calls.count("native_band_backward") == config.num_hidden_layers
 
 
+@pytest.mark.parametrize(("length", "dim", "layout"), [(45, 16, "bnhd"), (300, 32, "bhnd")])
+def test_a_relative_bias_backward_equals_the_materialised_softmax(length, dim, layout, monkeypatch):
+    """`kernels_relative` (any distance-only bias: KERPLE's) runs its backward here as a band as wide as the sequence:
+    the gradients of Q, K, V and of every bias value (future distances: 0) equal autograd in float64."""
+    calls = []
+    backward = relative.native_band_backward
+    monkeypatch.setattr(relative, "native_band_backward", lambda *args: calls.append(args[-2]) or backward(*args))
+    leaves = inputs(length, 8, dim, 2, layout, seed=5)[:3]
+    values = torch.randn(4, 2 * length - 1, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    grad_output = torch.randn(2, 4, length, dim, generator=torch.Generator().manual_seed(7))
+    output = relative.RelativeBiasAttention.apply(*leaves, values, 0.3)
+    grads = torch.autograd.grad(output, (*leaves, values), grad_output)
+    assert calls == [length]  # the band's width: every key up to the query
+    exact = [leaf.detach().double().requires_grad_() for leaf in (*leaves, values)]
+    expected = materialised(*exact, 0.3)
+    expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
+    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=1e-5)
+    for name, grad, want in zip(("query", "key", "value", "values"), grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=5e-6, rtol=1e-4, msg=name)
+    assert not grads[3][:, length:].any()
+
+
+def test_a_kerple_training_step_on_sdpa_equals_eager(monkeypatch):
+    """KERPLE (log variant, learned r1 and r2) with heads 16 wide: the sdpa step's backward runs in C and equals the
+    eager kernel's logits and gradients."""
+    config = tiny_config("scaled_dot", "kerple_log", hidden_size=64)
+    ids = torch.randint(3, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    calls = []
+    backward = relative.native_band_backward
+    monkeypatch.setattr(relative, "native_band_backward", lambda *args: calls.append(args[-2]) or backward(*args))
+    assert_same_training_step(training_step_by_kernel(config, ids))
+    assert calls == [33] * config.num_hidden_layers
+
+
 @pytest.mark.parametrize(
     ("dtype", "dim"), [(torch.float64, 16), (torch.float32, 8), (torch.bfloat16, 16)], ids=["fp64", "8-wide", "bf16"]
 )
 def test_other_dtypes_and_head_sizes_keep_the_torch_path(dtype, dim):
     query = torch.zeros(1, 2, 20, dim, dtype=dtype)
-    assert not banded.native_band_applies(query, query, query, torch.zeros(2, 39))
+    assert not native_band_applies(query, query, query, torch.zeros(2, 39))
 
 
 def test_a_profile_names_the_c_path():

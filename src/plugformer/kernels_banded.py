@@ -22,15 +22,12 @@ Every score is computed once, with its own bias value: the same numbers as the m
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, repeat_kv, sum_over_groups
+from .kernels_band_native import native_band_applies, native_band_backward, native_band_forward
 from .kernels_relative import hankel
-from .native import load
 
 
 # Query rows per block of the band's forward (window FORWARD_ROWS + W − 1 keys) and of its backward by hand (window
@@ -43,7 +40,6 @@ FORWARD_ROWS = 64
 BAND_ROWS = 32
 # what a profile (`plugformer bench`) names this path by
 PROFILER_NAME = "plugformer::banded_bias"
-NATIVE_PROFILER_NAME = "plugformer::band_native"  # the band in C (`csrc/band.c`)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -181,75 +177,6 @@ def _band_backward(grad_output, query, key_heads, value_heads, values, output, l
     band_gradient = grad_bias.new_zeros(grad_bias.shape[0], width)
     band_gradient.index_add_(1, behind.clamp(0, width - 1).flatten(), grad_bias.masked_fill(~inside, 0).flatten(1))
     return band_gradient
-
-
-@functools.cache
-def native_band() -> ctypes.CDLL | None:
-    """The band's forward and backward in C (`csrc/band.c`, built by `native.load`), or `None` where it is not
-    built."""
-    library = load("band")
-    if library is not None:
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        library.plugformer_band_backward.argtypes = [*[pointer] * 5, *[size] * 5, ctypes.c_float, ctypes.c_int]
-        library.plugformer_band_forward.argtypes = [*[pointer] * 4, *[size] * 5, ctypes.c_float, ctypes.c_int]
-    return library
-
-
-def native_band_applies(*tensors: torch.Tensor) -> bool:
-    """Whether `csrc/band.c` computes the band of these tensors: fp32 on the CPU, plain tensors (no FakeTensor,
-    DTensor) outside torch.compile / jit tracing, a head size that is whole 16-float vectors, where it is built."""
-    for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
-            return False
-    if tensors[0].shape[-1] % 16 or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return native_band() is not None
-
-
-def _rows(tensors) -> tuple[ctypes.Array, torch.Tensor]:
-    """`tensors` `(B, H, ·, D)` as `csrc/band.c` reads them: their addresses, and their strides between batches,
-    heads and rows `(len, 3)`; each must have rows of D contiguous."""
-    pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
-    return pointers, torch.tensor([tensor.stride()[:3] for tensor in tensors], dtype=torch.int64)
-
-
-def _band_table(values: torch.Tensor, width: int) -> torch.Tensor:
-    """`(H, W)`: the bias t slots behind the query at [:, t] (value index N − 1 − t)."""
-    length = (values.shape[-1] + 1) // 2
-    return values.detach()[:, length - width : length].flip(-1).contiguous()
-
-
-def native_band_forward(query, key_heads, value_heads, values, output, lse, width: int, scaling: float) -> None:
-    """`_band_forward` by `csrc/band.c`: the band's own output and log-sum-exp into `output` `(B, H, N, D)` and `lse`
-    `(B, H, N)` (fp32, contiguous)."""
-    batch, heads, length, dim = query.shape
-    inputs = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
-              for tensor in (query, key_heads, value_heads)]  # fmt: skip
-    pointers, strides = _rows([*inputs, output])
-    band = _band_table(values, width)  # held: the C code reads it
-    with torch.profiler.record_function(NATIVE_PROFILER_NAME):
-        native_band().plugformer_band_forward(pointers, strides.data_ptr(), band.data_ptr(), lse.data_ptr(),
-                                              batch * heads, heads, length, dim, width, scaling,
-                                              torch.get_num_threads())  # fmt: skip
-
-
-def native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values, grads, width: int,
-                         scaling: float) -> torch.Tensor:  # fmt: skip
-    """`_band_backward` by `csrc/band.c`. `grads`: the far keys' dQ of the queries from slot W `(B, H, N − W, D)`,
-    then dQ (written: the far part's plus the band's), dK and dV `(B, H, N, D)` (the band's added), all fp32 with
-    rows of D contiguous (any layout of the other axes); returns the band's bias gradient `(H, W)`."""
-    batch, heads, length, dim = query.shape
-    tensors = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
-               for tensor in (query, key_heads, value_heads, grad_output, output, grads[0])]  # fmt: skip
-    pointers, strides = _rows([*tensors, *grads[1:]])
-    lse = lse.detach().contiguous()
-    band = _band_table(values, width)
-    grad_band = torch.empty(batch, heads, width, dtype=torch.float32)
-    with torch.profiler.record_function(NATIVE_PROFILER_NAME):
-        native_band().plugformer_band_backward(pointers, strides.data_ptr(), lse.data_ptr(), band.data_ptr(),
-                                               grad_band.data_ptr(), batch * heads, heads, length, dim, width,
-                                               scaling, torch.get_num_threads())  # fmt: skip
-    return grad_band.sum(0)
 
 
 class BandedBiasAttention(torch.autograd.Function):

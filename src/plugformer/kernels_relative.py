@@ -25,6 +25,7 @@ from torch import nn
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
+from .kernels_band_native import native_band_applies, native_band_backward
 
 
 # Query rows per fused block. Forward + backward with the fused backward against causal SDPA (B=2, H=6, D=64, fp32,
@@ -160,6 +161,19 @@ def hand_backward(grad_output, query, key_heads, value_heads, values, output, ls
     return grad_query, grad_key, grad_value, grad_values
 
 
+def native_backward(grad_output, query, key_heads, value_heads, values, output, lse, scaling: float):
+    """`hand_backward` in C: `csrc/band.c` with a band as wide as the sequence (every key up to the query, no far
+    part), which forms each tile's dS in registers and sums it along the diagonals as contiguous runs."""
+    length = query.shape[2]
+    grad_query = torch.empty_like(query)
+    grad_key, grad_value = torch.zeros_like(key_heads), torch.zeros_like(value_heads)  # (B, H, N, D), added to
+    by_distance = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
+                                       (grad_query, grad_query, grad_key, grad_value), length, scaling)  # fmt: skip
+    grad_values = torch.zeros_like(values)
+    grad_values[:, :length] = by_distance.flip(-1)  # t slots behind: value index N − 1 − t
+    return grad_query, grad_key, grad_value, grad_values
+
+
 class RelativeBiasAttention(torch.autograd.Function):
     """softmax(s · Q Kᵀ + bias + causal mask) V for any relative bias (see the module docstring); the backward by hand
     (`hand_backward`) when the bias values want their gradient, else the fused one (`flash_backward`).
@@ -188,7 +202,11 @@ class RelativeBiasAttention(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         # a copy (the future distances are overwritten below), laid out (H, 2N − 1) as the Hankel views step
         table = values.detach().to(lse.dtype).clone(memory_format=torch.contiguous_format)
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[3] and native_band_applies(query, key_heads, value_heads, grad_output, output, table):
+            grads = native_backward(grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling)
+            grad_query, grad_key, grad_value, grad_values = grads
+            grad_values = grad_values.to(values.dtype)
+        elif ctx.needs_input_grad[3]:
             table[:, length:] = float("-inf")  # the future distances: a block's keys after a row
             grads = hand_backward(grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling)
             grad_query, grad_key, grad_value, grad_values = grads

@@ -27,7 +27,9 @@ typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats; any
 #else
 #define MB 2 /* AVX2 splits a 16-float vector in two registers of its 16 */
 #endif
-#define ROWS 16
+#define ROWS 16  /* queries per tile: one vector of them */
+#define GROUP 8  /* tiles that sweep their keys together in the backward */
+#define KEYS 256 /* keys per chunk of that sweep (a multiple of 16) */
 #define MAX_THREADS 256
 
 /* e^x, branch-free (0 below -87, where fp32 underflows, -inf included; x is a log-weight, at most a rounding
@@ -136,23 +138,26 @@ static void gather(const float *src, int64_t stride, float *dst, int64_t rows, i
     memset(dst + rows * dim, 0, sizeof(float) * (ROWS - rows) * dim);
 }
 
+/* the backward, one (batch, head) pair at a time: the queries in groups of GROUP tiles that sweep their keys together
+ * in chunks of KEYS, so that a chunk's columns of K^T and V^T and rows of K, dK and dV stay in cache over the group
+ * (a band as wide as the sequence sweeps every earlier key) */
 static void band_backward_range(const Work *w) {
     const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
-    const int64_t span = (ROWS + width - 1 + 15) / 16 * 16; /* a tile's keys, rounded up to whole vectors */
+    const int64_t group = GROUP * ROWS;
+    /* the bias by distance read as contiguous runs: entry u holds the value `top` - u slots behind (-inf outside the
+     * band: the mask), so row i's columns c from key a read entries top - (i - a) + c, and their dS sums go to the
+     * same entries of `gext`; i - a lies in -15 .. W + 30 (a: the chunk's first key, on a multiple of 16) */
+    const int64_t top = ROWS + width + 16, extent = top + KEYS + 32;
     float *kt = malloc(sizeof(float) * dim * padded), *vt = malloc(sizeof(float) * dim * padded);
-    float *p = malloc(sizeof(float) * ROWS * span), *ds = malloc(sizeof(float) * ROWS * span);
-    float *qs = malloc(sizeof(float) * ROWS * dim), *go = malloc(sizeof(float) * ROWS * dim);
-    float *gq = malloc(sizeof(float) * ROWS * dim);
+    float *p = malloc(sizeof(float) * ROWS * KEYS), *ds = malloc(sizeof(float) * ROWS * KEYS);
+    float *qs = malloc(sizeof(float) * group * dim), *go = malloc(sizeof(float) * group * dim);
+    float *gq = malloc(sizeof(float) * group * dim), *delta = malloc(sizeof(float) * group);
     /* the keys' rows, and the band's dK and dV, contiguous: the strided rows of a (batch, rows, heads, dim) layout
      * cost more in the tile loops than one pass to copy or add them */
     float *kc = malloc(sizeof(float) * n * dim), *gkc = malloc(sizeof(float) * n * dim);
     float *gvc = malloc(sizeof(float) * n * dim);
-    /* the bias by distance for a tile's rows read as contiguous runs: entry u holds the value `top` - u slots
-     * behind (-inf outside the band, the mask), so row i's columns c read entries base_i + c (and their dS sums
-     * go to the same entries of `gext`) */
-    const int64_t top = ROWS + width, extent = 2 * top + 17;
     float *ext = malloc(sizeof(float) * extent), *gext = malloc(sizeof(float) * extent);
-    if (!kt || !vt || !p || !ds || !qs || !go || !gq || !kc || !gkc || !gvc || !ext || !gext) abort();
+    if (!kt || !vt || !p || !ds || !qs || !go || !gq || !delta || !kc || !gkc || !gvc || !ext || !gext) abort();
     for (int64_t b = w->first; b < w->last; b++) {
         int64_t sq, sk, sv, sg, so, sf, sgq, sgk, sgv;
         const float *q = rows_of(w, Q, b, &sq), *k = rows_of(w, K, b, &sk), *v = rows_of(w, V, b, &sv);
@@ -169,48 +174,64 @@ static void band_backward_range(const Work *w) {
         transpose(v, sv, vt, NULL, n, dim, padded);
         memset(gkc, 0, sizeof(float) * n * dim);
         memset(gvc, 0, sizeof(float) * n * dim);
-        for (int64_t start = 0; start < n; start += ROWS) {
-            const int64_t rows = start + ROWS <= n ? ROWS : n - start;
-            const int64_t first = start - width + 1 > 0 ? start - width + 1 : 0; /* the tile's first key */
-            const int64_t keys = start + rows - first, columns = (keys + 15) / 16 * 16;
-            gather(q + start * sq, sq, qs, rows, dim);
-            gather(dout + start * sg, sg, go, rows, dim);
-            gemm(rows, columns, dim, qs, dim, 1, kt + first, padded, p, columns, 0);  /* q.k */
-            gemm(rows, columns, dim, go, dim, 1, vt + first, padded, ds, columns, 0); /* dO.v */
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t i = start + r;
-                float delta = 0.0f;
-#pragma omp simd reduction(+ : delta)
-                for (int64_t d = 0; d < dim; d++) delta += go[r * dim + d] * out[i * so + d];
-                float *pr = p + r * columns, *dr = ds + r * columns;
-                const float row_lse = lse[i], scaling = w->scaling;
-                const float *bias_row = ext + top - (i - first); /* column c: i - first - c behind */
-                float *grad_row = gext + top - (i - first);
-#pragma omp simd
-                for (int64_t c = 0; c < columns; c++) {
-                    const float weight = exp_weight(scaling * pr[c] + bias_row[c] - row_lse); /* 0 off the band */
-                    const float score_grad = weight * (dr[c] - delta);
-                    pr[c] = weight;
-                    grad_row[c] += score_grad;
-                    dr[c] = scaling * score_grad; /* what dQ and dK take */
-                }
+        for (int64_t g0 = 0; g0 < n; g0 += group) {
+            const int64_t group_rows = g0 + group <= n ? group : n - g0;
+            for (int64_t t = 0; t * ROWS < group_rows; t++) {
+                const int64_t rows = group_rows - t * ROWS < ROWS ? group_rows - t * ROWS : ROWS;
+                gather(q + (g0 + t * ROWS) * sq, sq, qs + t * ROWS * dim, rows, dim);
+                gather(dout + (g0 + t * ROWS) * sg, sg, go + t * ROWS * dim, rows, dim);
             }
-            gemm(keys, dim, rows, p, 1, columns, go, dim, gvc + first * dim, dim, 1); /* gv += P^T dO */
-            gemm(keys, dim, rows, ds, 1, columns, qs, dim, gkc + first * dim, dim, 1); /* gk += s dS^T Q */
-            /* gq = the far keys' dQ (none before slot W) + s dS K */
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t i = start + r;
+            for (int64_t r = 0; r < group_rows; r++) {
+                const int64_t i = g0 + r;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t d = 0; d < dim; d++) sum += go[r * dim + d] * out[i * so + d];
+                delta[r] = sum; /* dO_i . O_i */
+                /* dQ starts from the far keys' (none before slot W) */
                 if (i >= width) memcpy(gq + r * dim, far + (i - width) * sf, sizeof(float) * dim);
                 else memset(gq + r * dim, 0, sizeof(float) * dim);
             }
-            gemm(rows, dim, keys, ds, columns, 1, kc + first * dim, dim, gq, dim, 1);
-            for (int64_t r = 0; r < rows; r++) memcpy(gq_rows + (start + r) * sgq, gq + r * dim, sizeof(float) * dim);
+            const int64_t lowest = g0 - width + 1 > 0 ? (g0 - width + 1) / 16 * 16 : 0, end = g0 + group_rows;
+            for (int64_t c0 = lowest; c0 < end; c0 += KEYS) {
+                const int64_t c1 = c0 + KEYS < end ? c0 + KEYS : end;
+                for (int64_t t = 0; t * ROWS < group_rows; t++) {
+                    const int64_t start = g0 + t * ROWS, rows = n - start < ROWS ? n - start : ROWS;
+                    const int64_t first = start - width + 1 > 0 ? (start - width + 1) / 16 * 16 : 0;
+                    const int64_t a = first > c0 ? first : c0, e = start + rows < c1 ? start + rows : c1;
+                    if (a >= e) continue;
+                    const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
+                    float *qt = qs + t * ROWS * dim, *got = go + t * ROWS * dim, *gqt = gq + t * ROWS * dim;
+                    gemm(rows, columns, dim, qt, dim, 1, kt + a, padded, p, columns, 0);   /* q.k */
+                    gemm(rows, columns, dim, got, dim, 1, vt + a, padded, ds, columns, 0); /* dO.v */
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t i = start + r;
+                        float *pr = p + r * columns, *dr = ds + r * columns;
+                        const float row_lse = lse[i], row_delta = delta[i - g0], scaling = w->scaling;
+                        const float *bias_row = ext + top - (i - a); /* column c: i - a - c behind */
+                        float *grad_row = gext + top - (i - a);
+#pragma omp simd
+                        for (int64_t c = 0; c < columns; c++) {
+                            /* 0 off the band and in the future (their bias is -inf) */
+                            const float weight = exp_weight(scaling * pr[c] + bias_row[c] - row_lse);
+                            const float score_grad = weight * (dr[c] - row_delta);
+                            pr[c] = weight;
+                            grad_row[c] += score_grad;
+                            dr[c] = scaling * score_grad; /* what dQ and dK take */
+                        }
+                    }
+                    gemm(keys, dim, rows, p, 1, columns, got, dim, gvc + a * dim, dim, 1); /* dV += P^T dO */
+                    gemm(keys, dim, rows, ds, 1, columns, qt, dim, gkc + a * dim, dim, 1); /* dK += s dS^T Q */
+                    gemm(rows, dim, keys, ds, columns, 1, kc + a * dim, dim, gqt, dim, 1); /* dQ += s dS K */
+                }
+            }
+            for (int64_t r = 0; r < group_rows; r++)
+                memcpy(gq_rows + (g0 + r) * sgq, gq + r * dim, sizeof(float) * dim);
         }
         add_rows(gk, sgk, gkc, n, dim);
         add_rows(gv, sgv, gvc, n, dim);
         for (int64_t t = 0; t < width; t++) gbias[t] = gext[top - t];
     }
-    free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq);
+    free(kt), free(vt), free(p), free(ds), free(qs), free(go), free(gq), free(delta);
     free(kc), free(gkc), free(gvc), free(ext), free(gext);
 }
 
