@@ -8,15 +8,17 @@ attention of the queries from slot W over the keys up to N − W (query i' = i �
 raised by c_h: one fused call with its own causal mask, the fastest path torch has, forward and backward. The band
 (i − W < j ≤ i) takes the rest:
 
-- forward: blocks of `FORWARD_ROWS` query rows over their `FORWARD_ROWS + W − 1` keys, through the fused flash kernel
-  with the bias as its mask, a strided view of the band's values (−inf outside the band) with the rows reversed
-  (`kernels_relative.hankel`: the bias of a reversed row is constant along the anti-diagonals);
-- backward: by hand in blocks of `BAND_ROWS` rows from the merged log-sum-exp: P = exp(s·QKᵀ + bias − lse),
-  dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = s·dS K, dK = s·dSᵀ Q, dV = Pᵀ dO, and the bias gradient, dS summed
-  along the band's W diagonals. That of the far keys, which all share c_h, is −(the band's dS sum) of each row, because
-  the softmax gradient of a row sums to zero, and is reported at distance −W (the scheme ties every farther distance
-  to the same parameter, so the table's gradient is exact).
+- forward: the band's own softmax per query, merged with the far keys' by log-sum-exp;
+- backward: from the merged log-sum-exp, P = exp(s·QKᵀ + bias − lse), dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)),
+  dQ = s·dS K, dK = s·dSᵀ Q, dV = Pᵀ dO added to the far keys' gradients, and the bias gradient, dS summed along the
+  band's W diagonals. That of the far keys, which all share c_h, is −(the band's dS sum) of each row, because the
+  softmax gradient of a row sums to zero, and is reported at distance −W (the scheme ties every farther distance to
+  the same parameter, so the table's gradient is exact).
 
+In fp32 with heads a multiple of 16 wide the band runs in C (`kernels_band_native`, `csrc/band.c`: tiles of 16
+queries over their keys, each product a register-blocked loop); otherwise by torch operations: the forward in blocks of
+`FORWARD_ROWS` rows through the fused flash kernel with the bias as its mask (a strided view of the band's values,
+−inf outside the band, the rows reversed: `kernels_relative.hankel`), the backward by hand in blocks of `BAND_ROWS`.
 Every score is computed once, with its own bias value: the same numbers as the materialised softmax's.
 """
 
@@ -30,12 +32,12 @@ from .kernels_band_native import native_band_applies, native_band_backward, nati
 from .kernels_relative import hankel
 
 
-# Query rows per block of the band's forward (window FORWARD_ROWS + W − 1 keys) and of its backward by hand (window
-# BAND_ROWS + W − 1; (B, H, rows, window) fp32 temporaries). B=2, H=6, D=64, W=128, fp32, 1 thread, N = 2048: the
-# band's forward 22 / 26 / 31 ms with 64 / 128 / 256 rows; the whole backward 239 / 214 / 224 / 246 ms with 16 / 32 /
-# 64 / 128 rows. Forward + backward against causal SDPA (7 interleaved repeats): 0.70x at N = 1024, 0.79x at 2048,
-# 0.83x at 4096, where the kernel this one replaced (every query block in two fused calls, forward and backward, and
-# the band's dS on top) gave 0.71x, 0.73x, 0.73x.
+# Query rows per block of the torch path's band forward (window FORWARD_ROWS + W − 1 keys) and backward by hand
+# (window BAND_ROWS + W − 1; (B, H, rows, window) fp32 temporaries). B=2, H=6, D=64, W=128, fp32, 1 thread, N = 2048:
+# the band's forward 22 / 26 / 31 ms with 64 / 128 / 256 rows; the whole backward 239 / 214 / 224 / 246 ms with 16 /
+# 32 / 64 / 128 rows. Forward + backward against causal SDPA (7 interleaved repeats): 0.79x at 2048, 0.83x at 4096 on
+# this path; 0.89-0.90x at 2048 and 0.93-0.95x at 4096 with the band in C (queries laid out (B, N, H, D), as the
+# attention projections hand them over).
 FORWARD_ROWS = 64
 BAND_ROWS = 32
 # what a profile (`plugformer bench`) names this path by

@@ -12,10 +12,13 @@ strides). The rows go in blocks of `ROWS` from slot c, each in two parts merged 
   for every block, built once per call.
 
 Every bias number is one of the values, added once: the same scores as the materialised softmax's. The bias gradient
-needs the score gradient dS summed along the diagonals, which no fused kernel returns: `hand_backward` computes dS per
-block of `HAND_ROWS` reversed rows from the saved log-sum-exp (P = exp(s·QKᵀ + bias − lse), the bias again a Hankel
-view) and with it dQ, dK, dV; `kernels_banded` (a bias constant beyond a distance) calls the fused backward instead
-and computes dS on the band only.
+needs the score gradient dS summed along the diagonals, which no fused kernel returns. In fp32 with heads a multiple of
+16 wide the backward runs in C (`native_backward`: `csrc/band.c` with a band as wide as the sequence), which forms
+each tile's dS in registers and sums it along the diagonals; otherwise `hand_backward` computes dS per block of
+`HAND_ROWS` reversed rows from the saved log-sum-exp (P = exp(s·QKᵀ + bias − lse), the bias again a Hankel view) and
+with it dQ, dK, dV. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread, (B, N, H, D) layout, one
+run): 0.91x at N = 2048 and 0.84x at 4096 with the C backward, 0.62x and 0.47x by hand. `kernels_banded` (a bias
+constant beyond a distance) calls the fused backward for its far keys and computes dS on the band only.
 """
 
 from __future__ import annotations
