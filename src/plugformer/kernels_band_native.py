@@ -34,12 +34,16 @@ def native_band() -> ctypes.CDLL | None:
 
 
 def native_band_applies(*tensors: torch.Tensor) -> bool:
-    """Whether `csrc/band.c` computes the band of these tensors: fp32 on the CPU, plain tensors (no FakeTensor,
-    DTensor) outside torch.compile / jit tracing, a head size that is whole 16-float vectors, where it is built."""
+    """Whether `csrc/band.c` computes the band of these tensors (the query first): fp32 on the CPU, plain tensors (no
+    FakeTensor, DTensor) outside torch.compile / jit tracing, one head size for the `(B, H, N, D)` ones, whole 16-float
+    vectors, where it is built."""
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
             return False
-    if tensors[0].shape[-1] % 16 or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    dim = tensors[0].shape[-1]
+    if dim % 16 or any(tensor.dim() == 4 and tensor.shape[-1] != dim for tensor in tensors):
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     return native_band() is not None
 

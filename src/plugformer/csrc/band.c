@@ -1,14 +1,18 @@
-/* The near band of `kernels_banded` (a relative bias constant beyond W slots), backward: for each query i its keys
- * j = i - W + 1 .. i, with P the merged softmax's weights and the far keys' gradients already in gq, gk, gv:
+/* Causal attention with a bias per distance over each query's W latest keys (j = i - W + 1 .. i), in tiles of ROWS
+ * queries over their keys, every product a register-blocked loop over (rows x 16 columns) vector accumulators (what a
+ * GEMM's micro-kernel does: the torch path's small matmuls per block spend more time on dispatch and memory than on
+ * arithmetic). Two callers: `kernels_banded`'s near band (a bias constant beyond W: the far keys go to torch's fused
+ * kernel) and `kernels_relative`'s backward (W = N, every key up to the query).
  *
- *   P_ij = exp(s q_i.k_j + bias[h][i - j] - lse_i),  dS_ij = P_ij (dO_i.v_j - dO_i.O_i)
- *   gq_i += s sum_j dS_ij k_j,  gk_j += s sum_i dS_ij q_i,  gv_j += sum_i P_ij dO_i,  gbias[b][t] = sum_i dS_i,i-t
+ *   forward (the band's own softmax):  out_i = sum_j p_ij v_j / l_i,  lse_i = m_i + log l_i
+ *   backward, from the merged softmax's lse (the far keys' gradients already in gq_far, gk, gv):
+ *     P_ij = exp(s q_i.k_j + bias[h][i - j] - lse_i),  dS_ij = P_ij (dO_i.v_j - dO_i.O_i)
+ *     gq_i = gq_far_i + s sum_j dS_ij k_j,  gk_j += s sum_i dS_ij q_i,  gv_j += sum_i P_ij dO_i,
+ *     gbias[b][t] = sum_i dS_i,i-t
  *
- * by tiles of ROWS queries over their ROWS + W - 1 keys, every product a register-blocked loop over (rows x 16
- * columns) vector accumulators (what a GEMM's micro-kernel does; the torch path's small matmuls per block spend
- * more time on dispatch and memory than on arithmetic). All arrays float32 contiguous, (batch_heads, N, D) with D a
- * multiple of 16; the work is split over POSIX threads by (batch, head), whose rows of gk, gv and gbias one thread
- * owns. Built by `plugformer.native` at first use.
+ * Tensors are float32 (batch, heads, rows, dim) with rows of dim contiguous (a multiple of 16) and any strides
+ * between batches, heads and rows; the work is split over POSIX threads by (batch, head), whose rows of gk, gv and
+ * gbias one thread owns. Built by `plugformer.native` at first use.
  */
 #include <math.h>
 #include <pthread.h>
@@ -86,9 +90,11 @@ static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, i
         for (; col < n; col += 16) micro_MB_1(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
     }
     for (; r < m; r++) {
+        const float *ar = a + r * sam;
+        float *cr = c + r * ldc;
         int64_t col = 0;
-        for (; col + 64 <= n; col += 64) micro_1_4(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc, add);
-        for (; col < n; col += 16) micro_1_1(x, a + r * sam, sam, sax, b + col, ldb, c + r * ldc + col, ldc, add);
+        for (; col + 64 <= n; col += 64) micro_1_4(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col < n; col += 16) micro_1_1(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
     }
 }
 
