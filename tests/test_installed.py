@@ -31,11 +31,11 @@ def test_the_package_ships_every_config_of_the_repository():
 
 
 def test_the_package_data_holds_the_native_kernels_sources():
-    """Every C source `plugformer.native` builds at first use is package data (a wheel without it would quietly keep
-    the torch path)."""
+    """Every C source and header `plugformer.native` builds at first use is package data (a wheel without them would
+    quietly keep the torch path)."""
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["plugformer"]
     sources = [path.relative_to(ROOT / "src" / "plugformer").as_posix() for path in
-               (ROOT / "src" / "plugformer" / "csrc").glob("*.c")]  # fmt: skip
+               (ROOT / "src" / "plugformer" / "csrc").glob("*.[ch]")]  # fmt: skip
     assert sources and all(any(fnmatch(source, pattern) for pattern in patterns) for source in sources)
 
 
@@ -118,6 +118,7 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
         "plugformer/configs/pretrain/tiny.yaml",
         "plugformer/csrc/additive.c",
         "plugformer/csrc/band.c",
+        "plugformer/csrc/parallel.h",
     } <= set(zipfile.ZipFile(wheel).namelist())
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -73,7 +73,8 @@ def cache_dir() -> Path:
 
 def library_path(name: str, command: list[str]) -> Path:
     """Where the build of `csrc/<name>.c` by `command` for this CPU lives: keyed by a hash of all that shapes it."""
-    parts = [(SOURCES / f"{name}.c").read_text(), *command, _version(command), *FLAGS, *LINK_FLAGS, platform.machine(),
+    headers = [path.read_text() for path in sorted(SOURCES.glob("*.h"))]  # what the sources include
+    parts = [(SOURCES / f"{name}.c").read_text(), *headers, *command, _version(command), *FLAGS, *LINK_FLAGS, platform.machine(),
              platform.system(), " ".join(platform.libc_ver()), _cpu_identity()]  # fmt: skip
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return cache_dir() / f"{name}-{digest}.so"

@@ -16,15 +16,15 @@
  */
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "expf.h"
+
 /* tanh in float, branch-free so that the loops below vectorise it inline (a libm call per element, or per vector
  * with glibc's libmvec, costs more than the arithmetic). |x| < 0.625: x + x^3 P(x^2), P of degree 4 fitted to the
- * relative error (max 9e-9 in double); above: 1 - 2 / (e^{2|x|} + 1), e^y = 2^n e^r with n = round(y / ln 2),
- * n <= 29, and e^r a degree-6 fit on |r| <= ln(2) / 2 (max relative error 2e-9); |x| is clamped at 10, where
+ * relative error (max 9e-9 in double); above: 1 - 2 / (e^{2|x|} + 1) (`exp_clamped`); |x| is clamped at 10, where
  * tanh rounds to +-1.
  * Within 1.3 ulp of tanh in double over 2^21 points of [-12, 12]; exact at 0, +-inf; NaN stays NaN (tests). */
 static inline float tanh_float(float x) {
@@ -36,23 +36,10 @@ static inline float tanh_float(float x) {
     p = p * z + 1.3332246723389857e-1f;
     p = p * z - 3.333331426588648e-1f;
     const float small = x + x * z * p;
-    const float y = 2.0f * (a < 10.0f ? a : 10.0f);
-    const float n = (y * 1.4426950408889634f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (y - n * 0.693145751953125f) - n * 1.4286067653302226e-6f; /* y - n ln 2, ln 2 in two parts */
-    float e = 1.3829420595802581e-3f;
-    e = e * r + 8.374771520128483e-3f;
-    e = e * r + 4.166835803302364e-2f;
-    e = e * r + 1.666642083211891e-1f;
-    e = e * r + 4.999999149303672e-1f;
-    e = e * r + 1.0000000361258996f;
-    e = e * r + 1.0000000005920209f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23}; /* 2^n */
-    const float large = copysignf(1.0f - 2.0f / (e * scale.f + 1.0f), x);
+    const float large = copysignf(1.0f - 2.0f / (exp_clamped(2.0f * (a < 10.0f ? a : 10.0f)) + 1.0f), x);
     const float t = a < 0.625f ? small : large;
     return x != x ? x : t; /* NaN stays NaN (the clamp above turned it into 10) */
 }
-
-#define MAX_THREADS 256
 
 typedef struct {
     const float *q, *k, *energy, *value, *extra, *row_max, *row_log, *delta, *grad_out, *ds_in;
@@ -61,6 +48,8 @@ typedef struct {
     int64_t first, last;
     int blocked_stops_gradient, add_extra;
 } Work;
+
+#include "parallel.h" /* parallel(): the split over threads, for this Work */
 
 /* A pair whose extra (bias + mask) is at most BLOCKED is a blocked one (masks block with -FLT_MAX, the fp32
  * minimum): s + extra rounds to extra whenever |s| <= sum_a |v_a| lies below 2^102 (half an ulp of such values), so
@@ -195,34 +184,6 @@ static void attention_backward_range(const Work *w) {
 static void *run_scores(void *w) { scores_range((const Work *)w); return NULL; }
 static void *run_scores_backward(void *w) { scores_backward_range((const Work *)w); return NULL; }
 static void *run_attention_backward(void *w) { attention_backward_range((const Work *)w); return NULL; }
-
-/* Splits [0, total) into `threads` ranges, runs the first on the calling thread; returns 0, or -1 if a thread could
- * not be started (its range is then run on the calling thread: the result is the same). */
-static int parallel(Work base, int64_t total, int threads, void *(*body)(void *)) {
-    Work work[MAX_THREADS];
-    pthread_t handles[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    if (threads > total) threads = (int)total;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        work[t] = base;
-        work[t].first = total * t / threads;
-        work[t].last = total * (t + 1) / threads;
-        if (t > 0) started[t] = pthread_create(&handles[t], NULL, body, &work[t]) == 0;
-    }
-    body(&work[0]);
-    int status = 0;
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) {
-            pthread_join(handles[t], NULL);
-        } else {
-            body(&work[t]);
-            status = -1;
-        }
-    }
-    return status;
-}
 
 /* scores = s + extra (add_extra), or s with 0 for the pairs extra blocks (the mask is applied after); extra as in
  * the attention backward, NULL: the scores alone */

@@ -15,7 +15,6 @@
  * gbias one thread owns. Built by `plugformer.native` at first use.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +22,8 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast") /* a * b + c as one FMA (ISO C mode turns contraction off) */
 #endif
+
+#include "expf.h" /* after the pragma: its polynomial takes the FMAs too */
 
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats; any alignment */
 
@@ -34,24 +35,10 @@ typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats; any
 #define ROWS 16  /* queries per tile: one vector of them */
 #define GROUP 8  /* tiles that sweep their keys together in the backward */
 #define KEYS 256 /* keys per chunk of that sweep (a multiple of 16) */
-#define MAX_THREADS 256
 
-/* e^x, branch-free (0 below -87, where fp32 underflows, -inf included; x is a log-weight, at most a rounding
- * above 0): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-6 fit (relative error 2e-9), times 2^n built in the
- * exponent bits */
+/* e^x for a log-weight x (at most a rounding above 0): 0 below -87, where fp32 underflows, -inf included */
 static inline float exp_weight(float x) {
-    const float y = x < -87.0f ? -87.0f : x > 80.0f ? 80.0f : x;
-    const float n = (y * 1.4426950408889634f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (y - n * 0.693145751953125f) - n * 1.4286067653302226e-6f;
-    float e = 1.3829420595802581e-3f;
-    e = e * r + 8.374771520128483e-3f;
-    e = e * r + 4.166835803302364e-2f;
-    e = e * r + 1.666642083211891e-1f;
-    e = e * r + 4.999999149303672e-1f;
-    e = e * r + 1.0000000361258996f;
-    e = e * r + 1.0000000005920209f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : e * scale.f;
+    return x < -87.0f ? 0.0f : exp_clamped(x > 80.0f ? 80.0f : x);
 }
 
 /* C (m x n) = A (m x x) B (x x n), or C += A B (`add`): A(r, t) at a[r sam + t sax], B row-major (rows ldb apart),
@@ -109,6 +96,8 @@ typedef struct {
     int64_t heads, length, dim, width, first, last;
     float scaling;
 } Work;
+
+#include "parallel.h" /* parallel(): the split over threads, for this Work */
 
 /* the rows of tensor `t` for (batch, head) pair b, and the stride between them */
 static float *rows_of(const Work *w, int t, int64_t b, int64_t *row_stride) {
@@ -295,34 +284,6 @@ static void band_forward_range(const Work *w) {
 
 static void *run_band_backward(void *w) { band_backward_range((const Work *)w); return NULL; }
 static void *run_band_forward(void *w) { band_forward_range((const Work *)w); return NULL; }
-
-/* Splits [first, last) of the (batch, head) pairs into `threads` ranges, the first on the calling thread; returns
- * 0, or -1 if a thread could not be started (its range then runs on the calling thread: the same result). */
-static int parallel(Work base, int64_t total, int threads, void *(*body)(void *)) {
-    Work work[MAX_THREADS];
-    pthread_t handles[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    if (threads > total) threads = (int)total;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        work[t] = base;
-        work[t].first = total * t / threads;
-        work[t].last = total * (t + 1) / threads;
-        if (t > 0) started[t] = pthread_create(&handles[t], NULL, body, &work[t]) == 0;
-    }
-    body(&work[0]);
-    int status = 0;
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) {
-            pthread_join(handles[t], NULL);
-        } else {
-            body(&work[t]);
-            status = -1;
-        }
-    }
-    return status;
-}
 
 /* tensors: q, k, v, grad_out, out, gq_far (the far keys' dQ of queries W..N-1), gq (written), gk, gv (the far
  * keys' gradients, added to): (batch, heads, rows, dim), rows contiguous, `strides` (9 x 3: between batches, heads
