@@ -32,13 +32,15 @@ def spy(monkeypatch) -> list[str]:
 
 def inputs(length, far, dim, kv_heads, layout, seed=0):
     """fp32 leaves: query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)` (laid out `(B, N, H, D)` as the
-    attention projections hand them over, or contiguous), and the table `(4, far + 1)` of a bias constant from `far`
-    slots behind (clamped_bias's shape)."""
+    attention projections hand them over, contiguous, or with D the outer axis: rows not contiguous), and the table
+    `(4, far + 1)` of a bias constant from `far` slots behind (clamped_bias's shape)."""
     generator = torch.Generator().manual_seed(seed)
 
     def leaf(heads):
-        tensor = torch.randn(2, length, heads, dim, generator=generator)
-        return (tensor.transpose(1, 2) if layout == "bnhd" else tensor.transpose(1, 2).contiguous()).requires_grad_()
+        tensor = torch.randn(2, length, heads, dim, generator=generator).transpose(1, 2)  # (B, H, N, D) of (B, N, H, D)
+        if layout == "bhdn":
+            tensor = tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return (tensor if layout != "bhnd" else tensor.contiguous()).requires_grad_()
 
     table = torch.randn(4, far + 1, generator=generator).requires_grad_()
     return leaf(4), leaf(kv_heads), leaf(kv_heads), table
@@ -52,8 +54,9 @@ def values_of(table, length, far):
 @pytest.mark.parametrize(
     ("length", "far", "dim", "kv_heads", "layout"),
     [(37, 5, 16, 2, "bnhd"), (300, 40, 32, 4, "bhnd"), (129, 128, 64, 2, "bnhd"), (70, 16, 16, 1, "bhnd"),
-     (50, 1, 48, 4, "bnhd")],
-    ids=["short-band", "several-tiles-mha", "band-wider-than-a-tile", "band-one-tile-wide-mqa", "width-1"],
+     (50, 1, 48, 4, "bnhd"), (40, 8, 16, 2, "bhdn")],
+    ids=["short-band", "several-tiles-mha", "band-wider-than-a-tile", "band-one-tile-wide-mqa", "width-1",
+         "rows-not-contiguous"],
 )  # fmt: skip
 def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, dim, kv_heads, layout, monkeypatch):
     """fp32 on the C path: output and the gradients of Q, K, V and the bias table equal autograd through the
@@ -101,7 +104,7 @@ def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     assert calls.count("native_band_backward") == config.num_hidden_layers
 
 
-@pytest.mark.parametrize(("length", "dim", "layout"), [(45, 16, "bnhd"), (300, 32, "bhnd")])
+@pytest.mark.parametrize(("length", "dim", "layout"), [(45, 16, "bnhd"), (300, 32, "bhnd"), (40, 16, "bhdn")])
 def test_a_relative_bias_backward_equals_the_materialised_softmax(length, dim, layout, monkeypatch):
     """`kernels_relative` (any distance-only bias: KERPLE's) runs its backward here as a band as wide as the sequence:
     the gradients of Q, K, V and of every bias value (future distances: 0) equal autograd in float64."""

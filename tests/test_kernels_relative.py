@@ -91,3 +91,33 @@ def test_applies_only_to_causal_unmasked_undropped_equal_lengths():
     assert not relative_bias_applies(query.half(), key.half(), value.half(), None, 0.0, bias, True)
     assert not relative_bias_applies(query.bfloat16(), key.bfloat16(), value.bfloat16(), None, 0.0, bias, True)
     assert not relative_bias_applies(query, key, value, None, 0.0, RelativeBias(bias.values.half(), 20, 20), True)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "banded", "relative"])
+def test_the_raw_flash_kernels_take_any_layout(kernel):
+    """torch's raw CPU flash op, which the bias kernels call, returns other numbers when a last axis is not contiguous
+    (the public SDPA copies first): each kernel's output and gradients for queries, keys and values laid out with D
+    outermost equal the materialised softmax's, as with contiguous ones (fp64)."""
+    from plugformer.kernels_alibi import LinearBiasAttention
+    from plugformer.kernels_banded import BandedBiasAttention
+
+    generator = torch.Generator().manual_seed(11)
+    length, far = 24, 6
+    contiguous = [torch.randn(2, 2, length, 8, dtype=torch.float64, generator=generator) for _ in range(3)]
+    strided = [tensor.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for tensor in contiguous]
+    assert all(tensor.stride(-1) != 1 for tensor in strided)
+    distances = torch.arange(2 * length - 1, dtype=torch.float64) - (length - 1)  # key − query
+    table = torch.randn(2, far + 1, dtype=torch.float64, generator=generator)  # constant from `far` slots behind
+    values = {"linear": -0.25 * distances.abs().expand(2, -1), "banded": table[:, distances.neg().clamp(0, far).long()],
+              "relative": torch.randn(2, 2 * length - 1, dtype=torch.float64, generator=generator)}[kernel]  # fmt: skip
+    function = {"linear": lambda *args: LinearBiasAttention.apply(*args, 0.3),
+                "banded": lambda *args: BandedBiasAttention.apply(*args, far, 0.3),
+                "relative": lambda *args: RelativeBiasAttention.apply(*args, 0.3)}[kernel]  # fmt: skip
+    output = function(*strided, values.contiguous())
+    exact = [tensor.detach().clone().requires_grad_() for tensor in contiguous]
+    expected = materialised(*exact, values, 0.3)
+    grad_output = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(output, strided, grad_output)
+    for grad, want in zip(grads, torch.autograd.grad(expected, exact, grad_output), strict=True):
+        torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)

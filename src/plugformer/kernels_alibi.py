@@ -25,6 +25,7 @@ import torch
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
+from .kernels_fixed import flash_operands
 
 
 # Query rows per block. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread, CPU time, shared
@@ -58,6 +59,7 @@ class LinearBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, values, scaling: float):
+        query, key, value = flash_operands(query, key, value)
         length = query.shape[2]
         accumulate = torch.promote_types(query.dtype, torch.float32)
         groups = query.shape[1] // key.shape[1]

@@ -48,6 +48,12 @@ def native_band_applies(*tensors: torch.Tensor) -> bool:
     return native_band() is not None
 
 
+def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached, with rows of its last axis contiguous as the C code reads them (copied only if not)."""
+    tensor = tensor.detach()
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def _rows(tensors) -> tuple[ctypes.Array, torch.Tensor]:
     """`tensors` `(B, H, ·, D)` as `csrc/band.c` reads them: their addresses, and their strides between batches,
     heads and rows `(len, 3)`; each must have rows of D contiguous."""
@@ -62,11 +68,10 @@ def _band_table(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def native_band_forward(query, key_heads, value_heads, values, output, lse, width: int, scaling: float) -> None:
-    """`_band_forward` by `csrc/band.c`: the band's own output and log-sum-exp into `output` `(B, H, N, D)` and `lse`
-    `(B, H, N)` (fp32, contiguous)."""
+    """`_band_forward` by `csrc/band.c`: the band's own output and log-sum-exp into `output` `(B, H, N, D)` (rows
+    contiguous) and `lse` `(B, H, N)` (fp32, contiguous)."""
     batch, heads, length, dim = query.shape
-    inputs = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
-              for tensor in (query, key_heads, value_heads)]  # fmt: skip
+    inputs = [rows_contiguous(tensor) for tensor in (query, key_heads, value_heads)]
     pointers, strides = _rows([*inputs, output])
     band = _band_table(values, width)  # held: the C code reads it
     with torch.profiler.record_function(PROFILER_NAME):
@@ -81,8 +86,9 @@ def native_band_backward(grad_output, query, key_heads, value_heads, output, lse
     then dQ (written: the far part's plus the band's), dK and dV `(B, H, N, D)` (the band's added), all fp32 with
     rows of D contiguous (any layout of the other axes); returns the band's bias gradient `(H, W)`."""
     batch, heads, length, dim = query.shape
-    tensors = [tensor.detach() if tensor.stride(-1) == 1 else tensor.detach().contiguous()
-               for tensor in (query, key_heads, value_heads, grad_output, output, grads[0])]  # fmt: skip
+    if any(grad.stride(-1) != 1 for grad in grads[1:]):  # written in place: a copy would lose what is written
+        raise ValueError("native_band_backward writes dQ, dK and dV in place: their rows must be contiguous")
+    tensors = [rows_contiguous(tensor) for tensor in (query, key_heads, value_heads, grad_output, output, grads[0])]
     pointers, strides = _rows([*tensors, *grads[1:]])
     lse = lse.detach().contiguous()
     band = _band_table(values, width)

@@ -28,7 +28,8 @@ import torch
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, repeat_kv, sum_over_groups
-from .kernels_band_native import native_band_applies, native_band_backward, native_band_forward
+from .kernels_band_native import native_band_applies, native_band_backward, native_band_forward, rows_contiguous
+from .kernels_fixed import flash_operands
 from .kernels_relative import hankel
 
 
@@ -121,7 +122,7 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
                     bias_gradient: bool = True):  # fmt: skip
     """dQ (input dtype), dK, dV `(B, H, N, D)` (fp32 at least) and d(values) `(H, 2N − 1)` (fp32 at least, `None`
     unless `bias_gradient`) of `banded_forward`, from its merged output and log-sum-exp: the far keys through the fused
-    backward, the band by hand (see the module docstring)."""
+    backward, the band in C or by hand (see the module docstring)."""
     length = query.shape[2]
     accumulate = lse.dtype
     far = slice(width, length)
@@ -131,7 +132,8 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
                                                     output[:, :, far], far_lse, 0.0, True, scale=scaling)  # fmt: skip
     grad_key, grad_value = grad_key.to(accumulate), grad_value.to(accumulate)  # the band adds in place
     if native_band_applies(query, key_heads, value_heads, grad_output, output, values):
-        grad_query = torch.empty_like(query, dtype=accumulate)
+        grad_key, grad_value = rows_contiguous(grad_key), rows_contiguous(grad_value)
+        grad_query = torch.empty_like(rows_contiguous(query), dtype=accumulate)  # the queries' layout
         band_gradient = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
                                              (d_query, grad_query, grad_key, grad_value), width, scaling)  # fmt: skip
     else:
@@ -190,6 +192,7 @@ class BandedBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, values, far_distance: int, scaling: float):
+        query, key, value = flash_operands(query, key, value)
         length = query.shape[2]
         if not 0 < far_distance < length:
             raise ValueError(f"far_distance={far_distance} must lie in 1..{length - 1} (the sequence length less 1)")

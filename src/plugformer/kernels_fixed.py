@@ -16,6 +16,13 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def flash_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` with their last axis contiguous, as torch's raw CPU flash op (which the bias kernels call directly)
+    needs: it takes other strides without an error and returns other numbers (torch 2.13: 2.4 off on unit-variance
+    inputs; the public SDPA makes them contiguous first). Only the tensors that are not are copied."""
+    return tuple(tensor if tensor.stride(-1) == 1 else tensor.contiguous() for tensor in tensors)
+
+
 def recomputes_fixed_mask(query, key, value, position_bias, dropout: float) -> bool:
     """Whether `FixedBiasBlock` computes this block: a bias that needs no gradient while the block's inputs do, no
     attention dropout, on CPU (torch's CPU flash kernel, which wants values as wide as the queries), outside
@@ -52,6 +59,7 @@ class FixedBiasBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, position_bias, allowed, start: int, stop: int, scaling: float):
+        query, key, value = flash_operands(query, key, value)
         groups = query.shape[1] // key.shape[1]
         key_heads, value_heads = _heads(key, groups), _heads(value, groups)  # (B, H, keys, D)
         mask = _mask(position_bias, allowed, start, stop, key.shape[2], query.dtype)

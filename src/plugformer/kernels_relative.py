@@ -28,7 +28,8 @@ from torch import nn
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
-from .kernels_band_native import native_band_applies, native_band_backward
+from .kernels_band_native import native_band_applies, native_band_backward, rows_contiguous
+from .kernels_fixed import flash_operands
 
 
 # Query rows per fused block. Forward + backward with the fused backward against causal SDPA (B=2, H=6, D=64, fp32,
@@ -168,8 +169,9 @@ def native_backward(grad_output, query, key_heads, value_heads, values, output, 
     """`hand_backward` in C: `csrc/band.c` with a band as wide as the sequence (every key up to the query, no far
     part), which forms each tile's dS in registers and sums it along the diagonals as contiguous runs."""
     length = query.shape[2]
-    grad_query = torch.empty_like(query)
-    grad_key, grad_value = torch.zeros_like(key_heads), torch.zeros_like(value_heads)  # (B, H, N, D), added to
+    grad_query = torch.empty_like(rows_contiguous(query))  # the queries' layout, rows contiguous
+    grad_key = torch.zeros(key_heads.shape, dtype=query.dtype, device=query.device)  # (B, H, N, D), added to
+    grad_value = torch.zeros_like(grad_key)
     by_distance = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
                                        (grad_query, grad_query, grad_key, grad_value), length, scaling)  # fmt: skip
     grad_values = torch.zeros_like(values)
@@ -187,6 +189,7 @@ class RelativeBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, values, scaling: float):
+        query, key, value = flash_operands(query, key, value)
         accumulate = torch.promote_types(query.dtype, torch.float32)
         groups = query.shape[1] // key.shape[1]
         key_heads, value_heads = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, H, N, D)
