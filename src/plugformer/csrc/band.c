@@ -133,6 +133,15 @@ static void gather(const float *src, int64_t stride, float *dst, int64_t rows, i
     memset(dst + rows * dim, 0, sizeof(float) * (ROWS - rows) * dim);
 }
 
+/* ext[u] = the bias `top` - u slots behind the query, -inf outside 0 .. width - 1 (the band's mask), for u < extent:
+ * a row's bias over consecutive keys is then a contiguous run of it */
+static void bias_runs(float *ext, int64_t extent, int64_t top, const float *bias, int64_t width) {
+    for (int64_t u = 0; u < extent; u++) {
+        const int64_t behind = top - u;
+        ext[u] = behind >= 0 && behind < width ? bias[behind] : -INFINITY;
+    }
+}
+
 /* the backward, one (batch, head) pair at a time: the queries in groups of GROUP tiles that sweep their keys together
  * in chunks of KEYS, so that a chunk's columns of K^T and V^T and rows of K, dK and dV stay in cache over the group
  * (a band as wide as the sequence sweeps every earlier key) */
@@ -160,10 +169,7 @@ static void band_backward_range(const Work *w) {
         const float *far = rows_of(w, GQ_FAR, b, &sf), *bias = w->bias + (b % w->heads) * width;
         float *gq_rows = rows_of(w, GQ, b, &sgq), *gk = rows_of(w, GK, b, &sgk), *gv = rows_of(w, GV, b, &sgv);
         float *gbias = w->gbias + b * width;
-        for (int64_t u = 0; u < extent; u++) {
-            const int64_t behind = top - u;
-            ext[u] = behind >= 0 && behind < width ? bias[behind] : -INFINITY;
-        }
+        bias_runs(ext, extent, top, bias, width);
         memset(gext, 0, sizeof(float) * extent);
         transpose(k, sk, kt, kc, n, dim, padded);
         transpose(v, sv, vt, NULL, n, dim, padded);
@@ -245,10 +251,7 @@ static void band_forward_range(const Work *w) {
         const float *q = rows_of(w, Q, b, &sq), *k = rows_of(w, K, b, &sk), *v = rows_of(w, V, b, &sv);
         const float *bias = w->bias + (b % w->heads) * width;
         float *out = rows_of(w, OUT, b, &so), *lse = w->lse_out + b * n;
-        for (int64_t u = 0; u < extent; u++) {
-            const int64_t behind = top - u;
-            ext[u] = behind >= 0 && behind < width ? bias[behind] : -INFINITY;
-        }
+        bias_runs(ext, extent, top, bias, width);
         transpose(k, sk, kt, NULL, n, dim, padded);
         for (int64_t start = 0; start < n; start += ROWS) {
             const int64_t rows = start + ROWS <= n ? ROWS : n - start;
