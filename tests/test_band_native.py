@@ -1,6 +1,6 @@
-"""The relative-bias kernels' band in C (`csrc/band.c`, built by `plugformer.native`; `kernels_band_native`): the
-banded kernel's near band and KERPLE's whole backward, against the materialised softmax in float64, the torch paths,
-and the eager kernel of a whole model."""
+"""The relative-bias kernels' band in C (`csrc/band.c`, built by `plugformer.native`; `kernels_band_native`) in the
+banded kernel (its forward over every key, its near band's backward), against the materialised softmax in float64,
+the torch paths, and the eager kernel of a whole model. Attention wholly in C: `test_relative_native.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from conftest import assert_same_training_step, tiny_config, training_step_by_ke
 from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_banded as banded
-import plugformer.kernels_relative as relative
 from plugformer.bench.measure import profile_call
 from plugformer.kernels_band_native import native_band, native_band_applies
 
@@ -22,9 +21,9 @@ def built():
 
 
 def spy(monkeypatch) -> list[str]:
-    """The native band functions called from now on, by name."""
+    """The banded kernel's C functions called from now on, by name."""
     calls = []
-    for name in ("native_band_forward", "native_band_backward"):
+    for name in ("native_forward", "native_band_backward"):
         function = getattr(banded, name)
         monkeypatch.setattr(banded, name, lambda *args, _f=function, _n=name: calls.append(_n) or _f(*args))
     return calls
@@ -66,7 +65,7 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, d
     grad_output = torch.randn(2, 4, length, dim, generator=torch.Generator().manual_seed(1))
     output = banded.BandedBiasAttention.apply(*leaves[:3], values_of(leaves[3], length, far), far, 0.3)
     grads = torch.autograd.grad(output, leaves, grad_output)
-    assert calls == ["native_band_forward", "native_band_backward"]
+    assert calls == ["native_forward", "native_band_backward"]
     exact = [leaf.detach().double().requires_grad_() for leaf in leaves]
     expected = materialised(*exact[:3], values_of(exact[3], length, far), 0.3)
     expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
@@ -95,47 +94,14 @@ def test_the_c_path_equals_the_torch_path(monkeypatch):
 @pytest.mark.parametrize("scheme", ["t5_bias", "clamped_bias"])
 def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     """A model whose heads are 16 wide (GQA) over more tokens than the bias's far distance: its sdpa training step
-    runs the band in C and equals the eager kernel's logits and gradients (bias table included)."""
+    runs in C (the forward over every key, the near band's backward) and equals the eager kernel's logits and
+    gradients (bias table included)."""
     config = tiny_config("scaled_dot", scheme, hidden_size=64)  # 4 heads of 16, 2 key/value heads
     ids = torch.randint(3, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
     calls = spy(monkeypatch)
     assert_same_training_step(training_step_by_kernel(config, ids))
-    assert calls.count("native_band_forward") == config.num_hidden_layers
+    assert calls.count("native_forward") == config.num_hidden_layers
     assert calls.count("native_band_backward") == config.num_hidden_layers
-
-
-@pytest.mark.parametrize(("length", "dim", "layout"), [(45, 16, "bnhd"), (300, 32, "bhnd"), (40, 16, "bhdn")])
-def test_a_relative_bias_backward_equals_the_materialised_softmax(length, dim, layout, monkeypatch):
-    """`kernels_relative` (any distance-only bias: KERPLE's) runs its backward here as a band as wide as the sequence:
-    the gradients of Q, K, V and of every bias value (future distances: 0) equal autograd in float64."""
-    calls = []
-    backward = relative.native_band_backward
-    monkeypatch.setattr(relative, "native_band_backward", lambda *args: calls.append(args[-2]) or backward(*args))
-    leaves = inputs(length, 8, dim, 2, layout, seed=5)[:3]
-    values = torch.randn(4, 2 * length - 1, generator=torch.Generator().manual_seed(6)).requires_grad_()
-    grad_output = torch.randn(2, 4, length, dim, generator=torch.Generator().manual_seed(7))
-    output = relative.RelativeBiasAttention.apply(*leaves, values, 0.3)
-    grads = torch.autograd.grad(output, (*leaves, values), grad_output)
-    assert calls == [length]  # the band's width: every key up to the query
-    exact = [leaf.detach().double().requires_grad_() for leaf in (*leaves, values)]
-    expected = materialised(*exact, 0.3)
-    expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
-    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=1e-5)
-    for name, grad, want in zip(("query", "key", "value", "values"), grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad.double(), want, atol=5e-6, rtol=1e-4, msg=name)
-    assert not grads[3][:, length:].any()
-
-
-def test_a_kerple_training_step_on_sdpa_equals_eager(monkeypatch):
-    """KERPLE (log variant, learned r1 and r2) with heads 16 wide: the sdpa step's backward runs in C and equals the
-    eager kernel's logits and gradients."""
-    config = tiny_config("scaled_dot", "kerple_log", hidden_size=64)
-    ids = torch.randint(3, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    calls = []
-    backward = relative.native_band_backward
-    monkeypatch.setattr(relative, "native_band_backward", lambda *args: calls.append(args[-2]) or backward(*args))
-    assert_same_training_step(training_step_by_kernel(config, ids))
-    assert calls == [33] * config.num_hidden_layers
 
 
 @pytest.mark.parametrize(
@@ -147,9 +113,14 @@ def test_other_dtypes_and_head_sizes_keep_the_torch_path(dtype, dim):
 
 
 def test_a_profile_names_the_c_path():
-    """`plugformer bench` labels the step's kernel `band-native` (beside the far keys' flash call)."""
+    """`plugformer bench` labels the step's kernel `band-native` (beside the far keys' fused backward)."""
     leaves = inputs(40, 8, 16, 2, "bnhd")
+    values = values_of(leaves[3], 40, 8)
+
+    def step():
+        banded.BandedBiasAttention.apply(*leaves[:3], values, 8, 0.25).sum().backward()
+
     with torch.no_grad():
-        values = values_of(leaves[3], 40, 8)
-        profile = profile_call(lambda: banded.BandedBiasAttention.apply(*leaves[:3], values, 8, 0.25), "cpu")
-    assert profile.sdpa_backends == ["band-native", "flash"]
+        forward = profile_call(lambda: banded.BandedBiasAttention.apply(*leaves[:3], values, 8, 0.25), "cpu")
+    assert forward.sdpa_backends == ["band-native"]  # every key in C: no flash call
+    assert profile_call(step, "cpu").sdpa_backends == ["band-native", "flash"]

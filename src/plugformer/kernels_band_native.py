@@ -1,9 +1,10 @@
-"""The near band of the relative-bias kernels in C (`csrc/band.c`, built by `native.load`): causal attention with a
-bias per distance over each query's W latest keys, forward (the band's own softmax, merged with the far keys' by the
-caller) and backward (dQ, dK, dV and the bias gradient by distance), in register-blocked tiles of 16 queries.
+"""The relative-bias kernels' band in C (`csrc/band.c`, built by `native.load`): causal attention with a bias per
+distance over each query's W latest keys, forward (the band's own softmax, FlashAttention's online softmax over chunks
+of keys) and backward (dQ, dK, dV and the bias gradient by distance), in register-blocked tiles of 16 queries.
 
-`kernels_banded` runs its near band here (T5's and the clamped bias, W = the far distance); `kernels_relative` its
-whole backward (KERPLE; W = N: every key up to the query, no far part). fp32 only, heads a multiple of 16 wide; the
+`kernels_relative_native` runs whole attention here (W = N: every key up to the query, no far part), forward and
+backward; `kernels_banded` its forward the same way and its near band's backward (T5's and the clamped bias, W = the
+far distance, the far keys' gradients from torch's fused backward). fp32 only, heads a multiple of 16 wide; the
 callers keep their torch paths for the rest, which compute the same numbers.
 """
 

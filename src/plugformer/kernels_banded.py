@@ -15,11 +15,14 @@ raised by c_h: one fused call with its own causal mask, the fastest path torch h
   softmax gradient of a row sums to zero, and is reported at distance −W (the scheme ties every farther distance to
   the same parameter, so the table's gradient is exact).
 
-In fp32 with heads a multiple of 16 wide the band runs in C (`kernels_band_native`, `csrc/band.c`: tiles of 16
-queries over their keys, each product a register-blocked loop); otherwise by torch operations: the forward in blocks of
-`FORWARD_ROWS` rows through the fused flash kernel with the bias as its mask (a strided view of the band's values,
-−inf outside the band, the rows reversed: `kernels_relative.hankel`), the backward by hand in blocks of `BAND_ROWS`.
-Every score is computed once, with its own bias value: the same numbers as the materialised softmax's.
+In fp32 with heads a multiple of 16 wide the forward runs wholly in C (`kernels_relative_native.native_forward`, every
+key: as fast as the far keys' fused call alone, without the merge) and the band's backward in C (`kernels_band_native`,
+`csrc/band.c`: tiles of 16 queries over their keys, each product a register-blocked loop); otherwise by torch
+operations: the band's forward in blocks of `FORWARD_ROWS` rows through the fused flash kernel with the bias as its
+mask (a strided view of the band's values, −inf outside the band, the rows reversed: `kernels_relative.hankel`), the
+backward by hand in blocks of `BAND_ROWS`. Every score is computed once, with its own bias value: the same numbers as
+the materialised softmax's. (`kernels_relative_native` also computes this bias, backward included: faster at
+N = 2048, slower at 4096, where the far keys' fused backward wins; the sdpa entry point gives such biases here.)
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import torch
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, repeat_kv, sum_over_groups
-from .kernels_band_native import native_band_applies, native_band_backward, native_band_forward, rows_contiguous
+from .kernels_band_native import native_band_applies, native_band_backward, rows_contiguous
 from .kernels_fixed import flash_operands
 from .kernels_relative import hankel
+from .kernels_relative_native import native_forward
 
 
 # Query rows per block of the torch path's band forward (window FORWARD_ROWS + W − 1 keys) and backward by hand
@@ -100,12 +104,11 @@ def banded_forward(query, key_heads, value_heads, values, width: int, scaling: f
     the relative bias `values` `(H, 2N − 1)` (contiguous, fp32 at least), constant beyond `width` (see the module
     docstring)."""
     length = query.shape[2]
+    if native_band_applies(query, key_heads, value_heads, values):  # every key in C: no far call, no merge
+        return native_forward(query, key_heads, value_heads, values, scaling)
     output = query.new_empty(query.shape, dtype=values.dtype)  # (B, H, N, D), merged in fp32 at least
     lse = query.new_empty(query.shape[:3], dtype=values.dtype)  # (B, H, N)
-    if native_band_applies(query, key_heads, value_heads, values):
-        native_band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
-    else:
-        _band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
+    _band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
     far, far_lse = _flash(query[:, :, width:], key_heads[:, :, : length - width], value_heads[:, :, : length - width],
                           0.0, True, scale=scaling)  # fmt: skip
     far_lse = far_lse.to(lse.dtype) + values[:, length - 1 - width, None]  # (B, H, N − W): + c_h

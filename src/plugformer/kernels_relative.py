@@ -12,12 +12,11 @@ strides). The rows go in blocks of `ROWS` from slot c, each in two parts merged 
   for every block, built once per call.
 
 Every bias number is one of the values, added once: the same scores as the materialised softmax's. The bias gradient
-needs the score gradient dS summed along the diagonals, which no fused kernel returns. In fp32 with heads a multiple of
-16 wide the backward runs in C (`native_backward`: `csrc/band.c` with a band as wide as the sequence), which forms
-each tile's dS in registers and sums it along the diagonals; otherwise `hand_backward` computes dS per block of
-`HAND_ROWS` reversed rows from the saved log-sum-exp (P = exp(s·QKᵀ + bias − lse), the bias again a Hankel view) and
-with it dQ, dK, dV. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread, (B, N, H, D) layout, one
-run): 0.91x at N = 2048 and 0.84x at 4096 with the C backward, 0.62x and 0.47x by hand. `kernels_banded` (a bias
+needs the score gradient dS summed along the diagonals, which no fused kernel returns: `hand_backward` computes dS per
+block of `HAND_ROWS` reversed rows from the saved log-sum-exp (P = exp(s·QKᵀ + bias − lse), the bias again a Hankel
+view) and with it dQ, dK, dV (0.62x of causal SDPA's forward + backward at N = 2048, 0.47x at 4096: B=2, H=6, D=64,
+fp32, 1 thread). In fp32 with heads a multiple of 16 wide the sdpa entry point gives the call to
+`kernels_relative_native` instead (all in C); this kernel keeps fp64 and other head sizes. `kernels_banded` (a bias
 constant beyond a distance) calls the fused backward for its far keys and computes dS on the band only.
 """
 
@@ -28,7 +27,6 @@ from torch import nn
 
 from .biases import RelativeBias
 from .kernels import fused_causal_call, merge_by_lse, repeat_kv, sum_over_groups
-from .kernels_band_native import native_band_applies, native_band_backward, rows_contiguous
 from .kernels_fixed import flash_operands
 
 
@@ -165,20 +163,6 @@ def hand_backward(grad_output, query, key_heads, value_heads, values, output, ls
     return grad_query, grad_key, grad_value, grad_values
 
 
-def native_backward(grad_output, query, key_heads, value_heads, values, output, lse, scaling: float):
-    """`hand_backward` in C: `csrc/band.c` with a band as wide as the sequence (every key up to the query, no far
-    part), which forms each tile's dS in registers and sums it along the diagonals as contiguous runs."""
-    length = query.shape[2]
-    grad_query = torch.empty_like(rows_contiguous(query))  # the queries' layout, rows contiguous
-    grad_key = torch.zeros(key_heads.shape, dtype=query.dtype, device=query.device)  # (B, H, N, D), added to
-    grad_value = torch.zeros_like(grad_key)
-    by_distance = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
-                                       (grad_query, grad_query, grad_key, grad_value), length, scaling)  # fmt: skip
-    grad_values = torch.zeros_like(values)
-    grad_values[:, :length] = by_distance.flip(-1)  # t slots behind: value index N − 1 − t
-    return grad_query, grad_key, grad_value, grad_values
-
-
 class RelativeBiasAttention(torch.autograd.Function):
     """softmax(s · Q Kᵀ + bias + causal mask) V for any relative bias (see the module docstring); the backward by hand
     (`hand_backward`) when the bias values want their gradient, else the fused one (`flash_backward`).
@@ -208,11 +192,7 @@ class RelativeBiasAttention(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         # a copy (the future distances are overwritten below), laid out (H, 2N − 1) as the Hankel views step
         table = values.detach().to(lse.dtype).clone(memory_format=torch.contiguous_format)
-        if ctx.needs_input_grad[3] and native_band_applies(query, key_heads, value_heads, grad_output, output, table):
-            grads = native_backward(grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling)
-            grad_query, grad_key, grad_value, grad_values = grads
-            grad_values = grad_values.to(values.dtype)
-        elif ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[3]:
             table[:, length:] = float("-inf")  # the future distances: a block's keys after a row
             grads = hand_backward(grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling)
             grad_query, grad_key, grad_value, grad_values = grads

@@ -1,9 +1,9 @@
 """plugformer's `sdpa` entry point, the function every `attn_implementation="sdpa"` call goes through (the kernel
 table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa_sinks_forward`, else
 `kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one); a bias constant
-beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded`, a bias linear
-in the distance (ALiBi) `kernels_alibi`, any other relative bias (KERPLE) `kernels_relative`, where they apply, and a
-bias computed from the queries' positions (FIRE) in training `kernels_query_bias`."""
+beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded`, any other
+relative bias (ALiBi, KERPLE) `kernels_relative_native` (in C) or else `kernels_alibi` (ALiBi) and `kernels_relative`,
+where they apply, and a bias computed from the queries' positions (FIRE) in training `kernels_query_bias`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .kernels_alibi import linear_bias_applies, linear_bias_attention_forward
 from .kernels_banded import banded_bias_applies, banded_bias_attention_forward
 from .kernels_query_bias import query_bias_applies, query_bias_attention_forward
 from .kernels_relative import relative_bias_applies, relative_bias_attention_forward
+from .kernels_relative_native import native_relative_applies, native_relative_attention_forward
 from .kernels_sinks import sdpa_sinks_forward
 
 
@@ -32,7 +33,8 @@ def sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the banded kernel
-    for a bias constant beyond a distance where `banded_bias_applies`, the linear-bias kernel for ALiBi where
+    for a bias constant beyond a distance where `banded_bias_applies`, the C kernel for any other relative bias where
+    `native_relative_applies`, the linear-bias kernel for ALiBi where
     `linear_bias_applies`, the Toeplitz-view kernel for any other relative bias where `relative_bias_applies`,
     `query_bias_attention_forward` for a bias recipe where `query_bias_applies`; else
     `kernels.sdpa_attention_forward`."""
@@ -44,6 +46,8 @@ def sdpa_forward(
     is_causal = module.is_causal if kwargs.get("is_causal") is None else kwargs["is_causal"]
     if banded_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return banded_bias_attention_forward(query, key, value, scaling, position_bias)
+    if native_relative_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
+        return native_relative_attention_forward(query, key, value, scaling, position_bias)
     if linear_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return linear_bias_attention_forward(query, key, value, scaling, position_bias)
     if relative_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):

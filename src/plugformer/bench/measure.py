@@ -24,9 +24,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from .arguments import DTYPES
 
 
-# The aten op each SDPA backend dispatches to (CPU and CUDA); "math" is the unfused composite.
+# The aten op each SDPA backend dispatches to (CPU and CUDA); "math" is the unfused composite. A flash backward is
+# listed too: the banded kernel calls it where its forward ran in C.
 SDPA_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "flash",
     "aten::_scaled_dot_product_flash_attention": "flash",
     "aten::_scaled_dot_product_efficient_attention": "mem-efficient",
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
@@ -34,7 +36,8 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "plugformer::sdpa_relative_bias": "blockwise-bias",  # kernels.PROFILER_NAME: SDPA per block of query rows
     "plugformer::banded_bias": "banded-bias",  # kernels_banded: fused, the bias gradient of the near band explicit
-    "plugformer::band_native": "band-native",  # kernels_banded: the near band in C (csrc/band.c)
+    "plugformer::band_native": "band-native",  # kernels_banded: the forward and the near band's backward in C
+    "plugformer::relative_native": "relative-native",  # kernels_relative_native: any relative bias wholly in C
     "plugformer::relative_bias": "relative-bias",  # kernels_relative: fused forward, bias as a view; hand backward
     "plugformer::linear_bias": "linear-bias",  # kernels_alibi: ALiBi as a key-side row per query block
     "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's bias per block, recomputed in the backward

@@ -151,11 +151,14 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
-    in_c = "band-native" in sdpa_backends  # kernels_band_native: the band's products in C
+    if "relative-native" in sdpa_backends:
+        return "forward and backward in C"
     if "banded-bias" in sdpa_backends:
-        return "far keys fused without a mask; near band " + ("in C" if in_c else "by blocks, its backward by hand")
+        if "band-native" in sdpa_backends:  # kernels_band_native: the band's products in C
+            return "forward in C; backward: far keys fused, near band in C"
+        return "far keys fused without a mask; near band by blocks, its backward by hand"
     if "relative-bias" in sdpa_backends:
-        return "fused forward, bias as a view; backward " + ("in C" if in_c else "by hand")
+        return "fused forward, bias as a view; backward " + ("by hand" if learned else "fused")
     if "linear-bias" in sdpa_backends:
         return "key-side bias per block, no N x N mask"
     if "query-bias" in sdpa_backends:
