@@ -10,6 +10,7 @@ from conftest import assert_same_training_step, tiny_config, training_step_by_ke
 from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_banded as banded
+import plugformer.kernels_relative_native as relative_native
 from plugformer.bench.measure import profile_call
 from plugformer.kernels_band_native import native_band, native_band_applies
 
@@ -93,11 +94,12 @@ def test_the_c_path_equals_the_torch_path(monkeypatch):
 
 @pytest.mark.parametrize("scheme", ["t5_bias", "clamped_bias"])
 def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
-    """A model whose heads are 16 wide (GQA) over more tokens than the bias's far distance: its sdpa training step
-    runs in C (the forward over every key, the near band's backward) and equals the eager kernel's logits and
+    """A model whose heads are 16 wide (GQA) over more tokens than the bias's far distance and at least
+    `BANDED_FROM`: its sdpa training step runs in C (the forward over every key, the near band's backward) and equals the eager kernel's logits and
     gradients (bias table included)."""
     config = tiny_config("scaled_dot", scheme, hidden_size=64)  # 4 heads of 16, 2 key/value heads
     ids = torch.randint(3, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(relative_native, "BANDED_FROM", 45)  # this length is a long one: the banded kernel's
     calls = spy(monkeypatch)
     assert_same_training_step(training_step_by_kernel(config, ids))
     assert calls.count("native_forward") == config.num_hidden_layers

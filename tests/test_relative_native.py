@@ -71,10 +71,11 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, dim, k
     assert not grads[3][:, length:].any()
 
 
-@pytest.mark.parametrize("scheme", ["alibi", "kerple_log"])
+@pytest.mark.parametrize("scheme", ["alibi", "kerple_log", "t5_bias", "clamped_bias"])
 def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
-    """ALiBi (fixed slopes) and KERPLE (learned r1, r2) with heads 16 wide (GQA): the sdpa training step runs forward
-    and backward in C, once per layer each, and equals the eager kernel's logits and gradients."""
+    """ALiBi (fixed slopes), KERPLE (learned r1, r2), T5's buckets and the clamped distances (learned tables, constant
+    beyond 16 and 8 slots) with heads 16 wide (GQA): the sdpa training step runs forward and backward in C, once per
+    layer each, and equals the eager kernel's logits and gradients."""
     config = tiny_config("scaled_dot", scheme, hidden_size=64)  # 4 heads of 16, 2 key/value heads
     ids = torch.randint(3, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     calls = spy(monkeypatch)
@@ -83,14 +84,17 @@ def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     assert sorted(calls) == [("native_band_backward", 33)] * layers + [("native_band_forward", 33)] * layers
 
 
-def call(dtype=torch.float32, dim=16, mask=None, causal=True, dropout=0.0):
-    query = torch.zeros(1, 2, 20, dim, dtype=dtype)
-    bias = RelativeBias(torch.zeros(2, 39), 20, 20)
+def call(dtype=torch.float32, dim=16, mask=None, causal=True, dropout=0.0, length=20, constant_beyond=None):
+    query = torch.zeros(1, 2, length, dim, dtype=dtype)
+    bias = RelativeBias(torch.zeros(2, 2 * length - 1), length, length, constant_beyond=constant_beyond)
     return native.native_relative_applies(query, query, query, mask, dropout, bias, causal)
 
 
 def test_it_takes_fp32_causal_calls_with_whole_16_float_heads_only():
-    assert call()
+    assert call() and call(constant_beyond=8)
+    # a bias constant beyond a distance over a long sequence: the banded kernel's (its far keys' fused backward)
+    assert call(length=native.BANDED_FROM, constant_beyond=8) is False
+    assert call(length=native.BANDED_FROM - 1, constant_beyond=8) and call(length=native.BANDED_FROM)
     assert not call(dtype=torch.bfloat16) and not call(dtype=torch.float64)
     assert not call(dim=8)
     assert not call(mask=torch.ones(1, 1, 20, 20, dtype=torch.bool))

@@ -21,8 +21,9 @@ key: as fast as the far keys' fused call alone, without the merge) and the band'
 operations: the band's forward in blocks of `FORWARD_ROWS` rows through the fused flash kernel with the bias as its
 mask (a strided view of the band's values, −inf outside the band, the rows reversed: `kernels_relative.hankel`), the
 backward by hand in blocks of `BAND_ROWS`. Every score is computed once, with its own bias value: the same numbers as
-the materialised softmax's. (`kernels_relative_native` also computes this bias, backward included: faster at
-N = 2048, slower at 4096, where the far keys' fused backward wins; the sdpa entry point gives such biases here.)
+the materialised softmax's. Where the C band applies, the sdpa entry point gives calls over fewer than
+`kernels_relative_native.BANDED_FROM` tokens to `kernels_relative_native` (the backward too in C, faster there); this
+kernel takes longer ones, where the far keys' fused backward wins.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from .kernels_relative_native import native_forward
 # (window BAND_ROWS + W − 1; (B, H, rows, window) fp32 temporaries). B=2, H=6, D=64, W=128, fp32, 1 thread, N = 2048:
 # the band's forward 22 / 26 / 31 ms with 64 / 128 / 256 rows; the whole backward 239 / 214 / 224 / 246 ms with 16 /
 # 32 / 64 / 128 rows. Forward + backward against causal SDPA (7 interleaved repeats): 0.79x at 2048, 0.83x at 4096 on
-# this path; 0.89-0.90x at 2048 and 0.93-0.95x at 4096 with the band in C (queries laid out (B, N, H, D), as the
-# attention projections hand them over).
+# this path; with the band in C (queries laid out (B, N, H, D), as the attention projections hand them over)
+# 0.89-0.90x at 2048 and 0.93-0.95x at 4096, and with the forward too in C 0.91-0.94x at 2048, 0.92x at 4096 and
+# 8192 (one run each).
 FORWARD_ROWS = 64
 BAND_ROWS = 32
 # what a profile (`plugformer bench`) names this path by

@@ -1,9 +1,10 @@
 """plugformer's `sdpa` entry point, the function every `attn_implementation="sdpa"` call goes through (the kernel
 table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa_sinks_forward`, else
 `kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one); a bias constant
-beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_banded`, any other
-relative bias (ALiBi, KERPLE) `kernels_relative_native` (in C) or else `kernels_alibi` (ALiBi) and `kernels_relative`,
-where they apply, and a bias computed from the queries' positions (FIRE) in training `kernels_query_bias`."""
+beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_relative_native` (in C)
+or else `kernels_banded`, any other relative bias `kernels_relative_native` or else `kernels_alibi` (ALiBi) and
+`kernels_relative` (KERPLE), where they apply, and a bias computed from the queries' positions (FIRE) in training
+`kernels_query_bias`."""
 
 from __future__ import annotations
 
@@ -32,22 +33,21 @@ def sdpa_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the banded kernel
-    for a bias constant beyond a distance where `banded_bias_applies`, the C kernel for any other relative bias where
-    `native_relative_applies`, the linear-bias kernel for ALiBi where
-    `linear_bias_applies`, the Toeplitz-view kernel for any other relative bias where `relative_bias_applies`,
-    `query_bias_attention_forward` for a bias recipe where `query_bias_applies`; else
-    `kernels.sdpa_attention_forward`."""
+    """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the C kernel for a
+    relative bias where `native_relative_applies`, else the banded kernel for a bias constant beyond a distance where
+    `banded_bias_applies`, the linear-bias kernel for ALiBi where `linear_bias_applies`, the Toeplitz-view kernel for
+    any other relative bias where `relative_bias_applies`, `query_bias_attention_forward` for a bias recipe where
+    `query_bias_applies`; else `kernels.sdpa_attention_forward`."""
     if s_aux is not None:
         return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
                                   **kwargs)  # fmt: skip
     if position_bias is None:  # transformers' SDPA, without the calls that look for a bias (every Llama-like step)
         return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     is_causal = module.is_causal if kwargs.get("is_causal") is None else kwargs["is_causal"]
-    if banded_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
-        return banded_bias_attention_forward(query, key, value, scaling, position_bias)
     if native_relative_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return native_relative_attention_forward(query, key, value, scaling, position_bias)
+    if banded_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
+        return banded_bias_attention_forward(query, key, value, scaling, position_bias)
     if linear_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return linear_bias_attention_forward(query, key, value, scaling, position_bias)
     if relative_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
