@@ -1,8 +1,9 @@
 /* Causal attention with a bias per distance over each query's W latest keys (j = i - W + 1 .. i), in tiles of ROWS
  * queries over their keys, every product a register-blocked loop over (rows x 16 columns) vector accumulators (what a
  * GEMM's micro-kernel does: the torch path's small matmuls per block spend more time on dispatch and memory than on
- * arithmetic). Two callers: `kernels_banded`'s near band (a bias constant beyond W: the far keys go to torch's fused
- * kernel) and `kernels_relative`'s backward (W = N, every key up to the query).
+ * arithmetic). Callers: `kernels_relative_native` (W = N, every key up to the query: whole attention, forward and
+ * backward) and `kernels_banded` (its forward with W = N; the backward of its near band, a bias constant beyond W,
+ * whose far keys' gradients come from torch's fused kernel).
  *
  *   forward (the band's own softmax):  out_i = sum_j p_ij v_j / l_i,  lse_i = m_i + log l_i
  *   backward, from the merged softmax's lse (the far keys' gradients already in gq_far, gk, gv):
@@ -246,9 +247,10 @@ static void band_backward_range(const Work *w) {
 }
 
 /* the band's own softmax, out_i = sum_j p_ij v_j / l_i and lse_i = m_i + log l_i over the band's keys, online as
- * FlashAttention's forward: the queries in groups of GROUP tiles that sweep their keys in chunks of KEYS (so a chunk's
- * columns of K^T and rows of V stay in cache over the group: a band as wide as the sequence would otherwise stream K
- * and V from memory for every tile), each row's running maximum m_i and sum l_i rescaling its output on the way */
+ * FlashAttention's forward: the queries in groups of FORWARD_GROUP tiles that sweep their keys in chunks of
+ * FORWARD_KEYS (so a chunk's columns of K^T and rows of V stay in cache over the group: a band as wide as the sequence
+ * would otherwise stream K and V from memory for every tile), each row's running maximum m_i and sum l_i rescaling its
+ * output on the way */
 static void band_forward_range(const Work *w) {
     const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
     const int64_t group = FORWARD_GROUP * ROWS;
