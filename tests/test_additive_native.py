@@ -4,6 +4,7 @@ against independent references: tanh in float64, the formula under plain autogra
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,6 +178,32 @@ def test_a_failing_compiler_leaves_the_torch_path_with_a_warning(tmp_path, monke
         assert fresh_load("additive") is None
     assert "unavailable" in caplog.text and "exited 1" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compiler_without_openmp_gets_the_build_with_posix_threads(tmp_path, monkeypatch, fresh_load):
+    """A compiler that refuses `-fopenmp` (Apple's clang): the second set of flags (`-fopenmp-simd`, POSIX threads)
+    builds, loads and computes the same scores."""
+    real = native.compiler()
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real[0]} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv(native.CACHE, str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    library = fresh_load("additive")
+    assert library is not None
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == [
+        native.library_path("additive", [str(wrapper)], native.THREADING[1]).name
+    ]
+
+
+@pytest.mark.skipif(not Path(torch.__file__).with_name("lib").joinpath("libgomp.so.1").exists(),
+                    reason="this torch bundles no libgomp.so.1")  # fmt: skip
+def test_the_openmp_build_runs_on_torchs_own_runtime(fresh_load):
+    """Where torch bundles libgomp.so.1 (its Linux wheels), the kernels' OpenMP build loads no second runtime: the
+    process maps one libgomp, torch's."""
+    assert fresh_load("band") is not None
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert mapped == {str(Path(torch.__file__).with_name("lib") / "libgomp.so.1")}
 
 
 def test_the_switch_turns_native_kernels_off(monkeypatch, fresh_load):

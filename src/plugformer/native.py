@@ -29,9 +29,12 @@ logger = logging.getLogger(__name__)
 SWITCH = "PLUGFORMER_NATIVE_KERNELS"
 CACHE = "PLUGFORMER_NATIVE_CACHE"
 SOURCES = Path(__file__).with_name("csrc")
-# -fopenmp-simd honours the sources' `omp simd` loops without linking an OpenMP runtime (a second thread pool beside
-# torch's); -z now resolves every symbol at load, so a missing one is an OSError there, not a crash at the first call
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread", "-fopenmp-simd")
+# -z now resolves every symbol at load, so a missing one is an OSError there, not a crash at the first call
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread")
+# Tried in order: OpenMP, whose libgomp.so.1 is torch's own where torch loaded one by that name (its Linux wheels
+# bundle it), so the kernels run on torch's thread pool (`csrc/parallel.h`); else no runtime (`omp simd` loops still
+# vectorised) and POSIX threads, where the compiler has no OpenMP (Apple's clang)
+THREADING = (("-fopenmp",), ("-fopenmp-simd",))
 # macOS' linker has no -z now (and refuses a missing symbol when it links)
 LINK_FLAGS = () if platform.system() == "Darwin" else ("-Wl,-z,now",)
 BUILD_SECONDS = 300
@@ -71,22 +74,25 @@ def cache_dir() -> Path:
     return root / "plugformer" / "native"
 
 
-def library_path(name: str, command: list[str]) -> Path:
-    """Where the build of `csrc/<name>.c` by `command` for this CPU lives: keyed by a hash of all that shapes it."""
+def library_path(name: str, command: list[str], threading: tuple[str, ...] = THREADING[0]) -> Path:
+    """Where the build of `csrc/<name>.c` by `command` with `threading`'s flags for this CPU lives: keyed by a hash of
+    all that shapes it."""
     headers = [path.read_text() for path in sorted(SOURCES.glob("*.h"))]  # what the sources include
-    parts = [(SOURCES / f"{name}.c").read_text(), *headers, *command, _version(command), *FLAGS, *LINK_FLAGS, platform.machine(),
-             platform.system(), " ".join(platform.libc_ver()), _cpu_identity()]  # fmt: skip
+    parts = [(SOURCES / f"{name}.c").read_text(), *headers, *command, _version(command), *FLAGS, *threading,
+             *LINK_FLAGS, platform.machine(), platform.system(), " ".join(platform.libc_ver()),
+             _cpu_identity()]  # fmt: skip
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return cache_dir() / f"{name}-{digest}.so"
 
 
-def build(name: str, command: list[str], target: Path) -> None:
-    """Compiles `csrc/<name>.c` into `target` atomically; raises `RuntimeError` with the compiler's output."""
+def build(name: str, command: list[str], target: Path, threading: tuple[str, ...] = THREADING[0]) -> None:
+    """Compiles `csrc/<name>.c` with `threading`'s flags into `target` atomically; raises `RuntimeError` with the
+    compiler's output."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{name}-", suffix=".so")
     os.close(handle)
     try:
-        argv = [*command, *FLAGS, str(SOURCES / f"{name}.c"), "-o", temporary, *LINK_FLAGS, "-lm"]
+        argv = [*command, *FLAGS, *threading, str(SOURCES / f"{name}.c"), "-o", temporary, *LINK_FLAGS, "-lm"]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_SECONDS, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"`{shlex.join(argv)}` exited {result.returncode}: {result.stderr.strip()[-2000:]}")
@@ -110,11 +116,15 @@ def load(name: str) -> ctypes.CDLL | None:
     if command is None:
         logger.warning("plugformer: no C compiler found ($CC, cc, gcc): the %s kernel runs on its torch path", name)
         return None
-    try:
-        target = library_path(name, command)
-        if not target.exists():
-            build(name, command, target)
-        return ctypes.CDLL(str(target), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("plugformer: the native %s kernel is unavailable (%s): it runs on its torch path", name, error)
-        return None
+    errors = []
+    for threading in THREADING:
+        try:
+            target = library_path(name, command, threading)
+            if not target.exists():
+                build(name, command, target, threading)
+            return ctypes.CDLL(str(target), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            errors.append(f"{' '.join(threading)}: {error}")
+    logger.warning("plugformer: the native %s kernel is unavailable (%s): it runs on its torch path", name,
+                   "; ".join(errors))  # fmt: skip
+    return None
