@@ -229,6 +229,20 @@ def spy_additive_chunks(monkeypatch) -> list:
     return seen
 
 
+def attention_leaves(length: int, dim: int, kv_heads: int, layout: str, generator: torch.Generator):
+    """fp32 leaves query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)` drawn from `generator`: laid out
+    `(B, N, H, D)` as the attention projections hand them over ("bnhd"), contiguous ("bhnd"), or with D the outer axis
+    ("bhdn": rows not contiguous)."""
+
+    def leaf(heads):
+        tensor = torch.randn(2, length, heads, dim, generator=generator).transpose(1, 2)  # (B, H, N, D) of (B, N, H, D)
+        if layout == "bhdn":
+            tensor = tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return (tensor if layout != "bhnd" else tensor.contiguous()).requires_grad_()
+
+    return leaf(4), leaf(kv_heads), leaf(kv_heads)
+
+
 def materialised_relative_attention(query, key, value, values, scaling):
     """The reference of the relative-bias kernels: softmax(s · Q Kᵀ + bias + causal mask) V with the (H, N, N) bias gathered from `values` (H, 2N − 1)."""
     length, groups = query.shape[2], query.shape[1] // key.shape[1]

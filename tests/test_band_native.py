@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_training_step, tiny_config, training_step_by_kernel
+from conftest import assert_same_training_step, attention_leaves, tiny_config, training_step_by_kernel
 from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_banded as banded
@@ -31,19 +31,11 @@ def spy(monkeypatch) -> list[str]:
 
 
 def inputs(length, far, dim, kv_heads, layout, seed=0):
-    """fp32 leaves: query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)` (laid out `(B, N, H, D)` as the
-    attention projections hand them over, contiguous, or with D the outer axis: rows not contiguous), and the table
-    `(4, far + 1)` of a bias constant from `far` slots behind (clamped_bias's shape)."""
+    """`conftest.attention_leaves` (query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)` in `layout`) and the
+    table `(4, far + 1)` of a bias constant from `far` slots behind (clamped_bias's shape)."""
     generator = torch.Generator().manual_seed(seed)
-
-    def leaf(heads):
-        tensor = torch.randn(2, length, heads, dim, generator=generator).transpose(1, 2)  # (B, H, N, D) of (B, N, H, D)
-        if layout == "bhdn":
-            tensor = tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
-        return (tensor if layout != "bhnd" else tensor.contiguous()).requires_grad_()
-
-    table = torch.randn(4, far + 1, generator=generator).requires_grad_()
-    return leaf(4), leaf(kv_heads), leaf(kv_heads), table
+    query, key, value = attention_leaves(length, dim, kv_heads, layout, generator)
+    return query, key, value, torch.randn(4, far + 1, generator=generator).requires_grad_()
 
 
 def values_of(table, length, far):

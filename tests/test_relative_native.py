@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_training_step, tiny_config, training_step_by_kernel
+from conftest import assert_same_training_step, attention_leaves, tiny_config, training_step_by_kernel
 from conftest import materialised_relative_attention as materialised
 
 import plugformer.kernels_relative_native as native
@@ -31,17 +31,7 @@ def spy(monkeypatch) -> list[tuple[str, int]]:
 
 
 def leaves(length, dim, kv_heads, layout, seed=0):
-    """fp32 leaves query `(2, 4, N, D)`, key and value `(2, kv_heads, N, D)`: laid out `(B, N, H, D)` as the attention
-    projections hand them over, contiguous, or with D the outer axis (rows not contiguous)."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def leaf(heads):
-        tensor = torch.randn(2, length, heads, dim, generator=generator).transpose(1, 2)  # (B, H, N, D) of (B, N, H, D)
-        if layout == "bhdn":
-            tensor = tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
-        return (tensor if layout != "bhnd" else tensor.contiguous()).requires_grad_()
-
-    return leaf(4), leaf(kv_heads), leaf(kv_heads)
+    return attention_leaves(length, dim, kv_heads, layout, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize(

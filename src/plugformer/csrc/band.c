@@ -152,6 +152,20 @@ static void bias_runs(float *ext, int64_t extent, int64_t top, const float *bias
     }
 }
 
+/* the keys of chunk [c0, c1) in the band of the tile of `rows` queries from `start`: [*a, *e) (empty where *a >= *e),
+ * *a on a multiple of 16 (the keys before the band that this adds are masked by their bias) */
+static inline void tile_keys(int64_t start, int64_t rows, int64_t width, int64_t c0, int64_t c1, int64_t *a,
+                             int64_t *e) {
+    const int64_t first = start - width + 1 > 0 ? (start - width + 1) / 16 * 16 : 0;
+    *a = first > c0 ? first : c0;
+    *e = start + rows < c1 ? start + rows : c1;
+}
+
+/* the first key of a group of queries from g0 in the band, on a multiple of 16 */
+static inline int64_t band_start(int64_t g0, int64_t width) {
+    return g0 - width + 1 > 0 ? (g0 - width + 1) / 16 * 16 : 0;
+}
+
 /* the backward, one (batch, head) pair at a time: the queries in groups of GROUP tiles that sweep their keys together
  * in chunks of KEYS, so that a chunk's columns of K^T and V^T and rows of K, dK and dV stay in cache over the group
  * (a band as wide as the sequence sweeps every earlier key) */
@@ -202,13 +216,13 @@ static void band_backward_range(const Work *w) {
                 if (i >= width) memcpy(gq + r * dim, far + (i - width) * sf, sizeof(float) * dim);
                 else memset(gq + r * dim, 0, sizeof(float) * dim);
             }
-            const int64_t lowest = g0 - width + 1 > 0 ? (g0 - width + 1) / 16 * 16 : 0, end = g0 + group_rows;
-            for (int64_t c0 = lowest; c0 < end; c0 += KEYS) {
+            const int64_t end = g0 + group_rows;
+            for (int64_t c0 = band_start(g0, width); c0 < end; c0 += KEYS) {
                 const int64_t c1 = c0 + KEYS < end ? c0 + KEYS : end;
                 for (int64_t t = 0; t * ROWS < group_rows; t++) {
                     const int64_t start = g0 + t * ROWS, rows = n - start < ROWS ? n - start : ROWS;
-                    const int64_t first = start - width + 1 > 0 ? (start - width + 1) / 16 * 16 : 0;
-                    const int64_t a = first > c0 ? first : c0, e = start + rows < c1 ? start + rows : c1;
+                    int64_t a, e;
+                    tile_keys(start, rows, width, c0, c1, &a, &e);
                     if (a >= e) continue;
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
                     float *qt = qs + t * ROWS * dim, *got = go + t * ROWS * dim, *gqt = gq + t * ROWS * dim;
@@ -276,13 +290,13 @@ static void band_forward_range(const Work *w) {
             }
             memset(acc, 0, sizeof(float) * group_rows * dim);
             for (int64_t r = 0; r < group_rows; r++) high[r] = -INFINITY, total[r] = 0.0f;
-            const int64_t lowest = g0 - width + 1 > 0 ? (g0 - width + 1) / 16 * 16 : 0, end = g0 + group_rows;
-            for (int64_t c0 = lowest; c0 < end; c0 += FORWARD_KEYS) {
+            const int64_t end = g0 + group_rows;
+            for (int64_t c0 = band_start(g0, width); c0 < end; c0 += FORWARD_KEYS) {
                 const int64_t c1 = c0 + FORWARD_KEYS < end ? c0 + FORWARD_KEYS : end;
                 for (int64_t t = 0; t * ROWS < group_rows; t++) {
                     const int64_t start = g0 + t * ROWS, rows = n - start < ROWS ? n - start : ROWS;
-                    const int64_t first = start - width + 1 > 0 ? (start - width + 1) / 16 * 16 : 0;
-                    const int64_t a = first > c0 ? first : c0, e = start + rows < c1 ? start + rows : c1;
+                    int64_t a, e;
+                    tile_keys(start, rows, width, c0, c1, &a, &e);
                     if (a >= e) continue;
                     /* columns past `keys` are later keys: in the future of every row, so masked */
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
