@@ -485,3 +485,81 @@ def test_model_card_names_the_share_of_bare_answers(chain):
 
     assert "direct_answer_fraction 0.6: that share of the SFT answers" in data_line(direct_answer_fraction=0.6)
     assert "direct_answer_fraction" not in data_line()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    return path
+
+
+def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(chain, tmp_path, monkeypatch):
+    from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.scoring import main as eval_main
+    from plugformer.evaluation.scoring import rows_digest
+
+    conversations = [{"prompt": [{"role": "user", "content": f"Repeat {i}"}],
+                      "completion": [{"role": "assistant", "content": f"{i} {i}"}]} for i in range(30)]  # fmt: skip
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations)
+    monkeypatch.chdir(tmp_path)  # a relative path is recorded absolute: eval finds it from any folder
+    train("sft", tmp_path / "sft", "--model_name_or_path", str(chain["pretrain"]), "--dataset_name", "json",
+          "--data_files", "chat.jsonl", "--dev_examples", "3", "--test_examples", "5")  # fmt: skip
+    record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
+    assert record["data_files"] == [str(data)] and (record["dev_examples"], record["test_examples"]) == (3, 5)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    results = eval_main(["--model", str(tmp_path / "sft")])  # no data flags: the run's own source and carving
+    held_out = load_stage_dataset("conversation", "json", data_files=[str(data)], sizes={"dev": 3, "test": 5})
+    assert results["examples"] == 5 and results["data_sha256"] == rows_digest(held_out["test"])
+    assert "exact_match" not in results  # no `answer` column: the embedded task's scores are never reported
+    # the completion's loss as transformers computes it, prompt tokens masked
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")
+    total, count = 0.0, 0
+    for row in held_out["test"]:
+        head = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+        ids = torch.tensor([tokenizer(whole, add_special_tokens=False)["input_ids"]])
+        labels = ids.clone()
+        labels[0, : len(tokenizer(head, add_special_tokens=False)["input_ids"])] = -100
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=labels).loss.item()
+        predicted = int((labels[0, 1:] != -100).sum())
+        total, count = total + loss * predicted, count + predicted
+    assert sum(results["completion_tokens"]) == count
+    assert results["completion_perplexity"] == pytest.approx(2.718281828459045 ** (total / count), rel=1e-4)
+
+
+def test_eval_on_your_preference_pairs_and_what_it_refuses(chain, tmp_path):
+    from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.scoring import main as eval_main
+    from plugformer.evaluation.scoring import preference_accuracy
+
+    pairs = [{"prompt": f"{i} + 1 =", "chosen": f" {i + 1}", "rejected": f" {i + 2}"} for i in range(24)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    flags = ["--dataset_name", "json", "--data_files", str(data), "--dev_examples", "4", "--test_examples", "6"]
+    reward = eval_main(["--model", str(chain["reward"]), "--output", str(tmp_path / "r.json"), *flags])
+    rows = load_stage_dataset("preference", "json", data_files=[str(data)], sizes={"dev": 4, "test": 6})["test"]
+    scorer = AutoModelForSequenceClassification.from_pretrained(chain["reward"])
+    tokenizer = AutoTokenizer.from_pretrained(chain["reward"])
+    assert reward["examples"] == 6 and reward["pairwise_accuracy"] == preference_accuracy(scorer, tokenizer, rows)
+    with pytest.raises(ValueError, match=r"nothing to score: it needs text"):  # an sft model, pairs, no DPO record
+        eval_main(["--model", str(chain["sft"]), "--output", str(tmp_path / "s.json"), *flags])
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": f"document {i}"} for i in range(12)])
+    with pytest.raises(ValueError, match=r"reward model is scored on preference pairs"):
+        eval_main(["--model", str(chain["reward"]), "--output", str(tmp_path / "r.json"), "--dataset_name", "json",
+                   "--data_files", str(text), "--dev_examples", "2", "--test_examples", "2"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"--split train: your own data is scored on what training held out"):
+        eval_main(["--model", str(chain["reward"]), "--split", "train", "--output", str(tmp_path / "r.json"), *flags])
+    # dev selection needs a ground truth: the flag that asks for it is named, with the way out
+    with pytest.raises(ValueError, match=r"--selection_steps 2: dev selection .* lacks.* --selection_steps 0"):
+        train("dpo", tmp_path / "dpo", "--model_name_or_path", str(chain["sft"]), "--selection_steps", "2", *flags)
+
+
+def test_a_streamed_corpus_holds_out_its_first_documents(tmp_path):
+    from plugformer.evaluation.held_out import held_out_rows
+
+    data = write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"document {i}"} for i in range(20)])
+    source = {"dataset_name": "json", "dataset_config": None, "data_files": [str(data)], "dataset_seed": 0,
+              "dev_examples": 3, "test_examples": 4, "streaming": True}  # fmt: skip
+    assert held_out_rows(source, "dev", 10)["text"] == [f"document {i}" for i in range(3)]
+    assert held_out_rows(source, "test", 2)["text"] == ["document 3", "document 4"]

@@ -60,6 +60,38 @@ def verified_reference(path: str | Path, record: dict) -> str:
     return reference
 
 
+def completion_token_ids(tokenizer, prompt: str | list[dict], completion: str | list[dict]) -> tuple[list[int], int]:
+    """The ids of the whole text or conversation and where the completion starts (after the assistant's header)."""
+    if isinstance(prompt, str):
+        head, whole = prompt, prompt + completion_text(completion)
+    else:
+        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    if ids[: len(head_ids)] != head_ids:  # a merge across the boundary would shift the completion's tokens
+        raise ValueError(f"the prompt's tokens are not a prefix of the conversation's: {whole!r}")
+    return ids, len(head_ids)
+
+
+def padded_batch(rows: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids (B, T) right-padded, attention mask (B, T), completion starts (B,)) of `completion_token_ids` rows."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
+    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
+    return ids, mask, torch.tensor([begin for _, begin in rows])
+
+
+@torch.no_grad()
+def completion_log_probs(model, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Σ log p(token | prefix) over each row's completion tokens (from `starts`, pads excluded): (B,)."""
+    logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits[:, :-1].float().cpu()
+    token = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1): tokens 1..T-1
+    position = torch.arange(1, ids.shape[1])[None]  # (1, T-1): the position of each predicted token
+    keep = (position >= starts[:, None]) & (mask[:, 1:] == 1)
+    return (token * keep).sum(-1)
+
+
 class ZeroReward(ValueError):
     """The DPO policy holds its reference's weights: its implicit reward is 0 for every answer."""
 
@@ -105,40 +137,15 @@ class ImplicitReward:
             raise ValueError(f"{path}: not a finished DPO stage that recorded its reference and beta in run_info.json")
         return cls(reward_policy(path, record), verified_reference(path, record), record["beta"], **kwargs)
 
-    def token_ids(self, prompt: str | list[dict], completion: str | list[dict]) -> tuple[list[int], int]:
-        """The ids of the whole text or conversation and where the completion starts (after the assistant's
-        header)."""
-        if isinstance(prompt, str):
-            head, whole = prompt, prompt + completion_text(completion)
-        else:
-            head = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            whole = self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-        head_ids = self.tokenizer(head, add_special_tokens=False)["input_ids"]
-        ids = self.tokenizer(whole, add_special_tokens=False)["input_ids"]
-        if ids[: len(head_ids)] != head_ids:  # a merge across the boundary would shift the completion's tokens
-            raise ValueError(f"implicit reward: the prompt's tokens are not a prefix of the conversation's: {whole!r}")
-        return ids, len(head_ids)
-
-    @torch.no_grad()
-    def completion_log_probs(self, model, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """Σ log p(token | prefix) over each row's completion tokens (from `starts`, pads excluded): (B,)."""
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (B, T-1, V): tokens 1..T-1
-        token = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T-1)
-        position = torch.arange(1, ids.shape[1])[None]  # (1, T-1): the position of each predicted token
-        keep = (position >= starts[:, None]) & (mask[:, 1:] == 1)
-        return (token * keep).sum(-1)
-
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         rewards = []
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(prompts), self.batch_size):
-            rows = [self.token_ids(p, c) for p, c in zip(prompts[start : start + self.batch_size],
-                                                         completions[start : start + self.batch_size], strict=True)]  # fmt: skip
-            width = max(len(ids) for ids, _ in rows)
-            ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])  # (B, T), right-padded
-            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
-            starts = torch.tensor([begin for _, begin in rows])
-            ratio = self.completion_log_probs(self.policy, ids, mask, starts) - self.completion_log_probs(
+            pairs = zip(
+                prompts[start : start + self.batch_size], completions[start : start + self.batch_size], strict=True
+            )
+            ids, mask, starts = padded_batch([completion_token_ids(self.tokenizer, p, c) for p, c in pairs], pad)
+            ratio = completion_log_probs(self.policy, ids, mask, starts) - completion_log_probs(
                 self.reference, ids, mask, starts
             )
             rewards += (self.beta * ratio).tolist()

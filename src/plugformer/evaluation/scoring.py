@@ -1,4 +1,5 @@
-"""Held-out exact match: greedy answers to the prompts of a split, scored by the verifiable rewards."""
+"""Held-out scores (`plugformer eval`): greedy answers to the prompts of a split, scored by the verifiable rewards;
+perplexity, pairwise accuracy, and your own data's held-out split scored by what its columns allow."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
+from .held_out import completion_perplexity, data_source, held_out_rows, prompts_and_completions
 from .metrics import load_metric
 from .rewards import exact_match_reward, format_reward
 
@@ -218,6 +220,20 @@ class EvalArguments:
     )  # fmt: skip
     max_new_tokens: int = 32
     batch_size: int = 64
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "score your own data: the split held out of this datasets source (json, csv, text, parquet "
+                          "with --data_files, a local folder), carved as a stage carves it; default: the source the "
+                          "model's run trained on (its run_info.json), else the embedded task"},
+    )  # fmt: skip
+    dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
+    data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
+    dev_examples: int | None = field(
+        default=None, metadata={"help": "your own data: dev rows carved from train (default: as the run carved)"}
+    )
+    test_examples: int | None = field(
+        default=None, metadata={"help": "your own data: test rows carved from train (default: as the run carved)"}
+    )
     output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
     overwrite_output: bool = field(
         default=False,
@@ -269,7 +285,9 @@ def rows_digest(rows) -> str:
 
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
-    95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy."""
+    95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy. A model
+    trained on your own data (its run_info.json), or any model given `--dataset_name`, is scored on that source's
+    held-out split instead (`held_out.user_data_scores`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data.sources import load_stage_dataset
@@ -282,11 +300,15 @@ def evaluate_directory(args: EvalArguments) -> dict:
         raise ValueError(f"--examples {args.examples!r}: expected an integer >= 1 (problems of the {args.split} "
                          "split to score)")  # fmt: skip
     check_model_dir(args.model)
-    tokenizer = load_tokenizer(args.model)
-    sizes, seed = {args.split: args.examples}, args.dataset_seed
     config = AutoConfig.from_pretrained(args.model)
     results = {"model": args.model, "split": args.split}
-    if any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    source = data_source(args)
+    if source is not None:  # your own data: never the embedded task's scores for a model trained on something else
+        return {**results, **user_data_scores(args, source, classifier)}
+    tokenizer = load_tokenizer(args.model)
+    sizes, seed = {args.split: args.examples}, args.dataset_seed
+    if classifier:
         model = load_checked(AutoModelForSequenceClassification, args.model)
         rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
@@ -309,6 +331,61 @@ def evaluate_directory(args: EvalArguments) -> dict:
         else:
             results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, pairs)
     return results
+
+
+def language_model_scores(model, tokenizer, rows, args) -> dict:
+    """Every score the split's columns allow for a causal LM (the table of `user_data_scores`)."""
+    from .implicit_reward import ImplicitReward, ZeroReward, dpo_record
+
+    columns, results = set(rows.column_names), {}
+    if "text" in columns:
+        results["perplexity"] = perplexity(model, tokenizer, list(rows["text"]), args.batch_size)
+    if {"prompt", "completion"} <= columns or "messages" in columns:
+        results.update(completion_perplexity(model, tokenizer, *prompts_and_completions(rows), args.batch_size))
+    if {"prompt", "answer"} <= columns:
+        from .stats import wilson_interval
+
+        results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
+        results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
+    if {"prompt", "chosen", "rejected"} <= columns and dpo_record(args.model) is not None:
+        try:
+            reward = ImplicitReward.from_dpo_stage(args.model, batch_size=args.batch_size)
+        except ZeroReward as error:
+            results["implicit_reward_pairwise_accuracy"], results["implicit_reward_note"] = None, str(error)
+        else:
+            results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, rows)
+    if not results:
+        raise ValueError(f"the held-out split's columns {sorted(columns)} give a language model nothing to score: "
+                         "it needs text, prompt + completion, messages, prompt + answer, or (a DPO stage) prompt + "
+                         "chosen + rejected")  # fmt: skip
+    return results
+
+
+def user_data_scores(args, source: dict, classifier: bool) -> dict:
+    """`plugformer eval` on your own data: the model in `args.model` scored on `args.split` held out of `source`
+    (`held_out.held_out_rows`), by what the split's columns allow:
+
+    | columns | a language model is scored by | a reward model by |
+    |---|---|---|
+    | `text` | perplexity of each document | — |
+    | `prompt` + `completion`, or `messages` | perplexity of the completion (the last assistant turn) | — |
+    | `prompt` + `answer` | greedy exact match of the final number (the embedded task's rule) | — |
+    | `prompt` + `chosen` + `rejected` | a DPO stage: its implicit reward's pairwise accuracy | pairwise accuracy |
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    rows = held_out_rows(source, args.split, args.examples)
+    tokenizer = load_tokenizer(args.model)
+    results = {"data": source, "examples": len(rows), "data_sha256": rows_digest(rows)}
+    if classifier:
+        if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
+            raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
+                             f"{sorted(rows.column_names)}, not prompt, chosen and rejected")  # fmt: skip
+        model = load_checked(AutoModelForSequenceClassification, args.model)
+        return {**results, "pairwise_accuracy": preference_accuracy(model, tokenizer, rows, args.batch_size)}
+    model = load_checked(AutoModelForCausalLM, args.model)
+    with torch.no_grad():
+        return {**results, **language_model_scores(model, tokenizer, rows, args)}
 
 
 # files of a model or a run that an evaluation result must never take the name of (they would read as the model's)

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from ..data.sources import load_stage_dataset
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..data.validation import check_data_files, check_rows
+from ..evaluation.held_out import data_record
 from ..evaluation.scoring import exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
 from ..runtime.loading import load_checked
@@ -99,11 +100,6 @@ def format_data(data_format: str, script_args, reader: str):
         )
         check_rows(data_format, data, source, reader)
     return data
-
-
-def embedded_data_record(script_args) -> dict:
-    """What shaped the embedded data of a run, so `plugformer eval` scores held-out data drawn the same way."""
-    return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
 
 
 def resume_checkpoint(training_args) -> str | None:
@@ -270,7 +266,7 @@ def train_and_save(
         "distributed_type": trainer.accelerator.distributed_type.value,  # FSDP, DEEPSPEED, MULTI_CPU (DDP), NO, ...
         "parameter_digests": digests,
         "metrics": metrics,
-        **({"data": embedded_data_record(script_args)} if script_args.dataset_name is None else {}),
+        "data": data_record(script_args),  # what `plugformer eval` scores the model on by default
         "compute": compute_record(trainer, compute),
         **(extra or {}),
         **({"selection": selection.summary()} if selection is not None else {}),
@@ -350,7 +346,14 @@ def dev_selection(script_args, tokenizer, model, keep_last: bool = False) -> Dev
         raise ValueError(
             f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
         )
-    rows = evaluation_data(script_args).get("dev")
+    try:
+        rows = evaluation_data(script_args).get("dev")
+    except ValueError as error:  # your own data without a ground truth: say which flag asked for one
+        if script_args.dataset_name is None:
+            raise
+        raise ValueError(f"--selection_steps {steps}: dev selection scores greedy answers against an `answer` column "
+                         f"(the final number), which your data lacks: {error}. Add one, or train without dev "
+                         "selection: --selection_steps 0") from error  # fmt: skip
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
     rows = rows.select(range(min(script_args.selection_examples, len(rows))))

@@ -1,0 +1,127 @@
+"""Your own data in `plugformer eval`: what a stage's run read (`data_record`, in its `run_info.json`), the dev or test
+split it held out of that source (or of one given to `plugformer eval`), and the perplexity of completions given
+their prompts; `scoring.user_data_scores` scores the split by what its columns allow.
+
+The held-out rows are those the run never trained on: a split of the source's own (`test`, `validation`), else the
+rows carved from train with the run's sizes and seed (`data.sources.load_stage_dataset`), or, for a streamed corpus,
+its first `dev_examples` and next `test_examples` documents.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from .implicit_reward import completion_log_probs, completion_token_ids, padded_batch
+
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HELD_OUT = 200  # a stage's --dev_examples / --test_examples default (`StageArguments`)
+
+
+def data_record(script_args) -> dict:
+    """What a stage's run read, for `run_info.json`: the embedded task's seed and share of bare answers, or your
+    source (local paths made absolute, so `plugformer eval` finds them from any folder) and how it was split."""
+    if script_args.dataset_name is None:
+        return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
+    name = script_args.dataset_name
+    return {
+        "dataset_name": os.path.abspath(name) if Path(name).exists() else name,
+        "dataset_config": script_args.dataset_config,
+        "data_files": [os.path.abspath(f) for f in script_args.data_files] if script_args.data_files else None,
+        "dataset_seed": script_args.dataset_seed,
+        "dev_examples": script_args.dev_examples,
+        "test_examples": script_args.test_examples,
+        "streaming": bool(getattr(script_args, "streaming", False)),
+    }
+
+
+def recorded_source(model: str) -> dict | None:
+    """The source a stage directory's run trained on (`data_record`), or None: the embedded task, or no record."""
+    info = Path(model, "run_info.json")
+    record = json.loads(info.read_text()).get("data") if info.is_file() else None
+    return record if isinstance(record, dict) and record.get("dataset_name") else None
+
+
+def data_source(args) -> dict | None:
+    """The source `plugformer eval` scores: `--dataset_name` (with `--data_files`, `--dataset_config`), else the one
+    the model's run trained on; None for the embedded task. `--dev_examples` / `--test_examples` default to the
+    run's carving (else 200 each), `--dataset_seed` to the run's when the source is the run's."""
+    recorded = recorded_source(args.model)
+    if args.dataset_name is None and recorded is None:
+        info = Path(args.model, "run_info.json")
+        if info.is_file() and "data" not in json.loads(info.read_text()):  # before runs recorded their source
+            logger.warning("%s records no data source (a run older than the record): scoring the embedded task; if "
+                           "it trained on your own data, give --dataset_name and --data_files", info)  # fmt: skip
+        return None
+    if args.dataset_name is None:
+        source = dict(recorded)
+    else:
+        source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config,
+                  "data_files": args.data_files, "dataset_seed": args.dataset_seed, "streaming": False}  # fmt: skip
+    for split in ("dev", "test"):
+        given = getattr(args, f"{split}_examples")
+        fallback = (recorded or {}).get(f"{split}_examples", DEFAULT_HELD_OUT)
+        source[f"{split}_examples"] = fallback if given is None else given
+    return source
+
+
+def held_out_rows(source: dict, split: str, examples: int):
+    """The first `examples` rows of `split` (`dev` or `test`) held out of `source` as the run held them out."""
+    from datasets import Dataset, load_dataset
+
+    from ..data.sources import load_stage_dataset
+
+    if split not in ("dev", "test"):
+        raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")
+    dev, test = source["dev_examples"], source["test_examples"]
+    if source.get("streaming"):  # the stream's first `dev` documents, then the next `test`
+        stream = load_dataset(source["dataset_name"], source["dataset_config"], data_files=source["data_files"],
+                              split="train", streaming=True)  # fmt: skip
+        held = list(stream.take(dev + test))
+        rows = Dataset.from_list(held[:dev] if split == "dev" else held[dev:])
+    else:
+        splits = load_stage_dataset("conversation", dataset_name=source["dataset_name"],
+                                    dataset_config=source["dataset_config"], data_files=source["data_files"],
+                                    sizes={"dev": dev, "test": test}, seed=source["dataset_seed"])  # fmt: skip
+        if split not in splits:
+            raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
+                             f"(--{split}_examples 0)")  # fmt: skip
+        rows = splits[split]
+    if len(rows) == 0:
+        raise ValueError(f"--split {split}: no {split} rows held out of {source['dataset_name']}")
+    return rows.select(range(min(examples, len(rows))))
+
+
+def prompts_and_completions(rows) -> tuple[list, list]:
+    """(prompts, completions) of `prompt`/`completion` rows, or of `messages` rows split before their last turn
+    (which must be the assistant's)."""
+    if "completion" in rows.column_names:
+        return list(rows["prompt"]), list(rows["completion"])
+    prompts, completions = [], []
+    for number, messages in enumerate(rows["messages"]):
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError(f"row {number} of the held-out split: its messages do not end with an assistant turn, "
+                             "so there is no reply to score")  # fmt: skip
+        prompts.append(messages[:-1])
+        completions.append(messages[-1:])
+    return prompts, completions
+
+
+def completion_perplexity(model, tokenizer, prompts: list, completions: list, batch_size: int = 32) -> dict:
+    """exp of the mean loss over the completions' tokens given their prompts (through the chat template for
+    conversations), with each completion's summed loss (nats) and token count: the paired tests compare on them."""
+    losses, counts = [], []
+    model.eval()
+    for start in range(0, len(prompts), batch_size):
+        pairs = zip(prompts[start : start + batch_size], completions[start : start + batch_size], strict=True)
+        rows = [completion_token_ids(tokenizer, p, c) for p, c in pairs]
+        ids, mask, starts = padded_batch(rows, tokenizer.pad_token_id)
+        losses += (-completion_log_probs(model, ids, mask, starts)).tolist()
+        counts += [len(row_ids) - begin for row_ids, begin in rows]
+    return {"completion_perplexity": math.exp(sum(losses) / max(sum(counts), 1)), "completion_losses": losses,
+            "completion_tokens": counts}  # fmt: skip
