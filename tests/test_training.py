@@ -505,6 +505,8 @@ def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(
           "--data_files", "chat.jsonl", "--dev_examples", "3", "--test_examples", "5")  # fmt: skip
     record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
     assert record["data_files"] == [str(data)] and (record["dev_examples"], record["test_examples"]) == (3, 5)
+    card = (tmp_path / "sft/README.md").read_text()  # its model-index names your data, not the embedded task
+    assert "type: json" in card and "name: chat.jsonl" in card and "arithmetic" not in card
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     results = eval_main(["--model", str(tmp_path / "sft")])  # no data flags: the run's own source and carving

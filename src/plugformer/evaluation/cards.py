@@ -77,9 +77,26 @@ HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", 
                    "max_completion_length", "temperature", "loss_type")  # fmt: skip
 LIMITATIONS = (
     "A research model for comparing attention and position variants, trained at small scale on the data named "
-    "above; it is not a general assistant and its answers outside that task are not meaningful. Exact-match "
-    "figures hold for the held-out split named in the evaluation, whose facts never occur in training."
+    "above; it is not a general assistant and its answers outside that task are not meaningful. "
 )
+HELD_OUT = {
+    "embedded": "Exact-match figures hold for the held-out split named in the evaluation, whose facts never occur in "
+    "training.",
+    "yours": "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test "
+    "split.",
+}
+
+
+def scored_dataset(info: dict, preferences: bool = False) -> dict:
+    """The model-index `dataset_type` and `dataset_name` of a stage's dev scores: the source its run recorded
+    (`run_info.json`'s `data`), else the embedded task."""
+    data = info.get("data") or {}
+    if data.get("dataset_name"):
+        files = data.get("data_files")
+        named = ", ".join(Path(f).name for f in files) if files else Path(data["dataset_name"]).name
+        return {"dataset_type": Path(data["dataset_name"]).name, "dataset_name": named}
+    suffix = " preferences" if preferences else ""
+    return {"dataset_type": "plugformer-arithmetic", "dataset_name": "plugformer embedded arithmetic" + suffix}
 
 
 def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:
@@ -91,20 +108,17 @@ def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:
         low, high = wilson_interval(round(value * n), n)
         lines.append(f"- greedy exact match on {n} dev problems: **{value:.1%}** (95% Wilson interval "
                      f"{low:.1%}–{high:.1%}); answer format followed: {exact['format']:.1%}")  # fmt: skip
-        results.append(EvalResult(task_type="text-generation", dataset_type="plugformer-arithmetic",
-                                  dataset_name="plugformer embedded arithmetic", dataset_split="dev",
+        results.append(EvalResult(task_type="text-generation", **scored_dataset(info), dataset_split="dev",
                                   metric_type="exact_match", metric_value=round(value, 4)))  # fmt: skip
     metrics = info.get("metrics", {})
     if "eval_perplexity" in metrics:
         lines.append(f"- dev perplexity: {metrics['eval_perplexity']:.3f}")
-        results.append(EvalResult(task_type="text-generation", dataset_type="plugformer-arithmetic",
-                                  dataset_name="plugformer embedded arithmetic", dataset_split="dev",
+        results.append(EvalResult(task_type="text-generation", **scored_dataset(info), dataset_split="dev",
                                   metric_type="perplexity", metric_value=round(metrics["eval_perplexity"], 4)))  # fmt: skip
     if "eval_accuracy" in metrics:
         lines.append(f"- dev pairwise accuracy (chosen scored above rejected): {metrics['eval_accuracy']:.1%}")
-        results.append(EvalResult(task_type="text-classification", dataset_type="plugformer-arithmetic",
-                                  dataset_name="plugformer embedded arithmetic preferences", dataset_split="dev",
-                                  metric_type="accuracy", metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
+        results.append(EvalResult(task_type="text-classification", **scored_dataset(info, preferences=True),
+                                  dataset_split="dev", metric_type="accuracy", metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
 
 
@@ -165,7 +179,7 @@ def stage_card(
         world_size=info.get("world_size", 1),
         train_seconds=info.get("train_seconds"),
         evaluation=evaluation,
-        limitations=LIMITATIONS,
+        limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else "embedded"],
         auto_class=type(model).__name__.replace("Plugformer", "AutoModel"),
         model_path=model_path,
     )
