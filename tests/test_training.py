@@ -501,10 +501,12 @@ def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(
                       "completion": [{"role": "assistant", "content": f"{i} {i}"}]} for i in range(30)]  # fmt: skip
     data = write_jsonl(tmp_path / "chat.jsonl", conversations)
     monkeypatch.chdir(tmp_path)  # a relative path is recorded absolute: eval finds it from any folder
+    (tmp_path / "json").mkdir()  # a builder's name stays a name beside a folder of that name, as load_dataset reads it
     train("sft", tmp_path / "sft", "--model_name_or_path", str(chain["pretrain"]), "--dataset_name", "json",
           "--data_files", "chat.jsonl", "--dev_examples", "3", "--test_examples", "5")  # fmt: skip
     record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
-    assert record["data_files"] == [str(data)] and (record["dev_examples"], record["test_examples"]) == (3, 5)
+    assert record["dataset_name"] == "json" and record["data_files"] == [str(data)]
+    assert (record["dev_examples"], record["test_examples"]) == (3, 5)
     card = (tmp_path / "sft/README.md").read_text()  # its model-index names your data, not the embedded task
     assert "type: json" in card and "name: chat.jsonl" in card and "arithmetic" not in card
     (tmp_path / "elsewhere").mkdir()

@@ -257,6 +257,8 @@ FORMAT_ROWS: dict[str, Callable[[Problem, random.Random, float], dict]] = {
     "prompt": prompt_row,
     "prompt_answer": prompt_row,  # a prompt with its ground truth: dev selection and held-out scoring
 }
+# `datasets`' packaged builders that read --data_files; `load_dataset` takes these names before any local folder
+BUILDERS = ("json", "csv", "text", "parquet", "arrow")
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "conversation": (),  # TRL accepts text | messages | prompt + completion
@@ -316,7 +318,7 @@ def load_stage_dataset(
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
         return embedded_dataset(data_format, sizes, seed, direct_fraction)
-    if data_files and dataset_name not in ("json", "csv", "text", "parquet", "arrow"):
+    if data_files and dataset_name not in BUILDERS:
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
     loaded = load_user_dataset(dataset_name, dataset_config, data_files, source)

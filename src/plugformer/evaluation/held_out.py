@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+from ..data.sources import BUILDERS
 from .implicit_reward import completion_log_probs, completion_token_ids, padded_batch
 
 
@@ -25,12 +26,13 @@ DEFAULT_HELD_OUT = 200  # a stage's --dev_examples / --test_examples default (`S
 
 def data_record(script_args) -> dict:
     """What a stage's run read, for `run_info.json`: the embedded task's seed and share of bare answers, or your
-    source (local paths made absolute, so `plugformer eval` finds them from any folder) and how it was split."""
+    source (local paths made absolute, so `plugformer eval` finds them from any folder; a builder name such as `text`
+    stays a name, as `load_dataset` reads it even beside a folder of that name) and how it was split."""
     if script_args.dataset_name is None:
         return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
     name = script_args.dataset_name
     return {
-        "dataset_name": os.path.abspath(name) if Path(name).exists() else name,
+        "dataset_name": os.path.abspath(name) if name not in BUILDERS and Path(name).exists() else name,
         "dataset_config": script_args.dataset_config,
         "data_files": [os.path.abspath(f) for f in script_args.data_files] if script_args.data_files else None,
         "dataset_seed": script_args.dataset_seed,
