@@ -351,9 +351,9 @@ def dev_selection(script_args, tokenizer, model, keep_last: bool = False) -> Dev
     except ValueError as error:  # your own data without a ground truth: say which flag asked for one
         if script_args.dataset_name is None:
             raise
-        raise ValueError(f"--selection_steps {steps}: dev selection scores greedy answers against an `answer` column "
-                         f"(the final number), which your data lacks: {error}. Add one, or train without dev "
-                         "selection: --selection_steps 0") from error  # fmt: skip
+        raise ValueError(f"--selection_steps {steps}: dev selection scores greedy answers against the `answer` "
+                         f"column (the final number) of your data's dev split: {error}. Add or mend that column, or "
+                         "train without dev selection: --selection_steps 0") from error  # fmt: skip
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
     rows = rows.select(range(min(script_args.selection_examples, len(rows))))
