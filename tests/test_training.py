@@ -492,7 +492,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(chain, tmp_path, monkeypatch):
+def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(chain, tmp_path, monkeypatch, capsys):
     from plugformer.data.sources import load_stage_dataset
     from plugformer.evaluation.scoring import main as eval_main
     from plugformer.evaluation.scoring import rows_digest
@@ -515,6 +515,9 @@ def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(
     held_out = load_stage_dataset("conversation", "json", data_files=[str(data)], sizes={"dev": 3, "test": 5})
     assert results["examples"] == 5 and results["data_sha256"] == rows_digest(held_out["test"])
     assert "exact_match" not in results  # no `answer` column: the embedded task's scores are never reported
+    shown = capsys.readouterr().out  # the per-example scores go to the file, not the terminal
+    assert "completion_perplexity" in shown and "completion_losses" not in shown
+    assert len(json.loads((tmp_path / "sft/eval_test.json").read_text())["completion_losses"]) == 5
     # the completion's loss as transformers computes it, prompt tokens masked
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")

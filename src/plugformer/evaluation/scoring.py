@@ -388,6 +388,8 @@ def user_data_scores(args, source: dict, classifier: bool) -> dict:
         return {**results, **language_model_scores(model, tokenizer, rows, args)}
 
 
+# per-example lists (the paired tests read them) and sample answers: in the JSON file, not on the terminal
+PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens")
 # files of a model or a run that an evaluation result must never take the name of (they would read as the model's)
 NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
 
@@ -442,6 +444,6 @@ def main(argv: list[str]) -> dict:
         raise ValueError(problem)
     results = {**evaluate_directory(args), "key": results_key(args)}
     write_json_atomic(output, results, indent=2)
-    shown = {k: v for k, v in results.items() if k != "samples"}
-    print(json.dumps(shown, indent=2) + f"\nwritten to {output}")
+    shown = {k: v for k, v in results.items() if k not in PER_EXAMPLE}
+    print(json.dumps(shown, indent=2) + f"\nwritten to {output} (with the scores per example)")
     return results
