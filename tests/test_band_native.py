@@ -12,7 +12,7 @@ from conftest import materialised_relative_attention as materialised
 import plugformer.kernels_banded as banded
 import plugformer.kernels_relative_native as relative_native
 from plugformer.bench.measure import profile_call
-from plugformer.kernels_band_native import native_band, native_band_applies
+from plugformer.kernels_band_native import native_band, native_band_applies, native_band_forward
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +67,26 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, d
         # the far entry's gradient is minus the sum of every band score gradient: fp32 sums of up to 2·N·W terms
         atol = 5e-6 if name != "table" else 1e-5 * want.abs().max().item()
         torch.testing.assert_close(grad.double(), want, atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("length", "width"), [(130, 16), (130, 40), (1100, 100), (1100, 1030)])
+def test_the_c_forward_over_a_band_narrower_than_the_sequence_is_the_softmax_over_that_band(length, width):
+    """Every caller passes the whole sequence as the band (`native_forward`); the C forward's narrower band, each
+    query seeing its last `width` keys, is checked here on its own (1100 tokens: two key chunks)."""
+    generator = torch.Generator().manual_seed(1)
+    # one key head per query head: the C functions take keys and values already repeated to every query head
+    query, key, value = (leaf.detach() for leaf in attention_leaves(length, 16, 4, "bnhd", generator))
+    values = torch.randn(4, 2 * length - 1, generator=generator) * 3
+    output, lse = query.new_empty(2, 4, length, 16), query.new_empty(2, 4, length)
+    native_band_forward(query, key, value, values, output, lse, width, 0.25)
+    slots = torch.arange(length)
+    behind = slots[:, None] - slots[None, :]  # (N, N): i − j
+    scores = (query.double() @ key.double().transpose(-1, -2)) * 0.25
+    scores = scores + values.double()[:, slots[None, :] - slots[:, None] + length - 1]  # (B, H, N, N) + (H, N, N)
+    scores = scores.masked_fill((behind < 0) | (behind >= width), float("-inf"))
+    expected = torch.softmax(scores, dim=-1) @ value.double()
+    torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, dim=-1), atol=2e-5, rtol=0)
 
 
 def test_the_c_path_equals_the_torch_path(monkeypatch):
