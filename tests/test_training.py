@@ -570,3 +570,33 @@ def test_a_streamed_corpus_holds_out_its_first_documents(tmp_path):
               "dev_examples": 3, "test_examples": 4, "streaming": True}  # fmt: skip
     assert held_out_rows(source, "dev", 10)["text"] == [f"document {i}" for i in range(3)]
     assert held_out_rows(source, "test", 2)["text"] == ["document 3", "document 4"]
+
+
+def test_eval_scores_a_masked_lm_on_seeded_masked_tokens_of_held_out_text(tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.masked import masked_documents
+    from plugformer.evaluation.scoring import main as eval_main
+
+    train("pretrain", tmp_path / "mlm", "--is_causal", "false")
+    results = eval_main(["--model", str(tmp_path / "mlm"), "--split", "dev", "--examples", "6"])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "mlm")
+    texts = load_stage_dataset("text", sizes={"dev": 6})["dev"]["text"]
+    documents = masked_documents(tokenizer, texts, 0.15, 0, 128)
+    for (masked, labels), text in zip(documents, texts, strict=True):
+        ids = tokenizer(tokenizer.bos_token + text + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        drawn = (labels != -100).nonzero().flatten().tolist()
+        assert len(drawn) == max(1, round(0.15 * (len(ids) - 2))) and 0 not in drawn and len(ids) - 1 not in drawn
+        assert masked[drawn].eq(tokenizer.mask_token_id).all() and labels[drawn].tolist() == [ids[i] for i in drawn]
+    # the masked tokens' loss as transformers' masked-LM head computes it, one document at a time
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path / "mlm")
+    total, count = 0.0, 0
+    for masked, labels in documents:
+        with torch.no_grad():
+            loss = model(input_ids=masked[None], labels=labels[None]).loss.item()
+        total, count = total + loss * int((labels != -100).sum()), count + int((labels != -100).sum())
+    assert results["masked_tokens"] == count and results["examples"] == 6
+    assert results["masked_token_perplexity"] == pytest.approx(2.718281828459045 ** (total / count), rel=1e-4)
+    other = masked_documents(tokenizer, texts, 0.15, 1, 128)  # another seed draws other positions
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(documents, other, strict=True))

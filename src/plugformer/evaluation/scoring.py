@@ -285,7 +285,8 @@ def rows_digest(rows) -> str:
 
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
-    95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy. A model
+    95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy; a masked
+    LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`). A model
     trained on your own data (its run_info.json), or any model given `--dataset_name`, is scored on that source's
     held-out split instead (`held_out.user_data_scores`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -302,13 +303,16 @@ def evaluate_directory(args: EvalArguments) -> dict:
     check_model_dir(args.model)
     config = AutoConfig.from_pretrained(args.model)
     results = {"model": args.model, "split": args.split}
-    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    kind = model_kind(config)
     source = data_source(args)
     if source is not None:  # your own data: never the embedded task's scores for a model trained on something else
-        return {**results, **user_data_scores(args, source, classifier)}
+        return {**results, **user_data_scores(args, source, kind)}
     tokenizer = load_tokenizer(args.model)
     sizes, seed = {args.split: args.examples}, args.dataset_seed
-    if classifier:
+    if kind == "masked":
+        texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]
+        return {**results, **masked_lm_scores(args, tokenizer, texts)}
+    if kind == "classifier":
         model = load_checked(AutoModelForSequenceClassification, args.model)
         rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
@@ -361,13 +365,36 @@ def language_model_scores(model, tokenizer, rows, args) -> dict:
     return results
 
 
-def user_data_scores(args, source: dict, classifier: bool) -> dict:
+def model_kind(config) -> str:
+    """`"classifier"` (a sequence-classification head), `"masked"` (a masked LM) or `"causal"`, from the saved
+    architecture."""
+    architectures = config.architectures or []
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return "classifier"
+    return "masked" if any(name.endswith("ForMaskedLM") for name in architectures) else "causal"
+
+
+def masked_lm_scores(args, tokenizer, rows) -> dict:
+    """A masked LM's scores on the `text` of `rows` (`masked.masked_token_scores`, masks drawn from
+    `--dataset_seed`)."""
+    from transformers import AutoModelForMaskedLM
+
+    from .masked import masked_token_scores
+
+    if "text" not in rows.column_names:
+        raise ValueError(f"a masked LM is scored on held-out text; the split has the columns {rows.column_names}")
+    model = load_checked(AutoModelForMaskedLM, args.model)
+    scores = masked_token_scores(model, tokenizer, list(rows["text"]), args.dataset_seed, batch_size=args.batch_size)
+    return {"examples": len(rows), "data_sha256": rows_digest(rows), **scores}
+
+
+def user_data_scores(args, source: dict, kind: str) -> dict:
     """`plugformer eval` on your own data: the model in `args.model` scored on `args.split` held out of `source`
     (`held_out.held_out_rows`), by what the split's columns allow:
 
     | columns | a language model is scored by | a reward model by |
     |---|---|---|
-    | `text` | perplexity of each document | — |
+    | `text` | perplexity of each document (a masked LM: of its masked tokens) | — |
     | `prompt` + `completion`, or `messages` | perplexity of the completion (the last assistant turn) | — |
     | `prompt` + `answer` | greedy exact match of the final number (the embedded task's rule) | — |
     | `prompt` + `chosen` + `rejected` | a DPO stage: its implicit reward's pairwise accuracy | pairwise accuracy |
@@ -377,7 +404,9 @@ def user_data_scores(args, source: dict, classifier: bool) -> dict:
     rows = held_out_rows(source, args.split, args.examples)
     tokenizer = load_tokenizer(args.model)
     results = {"data": source, "examples": len(rows), "data_sha256": rows_digest(rows)}
-    if classifier:
+    if kind == "masked":
+        return {**results, **masked_lm_scores(args, tokenizer, rows)}
+    if kind == "classifier":
         if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
             raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
                              f"{sorted(rows.column_names)}, not prompt, chosen and rejected")  # fmt: skip
@@ -389,7 +418,7 @@ def user_data_scores(args, source: dict, classifier: bool) -> dict:
 
 
 # per-example lists (the paired tests read them) and sample answers: in the JSON file, not on the terminal
-PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens")
+PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens", "masked_losses", "masked_counts")
 # files of a model or a run that an evaluation result must never take the name of (they would read as the model's)
 NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
 
