@@ -494,8 +494,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(chain, tmp_path, monkeypatch, capsys):
     from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.held_out import rows_digest
     from plugformer.evaluation.scoring import main as eval_main
-    from plugformer.evaluation.scoring import rows_digest
 
     conversations = [{"prompt": [{"role": "user", "content": f"Repeat {i}"}],
                       "completion": [{"role": "assistant", "content": f"{i} {i}"}]} for i in range(30)]  # fmt: skip

@@ -57,6 +57,19 @@ def sentiment_examples(count: int, seed: int = 0) -> list[tuple[str, int]]:
     return examples
 
 
+def sentiment_sentences() -> list[tuple[str, int]]:
+    """Every (sentence, label) of `sentiment_examples`' grammar, once each, in a fixed order."""
+    import itertools
+
+    sentences = []
+    for subject, verb, negated, really, positive in itertools.product(SUBJECTS, VERBS, (False, True), (False, True),
+                                                                      (True, False)):  # fmt: skip
+        for adjective in POSITIVE if positive else NEGATIVE:
+            words = [subject, verb] + ["not"] * negated + ["really"] * really + [adjective]
+            sentences.append((" ".join(words), int(positive != negated)))
+    return sentences
+
+
 NLI_LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
 _PEOPLE = ("the man", "the woman", "a child", "the teacher", "a doctor", "the farmer", "my friend", "the pilot")
 _ACTIONS = ("running", "reading", "cooking", "singing", "sleeping", "painting", "swimming", "working")

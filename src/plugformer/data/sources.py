@@ -12,6 +12,7 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 | conversation | sft | `prompt`, `completion` (conversational: completion-only loss) |
 | preference | reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
 | prompt, prompt_answer | rlhf, grpo; dev selection and scoring | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
+| classification | classify | `text`, `label` (and `text_pair` if given): the embedded data is a sentiment grammar instead |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
@@ -150,7 +151,12 @@ def split_of(operation: str, a: int, b: int, dev_percent: int = 10, test_percent
     >>> split_of("add", 37, 45) == split_of("add", 37, 45)
     True
     """
-    bucket = int(hashlib.sha256(f"{operation}|{a}|{b}".encode()).hexdigest(), 16) % 100
+    return split_of_key(f"{operation}|{a}|{b}", dev_percent, test_percent)
+
+
+def split_of_key(key: str, dev_percent: int = 10, test_percent: int = 10) -> str:
+    """The fixed split of anything named by `key` (an arithmetic fact, a sentence): a bucket of its sha256."""
+    bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
     if bucket < test_percent:
         return "test"
     return "dev" if bucket < test_percent + dev_percent else "train"
@@ -259,12 +265,28 @@ FORMAT_ROWS: dict[str, Callable[[Problem, random.Random, float], dict]] = {
 }
 # `datasets`' packaged builders that read --data_files; `load_dataset` takes these names before any local folder
 BUILDERS = ("json", "csv", "text", "parquet", "arrow")
+
+
+def sentiment_rows(count: int, split: str, seed: int = 0) -> list[dict]:
+    """Up to `count` distinct labelled sentences of the sentiment grammar (`corpus.sentiment_sentences`: "the food was
+    not really good" -> NEGATIVE) whose split (`split_of_key` of the sentence) is `split`, in an
+    order drawn from `seed`. The grammar has 1,792 sentences (about 10% each in dev and test): a larger `count` gets
+    every sentence of the split once."""
+    from .corpus import SENTIMENT_LABELS, sentiment_sentences
+
+    rows = [{"text": text, "label": SENTIMENT_LABELS[label]} for text, label in sentiment_sentences()
+            if split_of_key(text) == split]  # fmt: skip
+    random.Random(f"{seed}|{split}").shuffle(rows)
+    return rows[:count]
+
+
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "conversation": (),  # TRL accepts text | messages | prompt + completion
     "preference": ("chosen", "rejected"),
     "prompt": ("prompt",),
     "prompt_answer": ("prompt", "answer"),
+    "classification": ("text", "label"),
 }
 
 
@@ -283,6 +305,9 @@ def embedded_dataset(
     """The embedded arithmetic task in `data_format`, with `sizes[split]` examples per split."""
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
+    if data_format == "classification":  # no arithmetic to classify: the sentiment grammar
+        return DatasetDict({split: Dataset.from_list(sentiment_rows(count, split, seed))
+                            for split, count in sizes.items() if count > 0})  # fmt: skip
     return DatasetDict({
         split: Dataset.from_list(format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction))
         for split, count in sizes.items()

@@ -65,11 +65,25 @@ class StageCard:
         summary (`str`): What the model is, after its head class: "pretrained from scratch on plain text".
         trainer (`str`): The trainer that trained it, e.g. `"trl.SFTTrainer"`.
         pipeline_tag (`str`, *optional*, defaults to `"text-generation"`): The Hub's pipeline tag of the model.
+        embedded_task (`str`, *optional*, defaults to `"arithmetic"`): The embedded data it trains on without
+            `--dataset_name`, a key of `EMBEDDED_TASKS`.
     """
 
     summary: str
     trainer: str
     pipeline_tag: str = "text-generation"
+    embedded_task: str = "arithmetic"
+
+
+# the embedded data of each kind: the model-index dataset type and name, and the card's description of it
+EMBEDDED_TASKS = {
+    "arithmetic": ("plugformer-arithmetic", "plugformer embedded arithmetic",
+                   "plugformer's embedded arithmetic generator (sums, differences, products and word problems; "
+                   "train/dev/test split by arithmetic fact"),
+    "sentiment": ("plugformer-sentiment", "plugformer embedded sentiment grammar",
+                  "plugformer's embedded sentiment grammar (\"the food was not really good\" -> NEGATIVE; "
+                  "train/dev/test split by sentence"),
+}  # fmt: skip
 
 
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -80,27 +94,29 @@ LIMITATIONS = (
     "above; it is not a general assistant and its answers outside that task are not meaningful. "
 )
 HELD_OUT = {
-    "embedded": "Exact-match figures hold for the held-out split named in the evaluation, whose facts never occur in "
+    "arithmetic": "Exact-match figures hold for the held-out split named in the evaluation, whose facts never occur "
+    "in training.",
+    "sentiment": "The figures hold for the held-out split named in the evaluation, whose sentences never occur in "
     "training.",
     "yours": "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test "
     "split.",
 }
 
 
-def scored_dataset(info: dict, preferences: bool = False) -> dict:
+def scored_dataset(info: dict, task: str = "arithmetic", preferences: bool = False) -> dict:
     """The model-index `dataset_type` and `dataset_name` of a stage's dev scores: the source its run recorded
-    (`run_info.json`'s `data`), else the embedded task."""
+    (`run_info.json`'s `data`), else the embedded `task`."""
     data = info.get("data") or {}
     if data.get("dataset_name"):
         files = data.get("data_files")
         named = ", ".join(Path(f).name for f in files) if files else Path(data["dataset_name"]).name
         return {"dataset_type": Path(data["dataset_name"]).name, "dataset_name": named}
-    suffix = " preferences" if preferences else ""
-    return {"dataset_type": "plugformer-arithmetic", "dataset_name": "plugformer embedded arithmetic" + suffix}
+    kind, name, _ = EMBEDDED_TASKS[task]
+    return {"dataset_type": kind, "dataset_name": name + (" preferences" if preferences else "")}
 
 
-def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:
-    """Markdown and model-index entries from a stage's `run_info.json`."""
+def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[EvalResult]]:
+    """Markdown and model-index entries from a stage's `run_info.json`; `task`: its embedded data's kind."""
     lines, results = [], []
     exact = info.get("dev_exact_match")
     if exact:
@@ -108,16 +124,22 @@ def evaluation_section(info: dict) -> tuple[str, list[EvalResult]]:
         low, high = wilson_interval(round(value * n), n)
         lines.append(f"- greedy exact match on {n} dev problems: **{value:.1%}** (95% Wilson interval "
                      f"{low:.1%}–{high:.1%}); answer format followed: {exact['format']:.1%}")  # fmt: skip
-        results.append(EvalResult(task_type="text-generation", **scored_dataset(info), dataset_split="dev",
+        results.append(EvalResult(task_type="text-generation", **scored_dataset(info, task), dataset_split="dev",
                                   metric_type="exact_match", metric_value=round(value, 4)))  # fmt: skip
     metrics = info.get("metrics", {})
     if "eval_perplexity" in metrics:
         lines.append(f"- dev perplexity: {metrics['eval_perplexity']:.3f}")
-        results.append(EvalResult(task_type="text-generation", **scored_dataset(info), dataset_split="dev",
+        results.append(EvalResult(task_type="text-generation", **scored_dataset(info, task), dataset_split="dev",
                                   metric_type="perplexity", metric_value=round(metrics["eval_perplexity"], 4)))  # fmt: skip
-    if "eval_accuracy" in metrics:
+    if "eval_macro_f1" in metrics:  # a classifier's (`evaluation.classification.compute_metrics`)
+        lines.append(f"- dev accuracy: **{metrics['eval_accuracy']:.1%}**; macro F1: {metrics['eval_macro_f1']:.3f}")
+        for metric in ("accuracy", "macro_f1"):
+            results.append(EvalResult(task_type="text-classification", **scored_dataset(info, task),
+                                      dataset_split="dev", metric_type=metric,
+                                      metric_value=round(metrics[f"eval_{metric}"], 4)))  # fmt: skip
+    elif "eval_accuracy" in metrics:
         lines.append(f"- dev pairwise accuracy (chosen scored above rejected): {metrics['eval_accuracy']:.1%}")
-        results.append(EvalResult(task_type="text-classification", **scored_dataset(info, preferences=True),
+        results.append(EvalResult(task_type="text-classification", **scored_dataset(info, task, preferences=True),
                                   dataset_split="dev", metric_type="accuracy", metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
 
@@ -128,13 +150,12 @@ def stage_card(
     """The card of one trained stage (see `TEMPLATE`); `card` is the text its stage record gives."""
     config = model.config
     stage = info["stage"]
-    evaluation, eval_results = evaluation_section(info)
+    evaluation, eval_results = evaluation_section(info, card.embedded_task)
     name = Path(model_path).name or "plugformer"
     data = (
         f"`{script_args.dataset_name}`" + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
         if script_args.dataset_name
-        else "plugformer's embedded arithmetic generator (sums, differences, products and word problems; "
-        "train/dev/test split by arithmetic fact"
+        else EMBEDDED_TASKS[card.embedded_task][2]
         + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the SFT answers, or of "
            "the rejected answers of preference pairs, is bare, without the working"
            if script_args.direct_answer_fraction else "")
@@ -179,7 +200,7 @@ def stage_card(
         world_size=info.get("world_size", 1),
         train_seconds=info.get("train_seconds"),
         evaluation=evaluation,
-        limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else "embedded"],
+        limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else card.embedded_task],
         auto_class=type(model).__name__.replace("Plugformer", "AutoModel"),
         model_path=model_path,
     )

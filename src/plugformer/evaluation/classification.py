@@ -8,20 +8,26 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..runtime.loading import load_checked
+from .held_out import rows_digest
 from .metrics import load_metric
 from .stats import wilson_interval
 
 
 @torch.no_grad()
-def predict_labels(model, tokenizer, texts: Sequence[str], batch_size: int = 64) -> list[int]:
-    """The class id each text's logits rank first, in padded batches with the model in eval mode (restored after)."""
+def predict_labels(
+    model, tokenizer, texts: Sequence[str], batch_size: int = 64, pairs: Sequence[str] | None = None
+) -> list[int]:
+    """The class id each text's (or text pair's) logits rank first, in padded batches with the model in eval mode
+    (restored after)."""
     was_training = model.training
     model.eval()
     predictions = []
     try:
         for start in range(0, len(texts), batch_size):
+            second = list(pairs[start : start + batch_size]) if pairs is not None else None
             batch = tokenizer(
-                list(texts[start : start + batch_size]), padding=True, truncation=True, return_tensors="pt"
+                list(texts[start : start + batch_size]), second, padding=True, truncation=True, return_tensors="pt"
             )
             predictions += model(**batch.to(model.device)).logits.argmax(-1).tolist()  # (B, num_labels) -> (B,)
     finally:
@@ -29,7 +35,14 @@ def predict_labels(model, tokenizer, texts: Sequence[str], batch_size: int = 64)
     return predictions
 
 
-def evaluate_classifier(model, tokenizer, texts: Sequence[str], labels: Sequence[int], batch_size: int = 64) -> dict:
+def evaluate_classifier(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    batch_size: int = 64,
+    pairs: Sequence[str] | None = None,
+) -> dict:
     """Scores a sequence classifier (e.g. [`PlugformerForSequenceClassification`]) on labelled texts.
 
     Args:
@@ -38,20 +51,23 @@ def evaluate_classifier(model, tokenizer, texts: Sequence[str], labels: Sequence
         texts (`Sequence[str]`): The inputs.
         labels (`Sequence[int]`): Their true class ids.
         batch_size (`int`, *optional*, defaults to 64): Texts per forward pass.
+        pairs (`Sequence[str]`, *optional*): Second texts of sentence pairs, encoded with each text.
 
     Returns:
         `dict`: `accuracy`, `macro_f1`, `f1_per_class` and `support` (see `load_metric("classification")`),
-        `accuracy_ci95` (the 95% Wilson interval of the accuracy, `[low, high]`) and `examples` (their count).
+        `accuracy_ci95` (the 95% Wilson interval of the accuracy, `[low, high]`), `examples` (their count) and
+        `correct` (1/0 per example, in order: paired tests compare models on it).
     """
     if len(texts) != len(labels):
         raise ValueError(f"evaluate_classifier: {len(texts)} texts but {len(labels)} labels")
     if len(texts) == 0:
         raise ValueError("evaluate_classifier: no examples to score")
-    predictions = predict_labels(model, tokenizer, texts, batch_size)
+    predictions = predict_labels(model, tokenizer, texts, batch_size, pairs)
     references = [int(label) for label in labels]
     scores = load_metric("classification").compute(predictions=predictions, references=references)
-    correct = sum(p == r for p, r in zip(predictions, references, strict=True))
-    return {**scores, "accuracy_ci95": list(wilson_interval(correct, len(references))), "examples": len(references)}
+    correct = [int(p == r) for p, r in zip(predictions, references, strict=True)]
+    return {**scores, "accuracy_ci95": list(wilson_interval(sum(correct), len(references))),
+            "examples": len(references), "correct": correct}  # fmt: skip
 
 
 def compute_metrics(eval_prediction) -> dict:
@@ -69,3 +85,23 @@ def compute_metrics(eval_prediction) -> dict:
         predictions=np.asarray(logits).argmax(-1), references=eval_prediction.label_ids
     )
     return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"]}
+
+
+def classifier_scores(args, tokenizer, rows) -> dict:
+    """A classifier's accuracy (with its 95% Wilson interval), macro F1 and per-class F1 on labelled `rows`
+    (`text`, `label`, `text_pair` if present), each label read through the model's `label2id`."""
+    from transformers import AutoModelForSequenceClassification
+
+    if not {"text", "label"} <= set(rows.column_names):
+        raise ValueError(f"a classifier is scored on labelled text (columns text and label); the split has the "
+                         f"columns {sorted(rows.column_names)}")  # fmt: skip
+    model = load_checked(AutoModelForSequenceClassification, args.model)
+    label2id = {str(name): index for name, index in model.config.label2id.items()}
+    unknown = sorted({str(v) for v in rows["label"]} - label2id.keys())
+    if unknown:
+        raise ValueError(f"the held-out split has labels the model has no class for: {unknown[:5]} (its labels: "
+                         f"{sorted(label2id)[:20]})")  # fmt: skip
+    pairs = list(rows["text_pair"]) if "text_pair" in rows.column_names else None
+    labels = [label2id[str(v)] for v in rows["label"]]
+    scores = evaluate_classifier(model, tokenizer, list(rows["text"]), labels, args.batch_size, pairs)
+    return {"data_sha256": rows_digest(rows), **scores}

@@ -9,6 +9,7 @@ its first `dev_examples` and next `test_examples` documents.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -127,3 +128,8 @@ def completion_perplexity(model, tokenizer, prompts: list, completions: list, ba
         counts += [len(row_ids) - begin for row_ids, begin in rows]
     return {"completion_perplexity": math.exp(sum(losses) / max(sum(counts), 1)), "completion_losses": losses,
             "completion_tokens": counts}  # fmt: skip
+
+
+def rows_digest(rows) -> str:
+    """The sha256 of a split's rows (every column, in order): equal digests, the same examples scored."""
+    return hashlib.sha256(json.dumps(rows.to_dict(), sort_keys=True, default=str).encode()).hexdigest()

@@ -11,6 +11,8 @@ import math
 import torch
 
 from ..data.packing import encode_documents
+from ..runtime.loading import load_checked
+from .held_out import rows_digest
 
 
 def masked_documents(tokenizer, texts: list[str], rate: float, seed: int, max_length: int) -> list[tuple]:
@@ -59,3 +61,15 @@ def masked_token_scores(model, tokenizer, texts: list[str], seed: int = 0, rate:
     return {"masked_token_perplexity": math.exp(sum(losses) / total), "masked_token_accuracy": correct / total,
             "masked_tokens": sum(counts), "masked_losses": losses, "masked_counts": counts, "mask_rate": rate,
             "mask_seed": seed}  # fmt: skip
+
+
+def masked_lm_scores(args, tokenizer, rows) -> dict:
+    """A masked LM's scores on the `text` of `rows` (`masked.masked_token_scores`, masks drawn from
+    `--dataset_seed`)."""
+    from transformers import AutoModelForMaskedLM
+
+    if "text" not in rows.column_names:
+        raise ValueError(f"a masked LM is scored on held-out text; the split has the columns {rows.column_names}")
+    model = load_checked(AutoModelForMaskedLM, args.model)
+    scores = masked_token_scores(model, tokenizer, list(rows["text"]), args.dataset_seed, batch_size=args.batch_size)
+    return {"examples": len(rows), "data_sha256": rows_digest(rows), **scores}

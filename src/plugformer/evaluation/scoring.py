@@ -13,7 +13,9 @@ import torch
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
-from .held_out import completion_perplexity, data_source, held_out_rows, prompts_and_completions
+from .classification import classifier_scores
+from .held_out import completion_perplexity, data_source, held_out_rows, prompts_and_completions, rows_digest
+from .masked import masked_lm_scores
 from .metrics import load_metric
 from .rewards import exact_match_reward, format_reward
 
@@ -276,17 +278,11 @@ def scored_pairs(args: EvalArguments):
     return rows, fraction
 
 
-def rows_digest(rows) -> str:
-    """The sha256 of a split's rows (every column, in order): equal digests, the same examples scored."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(rows.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-
-
 def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy; a masked
-    LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`). A model
+    LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`); a classifier by accuracy
+    and macro F1 on the sentiment grammar (`classifier_scores`). A model
     trained on your own data (its run_info.json), or any model given `--dataset_name`, is scored on that source's
     held-out split instead (`held_out.user_data_scores`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -312,7 +308,10 @@ def evaluate_directory(args: EvalArguments) -> dict:
     if kind == "masked":
         texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]
         return {**results, **masked_lm_scores(args, tokenizer, texts)}
-    if kind == "classifier":
+    if kind == "classifier":  # the embedded sentiment grammar (`data.sources.sentiment_rows`)
+        rows = load_stage_dataset("classification", sizes=sizes, seed=seed)[args.split]
+        return {**results, **classifier_scores(args, tokenizer, rows)}
+    if kind == "scalar":
         model = load_checked(AutoModelForSequenceClassification, args.model)
         rows, fraction = scored_pairs(args)
         results["pairwise_accuracy"] = preference_accuracy(model, tokenizer, rows, args.batch_size)
@@ -366,26 +365,12 @@ def language_model_scores(model, tokenizer, rows, args) -> dict:
 
 
 def model_kind(config) -> str:
-    """`"classifier"` (a sequence-classification head), `"masked"` (a masked LM) or `"causal"`, from the saved
-    architecture."""
+    """`"scalar"` (a one-score classification head: a reward model), `"classifier"` (`num_labels` > 1), `"masked"`
+    (a masked LM) or `"causal"`, from the saved architecture."""
     architectures = config.architectures or []
     if any(name.endswith("ForSequenceClassification") for name in architectures):
-        return "classifier"
+        return "scalar" if config.num_labels == 1 else "classifier"
     return "masked" if any(name.endswith("ForMaskedLM") for name in architectures) else "causal"
-
-
-def masked_lm_scores(args, tokenizer, rows) -> dict:
-    """A masked LM's scores on the `text` of `rows` (`masked.masked_token_scores`, masks drawn from
-    `--dataset_seed`)."""
-    from transformers import AutoModelForMaskedLM
-
-    from .masked import masked_token_scores
-
-    if "text" not in rows.column_names:
-        raise ValueError(f"a masked LM is scored on held-out text; the split has the columns {rows.column_names}")
-    model = load_checked(AutoModelForMaskedLM, args.model)
-    scores = masked_token_scores(model, tokenizer, list(rows["text"]), args.dataset_seed, batch_size=args.batch_size)
-    return {"examples": len(rows), "data_sha256": rows_digest(rows), **scores}
 
 
 def user_data_scores(args, source: dict, kind: str) -> dict:
@@ -398,6 +383,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     | `prompt` + `completion`, or `messages` | perplexity of the completion (the last assistant turn) | — |
     | `prompt` + `answer` | greedy exact match of the final number (the embedded task's rule) | — |
     | `prompt` + `chosen` + `rejected` | a DPO stage: its implicit reward's pairwise accuracy | pairwise accuracy |
+
+    A classifier (`num_labels` > 1) is scored on `text` + `label` (+ `text_pair`): accuracy and macro F1.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -407,6 +394,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     if kind == "masked":
         return {**results, **masked_lm_scores(args, tokenizer, rows)}
     if kind == "classifier":
+        return {**results, **classifier_scores(args, tokenizer, rows)}
+    if kind == "scalar":
         if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
             raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
                              f"{sorted(rows.column_names)}, not prompt, chosen and rejected")  # fmt: skip

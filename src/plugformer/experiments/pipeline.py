@@ -38,8 +38,8 @@ from .baselines import COMPUTE_RULE, add_baseline_gains, baseline_gains_text, co
 class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "one subdirectory per stage"})
     stages: list[str] = field(
-        default_factory=lambda: list(STAGES),
-        metadata={"help": "stages to run, parents before children (default: every registered stage)"},
+        default_factory=lambda: [name for name, stage in STAGES.items() if stage.pipeline_default],
+        metadata={"help": "stages to run, parents before children (default: every registered stage but classify)"},
     )
     stage_configs: str = field(
         default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML; {stage} is replaced"}

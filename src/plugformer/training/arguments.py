@@ -314,3 +314,15 @@ class MatchedSFTArguments(SFTArguments):
                           "trained on and sampled by it and by each stage it descends from down to this run's parent "
                           "(run_info.json's compute records) set --max_steps"},
     )  # fmt: skip
+
+
+@dataclass
+class ClassifyArguments(StageArguments):
+    """A sequence classifier fine-tuned on labelled text (`text`, `label`, and `text_pair` for sentence pairs)."""
+
+    max_length: int = field(default=128, metadata={"help": "tokens per text (or pair) at most; longer ones are cut"})
+    exact_match_examples: int = field(default=0, metadata={"help": "unused: a classifier generates no answers"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"max_length": 2})

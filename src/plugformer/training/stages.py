@@ -53,6 +53,8 @@ class Stage:
         inputs (`tuple[StageInput, ...]`, *optional*): Further stages it reads (rlhf: the model that rewards it).
         baseline (`bool`, *optional*, defaults to `False`): A comparison point (rft, sft_matched): the pipeline's
             table reports the other stages' gains against it, and never hands it on as the final model.
+        pipeline_default (`bool`, *optional*, defaults to `True`): Whether `plugformer pipeline` runs it when its
+            `stages` are not given (classify, which no policy stage builds on, runs only when listed).
         train (`Callable`): `train(script_args, model_args, training_args) -> dict`, what `run_info.json` holds.
     """
 
@@ -67,6 +69,7 @@ class Stage:
     language_model_loss: bool = False
     inputs: tuple[StageInput, ...] = ()
     baseline: bool = False
+    pipeline_default: bool = True
     train: Callable[..., dict]
 
     def config_type(self) -> type:

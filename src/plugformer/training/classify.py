@@ -1,0 +1,115 @@
+"""Sequence classification: a pretrained model (a masked-LM encoder, BERT-style, or a causal LM reading its last
+token) with a new `num_labels`-way head, fine-tuned with transformers' `Trainer` on labelled text.
+
+The data has a `text` column, a `label` column and, for sentence pairs (NLI), a `text_pair` column (encoded
+`text <|sep|> text_pair`). Labels are strings or integers; their sorted distinct values in the training split become
+the class ids (integers keep their order), saved as the model's `id2label` / `label2id`, so `pipeline(
+"text-classification")` answers with the data's own labels. A dev or test label unseen in training is refused. The
+dev split is scored after training by accuracy and macro F1; `plugformer eval` scores the test split. The embedded
+data is a sentiment grammar ("the food was not really good" -> NEGATIVE, `data.sources.sentiment_rows`).
+"""
+
+from __future__ import annotations
+
+from ..evaluation.cards import StageCard
+from .arguments import ClassifyArguments, check_trainer_arguments, refuse_liger_kernel
+from .stages import Stage, register_stage
+
+
+def label_names(values: list) -> list[str]:
+    """The class names of a training split's labels, in class-id order: sorted integers, else sorted strings.
+
+    >>> label_names([2, 0, 2, 1]), label_names(["pos", "neg", "pos"])
+    (['0', '1', '2'], ['neg', 'pos'])
+    """
+    distinct = set(values)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in distinct):
+        return [str(v) for v in sorted(distinct)]
+    if all(isinstance(v, str) for v in distinct):
+        return sorted(distinct)
+    kinds = sorted({type(v).__name__ for v in distinct})
+    raise ValueError(f"column 'label' mixes {' and '.join(kinds)} values; give every label as an integer or as text")
+
+
+def check_labels(splits, names: list[str]) -> None:
+    """Raises `ValueError` naming a dev or test label the training split never has (it has no class id), or a
+    training split with one class only."""
+    if len(names) < 2:
+        raise ValueError(f"the training split has a single label ({names}); a classifier needs at least two")
+    for split in ("dev", "test"):
+        if split in splits:
+            unseen = sorted({str(v) for v in splits[split]["label"]} - set(names))
+            if unseen:
+                raise ValueError(f"the {split} split has labels the training split never has: {unseen[:5]} "
+                                 f"(training labels: {names[:20]})")  # fmt: skip
+
+
+def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
+    """`split` as input ids (pairs joined by the tokenizer's separator) and class-id `labels`."""
+
+    def encode(batch):
+        pairs = batch["text_pair"] if "text_pair" in batch else None
+        encoded = tokenizer(batch["text"], pairs, truncation=True, max_length=max_length)
+        encoded["labels"] = [label2id[str(value)] for value in batch["label"]]
+        return encoded
+
+    return split.map(encode, batched=True, remove_columns=split.column_names)
+
+
+def train(script_args, model_args, training_args) -> dict:
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
+
+    from ..evaluation.classification import compute_metrics
+    from .checkpoints import atomic_checkpoints
+    from .common import load_model, load_tokenizer, require_model_path, stage_data, train_and_save
+    from .distributed import check_launch, log_effective_batch
+    from .outputs import claim_output_dir
+
+    check_trainer_arguments(training_args)
+    refuse_liger_kernel(training_args)
+    if model_args.use_peft:
+        raise ValueError("--use_peft true: the classify stage trains every weight (LoRA for a classification head "
+                         "is not wired here); drop --use_peft")  # fmt: skip
+    check_launch(training_args)
+    claim_output_dir(script_args, training_args, "classify")
+    data = stage_data("classify", script_args)
+    names = label_names(list(data["train"]["label"]))
+    check_labels(data, names)
+    label2id = {name: index for index, name in enumerate(names)}
+    tokenizer = load_tokenizer(require_model_path(model_args, "classify"))
+    model = load_model(AutoModelForSequenceClassification, model_args, "classify", num_labels=len(names),
+                       id2label=dict(enumerate(names)), label2id=label2id)  # fmt: skip
+    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
+    splits = {name: tokenized(split, tokenizer, label2id, script_args.max_length) for name, split in data.items()}
+    trainer = atomic_checkpoints(Trainer)(
+        model=model,
+        args=training_args,
+        train_dataset=splits["train"],
+        eval_dataset=splits.get("dev"),
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+    extra = {"effective_batch": log_effective_batch(trainer, "classify"), "labels": names}
+    return train_and_save(trainer, "classify", script_args, tokenizer, extra)
+
+
+STAGE = register_stage(
+    Stage(
+        name="classify",
+        parent="pretrain",
+        script_arguments=ClassifyArguments,
+        config_class="TrainingArguments",
+        description="sequence classifier on labelled text (Trainer; accuracy, macro F1)",
+        data_format="classification",
+        data_parallel=True,
+        card=StageCard(
+            "a sequence classifier fine-tuned on labelled text",
+            "Trainer",
+            "text-classification",
+            embedded_task="sentiment",
+        ),
+        train=train,
+        pipeline_default=False,
+    )
+)

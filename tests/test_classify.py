@@ -1,0 +1,114 @@
+"""The classify stage: a num_labels-way head fine-tuned on labelled text (the embedded sentiment grammar, or your own
+csv with sentence pairs and string labels), its labels kept as the model's id2label, and `plugformer eval`'s scores
+of it on the split training held out."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+from plugformer.data.corpus import nli_examples, sentiment_sentences
+from plugformer.data.sources import load_stage_dataset, split_of_key
+from plugformer.evaluation.classification import evaluate_classifier
+from plugformer.evaluation.held_out import rows_digest
+from plugformer.evaluation.scoring import main as eval_main
+from plugformer.experiments.pipeline import PipelineArguments
+from plugformer.runtime.arguments import override_flags
+from plugformer.training import run_stage
+from plugformer.training.classify import check_labels, label_names
+
+
+FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no",
+         "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16", "--max_steps", "3",
+         "--dataloader_pin_memory", "false", "--learning_rate", "1e-3", "--max_length", "32"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pretrain")
+    run_stage("pretrain", ["--output_dir", str(folder), "--report_to", "none", "--disable_tqdm", "true",
+                           "--save_strategy", "no", "--max_steps", "2", "--train_examples", "48", "--dev_examples",
+                           "4", "--test_examples", "4", "--preset", "tiny", "--vocab_size", "300", "--block_size",
+                           "32", "--exact_match_examples", "0", "--dataloader_pin_memory", "false"])  # fmt: skip
+    return folder
+
+
+def classify(output_dir, parent, *extra: str) -> dict:
+    return run_stage("classify", override_flags(["--output_dir", str(output_dir), "--model_name_or_path", str(parent)],
+                                                FLAGS, list(extra)))  # fmt: skip
+
+
+def test_the_sentiment_grammar_is_split_by_sentence_and_labelled_by_its_rule():
+    sentences = sentiment_sentences()
+    assert len(sentences) == len({text for text, _ in sentences}) == 8 * 4 * 2 * 2 * 14
+    for text, label in sentences:  # positive adjective xor "not"
+        positive = text.split()[-1] in ("great", "wonderful", "good", "excellent", "lovely", "fun", "delightful")
+        assert label == int(positive != (" not " in f" {text} "))
+    data = load_stage_dataset("classification", sizes={"train": 5000, "dev": 5000, "test": 5000})
+    texts = {split: set(rows["text"]) for split, rows in data.items()}
+    assert not texts["train"] & texts["dev"] and not texts["train"] & texts["test"] and not texts["dev"] & texts["test"]
+    assert sum(map(len, texts.values())) == len(sentences)  # every sentence once, in the split its hash names
+    assert all(split_of_key(text) == split for split, rows in data.items() for text in rows["text"])
+    again = load_stage_dataset("classification", sizes={"test": 20}, seed=3)["test"]
+    assert again["text"] == load_stage_dataset("classification", sizes={"test": 20}, seed=3)["test"]["text"]
+
+
+def test_labels_become_class_ids_and_bad_labels_are_refused():
+    assert label_names([10, 2, 2]) == ["2", "10"] and label_names(["b", "a"]) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"column 'label' mixes int and str"):
+        label_names([1, "a"])
+    with pytest.raises(ValueError, match=r"a single label \(\['a'\]\)"):
+        check_labels({"train": None}, ["a"])
+    with pytest.raises(ValueError, match=r"the dev split has labels the training split never has: \['c'\]"):
+        check_labels({"dev": {"label": ["a", "c"]}}, ["a", "b"])
+
+
+def test_classify_on_the_embedded_grammar_and_its_test_scores(pretrained, tmp_path):
+    info = classify(tmp_path / "clf", pretrained, "--dev_examples", "20", "--test_examples", "30")
+    assert info["labels"] == ["NEGATIVE", "POSITIVE"]
+    assert 0 <= info["metrics"]["eval_accuracy"] <= 1 and 0 <= info["metrics"]["eval_macro_f1"] <= 1
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "clf")
+    assert model.config.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
+    card = (tmp_path / "clf/README.md").read_text()
+    assert "dev accuracy" in card and "plugformer-sentiment" in card and "arithmetic" not in card
+    results = eval_main(["--model", str(tmp_path / "clf"), "--examples", "30"])
+    rows = load_stage_dataset("classification", sizes={"test": 30})["test"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "clf")
+    expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]])
+    assert results["data_sha256"] == rows_digest(rows) and results["examples"] == 30
+    assert results["accuracy"] == expected["accuracy"] == sum(results["correct"]) / 30
+    assert results["macro_f1"] == expected["macro_f1"]
+    labelled = pipeline("text-classification", model=str(tmp_path / "clf"))("the food was not really good")
+    assert labelled[0]["label"] in ("NEGATIVE", "POSITIVE")
+
+
+def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp_path):
+    names = {0: "entailment", 1: "neutral", 2: "contradiction"}
+    path = tmp_path / "nli.csv"
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["text", "text_pair", "label"])
+        writer.writerows((premise, hypothesis, names[label]) for premise, hypothesis, label in nli_examples(90))
+    info = classify(tmp_path / "nli", pretrained, "--dataset_name", "csv", "--data_files", str(path),
+                    "--dev_examples", "9", "--test_examples", "12")  # fmt: skip
+    assert info["labels"] == ["contradiction", "entailment", "neutral"]  # sorted text labels
+    record = json.loads((tmp_path / "nli/run_info.json").read_text())["data"]
+    assert record["dataset_name"] == "csv" and record["test_examples"] == 12
+    results = eval_main(["--model", str(tmp_path / "nli")])  # the run's own held-out pairs
+    held_out = load_stage_dataset("classification", "csv", data_files=[str(path)], sizes={"dev": 9, "test": 12})
+    assert results["examples"] == 12 and results["data_sha256"] == rows_digest(held_out["test"])
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "nli")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "nli")
+    rows = held_out["test"]
+    expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]],
+                                   pairs=rows["text_pair"])  # fmt: skip
+    assert results["correct"] == expected["correct"]
+    with pytest.raises(ValueError, match=r"--use_peft true: the classify stage trains every weight"):
+        classify(tmp_path / "lora", pretrained, "--use_peft", "true")
+
+
+def test_the_pipeline_runs_classify_only_when_listed():
+    assert "classify" not in PipelineArguments().stages
