@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
@@ -112,3 +113,25 @@ def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp
 
 def test_the_pipeline_runs_classify_only_when_listed():
     assert "classify" not in PipelineArguments().stages
+
+
+def test_compare_ranks_classifiers_by_accuracy_and_refuses_a_mismatched_metric(tmp_path):
+    from plugformer.experiments.compare import CompareArguments, run
+
+    configs = str(Path(__file__).parents[1] / "configs" / "{stage}" / "tiny.yaml")
+    budget = ["pretrain.max_steps=2", "pretrain.is_causal=false", "classify.max_steps=150", "train_examples=400",
+              "report_to=none", "hidden_size=32", "num_hidden_layers=1", "vocab_size=300"]  # fmt: skip
+    # learning rate 0 leaves the new head at its initialisation: a planted, clearly worse variant
+    args = CompareArguments(output_dir=str(tmp_path), grid=["classify.learning_rate=0.003,0.0"], seeds=[0, 1],
+                            set=budget, stages=["pretrain", "classify"], metric="accuracy", dev_examples=40,
+                            test_examples=60, bootstrap_samples=2000, stage_configs=configs)  # fmt: skip
+    summary = run(args)
+    assert summary["metric"] == "accuracy" and summary["best"] == "classify.learning_rate=0.003"
+    worse = summary["variants"]["classify.learning_rate=0.0"]
+    assert worse["versus_best"]["significant"] and worse["versus_best"]["difference"] > 0  # best is more accurate
+    assert summary["variants"][summary["best"]]["test"]["mean"] > 0.8  # an encoder learns the grammar's negation
+    assert "accuracy, best − other" in (tmp_path / "results.md").read_text()
+    with pytest.raises(ValueError, match=r"accuracy scores a classifier and a classifier is scored by accuracy"):
+        CompareArguments(stages=["pretrain", "classify"])  # perplexity of a classifier
+    with pytest.raises(ValueError, match=r"end --stages with classify and set --metric accuracy"):
+        CompareArguments(stages=["pretrain"], metric="accuracy")

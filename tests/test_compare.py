@@ -12,7 +12,8 @@ from scipy import stats
 
 from plugformer.evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
 from plugformer.experiments import compare as compare_module
-from plugformer.experiments.compare import CompareArguments, parse_grid, route, run, variants
+from plugformer.experiments.compare import CompareArguments, run
+from plugformer.experiments.grid import parse_grid, route, variants
 
 
 SAMPLES = [[0.61, 0.55, 0.70], [1.0, 2.0, 3.0, 4.0, 10.0], [0.2, 0.2, 0.21, 0.19, 0.2, 0.25]]

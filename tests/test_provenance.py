@@ -106,8 +106,9 @@ def test_paired_bootstrap_refuses_fewer_resamples_than_its_documented_minimum():
 
 
 def test_repeated_list_flags_accumulate_and_other_repeated_flags_are_refused():
-    from plugformer.experiments.compare import CompareArguments, parse_grid, variants
+    from plugformer.experiments.compare import CompareArguments
     from plugformer.experiments.extrapolation import ExtrapolationArguments
+    from plugformer.experiments.grid import parse_grid, variants
     from plugformer.runtime.arguments import parse_arguments
 
     args = parse_arguments(CompareArguments, ["--grid", "attention_score=dot,additive", "--grid",

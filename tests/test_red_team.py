@@ -527,7 +527,7 @@ def test_no_json_file_is_written_in_place():
 
 
 def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
-    from plugformer.experiments.compare import route
+    from plugformer.experiments.grid import route
 
     argv = route({"config_overrides": "ffn_type=mlp", "norm_type": "layernorm"}, ["pretrain"])
     assert argv["pretrain"] == ["--config_overrides", "ffn_type=mlp,norm_type=layernorm"]  # one flag, both fields

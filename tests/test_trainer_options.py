@@ -12,7 +12,7 @@ import transformers
 import yaml
 
 from plugformer import compat
-from plugformer.experiments.compare import route
+from plugformer.experiments.grid import route
 from plugformer.training import STAGES, parse_stage_arguments
 
 

@@ -13,14 +13,14 @@ A run lives in `<output_dir>/runs/<variant>-<hash>/seed<N>/<stage>`, the hash co
 it (the stage command lines and the content of their YAML files): re-running the same comparison reuses finished
 runs and their scores; changing a setting trains new ones. The variant with the best mean dev score is selected;
 each other variant is compared with it on test by a paired bootstrap over test examples (each example's score
-averaged over seeds; `--significance ttest` uses a paired t-test over seeds instead).
+averaged over seeds; `--significance ttest` uses a paired t-test over seeds instead). The score: perplexity, exact
+match, or with `--stages` ending in classify, accuracy (`--metric`). The grid and routing: `experiments/grid.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -39,6 +39,7 @@ from ..evaluation.stats import (
 )
 from ..runtime.arguments import config_path, override_flags, stage_config
 from ..runtime.files import write_json_atomic, write_text_atomic
+from .grid import HELD_OUT, parse_grid, parse_settings, refuse_controlled, route, variant_name, variants
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Metric:
 METRICS = {
     "perplexity": Metric("perplexity", higher_is_better=False),
     "exact_match": Metric("exact_match", higher_is_better=True),
+    "accuracy": Metric("accuracy", higher_is_better=True),  # a classify stage's, on the sentiment grammar
 }
 SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
 
@@ -78,7 +80,7 @@ class CompareArguments(CorpusArguments):
         metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once; a --grid KEY "
                           "replaces it; stage.KEY wins over KEY for its stage)"},
     )  # fmt: skip
-    metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match"})
+    metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match | accuracy"})  # fmt: skip
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
@@ -103,146 +105,26 @@ class CompareArguments(CorpusArguments):
                 raise ValueError(f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
                                  "examples and reports on test examples)")  # fmt: skip
         check_significance_options(self.alpha, self.bootstrap_samples)
-        refuse_unscorable_stage(self.stages)
+        refuse_unscorable_stage(self.stages, self.metric)
         if self.significance == "ttest" and len(self.seeds) < 2:
             raise ValueError(f"significance='ttest' pairs seeds: give at least 2 seeds, got {self.seeds}")
 
 
-def refuse_unscorable_stage(stages: list[str]) -> None:
-    """Compare scores the last stage as a language model: a reward classifier has no perplexity of its own."""
+def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> None:
+    """Compare scores the last stage: a language model by perplexity or exact match, a classifier (a stage reading
+    the `classification` format) by accuracy; a reward classifier has neither."""
     from ..training import STAGES
 
-    if stages and stages[-1] in STAGES and STAGES[stages[-1]].card.pipeline_tag != "text-generation":
+    last = STAGES.get(stages[-1]) if stages else None
+    classifier = last is not None and last.data_format == "classification"
+    if last is not None and classifier != (metric == "accuracy"):
+        raise ValueError(f"stages={stages}, metric={metric!r}: accuracy scores a classifier and a classifier is "
+                         f"scored by accuracy; end --stages with classify and set --metric accuracy, or score "
+                         f"{stages[-1]!r} by perplexity or exact match")  # fmt: skip
+    if last is not None and not classifier and last.card.pipeline_tag != "text-generation":
         raise ValueError(f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
-                         f"match), and {stages[-1]!r} trains a {STAGES[stages[-1]].card.pipeline_tag} model; end "
-                         f"--stages with a policy stage, or score it with `plugformer eval` (pairwise accuracy)")  # fmt: skip
-
-
-def parse_grid(entries: list[str]) -> dict[str, list[str]]:
-    """`["a=1,2", "b=x"]` -> `{"a": ["1", "2"], "b": ["x"]}`.
-
-    >>> parse_grid(["attention_score=dot,additive", "sft.learning_rate=1e-3"])
-    {'attention_score': ['dot', 'additive'], 'sft.learning_rate': ['1e-3']}
-    """
-    grid = {}
-    for entry in entries:
-        key, separator, values = entry.partition("=")
-        choices = [v.strip() for v in values.split(",") if v.strip()]
-        if not separator or not key.strip() or not choices:
-            raise ValueError(f"grid entry {entry!r}: expected KEY=V1,V2,...")
-        if key.strip() in grid:
-            raise ValueError(f"grid entry {entry!r}: {key.strip()!r} appears twice")
-        grid[key.strip()] = choices
-    return grid
-
-
-def variants(grid: dict[str, list[str]]) -> list[dict[str, str]]:
-    """The cartesian product of the grid, in the order given."""
-    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
-
-
-def variant_name(variant: dict[str, str]) -> str:
-    return ",".join(f"{key}={value}" for key, value in variant.items()) or "baseline"
-
-
-def stage_options(stage: str) -> set[str]:
-    """Every option `plugformer train <stage>` accepts (either name of a renamed trainer option)."""
-    from trl import ModelConfig
-
-    from ..compat import trainer_option_aliases
-    from ..training import STAGES
-
-    entry = STAGES[stage]
-    classes = (entry.script_arguments, ModelConfig, entry.config_type())
-    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
-    return names | {new for new, old in trainer_option_aliases().items() if old in names}
-
-
-def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
-    """Command-line options per stage for `settings` (grid values and `--set` values), each flag once: a key that
-    names its stage (`sft.learning_rate`) wins there over the same key for every stage (`learning_rate`).
-    `PlugformerConfig` fields go into the `config_overrides` of the stage that builds the model (the first without
-    a parent: pretrain)."""
-    from ..configuration import PlugformerConfig
-    from ..training import STAGES
-
-    config_fields = {f.name for f in dataclasses.fields(PlugformerConfig)}
-    builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None), None)
-    options = {stage: stage_options(stage) for stage in stages}
-    argv = {stage: [] for stage in stages}
-    named = {stage: [] for stage in stages}  # the options of keys that name their stage, applied over `argv`
-    config_overrides = []
-    for key, value in settings.items():
-        stage, _, name = key.rpartition(".")
-        targets = [stage] if stage else [s for s in stages if name in options[s]]
-        if stage and (stage not in stages or name not in options[stage]):
-            raise ValueError(f"{key}={value}: stage {stage!r} is not in stages={stages} or has no option {name!r}")
-        if name == "config_overrides" and builder is not None and stage in ("", builder):
-            # merged with the PlugformerConfig fields routed below: a second --config_overrides would replace the first
-            config_overrides += [item.strip() for item in value.split(",") if item.strip()]
-        elif targets:
-            for target in targets:
-                (named if stage else argv)[target] += [f"--{name}", value]
-        elif name in config_fields and builder is not None:
-            config_overrides.append(f"{name}={value}")
-        else:
-            raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
-                             "PlugformerConfig field set at pretraining")  # fmt: skip
-    argv = {stage: override_flags(argv[stage], named[stage]) for stage in stages}
-    if config_overrides:
-        fields = [item.partition("=")[0].strip() for item in config_overrides]
-        twice = sorted({field for field in fields if fields.count(field) > 1})
-        if twice:
-            raise ValueError(f"config_overrides {','.join(config_overrides)}: {twice} set more than once (a grid key "
-                             "and --set config_overrides, or twice); set each PlugformerConfig field once")  # fmt: skip
-        argv[builder] += ["--config_overrides", ",".join(config_overrides)]
-    return argv
-
-
-def parse_settings(entries: list[str]) -> dict[str, str]:
-    """{KEY: VALUE} of `--set` entries; a key given twice is refused (the last one won silently)."""
-    settings = {}
-    for entry in entries:
-        key, separator, value = entry.partition("=")
-        if not separator or not key.strip():
-            raise ValueError(f"--set {entry!r}: expected KEY=VALUE")
-        if key.strip() in settings:
-            raise ValueError(f"--set {key.strip()} given twice (--set {key.strip()}={settings[key.strip()]}, then "
-                             f"--set {entry}); give it once")  # fmt: skip
-        settings[key.strip()] = value.strip()
-    return settings
-
-
-# Options that `compare` itself sets on every stage of every run (`train_run`). Set again by `--set` or a grid
-# key, they would come after compare's own and win: every seed would then be one run (`--seed 7` after each
-# `--seed N`, a spread of 0 and a "significant" p-value), or every run would share one folder.
-CONTROLLED = {
-    "seed": "--seeds",
-    "output_dir": "--output_dir (runs live in <output_dir>/runs/<variant>-<hash>/seed<N>/<stage>)",
-    "dataset_seed": "--dataset_seed (the same seed also picks the dev and test examples scored)",
-    "model_name_or_path": "--stages (each stage starts from its parent's folder in the same run)",
-    "reward_model_path": "--stages (rlhf uses the run's own reward stage)",
-    "config": "--stage_configs",
-    "resume_from_checkpoint": "--rerun false (an interrupted stage resumes from its newest checkpoint by itself)",
-    "overwrite_output_dir": "--rerun true",
-    # the corpus: the runs train on it and compare scores its held-out documents, so both read compare's own options
-    "dataset_name": "compare's --dataset_name (with --data_files, --dataset_config, --streaming, --data_cache_dir)",
-    "dataset_config": "compare's --dataset_config",
-    "data_files": "compare's --data_files",
-    "streaming": "compare's --streaming",
-    "data_cache_dir": "compare's --data_cache_dir",
-}
-# with your corpus, the documents pretraining holds out are the ones compare scores: one size for both
-HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"}
-
-
-def refuse_controlled(settings: dict[str, str], source: str) -> None:
-    """Raises `ValueError` for a setting of an option that `compare` sets per run (see `CONTROLLED`)."""
-    for key, value in settings.items():
-        name = key.rpartition(".")[2]
-        if name in CONTROLLED:
-            raise ValueError(f"{source} {key}={value}: compare sets {name!r} itself for every run; use "
-                             f"{CONTROLLED[name]} instead")  # fmt: skip
+                         f"match), and {stages[-1]!r} trains a {last.card.pipeline_tag} model; end --stages with a "
+                         f"policy stage, or score it with `plugformer eval` (pairwise accuracy)")  # fmt: skip
 
 
 def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dict[str, list[str]]]:
@@ -350,7 +232,7 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
         if cached.get("key") == key:
             return cached
     scores, weights = _score(args, model_dir, split, size)
-    result = {"key": key, "examples": size, "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(),
+    result = {"key": key, "examples": len(scores), "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(),
               "scores": scores, "weights": weights}  # fmt: skip
     write_json_atomic(cache, result)
     return result
@@ -361,10 +243,19 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
 
     from ..data.sources import load_stage_dataset
     from ..data.tokenization import load_tokenizer
+    from ..evaluation.classification import evaluate_classifier
     from ..evaluation.rewards import exact_match_reward
     from ..evaluation.scoring import document_losses, generate_answers
 
     tokenizer = load_tokenizer(str(model_dir))
+    if args.metric == "accuracy":  # 1/0 per sentence of the sentiment grammar's split
+        from transformers import AutoModelForSequenceClassification
+
+        rows = load_stage_dataset("classification", sizes={split: size}, seed=args.dataset_seed)[split]
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+        labels = [model.config.label2id[label] for label in rows["label"]]
+        correct = evaluate_classifier(model, tokenizer, list(rows["text"]), labels)["correct"]
+        return [float(c) for c in correct], [1.0] * len(correct)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if args.metric == "perplexity":
         if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
@@ -447,7 +338,7 @@ def table(args: CompareArguments, summary: dict) -> str:
             p_value, label = f"{v['p_holm']:.3g}" + (" *" if v["significant"] else ""), name
         lines.append(f"| {label} | {row['dev']:.3f} | {test['mean']:.3f}{spread} | {seeds} | {versus} | {p_value} |")
     lines.append("")
-    unit = "per-token loss (nats), best − other" if metric == "perplexity" else "exact match, best − other"
+    unit = ("per-token loss (nats)" if metric == "perplexity" else metric.replace("_", " ")) + ", best − other"
     lines.append(f"difference: {unit}; * = significant after Holm correction")
     return "\n".join(lines)
 
