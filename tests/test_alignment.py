@@ -204,6 +204,12 @@ def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
     assert gain_text(gain).startswith("+33.3 (")
     assert gain_over_parent(results, "reward") is None and gain_text(None) == "—"
     json.dumps(gain)  # goes into results.json
+    # scores of other examples (classify's sentences against pretraining's problems) are never paired
+    other = {
+        "pretrain": {"correct": [0, 1, 0], "data_sha256": "a"},
+        "classify": {"correct": [1, 1, 1], "data_sha256": "b"},
+    }
+    assert gain_over_parent(other, "classify") is None
 
 
 def pipeline_args(tmp_path, **overrides):

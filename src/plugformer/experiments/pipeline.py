@@ -366,11 +366,14 @@ def stage_result(args: PipelineArguments, stage: str, results: dict, held: dict,
 
 def gain_over_parent(results: dict, stage: str) -> dict | None:
     """Test exact match of `stage` minus its parent's, paired over the same problems (the project's paired
-    bootstrap: interval and two-sided p), or None where either has no per-problem scores."""
+    bootstrap: interval and two-sided p), or None where either has no per-problem scores or they scored other
+    examples (`data_sha256`: classify's sentences against pretraining's problems)."""
     from ..evaluation.stats import paired_bootstrap
 
     parent = STAGES[stage].parent
     if parent not in results or "correct" not in results[stage] or "correct" not in results[parent]:
+        return None
+    if results[stage].get("data_sha256") != results[parent].get("data_sha256"):
         return None
     return paired_bootstrap(results[stage]["correct"], results[parent]["correct"]).to_dict()
 
