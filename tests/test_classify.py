@@ -107,8 +107,22 @@ def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp
     expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]],
                                    pairs=rows["text_pair"])  # fmt: skip
     assert results["correct"] == expected["correct"]
-    with pytest.raises(ValueError, match=r"--use_peft true: the classify stage trains every weight"):
-        classify(tmp_path / "lora", pretrained, "--use_peft", "true")
+
+
+def test_classify_with_lora_trains_the_adapters_and_the_new_head_and_merges_them(pretrained, tmp_path):
+    from safetensors.torch import load_file
+
+    classify(tmp_path / "lora", pretrained, "--use_peft", "true", "--lora_r", "4", "--learning_rate", "3e-2")
+    assert (tmp_path / "lora/adapter/adapter_model.safetensors").is_file()
+    parent, merged = load_file(pretrained / "model.safetensors"), load_file(tmp_path / "lora/model.safetensors")
+    query = next(name for name in parent if name.endswith("layers.0.self_attn.q_proj.weight"))
+    assert not (parent[query] == merged[query]).all()  # the adapters, merged into q_proj
+    assert "score.weight" in merged and not any("lora" in name for name in merged)
+    adapter = load_file(tmp_path / "lora/adapter/adapter_model.safetensors")
+    # the trained head is saved with the adapters (PEFT's modules_to_save) and is the merged model's head
+    assert (adapter["base_model.model.score.weight"] == merged["score.weight"]).all()
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lora")
+    assert model.config.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
 
 
 def test_the_pipeline_runs_classify_only_when_listed():

@@ -56,6 +56,19 @@ def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
     return split.map(encode, batched=True, remove_columns=split.column_names)
 
 
+def with_adapters(model, model_args):
+    """`model` with LoRA adapters (`--lora_*`) as PEFT's sequence-classification model: the new `score` head is
+    trained whole and saved beside the adapters (PEFT's `modules_to_save` for `SEQ_CLS`), whatever
+    `--lora_task_type` says (TRL's default, `CAUSAL_LM`, would leave the head untrained)."""
+    from peft import get_peft_model
+
+    from .common import peft_config
+
+    config = peft_config(model_args)
+    config.task_type = "SEQ_CLS"
+    return get_peft_model(model, config)
+
+
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
 
@@ -67,9 +80,6 @@ def train(script_args, model_args, training_args) -> dict:
 
     check_trainer_arguments(training_args)
     refuse_liger_kernel(training_args)
-    if model_args.use_peft:
-        raise ValueError("--use_peft true: the classify stage trains every weight (LoRA for a classification head "
-                         "is not wired here); drop --use_peft")  # fmt: skip
     check_launch(training_args)
     claim_output_dir(script_args, training_args, "classify")
     data = stage_data("classify", script_args)
@@ -80,6 +90,8 @@ def train(script_args, model_args, training_args) -> dict:
     model = load_model(AutoModelForSequenceClassification, model_args, "classify", num_labels=len(names),
                        id2label=dict(enumerate(names)), label2id=label2id)  # fmt: skip
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
+    if model_args.use_peft:
+        model = with_adapters(model, model_args)
     splits = {name: tokenized(split, tokenizer, label2id, script_args.max_length) for name, split in data.items()}
     trainer = atomic_checkpoints(Trainer)(
         model=model,
