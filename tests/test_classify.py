@@ -59,8 +59,10 @@ def test_the_sentiment_grammar_is_split_by_sentence_and_labelled_by_its_rule():
 
 def test_labels_become_class_ids_and_bad_labels_are_refused():
     assert label_names([10, 2, 2]) == ["2", "10"] and label_names(["b", "a"]) == ["a", "b"]
-    with pytest.raises(ValueError, match=r"column 'label' mixes int and str"):
+    with pytest.raises(ValueError, match=r"column 'label' holds int and str values"):
         label_names([1, "a"])
+    with pytest.raises(ValueError, match=r"column 'label' holds float values; give every label as an integer"):
+        label_names([1.0, 0.0])
     with pytest.raises(ValueError, match=r"a single label \(\['a'\]\)"):
         check_labels({"train": None}, ["a"])
     with pytest.raises(ValueError, match=r"the dev split has labels the training split never has: \['c'\]"):

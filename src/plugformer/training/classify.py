@@ -28,7 +28,8 @@ def label_names(values: list) -> list[str]:
     if all(isinstance(v, str) for v in distinct):
         return sorted(distinct)
     kinds = sorted({type(v).__name__ for v in distinct})
-    raise ValueError(f"column 'label' mixes {' and '.join(kinds)} values; give every label as an integer or as text")
+    raise ValueError(f"column 'label' holds {' and '.join(kinds)} values; give every label as an integer or as text "
+                     "(a float or a list is no class)")  # fmt: skip
 
 
 def check_labels(splits, names: list[str]) -> None:
