@@ -93,12 +93,12 @@ def train(script_args, model_args, training_args) -> dict:
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
     if model_args.use_peft:
         model = with_adapters(model, model_args)
-    splits = {name: tokenized(split, tokenizer, label2id, script_args.max_length) for name, split in data.items()}
+    dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
     trainer = atomic_checkpoints(Trainer)(
         model=model,
         args=training_args,
-        train_dataset=splits["train"],
-        eval_dataset=splits.get("dev"),
+        train_dataset=tokenized(data["train"], tokenizer, label2id, script_args.max_length),
+        eval_dataset=dev,  # test is `plugformer eval`'s, once
         data_collator=DataCollatorWithPadding(tokenizer),
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
