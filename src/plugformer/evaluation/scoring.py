@@ -282,9 +282,9 @@ def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy; a masked
     LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`); a classifier by accuracy
-    and macro F1 on the sentiment grammar (`classifier_scores`). A model
-    trained on your own data (its run_info.json), or any model given `--dataset_name`, is scored on that source's
-    held-out split instead (`held_out.user_data_scores`)."""
+    and macro F1 on the sentiment grammar (`classifier_scores`). A model trained on your own data (its
+    run_info.json), or any model given `--dataset_name`, is scored on that source's held-out split instead
+    (`user_data_scores`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from ..data.sources import load_stage_dataset
