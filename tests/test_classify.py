@@ -131,22 +131,63 @@ def test_the_pipeline_runs_classify_only_when_listed():
     assert "classify" not in PipelineArguments().stages
 
 
-def test_compare_ranks_classifiers_by_accuracy_and_refuses_a_mismatched_metric(tmp_path):
+CONFIGS = str(Path(__file__).parents[1] / "configs" / "{stage}" / "tiny.yaml")
+# a 2-step encoder under a new head: 100 classify steps at 3e-3 learn the adjectives' polarity (4 of 4 seeds: 100% dev)
+BUDGET = ["pretrain.max_steps=2", "pretrain.is_causal=false", "classify.max_steps=100", "train_examples=400",
+          "report_to=none", "hidden_size=32", "num_hidden_layers=1", "vocab_size=300"]  # fmt: skip
+
+
+def scored_rows_agree(run_dir: Path, rows, split: str = "test") -> None:
+    """compare's cached 1/0 per row of a run equal `evaluate_classifier` on `rows`."""
+    model = AutoModelForSequenceClassification.from_pretrained(run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]])
+    cached = json.loads((run_dir / f"compare_accuracy_{split}.json").read_text())
+    assert cached["scores"] == [float(c) for c in expected["correct"]] and cached["examples"] == len(rows)
+
+
+def test_compare_ranks_classifiers_on_the_split_held_out_of_your_labelled_data(tmp_path):
+    from plugformer.evaluation.held_out import held_out_rows, recorded_source
     from plugformer.experiments.compare import CompareArguments, run
 
-    configs = str(Path(__file__).parents[1] / "configs" / "{stage}" / "tiny.yaml")
-    budget = ["pretrain.max_steps=2", "pretrain.is_causal=false", "classify.max_steps=150", "train_examples=400",
-              "report_to=none", "hidden_size=32", "num_hidden_layers=1", "vocab_size=300"]  # fmt: skip
+    path = tmp_path / "reviews.csv"  # the grammar's sentences without "not": polarity is the adjective's
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["text", "label"])
+        writer.writerows((text, ("neg", "pos")[label]) for text, label in sentiment_sentences() if " not " not in text)
+    labelled = ["classify.dataset_name=csv", f"classify.data_files={path}", "classify.dev_examples=50",
+                "classify.test_examples=80"]  # fmt: skip
     # learning rate 0 leaves the new head at its initialisation: a planted, clearly worse variant
-    args = CompareArguments(output_dir=str(tmp_path), grid=["classify.learning_rate=0.003,0.0"], seeds=[0, 1],
-                            set=budget, stages=["pretrain", "classify"], metric="accuracy", dev_examples=40,
-                            test_examples=60, bootstrap_samples=2000, stage_configs=configs)  # fmt: skip
+    args = CompareArguments(output_dir=str(tmp_path / "out"), grid=["classify.learning_rate=0.003,0.0"],
+                            seeds=[0, 1], set=BUDGET + labelled, stages=["pretrain", "classify"], metric="accuracy",
+                            dev_examples=40, test_examples=60, bootstrap_samples=2000,
+                            stage_configs=CONFIGS)  # fmt: skip
     summary = run(args)
     assert summary["metric"] == "accuracy" and summary["best"] == "classify.learning_rate=0.003"
     worse = summary["variants"]["classify.learning_rate=0.0"]
     assert worse["versus_best"]["significant"] and worse["versus_best"]["difference"] > 0  # best is more accurate
-    assert summary["variants"][summary["best"]]["test"]["mean"] > 0.8  # an encoder learns the grammar's negation
-    assert "accuracy, best − other" in (tmp_path / "results.md").read_text()
+    assert summary["variants"][summary["best"]]["test"]["mean"] > 0.8
+    assert "accuracy, best − other" in (tmp_path / "out/results.md").read_text()
+    # the rows scored: the first 60 of the 80 the classify runs held out of the csv, the same for every run
+    run_dir = next((tmp_path / "out/runs").glob("classify.learning_rate=0.003-*")) / "seed0/classify"
+    source = recorded_source(str(run_dir))
+    assert source["data_files"] == [str(path)] and source["test_examples"] == 80
+    scored_rows_agree(run_dir, held_out_rows(source, "test", 60))
+    with pytest.raises(ValueError, match=r"variants scored on different data cannot be paired"):
+        run(CompareArguments(output_dir=str(tmp_path / "x"), grid=[f"classify.data_files={path},{path}"], seeds=[0],
+                             stages=["pretrain", "classify"], metric="accuracy", stage_configs=CONFIGS))  # fmt: skip
+
+
+def test_compare_scores_a_classifier_on_the_embedded_grammar_and_refuses_a_mismatched_metric(tmp_path):
+    from plugformer.experiments.compare import CompareArguments, run
+
+    budget = [*(b for b in BUDGET if not b.startswith("classify.max_steps")), "classify.max_steps=5"]
+    args = CompareArguments(output_dir=str(tmp_path), grid=["classify.learning_rate=0.003"], seeds=[0], set=budget,
+                            stages=["pretrain", "classify"], metric="accuracy", dev_examples=20, test_examples=30,
+                            stage_configs=CONFIGS)  # fmt: skip
+    run(args)
+    run_dir = next((tmp_path / "runs").glob("*")) / "seed0/classify"
+    scored_rows_agree(run_dir, load_stage_dataset("classification", sizes={"test": 30})["test"])
     with pytest.raises(ValueError, match=r"accuracy scores a classifier and a classifier is scored by accuracy"):
         CompareArguments(stages=["pretrain", "classify"])  # perplexity of a classifier
     with pytest.raises(ValueError, match=r"end --stages with classify and set --metric accuracy"):

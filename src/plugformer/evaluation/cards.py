@@ -140,7 +140,8 @@ def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[
     elif "eval_accuracy" in metrics:
         lines.append(f"- dev pairwise accuracy (chosen scored above rejected): {metrics['eval_accuracy']:.1%}")
         results.append(EvalResult(task_type="text-classification", **scored_dataset(info, task, preferences=True),
-                                  dataset_split="dev", metric_type="accuracy", metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
+                                  dataset_split="dev", metric_type="accuracy",
+                                  metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
 
 

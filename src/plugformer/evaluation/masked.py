@@ -17,7 +17,8 @@ from .held_out import rows_digest
 
 def masked_documents(tokenizer, texts: list[str], rate: float, seed: int, max_length: int) -> list[tuple]:
     """(input ids with the drawn tokens masked, labels: the drawn tokens' ids, -100 elsewhere) per document, cut to
-    `max_length` tokens; `max(1, round(rate * n))` of each document's n text tokens are drawn (`<bos>`/`<eos>` never)."""
+    `max_length` tokens; `max(1, round(rate * n))` of each document's n text tokens are drawn (never `<bos>` or
+    `<eos>`)."""
     generator = torch.Generator().manual_seed(seed)
     documents = []
     for ids in encode_documents(texts, tokenizer):

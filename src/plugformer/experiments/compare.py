@@ -80,7 +80,10 @@ class CompareArguments(CorpusArguments):
         metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once; a --grid KEY "
                           "replaces it; stage.KEY wins over KEY for its stage)"},
     )  # fmt: skip
-    metric: str = field(default="perplexity", metadata={"help": "perplexity (lower is better) | exact_match | accuracy"})  # fmt: skip
+    metric: str = field(
+        default="perplexity",
+        metadata={"help": "perplexity (lower is better) | exact_match | accuracy (--stages ending with classify)"},
+    )
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
@@ -91,9 +94,10 @@ class CompareArguments(CorpusArguments):
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
     def __post_init__(self):
-        if self.dataset_name is not None and self.metric != "perplexity":
+        if self.dataset_name is not None and self.metric == "exact_match":
             raise ValueError(f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
-                             f"(--dataset_name {self.dataset_name}) compare scores perplexity: drop --metric")  # fmt: skip
+                             f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify stage's "
+                             "accuracy")  # fmt: skip
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
         if self.significance not in SIGNIFICANCE_TESTS:
@@ -248,10 +252,16 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from ..evaluation.scoring import document_losses, generate_answers
 
     tokenizer = load_tokenizer(str(model_dir))
-    if args.metric == "accuracy":  # 1/0 per sentence of the sentiment grammar's split
+    if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the sentiment grammar
         from transformers import AutoModelForSequenceClassification
 
-        rows = load_stage_dataset("classification", sizes={split: size}, seed=args.dataset_seed)[split]
+        from ..evaluation.held_out import held_out_rows, recorded_source
+
+        source = recorded_source(str(model_dir))
+        if source is not None:
+            rows = held_out_rows(source, split, size)
+        else:
+            rows = load_stage_dataset("classification", sizes={split: size}, seed=args.dataset_seed)[split]
         model = AutoModelForSequenceClassification.from_pretrained(model_dir)
         labels = [model.config.label2id[label] for label in rows["label"]]
         correct = evaluate_classifier(model, tokenizer, list(rows["text"]), labels)["correct"]
