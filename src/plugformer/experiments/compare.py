@@ -57,7 +57,7 @@ class Metric:
 METRICS = {
     "perplexity": Metric("perplexity", higher_is_better=False),
     "exact_match": Metric("exact_match", higher_is_better=True),
-    "accuracy": Metric("accuracy", higher_is_better=True),  # a classify stage's, on the sentiment grammar
+    "accuracy": Metric("accuracy", higher_is_better=True),  # a classify stage's, on the rows its runs held out
 }
 SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
 
