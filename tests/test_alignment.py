@@ -210,6 +210,11 @@ def test_gain_over_parent_is_the_paired_bootstrap_of_per_problem_scores():
         "classify": {"correct": [1, 1, 1], "data_sha256": "b"},
     }
     assert gain_over_parent(other, "classify") is None
+    from plugformer.experiments.pipeline import other_text  # the table shows a classifier's own scores
+
+    assert other_text({"accuracy": 0.9, "macro_f1": 0.875, "examples": 150}).startswith(
+        "accuracy 90.0%, macro F1 0.875"
+    )
 
 
 def pipeline_args(tmp_path, **overrides):

@@ -387,6 +387,9 @@ def gain_text(gain: dict | None) -> str:
 
 def other_text(result: dict) -> str:
     parts = []
+    if "macro_f1" in result:  # a classifier's (classify), on its own held-out rows
+        parts.append(f"accuracy {result['accuracy']:.1%}, macro F1 {result['macro_f1']:.3f} ({result['examples']} "
+                     "held-out rows)")  # fmt: skip
     if "pairwise_accuracy" in result:
         parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
     if result.get("implicit_reward_pairwise_accuracy") is not None:
