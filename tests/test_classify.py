@@ -141,7 +141,9 @@ def scored_rows_agree(run_dir: Path, rows, split: str = "test") -> None:
     """compare's cached 1/0 per row of a run equal `evaluate_classifier` on `rows`."""
     model = AutoModelForSequenceClassification.from_pretrained(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
-    expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]])
+    labels = [model.config.label2id[str(v)] for v in rows["label"]]  # a csv's integer labels: class names "0", ...
+    pairs = rows["text_pair"] if "text_pair" in rows.column_names else None
+    expected = evaluate_classifier(model, tokenizer, rows["text"], labels, pairs=pairs)
     cached = json.loads((run_dir / f"compare_accuracy_{split}.json").read_text())
     assert cached["scores"] == [float(c) for c in expected["correct"]] and cached["examples"] == len(rows)
 
@@ -192,3 +194,22 @@ def test_compare_scores_a_classifier_on_the_embedded_grammar_and_refuses_a_misma
         CompareArguments(stages=["pretrain", "classify"])  # perplexity of a classifier
     with pytest.raises(ValueError, match=r"end --stages with classify and set --metric accuracy"):
         CompareArguments(stages=["pretrain"], metric="accuracy")
+
+
+def test_compare_scores_sentence_pairs_with_integer_labels_as_eval_does(tmp_path):
+    from plugformer.evaluation.held_out import held_out_rows, recorded_source
+    from plugformer.experiments.compare import CompareArguments, run
+
+    path = tmp_path / "nli.csv"
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["text", "text_pair", "label"])
+        writer.writerows(nli_examples(120))
+    budget = [*(b for b in BUDGET if not b.startswith("classify.max_steps")), "classify.max_steps=5",
+              "classify.dataset_name=csv", f"classify.data_files={path}", "classify.dev_examples=20",
+              "classify.test_examples=30"]  # fmt: skip
+    run(CompareArguments(output_dir=str(tmp_path / "out"), grid=["classify.learning_rate=0.003"], seeds=[0],
+                         set=budget, stages=["pretrain", "classify"], metric="accuracy", dev_examples=20,
+                         test_examples=30, stage_configs=CONFIGS))  # fmt: skip
+    run_dir = next((tmp_path / "out/runs").glob("*")) / "seed0/classify"
+    scored_rows_agree(run_dir, held_out_rows(recorded_source(str(run_dir)), "test", 30))  # each pair, both texts

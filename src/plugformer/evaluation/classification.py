@@ -87,15 +87,13 @@ def compute_metrics(eval_prediction) -> dict:
     return {"accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"]}
 
 
-def classifier_scores(args, tokenizer, rows) -> dict:
-    """A classifier's accuracy (with its 95% Wilson interval), macro F1 and per-class F1 on labelled `rows`
-    (`text`, `label`, `text_pair` if present), each label read through the model's `label2id`."""
-    from transformers import AutoModelForSequenceClassification
-
+def labelled_rows_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
+    """`evaluate_classifier` on labelled `rows` (`text`, `label`, `text_pair` if present), each label read through
+    the model's `label2id` (by its text: a csv's integer labels are the class names "0", "1", ...); a label the
+    model has no class for is refused."""
     if not {"text", "label"} <= set(rows.column_names):
         raise ValueError(f"a classifier is scored on labelled text (columns text and label); the split has the "
                          f"columns {sorted(rows.column_names)}")  # fmt: skip
-    model = load_checked(AutoModelForSequenceClassification, args.model)
     label2id = {str(name): index for name, index in model.config.label2id.items()}
     unknown = sorted({str(v) for v in rows["label"]} - label2id.keys())
     if unknown:
@@ -103,5 +101,13 @@ def classifier_scores(args, tokenizer, rows) -> dict:
                          f"{sorted(label2id)[:20]})")  # fmt: skip
     pairs = list(rows["text_pair"]) if "text_pair" in rows.column_names else None
     labels = [label2id[str(v)] for v in rows["label"]]
-    scores = evaluate_classifier(model, tokenizer, list(rows["text"]), labels, args.batch_size, pairs)
-    return {"data_sha256": rows_digest(rows), **scores}
+    return evaluate_classifier(model, tokenizer, list(rows["text"]), labels, batch_size, pairs)
+
+
+def classifier_scores(args, tokenizer, rows) -> dict:
+    """`plugformer eval` of the classifier in `args.model` on labelled `rows` (`labelled_rows_scores`): accuracy with
+    its 95% Wilson interval, macro F1, per-class F1, 1/0 per row."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = load_checked(AutoModelForSequenceClassification, args.model)
+    return {"data_sha256": rows_digest(rows), **labelled_rows_scores(model, tokenizer, rows, args.batch_size)}

@@ -247,7 +247,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
 
     from ..data.sources import load_stage_dataset
     from ..data.tokenization import load_tokenizer
-    from ..evaluation.classification import evaluate_classifier
+    from ..evaluation.classification import labelled_rows_scores
     from ..evaluation.rewards import exact_match_reward
     from ..evaluation.scoring import document_losses, generate_answers
 
@@ -263,8 +263,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
         else:
             rows = load_stage_dataset("classification", sizes={split: size}, seed=args.dataset_seed)[split]
         model = AutoModelForSequenceClassification.from_pretrained(model_dir)
-        labels = [model.config.label2id[label] for label in rows["label"]]
-        correct = evaluate_classifier(model, tokenizer, list(rows["text"]), labels)["correct"]
+        correct = labelled_rows_scores(model, tokenizer, rows)["correct"]  # text pairs and integer labels as eval's
         return [float(c) for c in correct], [1.0] * len(correct)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if args.metric == "perplexity":
