@@ -94,6 +94,8 @@ class DecomposableAttentionForSequenceClassification(PreTrainedModel):
     config: DecomposableAttentionConfig
     config_class = DecomposableAttentionConfig
     base_model_prefix = "decomposable"
+    # its loss is a mean over the batch's examples: `Trainer` divides it by the gradient-accumulation steps itself
+    accepts_loss_kwargs = False
 
     def __init__(self, config: DecomposableAttentionConfig):
         super().__init__(config)

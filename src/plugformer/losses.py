@@ -119,6 +119,21 @@ def linear_cross_entropy(
     return total / num_items_in_batch
 
 
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """Cross-entropy of `logits` (..., V) against `labels` (...) in float32, -100 ignored: the mean over the labelled
+    positions, or their sum divided by `num_items_in_batch` (`Trainer` passes the labelled tokens of the whole
+    accumulated batch, so that gradient accumulation weighs every token alike and the loss keeps its scale)."""
+    labels = labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels)
+    total = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def causal_targets(
     labels: torch.Tensor, shift_labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
@@ -150,7 +165,8 @@ def fused_head_loss(
     `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation keep the logits.
 
     `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
-    `ignore_index` from `kwargs`). `shift=False` (masked LM): the mean over the labelled positions, as its unfused loss.
+    `ignore_index` from `kwargs`). `shift=False` (masked LM): as its unfused loss (`token_cross_entropy`, with
+    `num_items_in_batch` from `kwargs`).
     """
     if labels is None or not getattr(module, "fused_loss", False) or not module.training:
         return None
@@ -165,7 +181,7 @@ def fused_head_loss(
         return None
     check_labels(labels, module.config.vocab_size)
     if not shift:
-        return linear_cross_entropy(hidden_states, head.weight, labels)
+        return linear_cross_entropy(hidden_states, head.weight, labels, kwargs.get("num_items_in_batch"))
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     targets = causal_targets(labels, kwargs.get("shift_labels"), ignore_index)
     return linear_cross_entropy(hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index)

@@ -37,7 +37,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
-from .losses import fused_head_loss
+from .losses import fused_head_loss, token_cross_entropy
 from .pretrained import PlugformerPreTrainedModel
 from .stack import (
     PlugformerModel,
@@ -176,15 +176,17 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
                 every position predicts its own label.
         """
         kwargs.pop("use_cache", None)  # an encoder keeps no cache (callers such as generic loops may still pass it)
+        num_items = kwargs.pop("num_items_in_batch", None)  # Trainer's divisor under gradient accumulation
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
         )  # fmt: skip
-        loss = fused_head_loss(self, outputs.last_hidden_state, labels)  # a masked LM's, as the causal LM's
+        # a masked LM's, as the causal LM's
+        loss = fused_head_loss(self, outputs.last_hidden_state, labels, num_items_in_batch=num_items)
         logits = None if loss is not None else self.head(outputs.last_hidden_state)
         if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
+            loss = token_cross_entropy(logits, labels, num_items)
         return self.output_class(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -229,6 +231,9 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
     Serves encoders (`is_causal=False`) and decoders alike; with `num_labels=1` it is a regression head, the reward
     model TRL's `RewardTrainer` trains.
     """
+
+    # its loss is a mean over the batch's examples: `Trainer` divides it by the gradient-accumulation steps itself
+    accepts_loss_kwargs = False
 
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)
@@ -468,6 +473,7 @@ class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGener
             logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): As in [`PlugformerForCausalLM`].
         """
         check_labels(labels, self.config.vocab_size)  # before the decoder inputs are shifted out of them
+        num_items = kwargs.pop("num_items_in_batch", None)  # Trainer's divisor under gradient accumulation
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
         encoder_outputs, decoder_outputs = self.encode_decode(
@@ -477,7 +483,7 @@ class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGener
         logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().to(logits.device))
+            loss = token_cross_entropy(logits, labels, num_items)
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
