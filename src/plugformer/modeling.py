@@ -181,8 +181,7 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
         )  # fmt: skip
-        # a masked LM's, as the causal LM's
-        loss = fused_head_loss(self, outputs.last_hidden_state, labels, num_items_in_batch=num_items)
+        loss = fused_head_loss(self, outputs.last_hidden_state, labels, num_items_in_batch=num_items)  # as causal LMs'
         logits = None if loss is not None else self.head(outputs.last_hidden_state)
         if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
@@ -232,8 +231,7 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
     model TRL's `RewardTrainer` trains.
     """
 
-    # its loss is a mean over the batch's examples: `Trainer` divides it by the gradient-accumulation steps itself
-    accepts_loss_kwargs = False
+    accepts_loss_kwargs = False  # its loss is a mean over examples: `Trainer` divides it by the accumulation steps
 
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)

@@ -13,6 +13,7 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 | preference | reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
 | prompt, prompt_answer | rlhf, grpo; dev selection and scoring | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 | classification | classify | `text`, `label` (and `text_pair` if given): the embedded data is a sentiment grammar instead |
+| source_target | seq2seq | `source`, `target`: the embedded data is dates normalised to ISO 8601 instead (`data.dates`) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
@@ -23,7 +24,6 @@ working, which RL with verifiable rewards learns to overcome.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
+from .dates import date_rows
+from .splits import SPLITS, split_of_key
 
-SPLITS = ("train", "dev", "test")
+
 ANSWER_MARKER = "####"
 NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jun")
 ITEMS = ("apples", "books", "coins", "marbles", "pens", "shells", "stamps", "cards")
@@ -152,14 +154,6 @@ def split_of(operation: str, a: int, b: int, dev_percent: int = 10, test_percent
     True
     """
     return split_of_key(f"{operation}|{a}|{b}", dev_percent, test_percent)
-
-
-def split_of_key(key: str, dev_percent: int = 10, test_percent: int = 10) -> str:
-    """The fixed split of anything named by `key` (an arithmetic fact, a sentence): a bucket of its sha256."""
-    bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
-    if bucket < test_percent:
-        return "test"
-    return "dev" if bucket < test_percent + dev_percent else "train"
 
 
 def _operand(rng: random.Random, values: range) -> int:
@@ -287,6 +281,12 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt": ("prompt",),
     "prompt_answer": ("prompt", "answer"),
     "classification": ("text", "label"),
+    "source_target": ("source", "target"),
+}
+# formats whose embedded data is a task of its own, not arithmetic: format -> rows(count, split, seed)
+OWN_TASKS: dict[str, Callable[[int, str, int], list[dict]]] = {
+    "classification": sentiment_rows,
+    "source_target": date_rows,
 }
 
 
@@ -305,8 +305,8 @@ def embedded_dataset(
     """The embedded arithmetic task in `data_format`, with `sizes[split]` examples per split."""
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
-    if data_format == "classification":  # no arithmetic to classify: the sentiment grammar
-        return DatasetDict({split: Dataset.from_list(sentiment_rows(count, split, seed))
+    if data_format in OWN_TASKS:  # no arithmetic to classify or translate: the sentiment grammar, the dates
+        return DatasetDict({split: Dataset.from_list(OWN_TASKS[data_format](count, split, seed))
                             for split, count in sizes.items() if count > 0})  # fmt: skip
     return DatasetDict({
         split: Dataset.from_list(format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction))

@@ -83,7 +83,12 @@ EMBEDDED_TASKS = {
     "sentiment": ("plugformer-sentiment", "plugformer embedded sentiment grammar",
                   "plugformer's embedded sentiment grammar (\"the food was not really good\" -> NEGATIVE; "
                   "train/dev/test split by sentence"),
+    "dates": ("plugformer-dates", "plugformer embedded dates",
+              "plugformer's embedded dates as people write them, normalised to ISO 8601 (\"the 3rd of may, 1999\" -> "
+              "1999-05-03; train/dev/test split by date"),
 }  # fmt: skip
+# the Auto class that loads a head, where it is not the head's name with Plugformer replaced by AutoModel
+AUTO_CLASSES = {"PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM"}
 
 
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -98,6 +103,8 @@ HELD_OUT = {
     "in training.",
     "sentiment": "The figures hold for the held-out split named in the evaluation, whose sentences never occur in "
     "training.",
+    "dates": "The figures hold for the held-out split named in the evaluation, whose dates never occur in training, "
+    "however written.",
     "yours": "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test "
     "split.",
 }
@@ -119,7 +126,15 @@ def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[
     """Markdown and model-index entries from a stage's `run_info.json`; `task`: its embedded data's kind."""
     lines, results = [], []
     exact = info.get("dev_exact_match")
-    if exact:
+    if exact and "chrf" in exact:  # a seq2seq model's generated targets (`evaluation.seq2seq.seq2seq_scores`)
+        n, value = exact["examples"], exact["exact_match"]
+        low, high = exact["exact_match_ci95"]
+        lines.append(f"- exact match of the generated targets on {n} dev pairs: **{value:.1%}** (95% Wilson interval "
+                     f"{low:.1%}–{high:.1%}); chrF {exact['chrf']:.1f}")  # fmt: skip
+        for metric in ("exact_match", "chrf"):
+            results.append(EvalResult(task_type="text2text-generation", **scored_dataset(info, task),
+                                      dataset_split="dev", metric_type=metric, metric_value=round(exact[metric], 4)))  # fmt: skip
+    elif exact:
         n, value = exact["examples"], exact["exact_match"]
         low, high = wilson_interval(round(value * n), n)
         lines.append(f"- greedy exact match on {n} dev problems: **{value:.1%}** (95% Wilson interval "
@@ -143,6 +158,12 @@ def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[
                                   dataset_split="dev", metric_type="accuracy",
                                   metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
+
+
+def direction(config) -> str:
+    if config.is_encoder_decoder:
+        return "encoder-decoder"
+    return "causal (decoder)" if config.is_causal else "bidirectional (encoder)"
 
 
 def stage_card(
@@ -195,13 +216,13 @@ def stage_card(
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
-        direction="causal (decoder)" if config.is_causal else "bidirectional (encoder)",
+        direction=direction(config),
         data=data,
         hyperparameters=hyperparameters,
         world_size=info.get("world_size", 1),
         train_seconds=info.get("train_seconds"),
         evaluation=evaluation,
         limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else card.embedded_task],
-        auto_class=type(model).__name__.replace("Plugformer", "AutoModel"),
+        auto_class=AUTO_CLASSES.get(type(model).__name__, type(model).__name__.replace("Plugformer", "AutoModel")),
         model_path=model_path,
     )

@@ -13,6 +13,7 @@ import torch
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
+from . import seq2seq
 from .classification import classifier_scores
 from .held_out import completion_perplexity, data_source, held_out_rows, prompts_and_completions, rows_digest
 from .masked import masked_lm_scores
@@ -282,7 +283,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy; a masked
     LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`); a classifier by accuracy
-    and macro F1 on the sentiment grammar (`classifier_scores`). A model trained on your own data (its
+    and macro F1 on the sentiment grammar (`classifier_scores`); an encoder-decoder by exact match, chrF and target
+    perplexity on the dates (`seq2seq.directory_scores`). A model trained on your own data (its
     run_info.json), or any model given `--dataset_name`, is scored on that source's held-out split instead
     (`user_data_scores`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -311,6 +313,9 @@ def evaluate_directory(args: EvalArguments) -> dict:
     if kind == "classifier":  # the embedded sentiment grammar (`data.sources.sentiment_rows`)
         rows = load_stage_dataset("classification", sizes=sizes, seed=seed)[args.split]
         return {**results, **classifier_scores(args, tokenizer, rows)}
+    if kind == "encoder_decoder":  # the embedded dates (`data.dates`)
+        rows = load_stage_dataset("source_target", sizes=sizes, seed=seed)[args.split]
+        return {**results, "data_sha256": rows_digest(rows), **seq2seq.directory_scores(args, tokenizer, rows)}
     if kind == "scalar":
         model = load_checked(AutoModelForSequenceClassification, args.model)
         rows, fraction = scored_pairs(args)
@@ -366,8 +371,10 @@ def language_model_scores(model, tokenizer, rows, args) -> dict:
 
 def model_kind(config) -> str:
     """`"scalar"` (a one-score classification head: a reward model), `"classifier"` (`num_labels` > 1), `"masked"`
-    (a masked LM) or `"causal"`, from the saved architecture."""
+    (a masked LM), `"encoder_decoder"` or `"causal"`, from the saved architecture."""
     architectures = config.architectures or []
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder_decoder"
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         return "scalar" if config.num_labels == 1 else "classifier"
     return "masked" if any(name.endswith("ForMaskedLM") for name in architectures) else "causal"
@@ -384,7 +391,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     | `prompt` + `answer` | greedy exact match of the final number (the embedded task's rule) | — |
     | `prompt` + `chosen` + `rejected` | a DPO stage: its implicit reward's pairwise accuracy | pairwise accuracy |
 
-    A classifier (`num_labels` > 1) is scored on `text` + `label` (+ `text_pair`): accuracy and macro F1.
+    A classifier (`num_labels` > 1) is scored on `text` + `label` (+ `text_pair`): accuracy and macro F1; an
+    encoder-decoder on `source` + `target`: exact match and chrF of its generated targets, their perplexity.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -395,6 +403,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
         return {**results, **masked_lm_scores(args, tokenizer, rows)}
     if kind == "classifier":
         return {**results, **classifier_scores(args, tokenizer, rows)}
+    if kind == "encoder_decoder":
+        return {**results, **seq2seq.directory_scores(args, tokenizer, rows)}
     if kind == "scalar":
         if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
             raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
@@ -407,7 +417,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
 
 
 # per-example lists (the paired tests read them) and sample answers: in the JSON file, not on the terminal
-PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens", "masked_losses", "masked_counts")
+PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens", "masked_losses", "masked_counts",
+               "chrf_per_example", "target_losses", "target_tokens")  # fmt: skip
 # files of a model or a run that an evaluation result must never take the name of (they would read as the model's)
 NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
 

@@ -14,7 +14,8 @@ it (the stage command lines and the content of their YAML files): re-running the
 runs and their scores; changing a setting trains new ones. The variant with the best mean dev score is selected;
 each other variant is compared with it on test by a paired bootstrap over test examples (each example's score
 averaged over seeds; `--significance ttest` uses a paired t-test over seeds instead). The score: perplexity, exact
-match, or with `--stages` ending in classify, accuracy (`--metric`). The grid and routing: `experiments/grid.py`.
+match, or with `--stages` ending in classify, accuracy (`--metric`); a seq2seq stage by exact match of its generated
+targets or their perplexity. The grid and routing: `experiments/grid.py`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class CompareArguments(CorpusArguments):
     )  # fmt: skip
     metric: str = field(
         default="perplexity",
-        metadata={"help": "perplexity (lower is better) | exact_match | accuracy (--stages ending with classify)"},
+        metadata={
+            "help": "perplexity (lower is better) | exact_match | accuracy (--stages ending with classify); "
+            "a seq2seq stage: its targets' perplexity or exact match"
+        },
     )
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
@@ -121,6 +125,11 @@ def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> No
 
     last = STAGES.get(stages[-1]) if stages else None
     classifier = last is not None and last.data_format == "classification"
+    if last is not None and last.data_format == "source_target":  # its generated targets, or their perplexity
+        if metric == "accuracy":
+            raise ValueError(f"stages={stages}, metric={metric!r}: a seq2seq stage is scored by exact match of its "
+                             "generated targets or by their perplexity; accuracy scores a classify stage")  # fmt: skip
+        return
     if last is not None and classifier != (metric == "accuracy"):
         raise ValueError(f"stages={stages}, metric={metric!r}: accuracy scores a classifier and a classifier is "
                          f"scored by accuracy; end --stages with classify and set --metric accuracy, or score "
@@ -250,8 +259,11 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from ..evaluation.classification import labelled_rows_scores
     from ..evaluation.rewards import exact_match_reward
     from ..evaluation.scoring import document_losses, generate_answers
+    from ..training import STAGES
 
     tokenizer = load_tokenizer(str(model_dir))
+    if STAGES[args.stages[-1]].data_format == "source_target":
+        return seq2seq_example_scores(args, model_dir, tokenizer, split, size)
     if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the sentiment grammar
         from transformers import AutoModelForSequenceClassification
 
@@ -276,6 +288,31 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     rows = load_stage_dataset("prompt_answer", sizes={split: size}, seed=args.dataset_seed)[split]
     completions = generate_answers(model, tokenizer, list(rows["prompt"]), args.max_new_tokens)
     return exact_match_reward(completions, answer=[str(a) for a in rows["answer"]]), [1.0] * len(completions)
+
+
+def seq2seq_example_scores(args: CompareArguments, model_dir: Path, tokenizer, split: str, size: int):
+    """Per held-out pair of the data the run read (its run_info.json), else of the embedded dates: 1/0 for an exact
+    generated target (`exact_match`) or the target's summed loss weighted by its tokens (`perplexity`)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from ..data.sources import load_stage_dataset
+    from ..evaluation.held_out import held_out_rows, recorded_source
+    from ..evaluation.seq2seq import generate_targets, target_losses
+
+    source = recorded_source(str(model_dir))
+    if source is not None:
+        rows = held_out_rows(source, split, size)
+    else:
+        rows = load_stage_dataset("source_target", sizes={split: size}, seed=args.dataset_seed)[split]
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    longest = model.config.max_position_embeddings
+    if args.metric == "perplexity":
+        losses, counts = target_losses(model, tokenizer, rows, max_source_length=longest, max_target_length=longest)
+        return losses, [float(c) for c in counts]
+    generated = generate_targets(model, tokenizer, list(rows["source"]), max(args.max_new_tokens, 16),
+                                 num_beams=model.generation_config.num_beams or 1, max_source_length=longest)  # fmt: skip
+    references = [str(target).strip() for target in rows["target"]]
+    return [float(g == r) for g, r in zip(generated, references, strict=True)], [1.0] * len(references)
 
 
 def statistic(scores: dict) -> float:

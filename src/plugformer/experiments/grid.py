@@ -127,25 +127,27 @@ CONTROLLED = {
 HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"}
 
 
-# a classifier's labelled data, named for its stage in --set (`classify.data_files=reviews.csv`): compare scores the
-# split that stage's runs held out of it (their run_info.json), the same rows for every variant and seed
+# the data of a stage with a task of its own (a classifier's labelled text, a seq2seq stage's pairs), named for its
+# stage in --set (`classify.data_files=reviews.csv`): compare scores the split that stage's runs held out of it (their
+# run_info.json), the same rows for every variant and seed
 LABELLED_DATA = ("dataset_name", "dataset_config", "data_files")
+OWN_DATA_FORMATS = ("classification", "source_target")
 
 
 def refuse_controlled(settings: dict[str, str], source: str) -> None:
     """Raises `ValueError` for a setting of an option that `compare` sets per run (see `CONTROLLED`), except a
-    classification stage's labelled data set for every run (`LABELLED_DATA`, in `--set` only: varied by the grid,
+    classification or seq2seq stage's data set for every run (`LABELLED_DATA`, in `--set` only: varied by the grid,
     the variants would be scored on different rows)."""
     from ..training import STAGES
 
     for key, value in settings.items():
         stage, _, name = key.rpartition(".")
-        labelled = stage in STAGES and STAGES[stage].data_format == "classification" and name in LABELLED_DATA
+        labelled = stage in STAGES and STAGES[stage].data_format in OWN_DATA_FORMATS and name in LABELLED_DATA
         if labelled and source == "--set":
             continue
         if labelled:
             raise ValueError(f"{source} {key}={value}: variants scored on different data cannot be paired; set "
-                             f"{stage}'s labelled data for every run with --set {key}=...")  # fmt: skip
+                             f"{stage}'s data for every run with --set {key}=...")  # fmt: skip
         if name in CONTROLLED:
             raise ValueError(f"{source} {key}={value}: compare sets {name!r} itself for every run; use "
                              f"{CONTROLLED[name]} instead")  # fmt: skip

@@ -59,13 +59,12 @@ FUSED_LOSS_HELP = ("compute the training loss from the hidden states in chunks, 
 
 
 @dataclass
-class PretrainArguments(StageArguments):
-    """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
+class ArchitectureArguments(StageArguments):
+    """A new model built from a preset (the stages that start from no parent: pretrain, seq2seq) and its tokenizer."""
 
     preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset; the fields below override it"})
     attention_score: str = field(default="scaled_dot", metadata={"help": ATTENTION_SCORES.choices()})
     position_scheme: str = field(default="rope", metadata={"help": POSITION_SCHEMES.choices()})  # fmt: skip
-    is_causal: bool = field(default=True, metadata={"help": "False: a BERT-style encoder trained as a masked LM"})
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_hidden_layers: int | None = None
@@ -76,6 +75,37 @@ class PretrainArguments(StageArguments):
         default=None, metadata={"help": "tokenizer to use; default: train a byte-level BPE on the training texts"}
     )
     vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "any other PlugformerConfig fields, as in transformers' run_clm: "
+                          "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
+    )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"vocab_size": 1})
+        # `--hidden_size 32 --config_overrides hidden_size=64` trained 64; a field that defaults to None was given
+        unset = {f.name for f in dataclasses.fields(self) if f.name in self.ARCHITECTURE and f.default is None}
+        for name, value in parse_overrides(self.config_overrides, "config_overrides").items():
+            given = getattr(self, name) if name in unset else None
+            if given is not None and given != value:
+                raise ValueError(f"--{name} {given!r} and --config_overrides {name}={value!r} contradict each other; "
+                                 f"give {name} once")  # fmt: skip
+
+    # the flags that set a PlugformerConfig field directly (`--config_overrides` sets the others)
+    ARCHITECTURE = ("attention_score", "position_scheme", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+
+    def architecture(self) -> dict:
+        fields = {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}
+        return {**fields, **parse_overrides(self.config_overrides, "config_overrides")}
+
+
+@dataclass
+class PretrainArguments(ArchitectureArguments):
+    """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
+
+    is_causal: bool = field(default=True, metadata={"help": "False: a BERT-style encoder trained as a masked LM"})
     block_size: int = field(default=128, metadata={"help": "tokens per training sequence (documents are packed)"})
     mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
     document_positions: bool = field(
@@ -84,11 +114,6 @@ class PretrainArguments(StageArguments):
                           "document continued from the previous block) and documents do not see each other; False: "
                           "positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi paper's "
                           "training)"},
-    )  # fmt: skip
-    config_overrides: str | None = field(
-        default=None,
-        metadata={"help": "any other PlugformerConfig fields, as in transformers' run_clm: "
-                          "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
     )  # fmt: skip
     streaming: bool = field(
         default=False,
@@ -110,9 +135,11 @@ class PretrainArguments(StageArguments):
     )  # fmt: skip
     fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
 
+    ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "is_causal")
+
     def __post_init__(self):
         super().__post_init__()
-        check_counts(self, {"vocab_size": 1, "block_size": 2, "preprocessing_num_workers": 1})
+        check_counts(self, {"block_size": 2, "preprocessing_num_workers": 1})
         if isinstance(self.tokenizer_sample_mb, bool) or not (
             isinstance(self.tokenizer_sample_mb, (int, float)) and 0 < self.tokenizer_sample_mb < float("inf")
         ):
@@ -122,21 +149,6 @@ class PretrainArguments(StageArguments):
                              "already in memory: give --dataset_name (and --data_files), or drop --streaming")  # fmt: skip
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
-        # `--hidden_size 32 --config_overrides hidden_size=64` trained 64; a field that defaults to None was given
-        unset = {f.name for f in dataclasses.fields(self) if f.name in self.ARCHITECTURE and f.default is None}
-        for name, value in parse_overrides(self.config_overrides, "config_overrides").items():
-            given = getattr(self, name) if name in unset else None
-            if given is not None and given != value:
-                raise ValueError(f"--{name} {given!r} and --config_overrides {name}={value!r} contradict each other; "
-                                 f"give {name} once")  # fmt: skip
-
-    # the flags that set a PlugformerConfig field directly (`--config_overrides` sets the others)
-    ARCHITECTURE = ("attention_score", "position_scheme", "is_causal", "hidden_size", "intermediate_size",
-                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-
-    def architecture(self) -> dict:
-        fields = {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}
-        return {**fields, **parse_overrides(self.config_overrides, "config_overrides")}
 
 
 def check_counts(arguments, minimums: dict[str, int]) -> None:
@@ -326,3 +338,20 @@ class ClassifyArguments(StageArguments):
     def __post_init__(self):
         super().__post_init__()
         check_counts(self, {"max_length": 2})
+
+
+@dataclass
+class Seq2SeqArguments(ArchitectureArguments):
+    """An encoder-decoder trained on `source` -> `target` pairs (cross-attention scored as --attention_score)."""
+
+    num_decoder_layers: int | None = field(default=None, metadata={"help": "decoder layers (default: as the encoder)"})
+    max_source_length: int = field(default=128, metadata={"help": "source tokens at most; longer sources are cut"})
+    max_target_length: int = field(default=128, metadata={"help": "target tokens at most; longer targets are cut"})
+    num_beams: int = field(default=1, metadata={"help": "beam width of the dev and held-out scoring (1: greedy)"})
+    fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
+
+    ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "num_decoder_layers")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"num_decoder_layers": 1, "max_source_length": 2, "max_target_length": 2, "num_beams": 1})

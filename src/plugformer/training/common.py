@@ -405,6 +405,8 @@ def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
         if script_args.exact_match_examples <= 0 or not base.can_generate():
             return None
+        if base.config.is_encoder_decoder:  # source -> target pairs: their generated targets
+            return dev_seq2seq_scores(model, tokenizer, script_args)
         try:
             rows = evaluation_data(script_args).get("dev")
         except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
@@ -415,6 +417,24 @@ def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False)
         rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
         scores = exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
         return (scores, model, rows) if return_model else scores
+
+
+def dev_seq2seq_scores(model, tokenizer, script_args) -> dict | None:
+    """An encoder-decoder's scores on the first `--exact_match_examples` dev pairs (`evaluation.seq2seq`), without
+    the per-example lists."""
+    from ..evaluation.seq2seq import seq2seq_scores
+
+    rows = format_data("source_target", script_args, "dev scores of an encoder-decoder").get("dev")
+    if rows is None or len(rows) == 0:
+        return None
+    rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
+    scores = seq2seq_scores(model, tokenizer, rows, max_new_tokens=script_args.max_target_length,
+                            num_beams=script_args.num_beams, max_source_length=script_args.max_source_length,
+                            max_target_length=script_args.max_target_length)  # fmt: skip
+    return {key: value for key, value in scores.items() if key not in SEQ2SEQ_PER_EXAMPLE}
+
+
+SEQ2SEQ_PER_EXAMPLE = ("correct", "chrf_per_example", "target_losses", "target_tokens")
 
 
 def set_generation_eos(model, tokenizer) -> None:

@@ -42,7 +42,8 @@ class Stage:
         parent (`str`, *optional*): The stage whose output it starts from (`--model_name_or_path`); `None` builds a
             new model (which is also where `plugformer compare` sends `PlugformerConfig` fields).
         script_arguments (`type`): Its dataclass of script arguments (`training/arguments.py`).
-        config_class (`str`): Its trainer config class: `"TrainingArguments"` or the name of a TRL config class.
+        config_class (`str`): Its trainer config class: `"TrainingArguments"`, `"Seq2SeqTrainingArguments"` or the
+            name of a TRL config class.
         description (`str`): One line for `plugformer train --help`.
         data_format (`str`): The TRL dataset format it reads, a key of `plugformer.data.sources.FORMAT_COLUMNS`.
         data_parallel (`bool`): Whether `plugformer pipeline --jobs N` may split its per-device batch over idle
@@ -74,10 +75,10 @@ class Stage:
 
     def config_type(self) -> type:
         """The trainer config class (imports transformers or TRL)."""
-        if self.config_class == "TrainingArguments":
-            from transformers import TrainingArguments
+        if self.config_class in ("TrainingArguments", "Seq2SeqTrainingArguments"):
+            import transformers
 
-            return TrainingArguments
+            return getattr(transformers, self.config_class)
         return getattr(importlib.import_module("trl"), self.config_class)
 
 

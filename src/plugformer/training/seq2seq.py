@@ -1,0 +1,142 @@
+"""Sequence-to-sequence training with transformers' `Seq2SeqTrainer`: an encoder-decoder (`PlugformerForConditional
+Generation`) on `source` -> `target` pairs, from a preset (with a tokenizer trained on the training pairs) or from a
+saved encoder-decoder (`--model_name_or_path`).
+
+Cross-attention scores with the configured `--attention_score` (additive is Bahdanau et al. 2015's, multiplicative
+Luong et al. 2015's "general"), so `plugformer compare --stages seq2seq --grid attention_score=...` is that
+comparison. The dev split's target perplexity is measured after training and its generated targets are scored by
+exact match and chrF (`evaluation.seq2seq`); `plugformer eval` scores the test split. The embedded data is dates
+normalised to ISO 8601 ("the 3rd of may, 1999" -> `1999-05-03`, `data.dates`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..evaluation.cards import StageCard
+from .arguments import Seq2SeqArguments
+from .stages import Stage, register_stage
+
+
+def tokenized(split, tokenizer, script_args):
+    """`split` as source `input_ids` and target `labels`, each ending with end of text (`evaluation.seq2seq`)."""
+    from ..evaluation.seq2seq import encode_sources, encode_targets
+
+    def encode(batch):
+        return {
+            "input_ids": encode_sources(tokenizer, batch["source"], script_args.max_source_length),
+            "labels": encode_targets(tokenizer, batch["target"], script_args.max_target_length),  # a csv's 42: "42"
+        }
+
+    return split.map(encode, batched=True, remove_columns=split.column_names)
+
+
+def build_tokenizer(script_args, model_args, data):
+    """The model's own tokenizer, a named one, or a byte-level BPE (digits split) trained on the training pairs."""
+    from ..data.tokenization import load_tokenizer, train_tokenizer
+
+    source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
+    if source is not None:
+        return load_tokenizer(source)
+    texts = [str(text) for text in (*data["train"]["source"], *data["train"]["target"])]
+    return train_tokenizer(texts, vocab_size=script_args.vocab_size, split_digits=True)
+
+
+def build_model(script_args, model_args, tokenizer):
+    """`--model_name_or_path`'s encoder-decoder, or the preset as one with the architecture fields given."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from ..configuration import PlugformerConfig
+    from ..modeling import PlugformerForConditionalGeneration
+    from ..runtime.memory import check_model_fits
+    from .common import load_model
+
+    if model_args.model_name_or_path is not None:
+        model = load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
+        if not model.config.is_encoder_decoder:
+            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path} is no encoder-decoder; the "
+                             "seq2seq stage trains one (leave --model_name_or_path out to build it from --preset)")  # fmt: skip
+        return model
+    architecture = script_args.architecture()
+    known = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    unknown = sorted(set(architecture) - known)
+    if unknown:
+        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
+                         f"fields; fields: {sorted(known)}")  # fmt: skip
+    if script_args.hidden_size is not None and script_args.intermediate_size is None:
+        architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
+    config = PlugformerConfig.from_preset(
+        script_args.preset,
+        **architecture,
+        is_encoder_decoder=True,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+    )
+    if model_args.attn_implementation is not None:
+        config._attn_implementation = model_args.attn_implementation
+    check_model_fits(config, training=True, what="seq2seq")
+    return PlugformerForConditionalGeneration(config)
+
+
+def set_generation(model, tokenizer, script_args) -> None:
+    """Generation stops at end of text and searches `--num_beams` wide (`generate`, `pipeline` and eval read it)."""
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.decoder_start_token_id = model.config.decoder_start_token_id
+    model.generation_config.num_beams = script_args.num_beams
+    model.generation_config.max_new_tokens = script_args.max_target_length
+
+
+def train(script_args, model_args, training_args) -> dict:
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer
+
+    from .arguments import check_trainer_arguments, refuse_liger_kernel
+    from .checkpoints import atomic_checkpoints
+    from .common import stage_data, train_and_save
+    from .distributed import check_launch, log_effective_batch
+    from .outputs import claim_output_dir
+
+    check_trainer_arguments(training_args)
+    refuse_liger_kernel(training_args)
+    check_launch(training_args)
+    claim_output_dir(script_args, training_args, "seq2seq")
+    with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
+        data = stage_data("seq2seq", script_args)
+        tokenizer = build_tokenizer(script_args, model_args, data)
+    model = build_model(script_args, model_args, tokenizer)
+    set_generation(model, tokenizer, script_args)
+    trainer = atomic_checkpoints(Seq2SeqTrainer)(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized(data["train"], tokenizer, script_args),
+        eval_dataset=tokenized(data["dev"], tokenizer, script_args) if "dev" in data else None,  # test: eval's
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+    )
+    extra = {"effective_batch": log_effective_batch(trainer, "seq2seq")}
+    return train_and_save(trainer, "seq2seq", script_args, tokenizer, extra)
+
+
+STAGE = register_stage(
+    Stage(
+        name="seq2seq",
+        parent=None,
+        script_arguments=Seq2SeqArguments,
+        config_class="Seq2SeqTrainingArguments",
+        description="encoder-decoder on source -> target pairs (Seq2SeqTrainer; exact match, chrF), tokenizer too",
+        data_format="source_target",
+        data_parallel=True,
+        card=StageCard(
+            "an encoder-decoder trained on source -> target pairs",
+            "Seq2SeqTrainer",
+            "text2text-generation",
+            embedded_task="dates",
+        ),
+        language_model_loss=True,
+        train=train,
+        pipeline_default=False,
+    )
+)
