@@ -163,3 +163,20 @@ def test_compare_seq2seq_variants_scores_the_held_out_pairs(tmp_path):
     results = eval_main(["--model", str(trained), "--examples", "40"])
     assert scored["scores"] == pytest.approx(results["target_losses"], rel=1e-5)
     assert scored["weights"] == results["target_tokens"]
+
+
+def test_the_pipeline_runs_seq2seq_only_when_listed_and_tables_its_scores(tmp_path, capsys):
+    from plugformer.experiments.pipeline import PipelineArguments
+    from plugformer.experiments.pipeline import main as pipeline_main
+
+    assert "seq2seq" not in PipelineArguments().stages
+    shipped = open("configs/seq2seq/tiny.yaml").read()
+    small = shipped.replace("max_steps: 600", "max_steps: 5").replace("train_examples: 20000", "train_examples: 500")
+    (tmp_path / "seq2seq.yaml").write_text(small)
+    pipeline_main(["--stages", "seq2seq", "--stage_configs", str(tmp_path / "{stage}.yaml"), "--output_dir",
+                   str(tmp_path / "run"), "--test_examples", "20", "--jobs", "1"])  # fmt: skip
+    table = (tmp_path / "run/results.md").read_text()
+    (row,) = [line for line in table.splitlines() if line.startswith("| seq2seq |")]
+    scores = json.loads((tmp_path / "run/results.json").read_text())["seq2seq"]
+    assert f"{scores['exact_match']:.1%}" in row and f"chrF {scores['chrf']:.1f}" in row and "20 held-out pairs" in row
+    assert "pipeline('text-generation'" not in capsys.readouterr().out  # no chat model to answer the prompt

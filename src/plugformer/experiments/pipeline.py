@@ -39,7 +39,7 @@ class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "one subdirectory per stage"})
     stages: list[str] = field(
         default_factory=lambda: [name for name, stage in STAGES.items() if stage.pipeline_default],
-        metadata={"help": "stages to run, parents before children (default: every registered stage but classify)"},
+        metadata={"help": "stages to run, parents before children (default: every stage but classify and seq2seq)"},
     )
     stage_configs: str = field(
         default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML; {stage} is replaced"}
@@ -390,6 +390,9 @@ def other_text(result: dict) -> str:
     if "macro_f1" in result:  # a classifier's (classify), on its own held-out rows
         parts.append(f"accuracy {result['accuracy']:.1%}, macro F1 {result['macro_f1']:.3f} ({result['examples']} "
                      "held-out rows)")  # fmt: skip
+    if "chrf" in result:  # an encoder-decoder's (seq2seq), on its own held-out pairs
+        parts.append(f"chrF {result['chrf']:.1f}, target perplexity {result['perplexity']:.3f} ({result['examples']} "
+                     "held-out pairs)")  # fmt: skip
     if "pairwise_accuracy" in result:
         parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
     if result.get("implicit_reward_pairwise_accuracy") is not None:
@@ -438,6 +441,8 @@ def report(args: PipelineArguments, results: dict) -> None:
     write_text_atomic(Path(args.output_dir, "results.md"), table + "\n")
     write_json_atomic(Path(args.output_dir, "results.json"), results, indent=2, default=str)
     generating = [s for s in args.stages if STAGES[s].card.pipeline_tag == "text-generation" and not STAGES[s].baseline]
+    if not generating:  # e.g. --stages seq2seq: no chat model to answer the prompt
+        return
     final = stage_dir(args, generating[-1])
     generator = pipeline("text-generation", model=final)
     reply = generator([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens, do_sample=False)
