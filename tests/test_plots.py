@@ -126,7 +126,8 @@ def test_seq2seq_cross_attention_equals_an_eager_forward(tokenizer):
     target_text = "it was too tired"
     maps = attention_weights(model, tokenizer, EXAMPLE_TEXT, target_text=target_text, heads=[1, 2])
     assert list(maps) == ["encoder", "decoder", "cross"] and model.config._attn_implementation == "sdpa"
-    source = ids(tokenizer, EXAMPLE_TEXT)
+    # the source as the seq2seq stage encodes it: its tokens, then end of text
+    source = torch.cat([ids(tokenizer, EXAMPLE_TEXT, bos=False), torch.tensor([[tokenizer.eos_token_id]])], 1)
     target = torch.cat([torch.tensor([[model.decoder_start_token_id]]), ids(tokenizer, target_text, bos=False)], 1)
     with torch.no_grad():
         expected = eager_copy(model)(source, decoder_input_ids=target, use_cache=False, output_attentions=True)

@@ -115,7 +115,7 @@ def attention_weights(
     target_text: str | None = None,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
-    bos: bool = True,
+    bos: bool | None = None,
 ) -> dict[str, AttentionMap]:
     """The attention weights of one forward over `text`, for the chosen layers and heads.
 
@@ -127,8 +127,9 @@ def attention_weights(
             elsewhere); the decoder reads `[decoder start] + target`, as in teacher forcing.
         layers (`Sequence[int]`, *optional*): layer indices; defaults to every layer (of each stack).
         heads (`Sequence[int]`, *optional*): head indices; defaults to every head.
-        bos (`bool`, *optional*, defaults to `True`): prepend the tokenizer's bos token to `text`, as plugformer's
-            pretraining does for every document.
+        bos (`bool`, *optional*): prepend the tokenizer's bos token to `text`; by default as plugformer trains the
+            model: yes for a single stack (pretraining starts every document with it), no for a seq2seq model,
+            whose source is its tokens then end of text (the seq2seq stage's encoding, `evaluation.seq2seq`).
 
     Returns:
         `dict[str, AttentionMap]`: `{"self": ...}`, or `{"encoder": ..., "decoder": ..., "cross": ...}` for a
@@ -139,7 +140,9 @@ def attention_weights(
         raise ValueError("target_text=None: a seq2seq model needs a target_text for the decoder")
     if not seq2seq and target_text is not None:
         raise ValueError(f"target_text={target_text!r}: only a seq2seq (encoder-decoder) model has a decoder input")
-    source = encode(tokenizer, text, bos)
+    source = encode(tokenizer, text, not seq2seq if bos is None else bos)
+    if seq2seq and tokenizer.eos_token_id is not None:
+        source.append(tokenizer.eos_token_id)  # as the seq2seq stage encodes a source
     check_token_count(len(source), "the text")
     inputs = {"input_ids": torch.tensor([source], device=model.device)}  # (1, S)
     if seq2seq:
@@ -294,7 +297,11 @@ class AttentionMapArguments:
     heads: list[int] | None = field(default=None, metadata={"help": "head indices; None: every head"})
     output: str = field(default="attention.png", metadata={"help": "PNG file; .safetensors and .json go beside it"})
     dpi: int = 100
-    bos: bool = field(default=True, metadata={"help": "prepend the tokenizer's bos token to the text"})
+    bos: bool | None = field(
+        default=None,
+        metadata={"help": "prepend the tokenizer's bos token to the text (default: as plugformer trains the model: "
+                          "yes, but not to a seq2seq model's source, which ends with end of text instead)"},
+    )  # fmt: skip
 
 
 def main(argv: list[str]) -> list[Path]:
