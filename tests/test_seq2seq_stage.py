@@ -129,6 +129,22 @@ def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     assert results["correct"] == correct and results["perplexity"] == pytest.approx(perplexity, rel=1e-5)
     card = (tmp_path / "mine/README.md").read_text()
     assert "numbers.csv" in card and "rows held out" in card
+    # LoRA on the trained model: adapters in adapter/, the merged model beside them; the base weights stay
+    seq2seq(tmp_path / "lora", "--model_name_or_path", str(tmp_path / "mine"), "--use_peft", "true", "--lora_r", "4",
+            "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"), "--dev_examples", "10",
+            "--test_examples", "12", "--max_steps", "5", "--learning_rate", "0.05")  # fmt: skip
+    from peft import PeftModel
+
+    base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine")
+    merged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "lora").state_dict()
+    expected = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine"),
+                                         tmp_path / "lora/adapter").merge_and_unload().state_dict()  # fmt: skip
+    for name, weight in base.state_dict().items():
+        torch.testing.assert_close(merged[name], expected[name], msg=name)
+        if name.endswith("q_proj.weight"):
+            assert not torch.equal(merged[name], weight)  # the adapters moved it
+        elif "_proj" not in name:
+            assert torch.equal(merged[name], weight), name  # embeddings, norms, the head: frozen
 
 
 def test_what_the_seq2seq_stage_refuses(tmp_path):

@@ -90,6 +90,18 @@ def set_generation(model, tokenizer, script_args) -> None:
     model.generation_config.max_new_tokens = script_args.max_target_length
 
 
+def with_adapters(model, model_args):
+    """`model` with LoRA adapters (`--lora_*`) as PEFT's seq2seq model (task type `SEQ_2_SEQ_LM`, whatever
+    `--lora_task_type` says: TRL's default, `CAUSAL_LM`, expects a decoder-only forward)."""
+    from peft import get_peft_model
+
+    from .common import peft_config
+
+    config = peft_config(model_args)
+    config.task_type = "SEQ_2_SEQ_LM"
+    return get_peft_model(model, config)
+
+
 def train(script_args, model_args, training_args) -> dict:
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer
 
@@ -108,6 +120,8 @@ def train(script_args, model_args, training_args) -> dict:
         tokenizer = build_tokenizer(script_args, model_args, data)
     model = build_model(script_args, model_args, tokenizer)
     set_generation(model, tokenizer, script_args)
+    if model_args.use_peft:
+        model = with_adapters(model, model_args)
     trainer = atomic_checkpoints(Seq2SeqTrainer)(
         model=model,
         args=training_args,
