@@ -109,10 +109,11 @@ def test_seq2seq_learns_the_dates_and_eval_scores_its_test_split(tmp_path):
 
 
 def numbers_csv(path) -> None:
-    """Numbers written in words -> their digits (a csv column of numbers: `datasets` loads them as integers)."""
+    """Numbers written in words -> their digits (a csv column of numbers: `datasets` loads them as integers), under
+    column names of their own (`--rename_columns words=source,digits=target`)."""
     with open(path, "w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["source", "target"])
+        writer.writerow(["words", "digits"])
         for n in random.Random(0).sample(range(1, 100), 99):
             writer.writerow([number_words(n), n])
 
@@ -120,7 +121,8 @@ def numbers_csv(path) -> None:
 def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     numbers_csv(tmp_path / "numbers.csv")
     info = seq2seq(tmp_path / "mine", "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"),
-                   "--dev_examples", "10", "--test_examples", "12", "--max_steps", "30", "--vocab_size", "300")  # fmt: skip
+                   "--dev_examples", "10", "--test_examples", "12", "--max_steps", "30", "--vocab_size", "300",
+                   "--rename_columns", "words=source,digits=target")  # fmt: skip
     assert info["data"]["dataset_name"] == "csv" and info["data"]["test_examples"] == 12
     results = eval_main(["--model", str(tmp_path / "mine")])
     rows = held_out_rows(recorded_source(str(tmp_path / "mine")), "test", 300)
@@ -132,7 +134,8 @@ def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     # LoRA on the trained model: adapters in adapter/, the merged model beside them; the base weights stay
     seq2seq(tmp_path / "lora", "--model_name_or_path", str(tmp_path / "mine"), "--use_peft", "true", "--lora_r", "4",
             "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"), "--dev_examples", "10",
-            "--test_examples", "12", "--max_steps", "5", "--learning_rate", "0.05")  # fmt: skip
+            "--test_examples", "12", "--max_steps", "5", "--learning_rate", "0.05", "--rename_columns",
+            "words=source,digits=target")  # fmt: skip
     from peft import PeftModel
 
     base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine")
@@ -157,9 +160,10 @@ def test_what_the_seq2seq_stage_refuses(tmp_path):
         seq2seq(tmp_path / "bad", "--dataset_name", "csv", "--data_files", str(tmp_path / "pairs.csv"))
     with pytest.raises(ValueError, match=r"a seq2seq stage is scored by exact match .* or by their perplexity"):
         CompareArguments(stages=["seq2seq"], metric="accuracy")
-    with pytest.raises(ValueError, match=r"variants scored on different data cannot be paired"):
-        run(CompareArguments(stages=["seq2seq"], metric="exact_match", output_dir=str(tmp_path / "c"),
-                                     grid=["seq2seq.data_files=a.csv,b.csv"], seeds=[0]))  # fmt: skip
+    for varied in ("seq2seq.data_files=a.csv,b.csv", "seq2seq.rename_columns=a=source,b=source"):
+        with pytest.raises(ValueError, match=r"variants scored on different data cannot be paired"):
+            run(CompareArguments(stages=["seq2seq"], metric="exact_match", output_dir=str(tmp_path / "c"),
+                                 grid=[varied], seeds=[0]))  # fmt: skip
 
 
 def test_compare_seq2seq_variants_scores_the_held_out_pairs(tmp_path):

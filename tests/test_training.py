@@ -572,6 +572,37 @@ def test_a_streamed_corpus_holds_out_its_first_documents(tmp_path):
     assert held_out_rows(source, "test", 2)["text"] == ["document 3", "document 4"]
 
 
+def test_your_columns_renamed_for_training_eval_and_a_stream(tmp_path):
+    """--rename_columns: a corpus whose text is in `content` pretrains (loaded, and streamed), its run records the
+    renaming, and eval scores the documents the run held out under it; bad renamings name what is wrong."""
+    from plugformer.data.sources import column_renames, load_stage_dataset
+    from plugformer.evaluation.held_out import held_out_rows, recorded_source
+    from plugformer.evaluation.scoring import main as eval_main
+
+    rows = [{"content": f"{i} plus {i + 1} is {2 * i + 1}.", "id": i} for i in range(60)]
+    data = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    flags = ["--dataset_name", "json", "--data_files", str(data), "--rename_columns", "content=text",
+             "--dev_examples", "5", "--test_examples", "6", "--exact_match_examples", "0"]  # fmt: skip
+    info = train("pretrain", tmp_path / "lm", *PRETRAIN, *flags, "--data_cache_dir", str(tmp_path / "cache"))
+    assert info["data"]["rename_columns"] == "content=text"
+    held = held_out_rows(recorded_source(str(tmp_path / "lm")), "test", 100)
+    expected = load_stage_dataset("text", "json", data_files=[str(data)], sizes={"dev": 5, "test": 6},
+                                  rename_columns="content=text")["test"]  # fmt: skip
+    assert held["text"] == expected["text"] and len(held) == 6 and set(held["text"]) <= {r["content"] for r in rows}
+    assert eval_main(["--model", str(tmp_path / "lm")])["examples"] == 6
+    streamed = train("pretrain", tmp_path / "stream", *PRETRAIN, *flags, "--streaming", "true")
+    source = recorded_source(str(tmp_path / "stream"))
+    assert streamed["data"]["streaming"] and held_out_rows(source, "dev", 10)["text"] == [
+        r["content"] for r in rows[:5]
+    ]
+    with pytest.raises(ValueError, match=r"has no column 'body'; its columns: \['content', 'id'\]"):
+        train("pretrain", tmp_path / "bad", *PRETRAIN, *override_flags(flags, ["--rename_columns", "body=text"]))
+    with pytest.raises(ValueError, match=r"\['id'\] would name two columns"):
+        column_renames("content=id", ["content", "id"])
+    with pytest.raises(ValueError, match=r"expected comma-separated OLD=NEW pairs, got 'content'"):
+        column_renames("content", ["content"])
+
+
 def test_eval_scores_a_masked_lm_on_seeded_masked_tokens_of_held_out_text(tmp_path):
     from transformers import AutoModelForMaskedLM
 

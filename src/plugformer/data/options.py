@@ -21,6 +21,9 @@ class CorpusArguments:
     data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
     streaming: bool = field(default=False, metadata={"help": "read the corpus lazily (see train pretrain --help)"})
     data_cache_dir: str | None = field(default=None, metadata={"help": "where the prepared corpus is kept"})
+    rename_columns: str | None = field(
+        default=None, metadata={"help": "your corpus's text column under the name pretraining reads: 'content=text'"}
+    )
 
     def corpus_flags(self) -> list[str]:
         """The options that make a pretraining run read this corpus (none for the embedded data)."""
@@ -30,6 +33,7 @@ class CorpusArguments:
         flags += ["--dataset_config", self.dataset_config] if self.dataset_config else []
         flags += ["--data_files", *self.data_files] if self.data_files else []
         flags += ["--streaming", "true"] if self.streaming else []
+        flags += ["--rename_columns", self.rename_columns] if self.rename_columns else []
         return flags + (["--data_cache_dir", self.data_cache_dir] if self.data_cache_dir else [])
 
     def corpus_key(self) -> str | None:
@@ -37,7 +41,8 @@ class CorpusArguments:
         if self.dataset_name is None:
             return None
         files = file_signatures(self.data_files)
-        return digest(self.dataset_name, self.dataset_config, self.data_files, self.streaming, files)
+        renamed = [self.rename_columns] if self.rename_columns else []  # unrenamed: the key it had before the option
+        return digest(self.dataset_name, self.dataset_config, self.data_files, self.streaming, files, *renamed)
 
     def held_out_texts(self, split: str, dev: int, test: int, seed: int) -> list[str]:
         """The `split` documents that pretraining with `--dev_examples dev --test_examples test --dataset_seed
@@ -47,7 +52,7 @@ class CorpusArguments:
 
         if self.streaming:
             source = {"path": self.dataset_name, "name": self.dataset_config, "data_files": self.data_files}
-            return list(stream_corpus(source, dev, test).splits[split]["text"])
+            return list(stream_corpus(source, dev, test, self.rename_columns).splits[split]["text"])
         data = load_stage_dataset("text", self.dataset_name, self.dataset_config, self.data_files,
-                                  sizes={"dev": dev, "test": test}, seed=seed)  # fmt: skip
+                                  sizes={"dev": dev, "test": test}, seed=seed, rename_columns=self.rename_columns)  # fmt: skip
         return list(data[split]["text"])

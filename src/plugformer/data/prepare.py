@@ -148,10 +148,16 @@ def random_batches(train: Dataset, seed: int, batch: int = 1000) -> Iterator[lis
         yield train.select(order[start : start + batch])["text"]
 
 
-def stream_corpus(source: dict, dev: int, test: int) -> Corpus:
+def stream_corpus(source: dict, dev: int, test: int, rename_columns: str | None = None) -> Corpus:
     """`source` (`load_dataset` keyword arguments) read lazily: `dev` and `test` are the first `dev` and the next
-    `test` documents of its train split, held in memory; training reads the documents after them."""
+    `test` documents of its train split, held in memory; training reads the documents after them. `rename_columns`
+    (`"content=text"`) renames the stream's columns first (`sources.column_renames`)."""
+    from .sources import column_renames
+
     stream = load_dataset(**source, split="train", streaming=True)
+    if rename_columns:
+        columns = stream.column_names or list(next(iter(stream.take(1))))
+        stream = stream.rename_columns(column_renames(rename_columns, columns, f"--dataset_name {source['path']}"))
     held_out = list(stream.take(dev + test))
     if len(held_out) < dev + test:
         raise ValueError(f"--streaming: the source holds {len(held_out)} documents, fewer than --dev_examples {dev} "
@@ -160,7 +166,8 @@ def stream_corpus(source: dict, dev: int, test: int) -> Corpus:
     splits = DatasetDict({name: Dataset.from_dict({"text": part})
                           for name, part in (("dev", texts[:dev]), ("test", texts[dev:])) if part})  # fmt: skip
     files = file_signatures(source.get("data_files"))
-    return Corpus(splits, digest("stream", source, files, dev, test), stream.skip(dev + test))
+    renamed = [rename_columns] if rename_columns else []  # an unrenamed stream keeps the key it had before the option
+    return Corpus(splits, digest("stream", source, files, dev, test, *renamed), stream.skip(dev + test))
 
 
 def prepared_tokenizer(corpus: Corpus, vocab_size: int, sample_mb: float, seed: int, root: Path):

@@ -323,6 +323,7 @@ def load_stage_dataset(
     sizes: dict[str, int] | None = None,
     seed: int = 0,
     direct_fraction: float = 0.0,
+    rename_columns: str | None = None,
 ) -> DatasetDict:
     """The data a stage reads, in its TRL format, with `train`/`dev`/`test` splits.
 
@@ -339,6 +340,8 @@ def load_stage_dataset(
         seed (`int`, *optional*, defaults to 0): Generation seed / split seed.
         direct_fraction (`float`, *optional*, defaults to 0): Embedded data: the fraction of SFT answers and of
             rejected preference answers that give the bare answer, without the working.
+        rename_columns (`str`, *optional*): Your data's columns under the names the format reads,
+            `"document=source,summary=target"` (`column_renames`), renamed in every split before anything is read.
     """
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
@@ -350,6 +353,8 @@ def load_stage_dataset(
     splits = DatasetDict({_canonical_split(name): split for name, split in loaded.items()})
     if "train" not in splits:
         raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
+    if rename_columns:
+        splits = splits.rename_columns(column_renames(rename_columns, splits["train"].column_names, source))
     missing = [c for c in FORMAT_COLUMNS[data_format] if c not in splits["train"].column_names]
     if missing:
         raise ValueError(f"{source}: lacks the columns {missing} of the {data_format!r} format (it has "
@@ -364,6 +369,36 @@ def load_stage_dataset(
             parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
             splits["train"], splits[held_out] = parts["train"], parts["test"]
     return splits
+
+
+def column_renames(text: str, columns: list[str], source: str = "your data") -> dict[str, str]:
+    """`"document=source,summary=target"` as `{"document": "source", "summary": "target"}`, checked against the
+    data's `columns`: each old name must be one of them, and no new name may be a column left as it is (two columns
+    of one name).
+
+    >>> column_renames("question=prompt, answer=answer", ["question", "answer", "id"])
+    {'question': 'prompt'}
+    """
+    renames = {}
+    for item in text.split(","):
+        old, separator, new = (part.strip() for part in item.partition("="))
+        if not item.strip():
+            continue
+        if not separator or not old or not new:
+            raise ValueError(f"--rename_columns {text!r}: expected comma-separated OLD=NEW pairs, got {item.strip()!r}")
+        if old not in columns:
+            raise ValueError(f"--rename_columns {text!r}: {source} has no column {old!r}; its columns: {columns}")
+        if old in renames:
+            raise ValueError(f"--rename_columns {text!r}: {old!r} is renamed twice")
+        if old != new:
+            renames[old] = new
+    kept = set(columns) - set(renames)
+    clashes = sorted(new for new in renames.values() if new in kept)
+    if clashes or len(set(renames.values())) < len(renames):
+        twice = clashes or sorted({n for n in renames.values() if list(renames.values()).count(n) > 1})
+        raise ValueError(f"--rename_columns {text!r}: {twice} would name two columns (the data has {columns}); "
+                         "rename or drop the other one too")  # fmt: skip
+    return renames
 
 
 def load_user_dataset(dataset_name: str, dataset_config: str | None, data_files: list[str] | None, source: str):

@@ -37,6 +37,7 @@ def data_record(script_args) -> dict:
         "dataset_config": script_args.dataset_config,
         "data_files": [os.path.abspath(f) for f in script_args.data_files] if script_args.data_files else None,
         "dataset_seed": script_args.dataset_seed,
+        "rename_columns": script_args.rename_columns,
         "dev_examples": script_args.dev_examples,
         "test_examples": script_args.test_examples,
         "streaming": bool(getattr(script_args, "streaming", False)),
@@ -65,7 +66,8 @@ def data_source(args) -> dict | None:
         source = dict(recorded)
     else:
         source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config,
-                  "data_files": args.data_files, "dataset_seed": args.dataset_seed, "streaming": False}  # fmt: skip
+                  "data_files": args.data_files, "dataset_seed": args.dataset_seed, "streaming": False,
+                  "rename_columns": args.rename_columns}  # fmt: skip
     for split in ("dev", "test"):
         given = getattr(args, f"{split}_examples")
         fallback = (recorded or {}).get(f"{split}_examples", DEFAULT_HELD_OUT)
@@ -77,7 +79,7 @@ def held_out_rows(source: dict, split: str, examples: int):
     """The first `examples` rows of `split` (`dev` or `test`) held out of `source` as the run held them out."""
     from datasets import Dataset, load_dataset
 
-    from ..data.sources import load_stage_dataset
+    from ..data.sources import column_renames, load_stage_dataset
 
     if split not in ("dev", "test"):
         raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")
@@ -87,10 +89,13 @@ def held_out_rows(source: dict, split: str, examples: int):
                               split="train", streaming=True)  # fmt: skip
         held = list(stream.take(dev + test))
         rows = Dataset.from_list(held[:dev] if split == "dev" else held[dev:])
+        if source.get("rename_columns"):
+            rows = rows.rename_columns(column_renames(source["rename_columns"], rows.column_names))
     else:
         splits = load_stage_dataset("conversation", dataset_name=source["dataset_name"],
                                     dataset_config=source["dataset_config"], data_files=source["data_files"],
-                                    sizes={"dev": dev, "test": test}, seed=source["dataset_seed"])  # fmt: skip
+                                    sizes={"dev": dev, "test": test}, seed=source["dataset_seed"],
+                                    rename_columns=source.get("rename_columns"))  # fmt: skip
         if split not in splits:
             raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
                              f"(--{split}_examples 0)")  # fmt: skip

@@ -231,6 +231,9 @@ class EvalArguments:
     )  # fmt: skip
     dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
     data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
+    rename_columns: str | None = field(
+        default=None, metadata={"help": "with --dataset_name: its columns under the names scored, OLD=NEW pairs"}
+    )
     dev_examples: int | None = field(
         default=None, metadata={"help": "your own data: dev rows carved from train (default: as the run carved)"}
     )

@@ -122,6 +122,7 @@ CONTROLLED = {
     "data_files": "compare's --data_files",
     "streaming": "compare's --streaming",
     "data_cache_dir": "compare's --data_cache_dir",
+    "rename_columns": "compare's --rename_columns (a classify or seq2seq stage's own: --set <stage>.rename_columns)",
 }
 # with your corpus, the documents pretraining holds out are the ones compare scores: one size for both
 HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"}
@@ -130,7 +131,7 @@ HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"
 # the data of a stage with a task of its own (a classifier's labelled text, a seq2seq stage's pairs), named for its
 # stage in --set (`classify.data_files=reviews.csv`): compare scores the split that stage's runs held out of it (their
 # run_info.json), the same rows for every variant and seed
-LABELLED_DATA = ("dataset_name", "dataset_config", "data_files")
+LABELLED_DATA = ("dataset_name", "dataset_config", "data_files", "rename_columns")
 OWN_DATA_FORMATS = ("classification", "source_target")
 
 

@@ -28,6 +28,11 @@ class StageArguments:
         default=200, metadata={"help": "test examples (carved from train if the source has none)"}
     )
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded generator and of carved splits"})
+    rename_columns: str | None = field(
+        default=None,
+        metadata={"help": "your data's columns under the names the stage reads, OLD=NEW pairs: "
+                          "'document=source,summary=target', 'question=prompt', 'content=text'"},
+    )  # fmt: skip
     direct_answer_fraction: float = field(
         default=0.0,
         metadata={"help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "

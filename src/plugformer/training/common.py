@@ -93,6 +93,7 @@ def format_data(data_format: str, script_args, reader: str):
         sizes=script_args.sizes(),
         seed=script_args.dataset_seed,
         direct_fraction=script_args.direct_answer_fraction,
+        rename_columns=script_args.rename_columns,
     )
     if script_args.dataset_name is not None:
         source = f"--dataset_name {script_args.dataset_name}" + (

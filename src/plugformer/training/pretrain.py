@@ -50,12 +50,14 @@ def load_corpus(script_args) -> Corpus:
         check_data_files(script_args.dataset_name, script_args.data_files)
         source = {"path": script_args.dataset_name, "name": script_args.dataset_config,
                   "data_files": script_args.data_files}  # fmt: skip
-        return stream_corpus(source, script_args.dev_examples, script_args.test_examples)
+        return stream_corpus(source, script_args.dev_examples, script_args.test_examples, script_args.rename_columns)
     data = stage_data("pretrain", script_args)
     if script_args.dataset_name is None:
         return Corpus(data)
     source = {"dataset_name": script_args.dataset_name, "dataset_config": script_args.dataset_config,
               "data_files": script_args.data_files, "sizes": script_args.sizes(), "seed": script_args.dataset_seed}  # fmt: skip
+    if script_args.rename_columns:  # an unrenamed corpus keeps the cache key it had before the option
+        source["rename_columns"] = script_args.rename_columns
     return Corpus(data, corpus_fingerprint(source, data))
 
 
