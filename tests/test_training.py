@@ -597,6 +597,8 @@ def test_your_columns_renamed_for_training_eval_and_a_stream(tmp_path):
     ]
     with pytest.raises(ValueError, match=r"has no column 'body'; its columns: \['content', 'id'\]"):
         train("pretrain", tmp_path / "bad", *PRETRAIN, *override_flags(flags, ["--rename_columns", "body=text"]))
+    with pytest.raises(ValueError, match=r"--rename_columns 'a=text' renames your data's columns; the embedded"):
+        train("pretrain", tmp_path / "embedded", "--rename_columns", "a=text")
     with pytest.raises(ValueError, match=r"\['id'\] would name two columns"):
         column_renames("content=id", ["content", "id"])
     with pytest.raises(ValueError, match=r"expected comma-separated OLD=NEW pairs, got 'content'"):

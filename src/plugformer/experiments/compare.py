@@ -102,6 +102,9 @@ class CompareArguments(CorpusArguments):
             raise ValueError(f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
                              f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify stage's "
                              "accuracy")  # fmt: skip
+        if self.rename_columns and self.dataset_name is None:
+            raise ValueError(f"--rename_columns {self.rename_columns!r} renames your corpus's columns: give "
+                             "--dataset_name (a classify or seq2seq stage's own data: --set <stage>.rename_columns)")  # fmt: skip
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
         if self.significance not in SIGNIFICANCE_TESTS:

@@ -53,6 +53,9 @@ class StageArguments:
                             "max_new_tokens": 1})  # fmt: skip
         if not isinstance(self.direct_answer_fraction, (int, float)) or not 0 <= self.direct_answer_fraction <= 1:
             raise ValueError(f"--direct_answer_fraction {self.direct_answer_fraction!r}: expected a number in [0, 1]")
+        if self.rename_columns and self.dataset_name is None:
+            raise ValueError(f"--rename_columns {self.rename_columns!r} renames your data's columns; the embedded data "
+                             "has the names the stage reads: give --dataset_name (and --data_files), or drop it")  # fmt: skip
 
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
