@@ -356,7 +356,6 @@ class Seq2SeqArguments(ArchitectureArguments):
     max_source_length: int = field(default=128, metadata={"help": "source tokens at most; longer sources are cut"})
     max_target_length: int = field(default=128, metadata={"help": "target tokens at most; longer targets are cut"})
     num_beams: int = field(default=1, metadata={"help": "beam width of the dev and held-out scoring (1: greedy)"})
-    fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
 
     ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "num_decoder_layers")
 
