@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from plugformer import PlugformerConfig, PlugformerForCausalLM
 from plugformer.data.dates import TEMPLATES, date_rows, number_words, year_words
 from plugformer.data.sources import load_stage_dataset, split_of_key
 from plugformer.evaluation.held_out import held_out_rows, recorded_source
@@ -155,6 +156,10 @@ def test_what_the_seq2seq_stage_refuses(tmp_path):
         parse_stage_arguments("seq2seq", ["--num_beams", "0"])
     with pytest.raises(ValueError, match=r"--hidden_size 64 and --config_overrides hidden_size=32 contradict"):
         parse_stage_arguments("seq2seq", ["--hidden_size", "64", "--config_overrides", "hidden_size=32"])
+    causal = tmp_path / "causal"
+    PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", pad_token_id=0)).save_pretrained(causal)
+    with pytest.raises(ValueError, match=r"causal is no encoder-decoder .* leave --model_name_or_path out"):
+        seq2seq(tmp_path / "x", "--model_name_or_path", str(causal))
     (tmp_path / "pairs.csv").write_text("source,text\na,b\n")
     with pytest.raises(ValueError, match=r"lacks the columns \['target'\] of the 'source_target' format"):
         seq2seq(tmp_path / "bad", "--dataset_name", "csv", "--data_files", str(tmp_path / "pairs.csv"))

@@ -42,6 +42,21 @@ def build_tokenizer(script_args, model_args, data):
     return train_tokenizer(texts, vocab_size=script_args.vocab_size, split_digits=True)
 
 
+def check_parent(model_args) -> None:
+    """Raises `ValueError` before any work when `--model_name_or_path` is no encoder-decoder (a pretrain stage's
+    decoder or encoder, whose tokenizer and weights the stage would otherwise start loading)."""
+    from transformers import AutoConfig
+
+    from .common import require_model_path
+
+    if model_args.model_name_or_path is None:
+        return
+    path = require_model_path(model_args, "seq2seq")
+    if not getattr(AutoConfig.from_pretrained(path), "is_encoder_decoder", False):
+        raise ValueError(f"--model_name_or_path {path} is no encoder-decoder (a decoder or encoder stack); the "
+                         "seq2seq stage trains one: leave --model_name_or_path out to build it from --preset")  # fmt: skip
+
+
 def build_model(script_args, model_args, tokenizer):
     """`--model_name_or_path`'s encoder-decoder, or the preset as one with the architecture fields given."""
     from transformers import AutoModelForSeq2SeqLM
@@ -52,11 +67,7 @@ def build_model(script_args, model_args, tokenizer):
     from .common import load_model
 
     if model_args.model_name_or_path is not None:
-        model = load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
-        if not model.config.is_encoder_decoder:
-            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path} is no encoder-decoder; the "
-                             "seq2seq stage trains one (leave --model_name_or_path out to build it from --preset)")  # fmt: skip
-        return model
+        return load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
     architecture = script_args.architecture()
     known = {f.name for f in dataclasses.fields(PlugformerConfig)}
     unknown = sorted(set(architecture) - known)
@@ -114,6 +125,7 @@ def train(script_args, model_args, training_args) -> dict:
     check_trainer_arguments(training_args)
     refuse_liger_kernel(training_args)
     check_launch(training_args)
+    check_parent(model_args)
     claim_output_dir(script_args, training_args, "seq2seq")
     with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
         data = stage_data("seq2seq", script_args)
