@@ -213,3 +213,26 @@ def test_compare_scores_sentence_pairs_with_integer_labels_as_eval_does(tmp_path
                          test_examples=30, stage_configs=CONFIGS))  # fmt: skip
     run_dir = next((tmp_path / "out/runs").glob("*")) / "seed0/classify"
     scored_rows_agree(run_dir, held_out_rows(recorded_source(str(run_dir)), "test", 30))  # each pair, both texts
+
+
+@pytest.mark.slow  # ~15 s: two processes start
+def test_two_cpu_processes_train_one_classifier(pretrained, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(root / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port",
+               str(port), "-m", "plugformer", "train", "classify",
+               *override_flags(["--output_dir", str(tmp_path), "--model_name_or_path", str(pretrained)], FLAGS,
+                               ["--per_device_train_batch_size", "4"])]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["effective_batch"]["total"] == 8
+    first, second = info["parameter_digests"]
+    assert first == second  # DDP kept the ranks in step
