@@ -61,6 +61,37 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
     return load_checked(auto_class, path, revision=model_args.model_revision, dtype=dtype, **kwargs)
 
 
+def preset_config(script_args, model_args, tokenizer, stage: str, **fields):
+    """The `PlugformerConfig` of a new model: `--preset` with the architecture flags and `--config_overrides`
+    (`ArchitectureArguments.architecture`), the tokenizer's vocabulary and special ids, `fields` (e.g.
+    `is_encoder_decoder=True`) and `--attn_implementation`; refused before any weight is allocated when a field is
+    unknown or the model would not fit in memory (`runtime.memory.check_model_fits`)."""
+    from ..configuration import PlugformerConfig
+    from ..runtime.memory import check_model_fits
+
+    architecture = script_args.architecture()
+    known = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    unknown = sorted(set(architecture) - known)
+    if unknown:
+        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
+                         f"fields; fields: {sorted(known)}")  # fmt: skip
+    if script_args.hidden_size is not None and script_args.intermediate_size is None:
+        architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
+    config = PlugformerConfig.from_preset(
+        script_args.preset,
+        **architecture,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **fields,
+    )
+    if model_args.attn_implementation is not None:
+        config._attn_implementation = model_args.attn_implementation
+    check_model_fits(config, training=True, what=stage)  # before tens of GB are allocated
+    return config
+
+
 def peft_config(model_args):
     """TRL's LoRA config from `--use_peft` and `--lora_*`; without `--lora_target_modules` PEFT takes
     `plugformer.LORA_TARGET_MODULES` (registered by model_type on import)."""

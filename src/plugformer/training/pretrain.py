@@ -4,7 +4,6 @@ tokenizer first when none is given."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from datasets import Dataset
@@ -16,17 +15,15 @@ from transformers import (
     default_data_collator,
 )
 
-from ..configuration import PlugformerConfig
 from ..data.packing import pack
 from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
 from ..data.tokenization import train_tokenizer
 from ..data.validation import check_data_files
 from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
-from ..runtime.memory import check_model_fits
 from .arguments import PretrainArguments, check_trainer_arguments, refuse_liger_kernel
 from .checkpoints import atomic_checkpoints
-from .common import load_model, load_tokenizer, set_generation_eos, stage_data, train_and_save
+from .common import load_model, load_tokenizer, preset_config, set_generation_eos, stage_data, train_and_save
 from .distributed import check_launch, log_effective_batch
 from .outputs import claim_output_dir
 from .stages import Stage, register_stage
@@ -99,25 +96,7 @@ def build_model(script_args, model_args, tokenizer):
     head = AutoModelForCausalLM if script_args.is_causal else AutoModelForMaskedLM
     if model_args.model_name_or_path is not None:
         return load_model(head, model_args, "pretrain")
-    architecture = script_args.architecture()
-    known = {f.name for f in dataclasses.fields(PlugformerConfig)}
-    unknown = sorted(set(architecture) - known)
-    if unknown:
-        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
-                         f"fields; fields: {sorted(known)}")  # fmt: skip
-    if script_args.hidden_size is not None and script_args.intermediate_size is None:
-        architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
-    config = PlugformerConfig.from_preset(
-        script_args.preset,
-        **architecture,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    if model_args.attn_implementation is not None:
-        config._attn_implementation = model_args.attn_implementation
-    check_model_fits(config, training=True, what="pretrain")  # before tens of GB are allocated
+    config = preset_config(script_args, model_args, tokenizer, "pretrain")
     return (PlugformerForCausalLM if config.is_causal else PlugformerForMaskedLM)(config)
 
 

@@ -11,8 +11,6 @@ normalised to ISO 8601 ("the 3rd of may, 1999" -> `1999-05-03`, `data.dates`).
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..evaluation.cards import StageCard
 from .arguments import Seq2SeqArguments
 from .stages import Stage, register_stage
@@ -61,34 +59,13 @@ def build_model(script_args, model_args, tokenizer):
     """`--model_name_or_path`'s encoder-decoder, or the preset as one with the architecture fields given."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..configuration import PlugformerConfig
     from ..modeling import PlugformerForConditionalGeneration
-    from ..runtime.memory import check_model_fits
-    from .common import load_model
+    from .common import load_model, preset_config
 
     if model_args.model_name_or_path is not None:
         return load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
-    architecture = script_args.architecture()
-    known = {f.name for f in dataclasses.fields(PlugformerConfig)}
-    unknown = sorted(set(architecture) - known)
-    if unknown:
-        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
-                         f"fields; fields: {sorted(known)}")  # fmt: skip
-    if script_args.hidden_size is not None and script_args.intermediate_size is None:
-        architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
-    config = PlugformerConfig.from_preset(
-        script_args.preset,
-        **architecture,
-        is_encoder_decoder=True,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.bos_token_id,
-    )
-    if model_args.attn_implementation is not None:
-        config._attn_implementation = model_args.attn_implementation
-    check_model_fits(config, training=True, what="seq2seq")
+    config = preset_config(script_args, model_args, tokenizer, "seq2seq", is_encoder_decoder=True,
+                           decoder_start_token_id=tokenizer.bos_token_id)  # fmt: skip
     return PlugformerForConditionalGeneration(config)
 
 
