@@ -291,6 +291,27 @@ SMOKE_FILES = {"test_layout.py", "test_config.py", "test_scores.py", "test_posit
 SMOKE_SUITE = "test_combinations.py"
 
 
+def launch_on_two_processes(stage: str, argv: list[str], output_dir, timeout: int = 300) -> dict:
+    """`accelerate launch` of `plugformer train <stage>` with the shipped 2-process CPU topology (gloo, a free port);
+    the run_info.json it wrote."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(root / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port",
+               str(port), "-m", "plugformer", "train", stage, *argv, "--output_dir", str(output_dir)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((Path(output_dir) / "run_info.json").read_text())
+
+
 def smoke(item) -> bool:
     name = item.path.name
     if item.get_closest_marker("slow") is not None:

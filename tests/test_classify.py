@@ -217,22 +217,10 @@ def test_compare_scores_sentence_pairs_with_integer_labels_as_eval_does(tmp_path
 
 @pytest.mark.slow  # ~15 s: two processes start
 def test_two_cpu_processes_train_one_classifier(pretrained, tmp_path):
-    import socket
-    import subprocess
-    import sys
+    from conftest import launch_on_two_processes
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(root / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port",
-               str(port), "-m", "plugformer", "train", "classify",
-               *override_flags(["--output_dir", str(tmp_path), "--model_name_or_path", str(pretrained)], FLAGS,
-                               ["--per_device_train_batch_size", "4"])]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    info = json.loads((tmp_path / "run_info.json").read_text())
+    argv = override_flags(["--model_name_or_path", str(pretrained)], FLAGS, ["--per_device_train_batch_size", "4"])
+    info = launch_on_two_processes("classify", argv, tmp_path)
     assert info["world_size"] == 2 and info["effective_batch"]["total"] == 8
     first, second = info["parameter_digests"]
     assert first == second  # DDP kept the ranks in step

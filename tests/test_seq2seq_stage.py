@@ -209,22 +209,10 @@ def test_the_pipeline_runs_seq2seq_only_when_listed_and_tables_its_scores(tmp_pa
 
 @pytest.mark.slow  # ~15 s: two processes start
 def test_two_cpu_processes_train_one_seq2seq_model(tmp_path):
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import launch_on_two_processes
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(root / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port",
-               str(port), "-m", "plugformer", "train", "seq2seq", *FLAGS, "--output_dir", str(tmp_path),
-               "--max_steps", "10", "--per_device_train_batch_size", "32", "--train_examples", "1000"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    info = json.loads((tmp_path / "run_info.json").read_text())
+    argv = [*FLAGS, "--max_steps", "10", "--per_device_train_batch_size", "32", "--train_examples", "1000"]
+    info = launch_on_two_processes("seq2seq", argv, tmp_path)
     assert info["world_size"] == 2 and info["effective_batch"]["total"] == 64
     first, second = info["parameter_digests"]
     assert first == second  # DDP kept the ranks in step

@@ -270,13 +270,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the sentiment grammar
         from transformers import AutoModelForSequenceClassification
 
-        from ..evaluation.held_out import held_out_rows, recorded_source
-
-        source = recorded_source(str(model_dir))
-        if source is not None:
-            rows = held_out_rows(source, split, size)
-        else:
-            rows = load_stage_dataset("classification", sizes={split: size}, seed=args.dataset_seed)[split]
+        rows = own_task_rows(args, model_dir, "classification", split, size)
         model = AutoModelForSequenceClassification.from_pretrained(model_dir)
         correct = labelled_rows_scores(model, tokenizer, rows)["correct"]  # text pairs and integer labels as eval's
         return [float(c) for c in correct], [1.0] * len(correct)
@@ -293,20 +287,26 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     return exact_match_reward(completions, answer=[str(a) for a in rows["answer"]]), [1.0] * len(completions)
 
 
+def own_task_rows(args: CompareArguments, model_dir: Path, data_format: str, split: str, size: int):
+    """The `split` rows a classify or seq2seq run held out: of the data it read (its run_info.json), else of the
+    format's embedded task (the sentiment grammar, the dates): the same rows for every variant and seed."""
+    from ..data.sources import load_stage_dataset
+    from ..evaluation.held_out import held_out_rows, recorded_source
+
+    source = recorded_source(str(model_dir))
+    if source is not None:
+        return held_out_rows(source, split, size)
+    return load_stage_dataset(data_format, sizes={split: size}, seed=args.dataset_seed)[split]
+
+
 def seq2seq_example_scores(args: CompareArguments, model_dir: Path, tokenizer, split: str, size: int):
     """Per held-out pair of the data the run read (its run_info.json), else of the embedded dates: 1/0 for an exact
     generated target (`exact_match`) or the target's summed loss weighted by its tokens (`perplexity`)."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..data.sources import load_stage_dataset
-    from ..evaluation.held_out import held_out_rows, recorded_source
     from ..evaluation.seq2seq import generate_targets, target_losses
 
-    source = recorded_source(str(model_dir))
-    if source is not None:
-        rows = held_out_rows(source, split, size)
-    else:
-        rows = load_stage_dataset("source_target", sizes={split: size}, seed=args.dataset_seed)[split]
+    rows = own_task_rows(args, model_dir, "source_target", split, size)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     longest = model.config.max_position_embeddings
     if args.metric == "perplexity":

@@ -57,25 +57,12 @@ def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
     return split.map(encode, batched=True, remove_columns=split.column_names)
 
 
-def with_adapters(model, model_args):
-    """`model` with LoRA adapters (`--lora_*`) as PEFT's sequence-classification model: the new `score` head is
-    trained whole and saved beside the adapters (PEFT's `modules_to_save` for `SEQ_CLS`), whatever
-    `--lora_task_type` says (TRL's default, `CAUSAL_LM`, would leave the head untrained)."""
-    from peft import get_peft_model
-
-    from .common import peft_config
-
-    config = peft_config(model_args)
-    config.task_type = "SEQ_CLS"
-    return get_peft_model(model, config)
-
-
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
 
     from ..evaluation.classification import compute_metrics
     from .checkpoints import atomic_checkpoints
-    from .common import load_model, load_tokenizer, require_model_path, stage_data, train_and_save
+    from .common import load_model, load_tokenizer, require_model_path, stage_data, train_and_save, with_adapters
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
 
@@ -92,7 +79,7 @@ def train(script_args, model_args, training_args) -> dict:
                        id2label=dict(enumerate(names)), label2id=label2id)  # fmt: skip
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
     if model_args.use_peft:
-        model = with_adapters(model, model_args)
+        model = with_adapters(model, model_args, "SEQ_CLS")
     dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
     trainer = atomic_checkpoints(Trainer)(
         model=model,

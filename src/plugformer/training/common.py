@@ -61,6 +61,17 @@ def load_model(auto_class, model_args, stage: str, **kwargs) -> PreTrainedModel:
     return load_checked(auto_class, path, revision=model_args.model_revision, dtype=dtype, **kwargs)
 
 
+def with_adapters(model, model_args, task_type: str):
+    """`model` with LoRA adapters (`--lora_*`) as PEFT's model of `task_type` (`SEQ_CLS`: the new head is trained whole
+    and saved beside the adapters; `SEQ_2_SEQ_LM`), whatever `--lora_task_type` says (TRL's default, `CAUSAL_LM`,
+    expects a decoder-only forward and would leave a classifier's head untrained)."""
+    from peft import get_peft_model
+
+    config = peft_config(model_args)
+    config.task_type = task_type
+    return get_peft_model(model, config)
+
+
 def preset_config(script_args, model_args, tokenizer, stage: str, **fields):
     """The `PlugformerConfig` of a new model: `--preset` with the architecture flags and `--config_overrides`
     (`ArchitectureArguments.architecture`), the tokenizer's vocabulary and special ids, `fields` (e.g.

@@ -78,24 +78,12 @@ def set_generation(model, tokenizer, script_args) -> None:
     model.generation_config.max_new_tokens = script_args.max_target_length
 
 
-def with_adapters(model, model_args):
-    """`model` with LoRA adapters (`--lora_*`) as PEFT's seq2seq model (task type `SEQ_2_SEQ_LM`, whatever
-    `--lora_task_type` says: TRL's default, `CAUSAL_LM`, expects a decoder-only forward)."""
-    from peft import get_peft_model
-
-    from .common import peft_config
-
-    config = peft_config(model_args)
-    config.task_type = "SEQ_2_SEQ_LM"
-    return get_peft_model(model, config)
-
-
 def train(script_args, model_args, training_args) -> dict:
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer
 
     from .arguments import check_trainer_arguments, refuse_liger_kernel
     from .checkpoints import atomic_checkpoints
-    from .common import stage_data, train_and_save
+    from .common import stage_data, train_and_save, with_adapters
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
 
@@ -110,7 +98,7 @@ def train(script_args, model_args, training_args) -> dict:
     model = build_model(script_args, model_args, tokenizer)
     set_generation(model, tokenizer, script_args)
     if model_args.use_peft:
-        model = with_adapters(model, model_args)
+        model = with_adapters(model, model_args, "SEQ_2_SEQ_LM")
     trainer = atomic_checkpoints(Seq2SeqTrainer)(
         model=model,
         args=training_args,
