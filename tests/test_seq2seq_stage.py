@@ -216,3 +216,16 @@ def test_two_cpu_processes_train_one_seq2seq_model(tmp_path):
     assert info["world_size"] == 2 and info["effective_batch"]["total"] == 64
     first, second = info["parameter_digests"]
     assert first == second  # DDP kept the ranks in step
+
+
+def test_a_new_model_has_positions_for_the_longest_source_and_target():
+    from plugformer.data.tokenization import train_tokenizer
+    from plugformer.training.seq2seq import build_model
+
+    tokenizer = train_tokenizer(["a b c 1 2 3"] * 10, vocab_size=300)
+    base = ["--position_scheme", "learned", "--max_source_length", "32", "--max_target_length", "16"]
+    # the tiny preset's table holds 64 positions; a longer source or target gets one that holds it, unless given
+    for flags, expected in ((["--max_source_length", "100"], 100), (["--max_target_length", "90"], 90), ([], 64),
+                            (["--max_source_length", "100", "--max_position_embeddings", "80"], 80)):  # fmt: skip
+        script_args, model_args, _ = parse_stage_arguments("seq2seq", override_flags(base, flags))
+        assert build_model(script_args, model_args, tokenizer).config.max_position_embeddings == expected

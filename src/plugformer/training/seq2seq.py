@@ -56,21 +56,27 @@ def check_parent(model_args) -> None:
 
 
 def build_model(script_args, model_args, tokenizer):
-    """`--model_name_or_path`'s encoder-decoder, or the preset as one with the architecture fields given."""
+    """`--model_name_or_path`'s encoder-decoder, or the preset as one with the architecture fields given; its
+    position table covers `--max_source_length` and `--max_target_length` unless `--max_position_embeddings` says."""
     from transformers import AutoModelForSeq2SeqLM
 
+    from ..configuration import PlugformerConfig
     from ..modeling import PlugformerForConditionalGeneration
     from .common import load_model, preset_config
 
     if model_args.model_name_or_path is not None:
         return load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
-    config = preset_config(script_args, model_args, tokenizer, "seq2seq", is_encoder_decoder=True,
-                           decoder_start_token_id=tokenizer.bos_token_id)  # fmt: skip
-    return PlugformerForConditionalGeneration(config)
+    fields = {"is_encoder_decoder": True, "decoder_start_token_id": tokenizer.bos_token_id}
+    if "max_position_embeddings" not in script_args.architecture():  # room for the longest source and target
+        longest = max(script_args.max_source_length, script_args.max_target_length)
+        preset = PlugformerConfig.from_preset(script_args.preset).max_position_embeddings
+        fields["max_position_embeddings"] = max(preset, longest)
+    return PlugformerForConditionalGeneration(preset_config(script_args, model_args, tokenizer, "seq2seq", **fields))
 
 
 def set_generation(model, tokenizer, script_args) -> None:
-    """Generation stops at end of text and searches `--num_beams` wide (`generate`, `pipeline` and eval read it)."""
+    """Generation stops at end of text, searches `--num_beams` wide and writes up to `--max_target_length` tokens
+    (saved with the model: `generate` and `plugformer eval` read it)."""
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.decoder_start_token_id = model.config.decoder_start_token_id
