@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
 from plugformer.data.corpus import nli_examples, sentiment_sentences
@@ -220,7 +221,11 @@ def test_two_cpu_processes_train_one_classifier(pretrained, tmp_path):
     from conftest import launch_on_two_processes
 
     argv = override_flags(["--model_name_or_path", str(pretrained)], FLAGS, ["--per_device_train_batch_size", "4"])
-    info = launch_on_two_processes("classify", argv, tmp_path)
+    info = launch_on_two_processes("classify", argv, tmp_path / "ddp")
     assert info["world_size"] == 2 and info["effective_batch"]["total"] == 8
     first, second = info["parameter_digests"]
     assert first == second  # DDP kept the ranks in step
+    classify(tmp_path / "one", pretrained)  # one process on the whole batch of 8: the same steps
+    one = AutoModelForSequenceClassification.from_pretrained(tmp_path / "one").state_dict()
+    for name, weight in AutoModelForSequenceClassification.from_pretrained(tmp_path / "ddp").state_dict().items():
+        torch.testing.assert_close(weight, one[name], rtol=0, atol=1e-5, msg=name)
