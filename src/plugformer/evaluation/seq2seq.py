@@ -138,8 +138,16 @@ def directory_scores(args, tokenizer, rows) -> dict:
         raise ValueError(f"an encoder-decoder is scored on source -> target pairs; the held-out split lacks "
                          f"{missing} (it has {sorted(rows.column_names)})")  # fmt: skip
     model = load_checked(AutoModelForSeq2SeqLM, args.model)
+    return seq2seq_scores(
+        model, tokenizer, rows, batch_size=args.batch_size, **saved_budget(model, args.max_new_tokens)
+    )
+
+
+def saved_budget(model, max_new_tokens: int) -> dict:
+    """How a saved encoder-decoder is scored (eval and compare alike): the beam width it was trained to search (its
+    `generation_config`), targets up to `max_new_tokens` or the longest it was trained on, whichever is more, and
+    sources and reference targets up to its position table."""
     generation = model.generation_config
-    longest = max(args.max_new_tokens, generation.max_new_tokens or 0)
-    return seq2seq_scores(model, tokenizer, rows, max_new_tokens=longest, batch_size=args.batch_size,
-                          num_beams=generation.num_beams or 1, max_source_length=model.config.max_position_embeddings,
-                          max_target_length=model.config.max_position_embeddings)  # fmt: skip
+    longest = model.config.max_position_embeddings
+    return {"max_new_tokens": max(max_new_tokens, generation.max_new_tokens or 0), "num_beams": generation.num_beams or 1,
+            "max_source_length": longest, "max_target_length": longest}  # fmt: skip

@@ -304,16 +304,17 @@ def seq2seq_example_scores(args: CompareArguments, model_dir: Path, tokenizer, s
     generated target (`exact_match`) or the target's summed loss weighted by its tokens (`perplexity`)."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..evaluation.seq2seq import generate_targets, target_losses
+    from ..evaluation.seq2seq import generate_targets, saved_budget, target_losses
 
     rows = own_task_rows(args, model_dir, "source_target", split, size)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
-    longest = model.config.max_position_embeddings
+    budget = saved_budget(model, args.max_new_tokens)  # as plugformer eval scores it
     if args.metric == "perplexity":
-        losses, counts = target_losses(model, tokenizer, rows, max_source_length=longest, max_target_length=longest)
+        losses, counts = target_losses(model, tokenizer, rows, max_source_length=budget["max_source_length"],
+                                       max_target_length=budget["max_target_length"])  # fmt: skip
         return losses, [float(c) for c in counts]
-    generated = generate_targets(model, tokenizer, list(rows["source"]), max(args.max_new_tokens, 16),
-                                 num_beams=model.generation_config.num_beams or 1, max_source_length=longest)  # fmt: skip
+    generated = generate_targets(model, tokenizer, list(rows["source"]), budget["max_new_tokens"],
+                                 num_beams=budget["num_beams"], max_source_length=budget["max_source_length"])  # fmt: skip
     references = [str(target).strip() for target in rows["target"]]
     return [float(g == r) for g, r in zip(generated, references, strict=True)], [1.0] * len(references)
 
