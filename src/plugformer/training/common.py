@@ -19,7 +19,7 @@ from ..data.sources import load_stage_dataset
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..data.validation import check_data_files, check_rows
 from ..evaluation.held_out import data_record
-from ..evaluation.scoring import exact_match, sampled_pass_at_k
+from ..evaluation.scoring import PER_EXAMPLE, exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
 from ..runtime.loading import load_checked
 from .arguments import check_trainer_arguments
@@ -474,10 +474,7 @@ def dev_seq2seq_scores(model, tokenizer, script_args) -> dict | None:
     scores = seq2seq_scores(model, tokenizer, rows, max_new_tokens=script_args.max_target_length,
                             num_beams=script_args.num_beams, max_source_length=script_args.max_source_length,
                             max_target_length=script_args.max_target_length)  # fmt: skip
-    return {key: value for key, value in scores.items() if key not in SEQ2SEQ_PER_EXAMPLE}
-
-
-SEQ2SEQ_PER_EXAMPLE = ("correct", "chrf_per_example", "target_losses", "target_tokens")
+    return {key: value for key, value in scores.items() if key not in PER_EXAMPLE or key == "samples"}
 
 
 def set_generation_eos(model, tokenizer) -> None:
