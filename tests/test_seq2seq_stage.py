@@ -152,6 +152,9 @@ def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
 
 
 def test_what_the_seq2seq_stage_refuses(tmp_path):
+    for stage in ("seq2seq", "classify"):  # it shapes the arithmetic's answers only: accepted, it did nothing
+        with pytest.raises(ValueError, match=rf"--direct_answer_fraction 0.5: the {stage} stage's data has no worked"):
+            parse_stage_arguments(stage, ["--direct_answer_fraction", "0.5"])
     with pytest.raises(ValueError, match=r"--num_beams 0: expected an integer >= 1"):
         parse_stage_arguments("seq2seq", ["--num_beams", "0"])
     with pytest.raises(ValueError, match=r"--hidden_size 64 and --config_overrides hidden_size=32 contradict"):

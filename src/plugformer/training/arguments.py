@@ -159,6 +159,14 @@ class PretrainArguments(ArchitectureArguments):
             raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
 
 
+def refuse_bare_answers(arguments, stage: str) -> None:
+    """Raises `ValueError` for `--direct_answer_fraction` above 0 in a stage whose data is no arithmetic (classify,
+    seq2seq): it shapes the embedded arithmetic's answers only, and there it would be accepted and do nothing."""
+    if arguments.direct_answer_fraction:
+        raise ValueError(f"--direct_answer_fraction {arguments.direct_answer_fraction!r}: the {stage} stage's data has "
+                         "no worked answers to skip (it shapes the embedded arithmetic only); drop it")  # fmt: skip
+
+
 def check_counts(arguments, minimums: dict[str, int]) -> None:
     """Raises `ValueError` for a field of `arguments` that is not an integer of at least `minimums[field]` (`None`
     passes: "not set"). A negative count must never mean something else silently.
@@ -346,6 +354,7 @@ class ClassifyArguments(StageArguments):
     def __post_init__(self):
         super().__post_init__()
         check_counts(self, {"max_length": 2})
+        refuse_bare_answers(self, "classify")
 
 
 @dataclass
@@ -362,3 +371,4 @@ class Seq2SeqArguments(ArchitectureArguments):
     def __post_init__(self):
         super().__post_init__()
         check_counts(self, {"num_decoder_layers": 1, "max_source_length": 2, "max_target_length": 2, "num_beams": 1})
+        refuse_bare_answers(self, "seq2seq")
