@@ -14,6 +14,7 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 | prompt, prompt_answer | rlhf, grpo; dev selection and scoring | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 | classification | classify | `text`, `label` (and `text_pair` if given): the embedded data is a sentiment grammar instead |
 | source_target | seq2seq | `source`, `target`: the embedded data is dates normalised to ISO 8601 instead (`data.dates`) |
+| sentence_pair | nli | `text` (premise), `text_pair` (hypothesis), `label`: an inference grammar instead (`data.nli`) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from .dates import date_rows
+from .nli import nli_rows
 from .splits import SPLITS, split_of_key
 
 
@@ -282,11 +284,15 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt_answer": ("prompt", "answer"),
     "classification": ("text", "label"),
     "source_target": ("source", "target"),
+    "sentence_pair": ("text", "text_pair", "label"),
 }
+# the formats a sequence classifier reads: its held-out rows are scored by accuracy
+CLASSIFIER_FORMATS = ("classification", "sentence_pair")
 # formats whose embedded data is a task of its own, not arithmetic: format -> rows(count, split, seed)
 OWN_TASKS: dict[str, Callable[[int, str, int], list[dict]]] = {
     "classification": sentiment_rows,
     "source_target": date_rows,
+    "sentence_pair": nli_rows,
 }
 
 
@@ -305,7 +311,7 @@ def embedded_dataset(
     """The embedded arithmetic task in `data_format`, with `sizes[split]` examples per split."""
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
-    if data_format in OWN_TASKS:  # no arithmetic to classify or translate: the sentiment grammar, the dates
+    if data_format in OWN_TASKS:  # no arithmetic to classify or translate: the sentiment and NLI grammars, the dates
         return DatasetDict({split: Dataset.from_list(OWN_TASKS[data_format](count, split, seed))
                             for split, count in sizes.items() if count > 0})  # fmt: skip
     return DatasetDict({

@@ -4,7 +4,8 @@ tokens (JSON).
 Weights come from one forward with `output_attentions=True` on the eager kernel (sdpa and flex return none); a
 model on another kernel is switched to eager for that forward and switched back, which recomputes the same scores.
 A seq2seq model gives three maps: encoder self-attention over `text`, decoder self-attention over the target and
-cross-attention from target queries to source keys.
+cross-attention from target queries to source keys. The decomposable attention model gives its soft alignment of a
+sentence pair (`text`, `text_pair`): each premise token's weights over the hypothesis tokens.
 """
 
 from __future__ import annotations
@@ -169,6 +170,27 @@ def attention_weights(
     }
 
 
+@torch.no_grad()
+def alignment_weights(model, tokenizer, text: str, text_pair: str) -> dict[str, AttentionMap]:
+    """The decomposable attention model's alignment of `text` (premise) with `text_pair` (hypothesis), encoded as
+    the nli stage encodes a pair: `{"alignment": ...}` of shape `(1, 1, premise tokens, hypothesis tokens)`, each row
+    softmax_j(F(a_i)·F(b_j)) (the weights β_i averages the hypothesis with)."""
+    encoded = tokenizer(text, text_pair, return_tensors="pt").to(model.device)
+    check_token_count(encoded["input_ids"].shape[1], "the pair")
+    was_training = model.training
+    model.eval()
+    try:
+        weights = model(**encoded, output_attentions=True).attentions[0][0]  # (T, T): premise rows, hypothesis columns
+    finally:
+        model.train(was_training)
+    premise, hypothesis = (mask[0] for mask in model.sentence_masks(encoded["input_ids"], encoded.get(
+        "attention_mask"), encoded.get("token_type_ids")))  # fmt: skip
+    ids = encoded["input_ids"][0]
+    aligned = weights[premise][:, hypothesis]  # (premise tokens, hypothesis tokens)
+    return {"alignment": AttentionMap("alignment", aligned[None, None].float().cpu(), [0], [0],
+                                      token_strings(tokenizer, ids[premise]), token_strings(tokenizer, ids[hypothesis]))}  # fmt: skip
+
+
 def gather(kind, per_layer, layers, heads, query_tokens, key_tokens) -> AttentionMap:
     """Stacks the chosen layers and heads of a tuple of `(1, H, Q, K)` weights."""
     if not per_layer:
@@ -231,7 +253,8 @@ def plot_attention_map(
         for column, head in enumerate(attention.heads):
             ax = axes[row][column]
             image = ax.imshow(attention.weights[row, column].numpy(), cmap="viridis", vmin=0.0, vmax=peak)
-            ax.set_title(f"layer {layer} head {head}", fontsize=9)
+            title = "premise (rows), hypothesis" if attention.kind == "alignment" else f"layer {layer} head {head}"
+            ax.set_title(title, fontsize=9)
             ax.set_xticks(range(len(attention.key_tokens)), [label(t) for t in attention.key_tokens], rotation=90,
                           fontsize=size)  # fmt: skip
             ax.set_yticks(range(len(attention.query_tokens)), [label(t) for t in attention.query_tokens], fontsize=size)
@@ -293,6 +316,9 @@ class AttentionMapArguments:
     model: str = field(metadata={"help": "a saved plugformer model directory (with its tokenizer)"})
     text: str = field(default=EXAMPLE_TEXT, metadata={"help": "the input (a seq2seq model's source)"})
     target_text: str | None = field(default=None, metadata={"help": "a seq2seq model's decoder input"})
+    text_pair: str | None = field(
+        default=None, metadata={"help": "the hypothesis of a sentence pair, `text` its premise (the nli stage's model)"}
+    )
     layers: list[int] | None = field(default=None, metadata={"help": "layer indices; None: every layer"})
     heads: list[int] | None = field(default=None, metadata={"help": "head indices; None: every head"})
     output: str = field(default="attention.png", metadata={"help": "PNG file; .safetensors and .json go beside it"})
@@ -312,9 +338,17 @@ def main(argv: list[str]) -> list[Path]:
 
     args = parse_arguments(AttentionMapArguments, argv, prog="plugformer attention-map")
     model, tokenizer = load_model(args.model), AutoTokenizer.from_pretrained(args.model)
-    maps = attention_weights(model, tokenizer, args.text, target_text=args.target_text, layers=args.layers,
-                             heads=args.heads, bos=args.bos)  # fmt: skip
-    metadata = {"model": args.model, "text": args.text, "target_text": args.target_text}
+    pairs = hasattr(model, "sentence_masks")  # the decomposable attention model reads sentence pairs
+    if pairs != (args.text_pair is not None):
+        raise ValueError(f"--text_pair {args.text_pair!r}: " + ("the decomposable attention model aligns a sentence "
+                         "pair: give the hypothesis as --text_pair, the premise as --text" if pairs else
+                         "only the decomposable attention model reads sentence pairs"))  # fmt: skip
+    if pairs:
+        maps = alignment_weights(model, tokenizer, args.text, args.text_pair)
+    else:
+        maps = attention_weights(model, tokenizer, args.text, target_text=args.target_text, layers=args.layers,
+                                 heads=args.heads, bos=args.bos)  # fmt: skip
+    metadata = {"model": args.model, "text": args.text, "target_text": args.target_text, "text_pair": args.text_pair}
     written = save_attention_maps(maps, args.output, dpi=args.dpi, metadata=metadata)
     print("\n".join(f"wrote {path}" for path in written))
     return written

@@ -23,11 +23,7 @@ A `{{ head }}` — {{ summary }} — produced by the `{{ stage }}` stage of plug
 
 | | |
 |---|---|
-| attention_score | `{{ attention_score }}` |
-| position_scheme | `{{ position_scheme }}` |
-| attn_implementation | `{{ attn_implementation }}` |
-| size | {{ parameters }} parameters; {{ num_hidden_layers }} layers, hidden {{ hidden_size }}, {{ num_attention_heads }} query / {{ num_key_value_heads }} key-value heads |
-| direction | {{ direction }} |
+{{ architecture }}
 
 ## Training
 
@@ -86,9 +82,13 @@ EMBEDDED_TASKS = {
     "dates": ("plugformer-dates", "plugformer embedded dates",
               "plugformer's embedded dates as people write them, normalised to ISO 8601 (\"the 3rd of may, 1999\" -> "
               "1999-05-03; train/dev/test split by date"),
+    "nli": ("plugformer-nli", "plugformer embedded inference grammar",
+            "plugformer's embedded inference grammar (\"the man is helping the woman in the park\" / \"the woman is "
+            "helping the man in the park\" -> neutral; train/dev/test split by premise"),
 }  # fmt: skip
 # the Auto class that loads a head, where it is not the head's name with Plugformer replaced by AutoModel
-AUTO_CLASSES = {"PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM"}
+AUTO_CLASSES = {"PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM",
+                "DecomposableAttentionForSequenceClassification": "AutoModelForSequenceClassification"}  # fmt: skip
 
 
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -105,6 +105,7 @@ HELD_OUT = {
     "training.",
     "dates": "The figures hold for the held-out split named in the evaluation, whose dates never occur in training, "
     "however written.",
+    "nli": "The figures hold for the held-out split named in the evaluation, whose premises never occur in training.",
     "yours": "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test "
     "split.",
 }
@@ -166,12 +167,35 @@ def direction(config) -> str:
     return "causal (decoder)" if config.is_causal else "bidirectional (encoder)"
 
 
+def architecture_rows(model) -> tuple[list[tuple[str, str]], list[str]]:
+    """The card's architecture table, (name, value) rows, and its tags: a plugformer model's attention score,
+    position scheme, kernel, size and direction; the decomposable attention model's alignment and size."""
+    config = model.config
+    parameters = f"{sum(p.numel() for p in model.parameters()):,} parameters"
+    if config.model_type == "decomposable_attention":
+        order = (f"intra-sentence attention, distances clamped at ±{config.max_intra_distance}"
+                 if config.intra_attention else "none: each sentence is read as a bag of words")  # fmt: skip
+        rows = [("alignment", "e_ij = F(a_i)·F(b_j), softmax over each sentence (attend, compare, aggregate)"),
+                ("word order", order),
+                ("size", f"{parameters}; embeddings {config.embedding_size}, hidden {config.hidden_size}")]  # fmt: skip
+        return rows, [f"intra_attention:{str(config.intra_attention).lower()}"]
+    rows = [
+        ("attention_score", f"`{config.attention_score}`"),
+        ("position_scheme", f"`{config.position_scheme}`"),
+        ("attn_implementation", f"`{KERNELS.of(config).name}`"),
+        ("size", f"{parameters}; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                 f"{config.num_attention_heads} query / {config.num_key_value_heads} key-value heads"),
+        ("direction", direction(config)),
+    ]  # fmt: skip
+    return rows, [f"attention_score:{config.attention_score}", f"position_scheme:{config.position_scheme}"]
+
+
 def stage_card(
     model, info: dict, training_args, script_args, parent: str | None, model_path: str, card: StageCard
 ) -> ModelCard:
     """The card of one trained stage (see `TEMPLATE`); `card` is the text its stage record gives."""
-    config = model.config
     stage = info["stage"]
+    rows, tags = architecture_rows(model)
     evaluation, eval_results = evaluation_section(info, card.embedded_task)
     name = Path(model_path).name or "plugformer"
     data = (
@@ -194,7 +218,7 @@ def stage_card(
         license="apache-2.0",
         model_name=name,
         pipeline_tag=card.pipeline_tag,
-        tags=["plugformer", stage, f"attention_score:{config.attention_score}", f"position_scheme:{config.position_scheme}"],
+        tags=["plugformer", stage, *tags],
         base_model=parent if parent and not Path(parent).exists() else None,
         datasets=[script_args.dataset_name] if script_args.dataset_name and not Path(script_args.dataset_name).exists() else None,
         eval_results=eval_results or None,
@@ -208,15 +232,7 @@ def stage_card(
         stage=stage,
         trainer=card.trainer,
         parent=parent or "a new model",
-        attention_score=config.attention_score,
-        position_scheme=config.position_scheme,
-        attn_implementation=KERNELS.of(config).name,
-        parameters=f"{sum(p.numel() for p in model.parameters()):,}",
-        num_hidden_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        direction=direction(config),
+        architecture="\n".join(f"| {name} | {value} |" for name, value in rows),
         data=data,
         hyperparameters=hyperparameters,
         world_size=info.get("world_size", 1),

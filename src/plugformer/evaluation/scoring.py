@@ -286,7 +286,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     """Scores a stage directory on a split of the embedded task: a language model by greedy exact match (with a
     95% Wilson interval), answer format and perplexity; a reward model (`num_labels=1`) by pairwise accuracy; a masked
     LM by the perplexity and accuracy of its masked tokens (`masked.masked_token_scores`); a classifier by accuracy
-    and macro F1 on the sentiment grammar (`classifier_scores`); an encoder-decoder by exact match, chrF and target
+    and macro F1 on the sentiment grammar, the decomposable attention model on the inference grammar
+    (`classifier_scores`); an encoder-decoder by exact match, chrF and target
     perplexity on the dates (`seq2seq.directory_scores`). A model trained on your own data (its
     run_info.json), or any model given `--dataset_name`, is scored on that source's held-out split instead
     (`user_data_scores`)."""
@@ -313,8 +314,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     if kind == "masked":
         texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]
         return {**results, **masked_lm_scores(args, tokenizer, texts)}
-    if kind == "classifier":  # the embedded sentiment grammar (`data.sources.sentiment_rows`)
-        rows = load_stage_dataset("classification", sizes=sizes, seed=seed)[args.split]
+    if kind in CLASSIFIER_DATA:  # the embedded sentiment grammar, or the inference grammar (`data.nli`)
+        rows = load_stage_dataset(CLASSIFIER_DATA[kind], sizes=sizes, seed=seed)[args.split]
         return {**results, **classifier_scores(args, tokenizer, rows)}
     if kind == "encoder_decoder":  # the embedded dates (`data.dates`)
         rows = load_stage_dataset("source_target", sizes=sizes, seed=seed)[args.split]
@@ -372,10 +373,20 @@ def language_model_scores(model, tokenizer, rows, args) -> dict:
     return results
 
 
+# the embedded data a classifier kind is scored on: a plugformer classifier the sentiment grammar, the decomposable
+# attention model (sentence pairs only) the inference grammar
+CLASSIFIER_DATA = {"classifier": "classification", "pair_classifier": "sentence_pair"}
+
+
 def model_kind(config) -> str:
-    """`"scalar"` (a one-score classification head: a reward model), `"classifier"` (`num_labels` > 1), `"masked"`
-    (a masked LM), `"encoder_decoder"` or `"causal"`, from the saved architecture."""
+    """`"scalar"` (a one-score classification head: a reward model), `"classifier"` (`num_labels` > 1),
+    `"pair_classifier"` (the decomposable attention model), `"masked"` (a masked LM), `"encoder_decoder"` or
+    `"causal"`, from the saved architecture."""
+    from ..decomposable import DecomposableAttentionConfig
+
     architectures = config.architectures or []
+    if config.model_type == DecomposableAttentionConfig.model_type:
+        return "pair_classifier"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder_decoder"
     if any(name.endswith("ForSequenceClassification") for name in architectures):
@@ -404,7 +415,7 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     results = {"data": source, "examples": len(rows), "data_sha256": rows_digest(rows)}
     if kind == "masked":
         return {**results, **masked_lm_scores(args, tokenizer, rows)}
-    if kind == "classifier":
+    if kind in CLASSIFIER_DATA:
         return {**results, **classifier_scores(args, tokenizer, rows)}
     if kind == "encoder_decoder":
         return {**results, **seq2seq.directory_scores(args, tokenizer, rows)}

@@ -14,8 +14,8 @@ it (the stage command lines and the content of their YAML files): re-running the
 runs and their scores; changing a setting trains new ones. The variant with the best mean dev score is selected;
 each other variant is compared with it on test by a paired bootstrap over test examples (each example's score
 averaged over seeds; `--significance ttest` uses a paired t-test over seeds instead). The score: perplexity, exact
-match, or with `--stages` ending in classify, accuracy (`--metric`); a seq2seq stage by exact match of its generated
-targets or their perplexity. The grid and routing: `experiments/grid.py`.
+match, or with `--stages` ending in classify or nli, accuracy (`--metric`); a seq2seq stage by exact match of its
+generated targets or their perplexity. The grid and routing: `experiments/grid.py`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Metric:
 METRICS = {
     "perplexity": Metric("perplexity", higher_is_better=False),
     "exact_match": Metric("exact_match", higher_is_better=True),
-    "accuracy": Metric("accuracy", higher_is_better=True),  # a classify stage's, on the rows its runs held out
+    "accuracy": Metric("accuracy", higher_is_better=True),  # a classify or nli stage's, on the rows its runs held out
 }
 SIGNIFICANCE_TESTS = ("bootstrap", "ttest")
 
@@ -84,7 +84,7 @@ class CompareArguments(CorpusArguments):
     metric: str = field(
         default="perplexity",
         metadata={
-            "help": "perplexity (lower is better) | exact_match | accuracy (--stages ending with classify); "
+            "help": "perplexity (lower is better) | exact_match | accuracy (--stages ending with classify or nli); "
             "a seq2seq stage: its targets' perplexity or exact match"
         },
     )
@@ -100,11 +100,12 @@ class CompareArguments(CorpusArguments):
     def __post_init__(self):
         if self.dataset_name is not None and self.metric == "exact_match":
             raise ValueError(f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
-                             f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify stage's "
-                             "accuracy")  # fmt: skip
+                             f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify or nli "
+                             "stage's accuracy")  # fmt: skip
         if self.rename_columns and self.dataset_name is None:
             raise ValueError(f"--rename_columns {self.rename_columns!r} renames your corpus's columns: give "
-                             "--dataset_name (a classify or seq2seq stage's own data: --set <stage>.rename_columns)")  # fmt: skip
+                             "--dataset_name (a classify, nli or seq2seq stage's own data: --set "
+                             "<stage>.rename_columns)")  # fmt: skip
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
         if self.significance not in SIGNIFICANCE_TESTS:
@@ -123,11 +124,12 @@ class CompareArguments(CorpusArguments):
 
 def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> None:
     """Compare scores the last stage: a language model by perplexity or exact match, a classifier (a stage reading
-    the `classification` format) by accuracy; a reward classifier has neither."""
+    labelled text, `CLASSIFIER_FORMATS`: classify, nli) by accuracy; a reward classifier has neither."""
+    from ..data.sources import CLASSIFIER_FORMATS
     from ..training import STAGES
 
     last = STAGES.get(stages[-1]) if stages else None
-    classifier = last is not None and last.data_format == "classification"
+    classifier = last is not None and last.data_format in CLASSIFIER_FORMATS
     if last is not None and last.data_format == "source_target":  # its generated targets, or their perplexity
         if metric == "accuracy":
             raise ValueError(f"stages={stages}, metric={metric!r}: a seq2seq stage is scored by exact match of its "
@@ -135,7 +137,7 @@ def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> No
         return
     if last is not None and classifier != (metric == "accuracy"):
         raise ValueError(f"stages={stages}, metric={metric!r}: accuracy scores a classifier and a classifier is "
-                         f"scored by accuracy; end --stages with classify and set --metric accuracy, or score "
+                         f"scored by accuracy; end --stages with classify or nli and set --metric accuracy, or score "
                          f"{stages[-1]!r} by perplexity or exact match")  # fmt: skip
     if last is not None and not classifier and last.card.pipeline_tag != "text-generation":
         raise ValueError(f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
@@ -267,10 +269,10 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     tokenizer = load_tokenizer(str(model_dir))
     if STAGES[args.stages[-1]].data_format == "source_target":
         return seq2seq_example_scores(args, model_dir, tokenizer, split, size)
-    if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the sentiment grammar
+    if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the embedded grammar
         from transformers import AutoModelForSequenceClassification
 
-        rows = own_task_rows(args, model_dir, "classification", split, size)
+        rows = own_task_rows(args, model_dir, STAGES[args.stages[-1]].data_format, split, size)
         model = AutoModelForSequenceClassification.from_pretrained(model_dir)
         correct = labelled_rows_scores(model, tokenizer, rows)["correct"]  # text pairs and integer labels as eval's
         return [float(c) for c in correct], [1.0] * len(correct)
@@ -288,8 +290,9 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
 
 
 def own_task_rows(args: CompareArguments, model_dir: Path, data_format: str, split: str, size: int):
-    """The `split` rows a classify or seq2seq run held out: of the data it read (its run_info.json), else of the
-    format's embedded task (the sentiment grammar, the dates): the same rows for every variant and seed."""
+    """The `split` rows a classify, nli or seq2seq run held out: of the data it read (its run_info.json), else of the
+    format's embedded task (the sentiment or inference grammar, the dates): the same rows for every variant and
+    seed."""
     from ..data.sources import load_stage_dataset
     from ..evaluation.held_out import held_out_rows, recorded_source
 

@@ -122,7 +122,7 @@ CONTROLLED = {
     "data_files": "compare's --data_files",
     "streaming": "compare's --streaming",
     "data_cache_dir": "compare's --data_cache_dir",
-    "rename_columns": "compare's --rename_columns (a classify or seq2seq stage's own: --set <stage>.rename_columns)",
+    "rename_columns": "compare's --rename_columns (classify's, nli's, seq2seq's own: --set <stage>.rename_columns)",
 }
 # with your corpus, the documents pretraining holds out are the ones compare scores: one size for both
 HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"}
@@ -132,7 +132,7 @@ HELD_OUT = {"dev_examples": "--dev_examples", "test_examples": "--test_examples"
 # stage in --set (`classify.data_files=reviews.csv`): compare scores the split that stage's runs held out of it (their
 # run_info.json), the same rows for every variant and seed
 LABELLED_DATA = ("dataset_name", "dataset_config", "data_files", "rename_columns")
-OWN_DATA_FORMATS = ("classification", "source_target")
+OWN_DATA_FORMATS = ("classification", "sentence_pair", "source_target")
 
 
 def refuse_controlled(settings: dict[str, str], source: str) -> None:

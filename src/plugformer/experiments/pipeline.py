@@ -39,7 +39,7 @@ class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "one subdirectory per stage"})
     stages: list[str] = field(
         default_factory=lambda: [name for name, stage in STAGES.items() if stage.pipeline_default],
-        metadata={"help": "stages to run, parents before children (default: every stage but classify and seq2seq)"},
+        metadata={"help": "stages to run, parents before children (default: all but classify, seq2seq and nli)"},
     )
     stage_configs: str = field(
         default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML; {stage} is replaced"}

@@ -4,7 +4,8 @@
 `accelerate launch -m plugformer train <stage> ...`. Each stage's `--model_name_or_path` is the previous stage's
 output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo; the baselines sft -> rft and
 pretrain -> sft_matched (compute-matched to an RL stage); pretrain -> classify (labelled text); seq2seq (an
-encoder-decoder on source -> target pairs) from a preset, as pretrain. A stage is one `Stage` record
+encoder-decoder on source -> target pairs) from a preset, as pretrain; nli (the decomposable attention model on
+sentence pairs) from scratch. A stage is one `Stage` record
 (`training/stages.py`) that its module registers.
 """
 
@@ -33,7 +34,7 @@ from .stages import STAGES, Stage, StageInput, register_stage
 __all__ = ["STAGES", "Stage", "StageInput", "check_stage_yaml", "parse_stage_arguments", "register_stage", "run_stage"]
 
 # the modules that register the shipped stages, in the pipeline's default order; each registers its record on import
-STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched", "classify", "seq2seq")
+STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched", "classify", "seq2seq", "nli")
 for _module in STAGE_MODULES:
     importlib.import_module(f".{_module}", __name__)
 

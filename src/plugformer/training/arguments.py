@@ -372,3 +372,47 @@ class Seq2SeqArguments(ArchitectureArguments):
         super().__post_init__()
         check_counts(self, {"num_decoder_layers": 1, "max_source_length": 2, "max_target_length": 2, "num_beams": 1})
         refuse_bare_answers(self, "seq2seq")
+
+
+@dataclass
+class NLIArguments(StageArguments):
+    """The decomposable attention model (Parikh et al. 2016) trained on sentence pairs (`text`, `text_pair`,
+    `label`): a new model (with a tokenizer trained on the training pairs), or a saved one continued."""
+
+    # a new model's DecomposableAttentionConfig fields; None: the config's default (in the help)
+    embedding_size: int | None = field(default=None, metadata={"help": "width of the token embeddings (128)"})
+    hidden_size: int | None = field(
+        default=None, metadata={"help": "width of the projected inputs and of F, G and H (128)"}
+    )
+    intra_attention: bool | None = field(
+        default=None,
+        metadata={"help": "intra-sentence attention with a learned bias per distance (§3.3), which sees word order; "
+                          "without it (the default) each sentence is a bag of words"},
+    )  # fmt: skip
+    max_intra_distance: int | None = field(default=None, metadata={"help": "distances beyond this share one bias (10)"})
+    hidden_act: str | None = field(default=None, metadata={"help": "activation of F, G and H (relu, the paper's)"})
+    hidden_dropout: float | None = field(default=None, metadata={"help": "dropout inside F, G and H (0.2)"})
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "tokenizer to use; default: train a byte-level BPE on the training pairs"}
+    )
+    vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
+    max_length: int = field(default=128, metadata={"help": "tokens per pair at most; longer pairs are cut"})
+    exact_match_examples: int = field(default=0, metadata={"help": "unused: a classifier generates no answers"})
+
+    # the flags that set a DecomposableAttentionConfig field of a new model
+    ARCHITECTURE = ("embedding_size", "hidden_size", "intra_attention", "max_intra_distance", "hidden_act",
+                    "hidden_dropout")  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"embedding_size": 1, "hidden_size": 1, "max_intra_distance": 1, "vocab_size": 1,
+                            "max_length": 3})  # fmt: skip
+        dropout = self.hidden_dropout
+        if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                                    or not 0 <= dropout < 1):  # fmt: skip
+            raise ValueError(f"--hidden_dropout {dropout!r}: expected a number in [0, 1)")
+        refuse_bare_answers(self, "nli")
+
+    def architecture(self) -> dict:
+        """The architecture flags given (the others keep `DecomposableAttentionConfig`'s defaults)."""
+        return {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}

@@ -1,0 +1,141 @@
+"""Natural language inference with the decomposable attention model (Parikh et al. 2016,
+`plugformer.DecomposableAttentionForSequenceClassification`): attend, compare, aggregate, with no recurrence and,
+unless `--intra_attention true`, no word order.
+
+The data is sentence pairs, `text` (premise), `text_pair` (hypothesis) and `label`, encoded `premise <|sep|>
+hypothesis`; labels become class ids as in the classify stage (sorted names, saved as the model's `id2label`). A new
+model gets a byte-level BPE trained on the training pairs; `--model_name_or_path` continues a saved decomposable model.
+The dev split is scored after training by accuracy and macro F1; `plugformer eval` scores the test split. The
+embedded data is an inference grammar (`data.nli`) whose role-swapped hypotheses only word order decides, so
+`plugformer compare --stages nli --grid intra_attention=false,true` is the paper's intra-attention ablation.
+"""
+
+from __future__ import annotations
+
+from ..evaluation.cards import StageCard
+from .arguments import NLIArguments
+from .stages import Stage, register_stage
+
+
+def check_parent(script_args, model_args) -> None:
+    """Raises `ValueError` before any work for a `--model_name_or_path` that is no decomposable attention model, for
+    architecture flags beside it that differ from its own (they would be ignored) and for options this model has no
+    use for."""
+    from transformers import AutoConfig
+
+    from ..decomposable import DecomposableAttentionConfig
+    from .common import require_model_path
+
+    if model_args.use_peft:
+        raise ValueError("--use_peft true: the nli stage trains every weight of the decomposable attention model (a "
+                         "few hundred thousand); drop --use_peft")  # fmt: skip
+    if model_args.attn_implementation is not None:
+        raise ValueError(f"--attn_implementation {model_args.attn_implementation}: the decomposable attention model "
+                         "computes its alignments itself, with no attention kernel to choose; drop it")  # fmt: skip
+    if model_args.model_name_or_path is None:
+        DecomposableAttentionConfig(**script_args.architecture())  # an invalid field is refused before any work
+        return
+    path = require_model_path(model_args, "nli")
+    saved = AutoConfig.from_pretrained(path)
+    if saved.model_type != DecomposableAttentionConfig.model_type:
+        raise ValueError(f"--model_name_or_path {path} is a {saved.model_type!r} model; the nli stage trains a "
+                         "decomposable attention model: leave --model_name_or_path out to build a new one")  # fmt: skip
+    changed = {name: value for name, value in script_args.architecture().items() if getattr(saved, name) != value}
+    if changed:
+        flags = ", ".join(f"--{name} {value} (saved: {getattr(saved, name)})" for name, value in changed.items())
+        raise ValueError(f"{flags}: --model_name_or_path {path} keeps its own architecture; drop them or give its "
+                         "values")  # fmt: skip
+
+
+def build_tokenizer(script_args, model_args, data):
+    """The model's own tokenizer, a named one, or a byte-level BPE trained on the training pairs."""
+    from ..data.tokenization import load_tokenizer, train_tokenizer
+
+    source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
+    if source is not None:
+        return load_tokenizer(source)
+    texts = [f"{text} {pair}" for text, pair in zip(data["train"]["text"], data["train"]["text_pair"], strict=True)]
+    return train_tokenizer(texts, vocab_size=script_args.vocab_size)
+
+
+def build_model(script_args, model_args, tokenizer, names: list[str]):
+    """`--model_name_or_path`'s model (with a new head where its labels differ), or a new one from the
+    architecture flags with the tokenizer's vocabulary, padding and separator."""
+    from transformers import AutoModelForSequenceClassification
+
+    from ..decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
+    from .common import load_model
+
+    labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
+              "label2id": {name: index for index, name in enumerate(names)}}  # fmt: skip
+    if model_args.model_name_or_path is not None:
+        return load_model(AutoModelForSequenceClassification, model_args, "nli", **labels)
+    if tokenizer.sep_token_id is None:
+        raise ValueError(f"the tokenizer of {script_args.tokenizer_name_or_path} has no separator token; the model "
+                         "splits each pair at it")  # fmt: skip
+    config = DecomposableAttentionConfig(
+        **script_args.architecture(),
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        sep_token_id=tokenizer.sep_token_id,
+        **labels,
+    )
+    return DecomposableAttentionForSequenceClassification(config)
+
+
+def train(script_args, model_args, training_args) -> dict:
+    from transformers import DataCollatorWithPadding, Trainer
+
+    from ..evaluation.classification import compute_metrics
+    from .arguments import check_trainer_arguments, refuse_liger_kernel
+    from .checkpoints import atomic_checkpoints
+    from .classify import check_labels, label_names, tokenized
+    from .common import stage_data, train_and_save
+    from .distributed import check_launch, log_effective_batch
+    from .outputs import claim_output_dir
+
+    check_trainer_arguments(training_args)
+    refuse_liger_kernel(training_args)
+    check_launch(training_args)
+    check_parent(script_args, model_args)
+    claim_output_dir(script_args, training_args, "nli")
+    with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
+        data = stage_data("nli", script_args)
+        tokenizer = build_tokenizer(script_args, model_args, data)
+    names = label_names(list(data["train"]["label"]))
+    check_labels(data, names)
+    label2id = {name: index for index, name in enumerate(names)}
+    model = build_model(script_args, model_args, tokenizer, names)
+    dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
+    trainer = atomic_checkpoints(Trainer)(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized(data["train"], tokenizer, label2id, script_args.max_length),
+        eval_dataset=dev,  # test is `plugformer eval`'s, once
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+    extra = {"effective_batch": log_effective_batch(trainer, "nli"), "labels": names}
+    return train_and_save(trainer, "nli", script_args, tokenizer, extra)
+
+
+STAGE = register_stage(
+    Stage(
+        name="nli",
+        parent=None,
+        script_arguments=NLIArguments,
+        config_class="TrainingArguments",
+        description="decomposable attention model (Parikh et al. 2016) on premise/hypothesis pairs, tokenizer too",
+        data_format="sentence_pair",
+        data_parallel=True,
+        card=StageCard(
+            "natural language inference with attend, compare and aggregate (Parikh et al. 2016)",
+            "Trainer",
+            "text-classification",
+            embedded_task="nli",
+        ),
+        train=train,
+        pipeline_default=False,
+    )
+)
