@@ -193,7 +193,7 @@ def test_compare_scores_a_classifier_on_the_embedded_grammar_and_refuses_a_misma
     scored_rows_agree(run_dir, load_stage_dataset("classification", sizes={"test": 30})["test"])
     with pytest.raises(ValueError, match=r"accuracy scores a classifier and a classifier is scored by accuracy"):
         CompareArguments(stages=["pretrain", "classify"])  # perplexity of a classifier
-    with pytest.raises(ValueError, match=r"end --stages with classify and set --metric accuracy"):
+    with pytest.raises(ValueError, match=r"end --stages with classify or nli and set --metric accuracy"):
         CompareArguments(stages=["pretrain"], metric="accuracy")
 
 

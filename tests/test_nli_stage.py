@@ -142,7 +142,7 @@ def test_nli_learns_the_grammar_and_eval_scores_its_test_split(tmp_path):
     info = nli(tmp_path / "nli", "--max_steps", "300", "--train_examples", "9600", "--dev_examples", "150",
                "--test_examples", "60")  # fmt: skip
     assert info["labels"] == ["contradiction", "entailment", "neutral"]
-    assert info["metrics"]["eval_accuracy"] >= 0.7  # chance 1/3; measured: see configs/nli/tiny.yaml
+    assert info["metrics"]["eval_accuracy"] >= 0.7  # chance 1/3; 300 steps measured 0.78-0.84 with seeds 0-3
     config = json.loads((tmp_path / "nli/config.json").read_text())
     assert config["model_type"] == "decomposable_attention" and config["id2label"]["2"] == "neutral"
     card = (tmp_path / "nli/README.md").read_text()

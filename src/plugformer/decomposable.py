@@ -121,8 +121,9 @@ class DecomposableAttentionForSequenceClassification(PreTrainedModel):
 
         Not transformers' N(0, 0.02²): the alignment e_ij = F(a_i)·F(b_j) is a product of two networks' outputs, and
         from vectors that small F starts near 0 and its final ReLU dead for most words, where the gradient of e
-        vanishes: trained from scratch on the embedded grammar (`data.nli`), such a model aligned the place words
-        only and never learned whether a person of the hypothesis occurs in the premise."""
+        vanishes: trained from scratch on the embedded grammar (`data.nli`), such a model aligned most premise words
+        uniformly and never learned whether a person of the hypothesis occurs in the premise
+        (model_cards/nli-grammar/RESULTS.md)."""
         if isinstance(module, nn.Embedding):
             init.normal_(module.weight, std=self.config.initializer_range)
             if module.padding_idx is not None:

@@ -57,11 +57,29 @@ def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
     return split.map(encode, batched=True, remove_columns=split.column_names)
 
 
-def train(script_args, model_args, training_args) -> dict:
-    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
+def labelled_trainer(model, tokenizer, data, label2id: dict[str, int], script_args, training_args):
+    """transformers' `Trainer` (checkpoints written atomically) on the labelled `train` split, its `dev` split scored
+    by accuracy and macro F1 (the classify and nli stages)."""
+    from transformers import DataCollatorWithPadding, Trainer
 
     from ..evaluation.classification import compute_metrics
     from .checkpoints import atomic_checkpoints
+
+    dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
+    return atomic_checkpoints(Trainer)(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized(data["train"], tokenizer, label2id, script_args.max_length),
+        eval_dataset=dev,  # test is `plugformer eval`'s, once
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+
+
+def train(script_args, model_args, training_args) -> dict:
+    from transformers import AutoModelForSequenceClassification
+
     from .common import load_model, load_tokenizer, require_model_path, stage_data, train_and_save, with_adapters
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
@@ -80,16 +98,7 @@ def train(script_args, model_args, training_args) -> dict:
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
     if model_args.use_peft:
         model = with_adapters(model, model_args, "SEQ_CLS")
-    dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
-    trainer = atomic_checkpoints(Trainer)(
-        model=model,
-        args=training_args,
-        train_dataset=tokenized(data["train"], tokenizer, label2id, script_args.max_length),
-        eval_dataset=dev,  # test is `plugformer eval`'s, once
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
-        compute_metrics=compute_metrics,
-    )
+    trainer = labelled_trainer(model, tokenizer, data, label2id, script_args, training_args)
     extra = {"effective_batch": log_effective_batch(trainer, "classify"), "labels": names}
     return train_and_save(trainer, "classify", script_args, tokenizer, extra)
 

@@ -78,18 +78,16 @@ def build_model(script_args, model_args, tokenizer, names: list[str]):
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         sep_token_id=tokenizer.sep_token_id,
+        bos_token_id=tokenizer.bos_token_id,  # as the tokenizer's: else `Trainer` rewrites them, with a warning
+        eos_token_id=tokenizer.eos_token_id,
         **labels,
     )
     return DecomposableAttentionForSequenceClassification(config)
 
 
 def train(script_args, model_args, training_args) -> dict:
-    from transformers import DataCollatorWithPadding, Trainer
-
-    from ..evaluation.classification import compute_metrics
     from .arguments import check_trainer_arguments, refuse_liger_kernel
-    from .checkpoints import atomic_checkpoints
-    from .classify import check_labels, label_names, tokenized
+    from .classify import check_labels, label_names, labelled_trainer
     from .common import stage_data, train_and_save
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
@@ -106,16 +104,7 @@ def train(script_args, model_args, training_args) -> dict:
     check_labels(data, names)
     label2id = {name: index for index, name in enumerate(names)}
     model = build_model(script_args, model_args, tokenizer, names)
-    dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
-    trainer = atomic_checkpoints(Trainer)(
-        model=model,
-        args=training_args,
-        train_dataset=tokenized(data["train"], tokenizer, label2id, script_args.max_length),
-        eval_dataset=dev,  # test is `plugformer eval`'s, once
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
-        compute_metrics=compute_metrics,
-    )
+    trainer = labelled_trainer(model, tokenizer, data, label2id, script_args, training_args)
     extra = {"effective_batch": log_effective_batch(trainer, "nli"), "labels": names}
     return train_and_save(trainer, "nli", script_args, tokenizer, extra)
 
