@@ -380,18 +380,22 @@ class NLIArguments(StageArguments):
     `label`): a new model (with a tokenizer trained on the training pairs), or a saved one continued."""
 
     # a new model's DecomposableAttentionConfig fields; None: the config's default (in the help)
-    embedding_size: int | None = field(default=None, metadata={"help": "width of the token embeddings (128)"})
+    embedding_size: int | None = field(default=None, metadata={"help": "width of the token embeddings (unset: 128)"})
     hidden_size: int | None = field(
-        default=None, metadata={"help": "width of the projected inputs and of F, G and H (128)"}
+        default=None, metadata={"help": "width of the projected inputs and of F, G and H (unset: 128)"}
     )
     intra_attention: bool | None = field(
         default=None,
         metadata={"help": "intra-sentence attention with a learned bias per distance (§3.3), which sees word order; "
-                          "without it (the default) each sentence is a bag of words"},
+                          "unset or false: each sentence is a bag of words"},
     )  # fmt: skip
-    max_intra_distance: int | None = field(default=None, metadata={"help": "distances beyond this share one bias (10)"})
-    hidden_act: str | None = field(default=None, metadata={"help": "activation of F, G and H (relu, the paper's)"})
-    hidden_dropout: float | None = field(default=None, metadata={"help": "dropout inside F, G and H (0.2)"})
+    max_intra_distance: int | None = field(
+        default=None, metadata={"help": "distances beyond this share one bias (unset: 10)"}
+    )
+    hidden_act: str | None = field(
+        default=None, metadata={"help": "activation of F, G and H (unset: relu, the paper's)"}
+    )
+    hidden_dropout: float | None = field(default=None, metadata={"help": "dropout inside F, G and H (unset: 0.2)"})
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "tokenizer to use; default: train a byte-level BPE on the training pairs"}
     )
