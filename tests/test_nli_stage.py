@@ -182,6 +182,9 @@ def test_nli_on_your_csv_then_continued_and_eval_on_the_rows_it_held_out(tmp_pat
     more = AutoModelForSequenceClassification.from_pretrained(tmp_path / "more")
     assert more.config.intra_attention and more.config.vocab_size == first.config.vocab_size
     assert not torch.equal(more.classifier.weight, first.classifier.weight)
+    with pytest.raises(ValueError, match=r"classifies into \['0', '1', '2'\]; the data's labels are \['contradiction'"):
+        nli(tmp_path / "other", "--model_name_or_path", str(tmp_path / "mine"), "--max_steps", "5",
+            "--intra_attention", "true", "--train_examples", "300")  # the grammar's labels are names  # fmt: skip
 
 
 def test_what_the_nli_stage_refuses(tmp_path):

@@ -45,6 +45,15 @@ def check_labels(splits, names: list[str]) -> None:
                                  f"(training labels: {names[:20]})")  # fmt: skip
 
 
+def label_fields(data) -> dict:
+    """The training split's class names (`label_names`; dev and test checked against them, `check_labels`) as a
+    classifier's config fields: `num_labels`, `id2label`, `label2id`."""
+    names = label_names(list(data["train"]["label"]))
+    check_labels(data, names)
+    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+            "label2id": {name: index for index, name in enumerate(names)}}  # fmt: skip
+
+
 def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
     """`split` as input ids (pairs joined by the tokenizer's separator) and class-id `labels`."""
 
@@ -89,17 +98,14 @@ def train(script_args, model_args, training_args) -> dict:
     check_launch(training_args)
     claim_output_dir(script_args, training_args, "classify")
     data = stage_data("classify", script_args)
-    names = label_names(list(data["train"]["label"]))
-    check_labels(data, names)
-    label2id = {name: index for index, name in enumerate(names)}
+    labels = label_fields(data)
     tokenizer = load_tokenizer(require_model_path(model_args, "classify"))
-    model = load_model(AutoModelForSequenceClassification, model_args, "classify", num_labels=len(names),
-                       id2label=dict(enumerate(names)), label2id=label2id)  # fmt: skip
+    model = load_model(AutoModelForSequenceClassification, model_args, "classify", **labels)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
     if model_args.use_peft:
         model = with_adapters(model, model_args, "SEQ_CLS")
-    trainer = labelled_trainer(model, tokenizer, data, label2id, script_args, training_args)
-    extra = {"effective_batch": log_effective_batch(trainer, "classify"), "labels": names}
+    trainer = labelled_trainer(model, tokenizer, data, labels["label2id"], script_args, training_args)
+    extra = {"effective_batch": log_effective_batch(trainer, "classify"), "labels": list(labels["id2label"].values())}
     return train_and_save(trainer, "classify", script_args, tokenizer, extra)
 
 

@@ -58,18 +58,24 @@ def build_tokenizer(script_args, model_args, data):
     return train_tokenizer(texts, vocab_size=script_args.vocab_size)
 
 
-def build_model(script_args, model_args, tokenizer, names: list[str]):
-    """`--model_name_or_path`'s model (with a new head where its labels differ), or a new one from the
-    architecture flags with the tokenizer's vocabulary, padding and separator."""
+def build_model(script_args, model_args, tokenizer, labels: dict):
+    """`--model_name_or_path`'s model, whose classes must be the data's (continued on other labels, its head would
+    answer with the new names for what it learned as the old), or a new one from the architecture flags with the
+    tokenizer's vocabulary, padding and separator; `labels`: `classify.label_fields`."""
     from transformers import AutoModelForSequenceClassification
 
     from ..decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
     from .common import load_model
 
-    labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
-              "label2id": {name: index for index, name in enumerate(names)}}  # fmt: skip
     if model_args.model_name_or_path is not None:
-        return load_model(AutoModelForSequenceClassification, model_args, "nli", **labels)
+        model = load_model(AutoModelForSequenceClassification, model_args, "nli")
+        saved = [model.config.id2label[index] for index in range(model.config.num_labels)]
+        wanted = list(labels["id2label"].values())
+        if saved != wanted:
+            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path} classifies into {saved}; the "
+                             f"data's labels are {wanted}: continue it on data with its labels, or train a new "
+                             "model")  # fmt: skip
+        return model
     if tokenizer.sep_token_id is None:
         raise ValueError(f"the tokenizer of {script_args.tokenizer_name_or_path} has no separator token; the model "
                          "splits each pair at it")  # fmt: skip
@@ -87,7 +93,7 @@ def build_model(script_args, model_args, tokenizer, names: list[str]):
 
 def train(script_args, model_args, training_args) -> dict:
     from .arguments import check_trainer_arguments, refuse_liger_kernel
-    from .classify import check_labels, label_names, labelled_trainer
+    from .classify import label_fields, labelled_trainer
     from .common import stage_data, train_and_save
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
@@ -100,12 +106,10 @@ def train(script_args, model_args, training_args) -> dict:
     with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
         data = stage_data("nli", script_args)
         tokenizer = build_tokenizer(script_args, model_args, data)
-    names = label_names(list(data["train"]["label"]))
-    check_labels(data, names)
-    label2id = {name: index for index, name in enumerate(names)}
-    model = build_model(script_args, model_args, tokenizer, names)
-    trainer = labelled_trainer(model, tokenizer, data, label2id, script_args, training_args)
-    extra = {"effective_batch": log_effective_batch(trainer, "nli"), "labels": names}
+    labels = label_fields(data)
+    model = build_model(script_args, model_args, tokenizer, labels)
+    trainer = labelled_trainer(model, tokenizer, data, labels["label2id"], script_args, training_args)
+    extra = {"effective_batch": log_effective_batch(trainer, "nli"), "labels": list(labels["id2label"].values())}
     return train_and_save(trainer, "nli", script_args, tokenizer, extra)
 
 
