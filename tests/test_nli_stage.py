@@ -210,6 +210,12 @@ def test_what_the_nli_stage_refuses(tmp_path):
     (tmp_path / "single.csv").write_text("text,label\na,b\nc,d\n")
     with pytest.raises(ValueError, match=r"lacks the columns \['text_pair'\] of the 'sentence_pair' format"):
         nli(tmp_path / "bad", "--dataset_name", "csv", "--data_files", str(tmp_path / "single.csv"))
+    from plugformer.experiments.grid import route
+
+    # a PlugformerConfig field has no model to go to here (nli builds a decomposable model): refused, not passed on
+    with pytest.raises(ValueError, match=r"attention_score=dot: no stage in \['nli'\] has an option"):
+        route({"attention_score": "dot"}, ["nli"])
+    assert route({"intra_attention": "true"}, ["nli"]) == {"nli": ["--intra_attention", "true"]}
     with pytest.raises(ValueError, match=r"accuracy scores a classifier .* end --stages with classify or nli"):
         CompareArguments(stages=["nli"], metric="perplexity")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..capabilities import KERNELS
+from ..decomposable import DecomposableAttentionConfig
 from ..runtime.files import write_json_atomic
 from .figures import pyplot
 
@@ -338,7 +339,7 @@ def main(argv: list[str]) -> list[Path]:
 
     args = parse_arguments(AttentionMapArguments, argv, prog="plugformer attention-map")
     model, tokenizer = load_model(args.model), AutoTokenizer.from_pretrained(args.model)
-    pairs = hasattr(model, "sentence_masks")  # the decomposable attention model reads sentence pairs
+    pairs = model.config.model_type == DecomposableAttentionConfig.model_type  # it reads sentence pairs
     if pairs != (args.text_pair is not None):
         raise ValueError(f"--text_pair {args.text_pair!r}: " + ("the decomposable attention model aligns a sentence "
                          "pair: give the hypothesis as --text_pair, the premise as --text" if pairs else

@@ -10,6 +10,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..capabilities import KERNELS
+from ..decomposable import DecomposableAttentionConfig
 from .stats import wilson_interval
 
 
@@ -172,7 +173,7 @@ def architecture_rows(model) -> tuple[list[tuple[str, str]], list[str]]:
     position scheme, kernel, size and direction; the decomposable attention model's alignment and size."""
     config = model.config
     parameters = f"{sum(p.numel() for p in model.parameters()):,} parameters"
-    if config.model_type == "decomposable_attention":
+    if config.model_type == DecomposableAttentionConfig.model_type:
         order = (f"intra-sentence attention, distances clamped at ±{config.max_intra_distance}"
                  if config.intra_attention else "none: each sentence is read as a bag of words")  # fmt: skip
         rows = [("alignment", "e_ij = F(a_i)·F(b_j), softmax over each sentence (attend, compare, aggregate)"),

@@ -53,13 +53,15 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
     """Command-line options per stage for `settings` (grid values and `--set` values), each flag once: a key that
     names its stage (`sft.learning_rate`) wins there over the same key for every stage (`learning_rate`).
     `PlugformerConfig` fields go into the `config_overrides` of the stage that builds the model (the first without
-    a parent: pretrain)."""
+    a parent that takes them: pretrain, seq2seq)."""
     from ..configuration import PlugformerConfig
     from ..training import STAGES
 
     config_fields = {f.name for f in dataclasses.fields(PlugformerConfig)}
-    builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None), None)
     options = {stage: stage_options(stage) for stage in stages}
+    # a stage that builds a PlugformerConfig (pretrain, seq2seq); nli builds a decomposable model, with flags of its own
+    builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None and "config_overrides" in options[s]),
+                   None)  # fmt: skip
     argv = {stage: [] for stage in stages}
     named = {stage: [] for stage in stages}  # the options of keys that name their stage, applied over `argv`
     config_overrides = []
