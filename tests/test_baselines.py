@@ -210,3 +210,21 @@ def test_the_same_difference_in_every_run_is_reported_as_such_not_as_a_tiny_p_va
     # a rate's t interval is cut to [0, 100]: mean 0.93, s = sqrt(0.0086 / 2), t_{2, 0.975} = 4.3027: half-width
     # 0.1629, so (76.7, 109.3) uncut
     assert interval_text([0.86, 0.99, 0.94]) == "93.0 (76.7, 100.0)"
+
+
+def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_had():
+    """With scarce demonstrations the baseline must see the same ones as sft, not more: the shipped configs name the
+    same data, and the rows (the problem stream's first `train_examples`) are equal."""
+    from plugformer.training import parse_stage_arguments
+    from plugformer.training.common import stage_data
+
+    def train_rows(stage: str):
+        argv = ["--config", str(ROOT / f"configs/{stage}/tiny.yaml"), "--output_dir", "o"]
+        script_args = parse_stage_arguments(stage, argv)[0]
+        script_args.dev_examples = script_args.test_examples = 0
+        return stage_data(stage, script_args)["train"]
+
+    sft_rows, matched_rows = train_rows("sft"), train_rows("sft_matched")
+    assert len(sft_rows) == len(matched_rows) == 600
+    assert sft_rows["completion"] == matched_rows["completion"] and sft_rows["prompt"] == matched_rows["prompt"]
+    assert all("####" in turns[0]["content"] and "=" in turns[0]["content"] for turns in sft_rows["completion"])

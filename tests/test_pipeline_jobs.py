@@ -13,8 +13,9 @@ import pytest
 from conftest import micro_stage_configs
 from safetensors.torch import load_file
 
-from plugformer.experiments.parallel import Job, run_jobs, split_batch
-from plugformer.experiments.pipeline import PipelineArguments, requirements
+from plugformer.experiments.parallel import Job, chain_work, estimated_work, run_jobs, split_batch
+from plugformer.experiments.pipeline import PipelineArguments, requirements, stage_argv
+from plugformer.training import parse_stage_arguments
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,39 @@ def test_jobs_start_after_their_needs_and_never_exceed_the_cores(tmp_path):
         assert busy <= 2
     assert max(sum(1 for j in done.values() if j.started <= m < j.finished) for m in moments) == 2  # side by side
     assert "slept" in (tmp_path / "d.log").read_text()
+
+
+def test_the_task_heading_the_most_work_starts_first(tmp_path):
+    """After b three branches are ready on two cores: e (its own work 1, then f's 10) and d (5) start before c (2),
+    whatever `needs`'s order; without `work`, `needs`'s order."""
+    needs = {"a": set(), "b": {"a"}, "c": {"b"}, "d": {"b"}, "e": {"b"}, "f": {"e"}}
+    work = {"a": 1, "b": 1, "c": 2, "d": 5, "e": 1, "f": 10}
+    assert chain_work(needs, work) == {"a": 13, "b": 12, "c": 2, "d": 5, "e": 11, "f": 10}
+
+    def make_job(stage: str, free: int) -> Job:
+        return Job(stage, [sleeper(0.3)])
+
+    def run(**options) -> dict:
+        return run_jobs(make_job, needs, jobs=2, log_dir=tmp_path, poll_seconds=0.02, **options)
+
+    done = run(work=work)
+    assert done["c"].started >= min(done["d"].finished, done["e"].finished)
+    assert max(done["d"].started, done["e"].started) < done["c"].started
+    done = run()
+    assert max(done["c"].started, done["d"].started) < done["e"].started
+
+
+def test_on_the_shipped_configs_grpo_starts_beside_the_other_branches():
+    """grpo (500 steps of 64 completions) heads more work than reward, dpo -> rlhf together; so on two cores it
+    starts as soon as sft has finished, not after the shorter branches."""
+    args = PipelineArguments(stages=["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"])
+    work = {}
+    for stage in args.stages:
+        script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
+        work[stage] = estimated_work(script_args, training_args)
+    assert work["grpo"] == 500 * 64 and work["dpo"] == 75 * 32
+    ahead = chain_work(requirements(args), work)
+    assert max(ahead, key=lambda stage: ahead[stage] if stage not in ("pretrain", "sft") else -1) == "grpo"
 
 
 def test_tasks_outside_spread_wait_for_a_free_core_instead_of_splitting_one(tmp_path):

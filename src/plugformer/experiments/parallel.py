@@ -2,7 +2,7 @@
 soon as the stages it starts from have finished, on at most N CPU cores at once.
 
 pretrain -> sft is a chain, but after SFT three branches are independent (reward -> rlhf, dpo, grpo), so on two
-cores they run two at a time. A stage that is the only one able to run (pretrain, sft) gets every free core as a
+cores they run two at a time, the branch with the most work ahead first (`chain_work`). A stage that is the only one able to run (pretrain, sft) gets every free core as a
 data-parallel job (`accelerate launch`, gloo) with its per-device batch divided by the process count: the effective
 batch, the steps and the learning-rate schedule stay those of its YAML. RL stages (rlhf, grpo) always run in one
 process: their per-device batch is groups of completions, which a split would change. Each job's output goes to
@@ -81,6 +81,17 @@ def split_batch(stage: str, per_device_batch: int, free: int) -> int:
     return max(k for k in range(1, free + 1) if per_device_batch % k == 0)
 
 
+def estimated_work(script_args, training_args) -> float:
+    """The examples a stage's optimizer steps process (max_steps x per-device batch x accumulation; without max_steps
+    train_examples x epochs): the unit `run_jobs` orders side-by-side stages by. A proxy: an RL example also
+    generates its completion, so equal counts are not equal times, but a 500-step grpo run still reads as the longest
+    branch against 50-150 steps of the others."""
+    batch = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    if training_args.max_steps > 0:
+        return float(training_args.max_steps * batch)
+    return float(getattr(script_args, "train_examples", 0) * training_args.num_train_epochs)
+
+
 def subprocess_environment() -> dict[str, str]:
     """This process's environment, with one thread per process unless the caller chose otherwise: N jobs each
     using every core would oversubscribe the machine."""
@@ -101,6 +112,24 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def chain_work(needs: dict[str, set[str]], work: dict[str, float]) -> dict[str, float]:
+    """Per task, its own `work` (0 if not given) plus the most work of any chain of tasks that need it: the longest
+    path still ahead once it starts (the critical-path rule of list scheduling).
+
+    >>> chain_work({"a": set(), "b": {"a"}, "c": {"a"}, "d": {"c"}}, {"a": 1, "b": 5, "c": 2, "d": 2})
+    {'a': 6, 'b': 5, 'c': 4, 'd': 2}
+    """
+    ahead: dict[str, float] = {}
+
+    def visit(task: str) -> float:
+        if task not in ahead:
+            after = [visit(other) for other in needs if task in needs[other]]
+            ahead[task] = work.get(task, 0) + max(after, default=0)
+        return ahead[task]
+
+    return {task: visit(task) for task in needs}
+
+
 def run_jobs(
     make_job: Callable[[str, int], Job],
     needs: dict[str, set[str]],
@@ -108,9 +137,12 @@ def run_jobs(
     log_dir: Path,
     poll_seconds: float = 0.5,
     spread: Collection[str] | None = None,
+    work: dict[str, float] | None = None,
 ) -> dict[str, Job]:
     """Runs every task of `needs` as soon as what it needs has finished, on at most `jobs` cores; where several can
-    start, the first in `needs`'s order goes first.
+    start, the one heading the most remaining work goes first (`chain_work` of `work`, the estimated work per task;
+    ties, and every task without `work`, in `needs`'s order): on two cores a long branch started last would run
+    alone at the end while the other core idles.
 
     `make_job(task, free_cores)` builds a task's job when it can start. A task of `spread` (default: every task) is
     told how many cores are idle when nothing runs and no other task of `spread` can start, else 1: the pipeline's
@@ -120,7 +152,8 @@ def run_jobs(
     """
     env = subprocess_environment()
     log_dir.mkdir(parents=True, exist_ok=True)
-    waiting, running, finished = list(needs), [], {}
+    ahead = chain_work(needs, work or {})
+    waiting, running, finished = sorted(needs, key=lambda task: -ahead[task]), [], {}
     failed: list[Job] = []
     try:
         while running or (waiting and not failed):

@@ -11,8 +11,9 @@ retrains and says why. An interrupted stage resumes from its newest intact check
 continues where it stopped.
 
 `--jobs N` (N > 1) uses N CPU cores: each stage runs as its own process as soon as the stages it needs have
-finished, so on two cores reward -> rlhf runs beside dpo and grpo, and a stage that is the only one able to run
-(pretrain, sft) trains data-parallel on the idle cores with the same effective batch (`plugformer.experiments.parallel`).
+finished, the one heading the most work first (so on two cores grpo's 500 steps run beside reward, dpo -> rlhf), and
+a stage that is the only one able to run (pretrain, sft) trains data-parallel on the idle cores with the same
+effective batch (`plugformer.experiments.parallel`).
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
     """`--jobs N`: every stage its own process, started as soon as the stages it needs have finished
     (`plugformer.experiments.parallel`); the results are those of `run_in_order` on the same stages."""
     from ..training import parse_stage_arguments
-    from .parallel import Job, read_scores, run_jobs, split_batch, train_command
+    from .parallel import Job, estimated_work, read_scores, run_jobs, split_batch, train_command
 
     def make_job(task: str, free: int) -> Job:
         stage, _, test = task.partition(".")
@@ -332,7 +333,11 @@ def run_side_by_side(args: PipelineArguments) -> dict:
 
     needs = requirements(args)
     tests = {f"{stage}.test": {stage} for stage in args.stages} if args.test_examples else {}
-    jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs)
+    work = {}  # examples each stage's steps process: the longest branch starts first
+    for stage in needs:
+        script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
+        work[stage] = estimated_work(script_args, training_args)
+    jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs, work=work)
     results = {}
     for stage in args.stages:
         held = read_scores(scores_path(args, stage)) if args.test_examples else {}
