@@ -468,8 +468,9 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
         load_metric("bleu")
 
 
-def test_model_card_names_the_share_of_bare_answers(chain):
-    """A stage trained on demonstrations that skip the working says so on its card; the all-worked data does not."""
+def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(chain):
+    """A stage's card says how many embedded examples it trained on (600 demonstrations is another model than 32,000),
+    and whether they skip the working; the all-worked data does not mention it."""
     from types import SimpleNamespace
 
     from plugformer.evaluation.cards import stage_card
@@ -485,6 +486,7 @@ def test_model_card_names_the_share_of_bare_answers(chain):
 
     assert "direct_answer_fraction 0.6: that share of the SFT answers" in data_line(direct_answer_fraction=0.6)
     assert "direct_answer_fraction" not in data_line()
+    assert data_line(train_examples=32000).endswith("split by arithmetic fact; 32,000 training examples)")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -203,6 +203,7 @@ def stage_card(
         f"`{script_args.dataset_name}`" + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
         if script_args.dataset_name
         else EMBEDDED_TASKS[card.embedded_task][2]
+        + (f"; {script_args.train_examples:,} training examples" if getattr(script_args, "train_examples", None) else "")
         + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the SFT answers, or of "
            "the rejected answers of preference pairs, is bare, without the working"
            if script_args.direct_answer_fraction else "")
