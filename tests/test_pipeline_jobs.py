@@ -82,17 +82,21 @@ def test_the_task_heading_the_most_work_starts_first(tmp_path):
     assert max(done["c"].started, done["d"].started) < done["e"].started
 
 
-def test_on_the_shipped_configs_grpo_starts_beside_the_other_branches():
-    """grpo (500 steps of 64 completions) heads more work than reward, dpo -> rlhf together; so on two cores it
-    starts as soon as sft has finished, not after the shorter branches."""
-    args = PipelineArguments(stages=["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"])
+def test_on_the_shipped_configs_the_longest_branch_after_sft_starts_first():
+    """Each stage's work is its steps x batch from its YAML; after sft, dpo -> rlhf (75 x 32 + 50 x 64) heads more
+    than reward (150 x 32), which heads more than grpo (50 x 64); a grpo of 500 steps would start first."""
+    args = PipelineArguments(stages=["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"], rlhf_reward="dpo")
     work = {}
     for stage in args.stages:
         script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
         work[stage] = estimated_work(script_args, training_args)
-    assert work["grpo"] == 500 * 64 and work["dpo"] == 75 * 32
+    assert {stage: work[stage] for stage in ("reward", "dpo", "rlhf", "grpo")} == {
+        "reward": 150 * 32, "dpo": 75 * 32, "rlhf": 50 * 64, "grpo": 50 * 64}  # fmt: skip
     ahead = chain_work(requirements(args), work)
-    assert max(ahead, key=lambda stage: ahead[stage] if stage not in ("pretrain", "sft") else -1) == "grpo"
+    branches = sorted(["reward", "dpo", "rlhf", "grpo"], key=lambda stage: -ahead[stage])
+    assert branches[:2] == ["dpo", "reward"] and ahead["dpo"] == 75 * 32 + 50 * 64
+    ahead = chain_work(requirements(args), {**work, "grpo": 500 * 64})
+    assert max(["reward", "dpo", "grpo"], key=lambda stage: ahead[stage]) == "grpo"
 
 
 def test_tasks_outside_spread_wait_for_a_free_core_instead_of_splitting_one(tmp_path):

@@ -2,11 +2,12 @@
 soon as the stages it starts from have finished, on at most N CPU cores at once.
 
 pretrain -> sft is a chain, but after SFT three branches are independent (reward -> rlhf, dpo, grpo), so on two
-cores they run two at a time, the branch with the most work ahead first (`chain_work`). A stage that is the only one able to run (pretrain, sft) gets every free core as a
-data-parallel job (`accelerate launch`, gloo) with its per-device batch divided by the process count: the effective
-batch, the steps and the learning-rate schedule stay those of its YAML. RL stages (rlhf, grpo) always run in one
-process: their per-device batch is groups of completions, which a split would change. Each job's output goes to
-`<output_dir>/logs/<stage>.log`. The held-out test scores (`plugformer eval`, one process each, logs
+cores they run two at a time, the branch with the most work ahead first (`chain_work`): a long branch started last
+would run alone at the end while the other core idles. A stage that is the only one able to run (pretrain, sft) gets
+every free core as a data-parallel job (`accelerate launch`, gloo) with its per-device batch divided by the process
+count: the effective batch, the steps and the learning-rate schedule stay those of its YAML. RL stages (rlhf, grpo)
+always run in one process: their per-device batch is groups of completions, which a split would change. Each job's
+output goes to `<output_dir>/logs/<stage>.log`. The held-out test scores (`plugformer eval`, one process each, logs
 `<stage>.test.log`) run on cores no stage is waiting for, mostly while the last branch finishes.
 """
 
@@ -84,8 +85,7 @@ def split_batch(stage: str, per_device_batch: int, free: int) -> int:
 def estimated_work(script_args, training_args) -> float:
     """The examples a stage's optimizer steps process (max_steps x per-device batch x accumulation; without max_steps
     train_examples x epochs): the unit `run_jobs` orders side-by-side stages by. A proxy: an RL example also
-    generates its completion, so equal counts are not equal times, but a 500-step grpo run still reads as the longest
-    branch against 50-150 steps of the others."""
+    generates its completion, so equal counts are not equal times; it tells a 500-step stage from a 50-step one."""
     batch = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     if training_args.max_steps > 0:
         return float(training_args.max_steps * batch)
@@ -141,8 +141,7 @@ def run_jobs(
 ) -> dict[str, Job]:
     """Runs every task of `needs` as soon as what it needs has finished, on at most `jobs` cores; where several can
     start, the one heading the most remaining work goes first (`chain_work` of `work`, the estimated work per task;
-    ties, and every task without `work`, in `needs`'s order): on two cores a long branch started last would run
-    alone at the end while the other core idles.
+    ties, and every task without `work`, in `needs`'s order).
 
     `make_job(task, free_cores)` builds a task's job when it can start. A task of `spread` (default: every task) is
     told how many cores are idle when nothing runs and no other task of `spread` can start, else 1: the pipeline's

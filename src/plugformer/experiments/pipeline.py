@@ -11,9 +11,9 @@ retrains and says why. An interrupted stage resumes from its newest intact check
 continues where it stopped.
 
 `--jobs N` (N > 1) uses N CPU cores: each stage runs as its own process as soon as the stages it needs have
-finished, the one heading the most work first (so on two cores grpo's 500 steps run beside reward, dpo -> rlhf), and
-a stage that is the only one able to run (pretrain, sft) trains data-parallel on the idle cores with the same
-effective batch (`plugformer.experiments.parallel`).
+finished, the one heading the most work first (on two cores, with the shipped configs: dpo -> rlhf beside reward,
+then grpo), and a stage that is the only one able to run (pretrain, sft) trains data-parallel on the idle cores with
+the same effective batch (`plugformer.experiments.parallel`).
 """
 
 from __future__ import annotations
