@@ -424,7 +424,8 @@ def report(args: PipelineArguments, results: dict) -> None:
     generates text and is not a baseline (the pipeline's final model)."""
     from transformers import pipeline
 
-    heading = (f"held-out test split ({args.test_examples} problems whose facts never appear in training)"
+    # what "held out" means is the data's: the embedded tasks split by fact, sentence, date or premise; user data by row
+    heading = (f"held-out test split ({args.test_examples} examples per stage)"
                if args.test_examples else "no held-out test scores (--test_examples 0)")  # fmt: skip
     lines = [
         f"{heading}, seed {args.seed}",
