@@ -303,6 +303,9 @@ def run_side_by_side(args: PipelineArguments) -> dict:
     from ..training import parse_stage_arguments
     from .parallel import Job, estimated_work, read_scores, run_jobs, split_batch, train_command
 
+    needs = requirements(args)
+    parsed = {stage: parse_stage_arguments(stage, stage_argv(args, stage)) for stage in needs}
+
     def make_job(task: str, free: int) -> Job:
         stage, _, test = task.partition(".")
         if test:  # held-out scores of a finished stage: the arguments `held_out` uses in-process, as flags
@@ -311,7 +314,7 @@ def run_side_by_side(args: PipelineArguments) -> dict:
                      for x in (f"--{f.name}", str(getattr(scoring, f.name)))]  # fmt: skip
             return Job(task, [[sys.executable, "-m", "plugformer", "eval", *flags]])
         argv = stage_argv(args, stage)
-        batch = parse_stage_arguments(stage, argv)[2].per_device_train_batch_size
+        batch = parsed[stage][2].per_device_train_batch_size
         processes = split_batch(stage, batch, free)
         if processes > 1:  # the same effective batch over more processes
             argv += ["--per_device_train_batch_size", str(batch // processes)]
@@ -331,12 +334,11 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         command = train_command(stage, argv + flags, processes, Path(args.output_dir, "logs"))
         return Job(stage, [command], processes=processes, on_trained=on_trained)
 
-    needs = requirements(args)
     tests = {f"{stage}.test": {stage} for stage in args.stages} if args.test_examples else {}
-    work = {}  # examples each stage's steps process: the longest branch starts first
-    for stage in needs:
-        script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
-        work[stage] = estimated_work(script_args, training_args)
+    # examples each stage's steps process: the branch heading the most work starts first
+    work = {
+        stage: estimated_work(script_args, training_args) for stage, (script_args, _, training_args) in parsed.items()
+    }
     jobs = run_jobs(make_job, {**needs, **tests}, args.jobs, Path(args.output_dir, "logs"), spread=needs, work=work)
     results = {}
     for stage in args.stages:
