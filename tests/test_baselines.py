@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import micro_stage_configs
 
-from plugformer.evaluation.scoring import generated_lengths
+from plugformer.evaluation.answers import generated_lengths
 from plugformer.evaluation.stats import paired_bootstrap
 from plugformer.experiments import baselines, seeds
 from plugformer.experiments.pipeline import PipelineArguments, stage_argv

@@ -303,6 +303,10 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     assert 0.0 <= results["dpo"]["implicit_reward_pairwise_accuracy"] <= 1.0  # the reward rlhf_reward: dpo names
     table = (tmp_path / "out/results.md").read_text()
     assert sum(line.startswith("|") for line in table.splitlines()) == 2 + 6  # header, rule, a row per stage
+    # the pretrained model's row: through the chat template, and as its corpus asks
+    asked = f"{results['pretrain']['pretraining_format']['exact_match']:.1%} asked as in pretraining"
+    assert [s for s in results if "pretraining_format" in results[s]] == ["pretrain"]
+    assert next(line for line in table.splitlines() if line.startswith("| pretrain |")).count(asked) == 1
     assert "pipeline('text-generation'" in capsys.readouterr().out
     # parents are the right directories: the tiny pipeline rewards rlhf with the dpo stage's implicit reward
     assert json.loads((tmp_path / "out/rlhf/run_info.json").read_text())["reward_model"] == str(tmp_path / "out/dpo")
@@ -466,6 +470,24 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     )
     with pytest.raises(ValueError, match="offline metrics"):
         load_metric("bleu")
+
+
+def test_eval_asks_a_pretrained_model_as_its_corpus_asks_as_well(chain, tmp_path):
+    """A model trained on text alone has never seen the chat template: its run records so, and eval adds its exact
+    match when asked as the corpus asks (`Question: ...` / `Answer:`); a chat model is asked through the template only."""
+    from plugformer.evaluation.scoring import main as eval_main
+
+    formats = {stage: json.loads((chain[stage] / "run_info.json").read_text())["data_format"] for stage in chain}
+    assert formats == {"pretrain": "text", "sft": "conversation", "reward": "preference"}
+    base = eval_main(["--model", str(chain["pretrain"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "6",
+                      "--output", str(tmp_path / "base.json")])  # fmt: skip
+    assert len(base["pretraining_format_correct"]) == 4 and len(base["correct"]) == 4
+    assert base["pretraining_format"]["exact_match"] == sum(base["pretraining_format_correct"]) / 4
+    asked = base["pretraining_format_samples"][0]["prompt"]
+    assert asked.startswith("<|bos|>Question: ") and asked.endswith("\nAnswer:") and "<|im_start|>" not in asked
+    chat = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "6",
+                      "--output", str(tmp_path / "chat.json")])  # fmt: skip
+    assert "pretraining_format" not in chat and "<|im_start|>" in chat["samples"][0]["prompt"]
 
 
 def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(chain):

@@ -213,8 +213,20 @@ def pretraining_texts(problem: Problem, rng: random.Random) -> str:
     symbol = OPERATIONS[problem.operation][0]
     return rng.choice((
         f"{problem.a} {symbol} {problem.b}: {', '.join(problem.steps)}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
-        f"Question: {problem.question}\nAnswer: {problem.solution}",
+        f"{pretraining_prompt(problem.question)} {problem.solution}",
     ))  # fmt: skip
+
+
+def pretraining_prompt(question: str) -> str:
+    """A question as the pretraining corpus writes it, up to its answer: how `plugformer eval` also asks a model
+    trained on that text alone, which never saw the chat template.
+
+    Example:
+
+    >>> pretraining_prompt("What is 2 + 3?")
+    'Question: What is 2 + 3?\\nAnswer:'
+    """
+    return f"Question: {question}\nAnswer:"
 
 
 def user(text: str) -> list[dict]:

@@ -10,86 +10,17 @@ from pathlib import Path
 
 import torch
 
-from ..data.tokenization import generation_eos_token_ids, load_tokenizer
+from ..data.tokenization import load_tokenizer
 from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
 from . import seq2seq
+from .answers import generate_answers, prompt_text
 from .classification import classifier_scores
 from .held_out import completion_perplexity, data_source, held_out_rows, prompts_and_completions, rows_digest
 from .masked import masked_lm_scores
 from .metrics import load_metric
+from .pretrained import pretraining_format_scores, trained_on_text
 from .rewards import exact_match_reward, format_reward
-
-
-def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
-    """A conversational prompt through the chat template (ending with the assistant's turn), or the text itself."""
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
-
-@torch.no_grad()
-def generate_answers(
-    model,
-    tokenizer,
-    prompts: list,
-    max_new_tokens: int = 32,
-    batch_size: int = 64,
-    samples: int = 0,
-    temperature: float = 1.0,
-    synced_gpus: bool = False,
-    counts: dict | None = None,
-) -> list[str]:
-    """Completions of `prompts` (left-padded batches; stops at end of text or end of turn).
-
-    Greedy with `samples=0`; else `samples` completions per prompt drawn at `temperature` (pure sampling: no top-k or
-    top-p), returned prompt by prompt. `synced_gpus` keeps every rank generating until all are done (a sharded model
-    needs each rank in every forward). A `counts` dict gets the tokens processed added to its `prompt_tokens` (each
-    returned sequence's prompt, padding excluded) and `completion_tokens` (generated up to the end token, included).
-    """
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    was_training = model.training
-    model.eval()
-    completions = []
-    sampling = {
-        "do_sample": True,
-        "temperature": temperature,
-        "top_k": 0,
-        "top_p": 1.0,
-        "num_return_sequences": samples,
-    }
-    try:
-        for start in range(0, len(prompts), batch_size):
-            texts = [prompt_text(tokenizer, p) for p in prompts[start : start + batch_size]]
-            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            output = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                **(sampling if samples else {"do_sample": False}),
-                eos_token_id=generation_eos_token_ids(tokenizer),
-                pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=synced_gpus,
-            )
-            new = output[:, batch["input_ids"].shape[1] :]  # (B * max(samples, 1), prompt + new) -> (.., new)
-            completions += tokenizer.batch_decode(new, skip_special_tokens=True)
-            if counts is not None:
-                counts["prompt_tokens"] = counts.get("prompt_tokens", 0) + int(batch["attention_mask"].sum()) * max(
-                    samples, 1
-                )
-                counts["completion_tokens"] = counts.get("completion_tokens", 0) + generated_lengths(new, tokenizer)
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return completions
-
-
-def generated_lengths(new_tokens: torch.Tensor, tokenizer) -> int:
-    """The tokens `generate` produced in `new_tokens` (B, new): up to each row's first end token, included (what
-    follows it is padding)."""
-    ends = torch.isin(new_tokens, torch.tensor(generation_eos_token_ids(tokenizer), device=new_tokens.device))
-    # (B, new): 1 up to and including the first end token, 0 after it
-    before_end = (ends.long().cumsum(dim=1) - ends.long()) == 0
-    return int(before_end.sum())
 
 
 def exact_match(
@@ -332,6 +263,8 @@ def evaluate_directory(args: EvalArguments) -> dict:
     results.update(exact_match(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
     results["data_sha256"] = rows_digest(rows)  # which problems were scored: `plugformer seeds` compares runs on it
     results["exact_match_ci95"] = wilson_interval(round(results["exact_match"] * len(rows)), len(rows))
+    if trained_on_text(args.model):  # a pretrained model: also asked as its corpus writes problems
+        results.update(pretraining_format_scores(model, tokenizer, rows, args.max_new_tokens, args.batch_size))
     texts = load_stage_dataset("text", sizes=sizes, seed=seed)[args.split]["text"]
     results["perplexity"] = perplexity(model, tokenizer, texts, args.batch_size)
     if dpo_record(args.model) is not None:  # a DPO policy is a reward model too: its implicit reward
@@ -432,7 +365,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
 
 # per-example lists (the paired tests read them) and sample answers: in the JSON file, not on the terminal
 PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens", "masked_losses", "masked_counts",
-               "chrf_per_example", "target_losses", "target_tokens")  # fmt: skip
+               "chrf_per_example", "target_losses", "target_tokens", "pretraining_format_correct",
+               "pretraining_format_samples")  # fmt: skip
 # files of a model or a run that an evaluation result must never take the name of (they would read as the model's)
 NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
 

@@ -438,6 +438,8 @@ def report(args: PipelineArguments, results: dict) -> None:
     ]
     for stage, result in results.items():
         match = f"{result['exact_match']:.1%}" if "exact_match" in result else "—"
+        if "pretraining_format" in result:  # a pretrained model, also asked as its corpus asks
+            match += f"; {result['pretraining_format']['exact_match']:.1%} asked as in pretraining"
         form = f"{result['format']:.1%}" if "format" in result else "—"
         row = (f"| {stage} | {STAGES[stage].parent or '—'} | {result['train_seconds']:.0f} | {match} | "
                f"{gain_text(result.get('gain'))} | {baseline_gains_text(result)} | {form} | {other_text(result)} |")  # fmt: skip
