@@ -339,7 +339,8 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     directories = []
     for index, (before, after) in enumerate(zip(sft, grpo, strict=True)):
         run = {
-            "pretrain": {"train_seconds": 100.0, "exact_match": 0.01, "gain": None},
+            "pretrain": {"train_seconds": 100.0, "exact_match": 0.01, "gain": None,
+                         "pretraining_format": {"exact_match": 0.93 + index / 100}},
             "sft": {"train_seconds": 50.0 + index, "exact_match": before, "gain": {"difference": before - 0.01,
                                                                                "p_value": 1e-4}},
             "reward": {"train_seconds": 30.0, "pairwise_accuracy": 0.8 + index / 100, "gain": None},
@@ -371,6 +372,10 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     implicit = [0.86, 0.88, 0.90]
     implicit_half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(implicit) / 3**0.5
     assert f"; implicit reward pairwise accuracy 88.0 ({(0.88 - implicit_half) * 100:.1f}, " in rows["dpo"]
+    # the pretrained model asked as its corpus asks: 93, 94, 95% (s = 1 point)
+    asked_half = scipy_stats.t.ppf(0.975, 2) * 0.01 / 3**0.5
+    assert f"| 1.0 (1.0, 1.0); asked as in pretraining 94.0 ({(0.94 - asked_half) * 100:.1f}, " in rows["pretrain"]
+    assert "asked as in pretraining" not in rows["sft"]
     assert table.endswith("wall time per run (torch.mm rate of the machine): seed0 300 s (150 GFLOP/s), "
                           "seed1 301 s (151 GFLOP/s)")  # fmt: skip
     with pytest.raises(ValueError, match=r"no results\.json"):

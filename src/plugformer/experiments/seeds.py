@@ -124,6 +124,9 @@ def stage_row(stage: str, runs: list[dict]) -> str:
         return f"| {stage} | {score} | — | — | — | {seconds:.0f} |"
     matches = [r["exact_match"] for r in results]
     score = interval_text(matches)
+    asked = [r.get("pretraining_format") for r in results]  # a pretrained model, also asked as its corpus asks
+    if all(value is not None for value in asked):
+        score += f"; asked as in pretraining {interval_text([value['exact_match'] for value in asked])}"
     implicit = [r.get("implicit_reward_pairwise_accuracy") for r in results]  # a DPO policy as a reward model too
     if all(value is not None for value in implicit):
         score += f"; implicit reward pairwise accuracy {interval_text(implicit)}"
