@@ -261,9 +261,10 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
 
     from ..data.sources import load_stage_dataset
     from ..data.tokenization import load_tokenizer
+    from ..evaluation.answers import generate_answers
     from ..evaluation.classification import labelled_rows_scores
     from ..evaluation.rewards import exact_match_reward
-    from ..evaluation.scoring import document_losses, generate_answers
+    from ..evaluation.scoring import document_losses
     from ..training import STAGES
 
     tokenizer = load_tokenizer(str(model_dir))

@@ -64,7 +64,7 @@ def sampled_data(script_args, counts: dict):
         from accelerate import PartialState
         from datasets import Dataset, DatasetDict
 
-        from ..evaluation.scoring import generate_answers
+        from ..evaluation.answers import generate_answers
         from .common import format_data, stage_data
 
         problems = stage_data("rft", script_args)["train"]
