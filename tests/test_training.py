@@ -488,6 +488,19 @@ def test_eval_asks_a_pretrained_model_as_its_corpus_asks_as_well(chain, tmp_path
     chat = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "6",
                       "--output", str(tmp_path / "chat.json")])  # fmt: skip
     assert "pretraining_format" not in chat and "<|im_start|>" in chat["samples"][0]["prompt"]
+    # the pretrain stage's own dev score (its card's) is asked the same way: eval on the same 4 dev problems with the
+    # run's generation budget (8 tokens) gives the same answers
+    dev = json.loads((chain["pretrain"] / "run_info.json").read_text())["dev_exact_match"]
+    again = eval_main(["--model", str(chain["pretrain"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "8",
+                       "--output", str(tmp_path / "again.json")])  # fmt: skip
+    assert dev["prompt"] == "Question: {question}\nAnswer:" and dev["correct"] == again["pretraining_format_correct"]
+    assert dev["samples"] == again["pretraining_format_samples"]
+    card = (chain["pretrain"] / "README.md").read_text()
+    assert (
+        "greedy exact match on 4 dev problems asked as its corpus writes them (`'Question: {question}\\nAnswer:'`)"
+        in card
+    )
+    assert "asked as its corpus" not in (chain["sft"] / "README.md").read_text()
 
 
 def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(chain):

@@ -139,7 +139,8 @@ def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[
     elif exact:
         n, value = exact["examples"], exact["exact_match"]
         low, high = wilson_interval(round(value * n), n)
-        lines.append(f"- greedy exact match on {n} dev problems: **{value:.1%}** (95% Wilson interval "
+        asked = f" asked as its corpus writes them (`{exact['prompt']!r}`)" if "prompt" in exact else ""
+        lines.append(f"- greedy exact match on {n} dev problems{asked}: **{value:.1%}** (95% Wilson interval "
                      f"{low:.1%}–{high:.1%}); answer format followed: {exact['format']:.1%}")  # fmt: skip
         results.append(EvalResult(task_type="text-generation", **scored_dataset(info, task), dataset_split="dev",
                                   metric_type="exact_match", metric_value=round(value, 4)))  # fmt: skip

@@ -18,14 +18,29 @@ def trained_on_text(model: str) -> bool:
 
 
 def pretraining_format_scores(model, tokenizer, rows, max_new_tokens: int = 32, batch_size: int = 64) -> dict:
+    """`pretraining_format_exact_match` keyed for `plugformer eval`'s results, beside the chat-template scores.
+
+    Returns:
+        `dict`: `pretraining_format` (`prompt`, `exact_match`, `format`, `exact_match_ci95`), and per example
+        `pretraining_format_correct` (1/0, in order) and `pretraining_format_samples` (the first three).
+    """
+    scores = pretraining_format_exact_match(model, tokenizer, rows, max_new_tokens, batch_size)
+    return {
+        "pretraining_format": {k: scores[k] for k in ("prompt", "exact_match", "format", "exact_match_ci95")},
+        "pretraining_format_correct": scores["correct"],
+        "pretraining_format_samples": scores["samples"],
+    }
+
+
+def pretraining_format_exact_match(model, tokenizer, rows, max_new_tokens: int = 32, batch_size: int = 64) -> dict:
     """Greedy exact match of a model trained on the task's text alone, asked as its corpus writes a problem
     (`data.sources.pretraining_prompt`) instead of through the chat template it never saw: what it knows before any
     post-training. Each answer is read up to the end of its first `####` line (the model may go on to a new
     document).
 
     Returns:
-        `dict`: `pretraining_format` (`prompt`, `exact_match`, `format`, `exact_match_ci95`), and per example
-        `pretraining_format_correct` (1/0, in order) and `pretraining_format_samples` (the first three).
+        `dict`: as `scoring.exact_match` (`exact_match`, `format`, `examples`, `correct`, `samples`) with
+        `exact_match_ci95` (Wilson) and `prompt`, the question's wording with `{question}` in place of the question.
     """
     from ..data.sources import ANSWER_MARKER, pretraining_prompt
     from .stats import wilson_interval
@@ -39,14 +54,13 @@ def pretraining_format_scores(model, tokenizer, rows, max_new_tokens: int = 32, 
     correct = [int(c) for c in exact_match_reward(completions, answer=answers)]
     formatted = format_reward(completions)
     return {
-        "pretraining_format": {
-            "prompt": pretraining_prompt("{question}"),
-            "exact_match": sum(correct) / max(len(correct), 1),
-            "format": sum(formatted) / max(len(formatted), 1),
-            "exact_match_ci95": wilson_interval(sum(correct), len(correct)),
-        },
-        "pretraining_format_correct": correct,
-        "pretraining_format_samples": [
+        "prompt": pretraining_prompt("{question}"),
+        "exact_match": sum(correct) / max(len(correct), 1),
+        "format": sum(formatted) / max(len(formatted), 1),
+        "examples": len(correct),
+        "correct": correct,
+        "exact_match_ci95": wilson_interval(sum(correct), len(correct)),
+        "samples": [
             {"prompt": p, "completion": c, "answer": a}
             for p, c, a in list(zip(prompts, completions, answers, strict=True))[:3]
         ],

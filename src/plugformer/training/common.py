@@ -19,6 +19,7 @@ from ..data.sources import load_stage_dataset
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..data.validation import check_data_files, check_rows
 from ..evaluation.held_out import data_record
+from ..evaluation.pretrained import pretraining_format_exact_match
 from ..evaluation.scoring import PER_EXAMPLE, exact_match, sampled_pass_at_k
 from ..runtime.files import naming_a_full_disk, write_json_atomic
 from ..runtime.loading import load_checked
@@ -316,7 +317,8 @@ def train_and_save(
         **({"selection": selection.summary()} if selection is not None else {}),
     }
     if trainer.is_world_process_zero():
-        info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer)
+        as_text = info["data_format"] == "text"  # pretraining: asked as its corpus asks, not through the template
+        info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer, as_text)
         if pass_at_k is not None:
             info["dev_pass_at_k"] = pass_at_k
         # written whole or not at all: a torn run_info.json broke every later pipeline run
@@ -415,11 +417,12 @@ def write_card(trainer, info: dict, script_args) -> None:
     card.save(Path(trainer.args.output_dir) / "README.md")
 
 
-def dev_policy_scores(trainer, script_args, tokenizer) -> tuple[dict | None, dict | None]:
+def dev_policy_scores(trainer, script_args, tokenizer, as_text: bool = False) -> tuple[dict | None, dict | None]:
     """(greedy dev exact match, dev pass@k from `--pass_at_k_samples` samples or None) of language-model stages
-    (both None for the reward model or masked LMs); see `dev_exact_match` for where a sharded model is scored."""
+    (both None for the reward model or masked LMs); see `dev_exact_match` for where a sharded model is scored and
+    `as_text`."""
     samples = getattr(script_args, "pass_at_k_samples", 0)
-    scores = dev_exact_match(trainer, script_args, tokenizer, return_model=bool(samples))
+    scores = dev_exact_match(trainer, script_args, tokenizer, return_model=bool(samples), as_text=as_text)
     if not samples or scores is None:
         return scores, None
     scores, model, rows = scores
@@ -428,9 +431,10 @@ def dev_policy_scores(trainer, script_args, tokenizer) -> tuple[dict | None, dic
     return scores, headroom
 
 
-def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False):
+def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False, as_text: bool = False):
     """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs); with
-    `return_model`, (scores, the model scored, the dev rows).
+    `return_model`, (scores, the model scored, the dev rows). `as_text`: a model trained on text alone, asked as its
+    corpus writes a problem (`evaluation.pretrained`), not through the chat template it never saw.
 
     Runs on rank 0 only. A sharded model (FSDP2, ZeRO-3) cannot generate there alone, as every forward gathers
     parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model,
@@ -459,7 +463,8 @@ def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False)
         if rows is None:
             return None
         rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-        scores = exact_match(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
+        score = pretraining_format_exact_match if as_text else exact_match
+        scores = score(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
         return (scores, model, rows) if return_model else scores
 
 
