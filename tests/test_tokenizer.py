@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -49,6 +51,28 @@ def test_chat_template_marks_assistant_tokens(tokenizer):
     encoded = tokenizer.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
     kept = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"], strict=True) if m]
     assert tokenizer.decode(kept) == "4<|im_end|>"
+
+
+def test_question_answer_template_writes_a_conversation_as_the_corpus_writes_a_problem(tokenizer):
+    """The template `--chat_template question_answer` gives: each exchange a document of the question-answer corpus,
+    its generation prompt the pretraining prompt (`data.sources.pretraining_prompt`) after `<|bos|>`, and the loss
+    mask on the answer and its end of text (each string written out by hand)."""
+    from plugformer.data.sources import pretraining_prompt
+    from plugformer.data.tokenization import set_chat_template
+
+    qa = set_chat_template(train_tokenizer(arithmetic_sentences(200), vocab_size=400), "question_answer")
+    messages = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    assert qa.apply_chat_template(messages, tokenize=False) == "<|bos|>Question: 2 + 2?\nAnswer: 4<|endoftext|>"
+    prompt = qa.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|bos|>" + pretraining_prompt("2 + 2?") == "<|bos|>Question: 2 + 2?\nAnswer:"
+    system = [{"role": "system", "content": "Be exact."}]
+    two_turns = qa.apply_chat_template(system + messages + messages[:1], tokenize=False, add_generation_prompt=True)
+    assert two_turns == "<|bos|>Be exact.\nQuestion: 2 + 2?\nAnswer: 4<|endoftext|><|bos|>Question: 2 + 2?\nAnswer:"
+    encoded = qa.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    kept = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"], strict=True) if m]
+    assert qa.decode(kept) == " 4<|endoftext|>"
+    with pytest.raises(ValueError, match=re.escape("chat_template='vicuna': expected one of chatml | question_answer")):
+        set_chat_template(qa, "vicuna")
 
 
 def test_generation_stops_at_end_of_text_and_end_of_turn(tokenizer):

@@ -503,6 +503,22 @@ def test_eval_asks_a_pretrained_model_as_its_corpus_asks_as_well(chain, tmp_path
     assert "asked as its corpus" not in (chain["sft"] / "README.md").read_text()
 
 
+def test_a_question_answer_chat_template_chosen_at_pretraining_reaches_sft(tmp_path):
+    """`--chat_template question_answer` at pretraining: the tokenizer every later stage loads writes a conversation
+    as the corpus writes a problem, SFT trains through it (TRL's assistant-only mask needs its generation tags) and
+    asks its dev problems with it; an unknown template is refused before training, naming the choices."""
+    from plugformer.data.tokenization import QUESTION_ANSWER_TEMPLATE
+
+    train("pretrain", tmp_path / "pretrain", "--chat_template", "question_answer")
+    info = train("sft", tmp_path / "sft", "--model_name_or_path", str(tmp_path / "pretrain"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "sft").chat_template == QUESTION_ANSWER_TEMPLATE
+    asked = info["dev_exact_match"]["samples"][0]["prompt"]
+    assert asked.startswith("<|bos|>Question: ") and asked.endswith("\nAnswer:")
+    with pytest.raises(ValueError, match=r"--chat_template 'alpaca': expected one of chatml \| question_answer"):
+        train("pretrain", tmp_path / "refused", "--chat_template", "alpaca")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(chain):
     """A stage's card says how many embedded examples it trained on (600 demonstrations is another model than 32,000),
     and whether they skip the working; the all-worked data does not mention it."""

@@ -33,6 +33,34 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A conversation written as a document of a question-answer corpus: `<|bos|>Question: {user}\nAnswer: {assistant}`
+# and `<|endoftext|>`, each exchange a new document (a system message opens the first). A model pretrained on such
+# documents answers through it as it learnt to, where ChatML is a format it first meets in SFT.
+QUESTION_ANSWER_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ 'Answer:' }}{% generation %}{{ ' ' + message['content'] + '<|endoftext|>' }}{% endgeneration %}"
+    "{% elif message['role'] == 'user' %}"
+    "{% if loop.first or loop.previtem['role'] != 'system' %}{{ '<|bos|>' }}{% endif %}"
+    "{{ 'Question: ' + message['content'] + '\n' }}"
+    "{% else %}"
+    "{{ '<|bos|>' + message['content'] + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}"
+)
+
+# `--chat_template` of the pretrain stage: the template its new tokenizer carries to every later stage
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "question_answer": QUESTION_ANSWER_TEMPLATE}
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerFast, name: str) -> PreTrainedTokenizerFast:
+    """Gives `tokenizer` the chat template `name` (a key of `CHAT_TEMPLATES`) and returns it."""
+    if name not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template={name!r}: expected one of {' | '.join(CHAT_TEMPLATES)}")
+    tokenizer.chat_template = CHAT_TEMPLATES[name]
+    return tokenizer
+
 
 class PlugformerTokenizer(PreTrainedTokenizerFast):
     """transformers' fast tokenizer, except that decoding refuses ids it does not have.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..data.tokenization import CHAT_TEMPLATES
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
 
@@ -142,6 +143,12 @@ class PretrainArguments(ArchitectureArguments):
                           "$PLUGFORMER_CACHE or ~/.cache/plugformer"},
     )  # fmt: skip
     fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": f"the chat template every later stage formats conversations with: {' | '.join(CHAT_TEMPLATES)} "
+                          "(question_answer: `<|bos|>Question: {user}\\nAnswer: {assistant}<|endoftext|>`, the "
+                          "embedded corpus's own documents); default: a new tokenizer's chatml, a loaded one's own"},
+    )  # fmt: skip
 
     ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "is_causal")
 
@@ -155,6 +162,8 @@ class PretrainArguments(ArchitectureArguments):
         if self.streaming and self.dataset_name is None:
             raise ValueError("--streaming true reads a --dataset_name source lazily; the embedded generator is "
                              "already in memory: give --dataset_name (and --data_files), or drop --streaming")  # fmt: skip
+        if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"--chat_template {self.chat_template!r}: expected one of {' | '.join(CHAT_TEMPLATES)}")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
 

@@ -17,7 +17,7 @@ from transformers import (
 
 from ..data.packing import pack
 from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
-from ..data.tokenization import train_tokenizer
+from ..data.tokenization import set_chat_template, train_tokenizer
 from ..data.validation import check_data_files
 from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
@@ -60,7 +60,13 @@ def load_corpus(script_args) -> Corpus:
 
 def build_tokenizer(script_args, model_args, corpus: Corpus):
     """The previous model's tokenizer, a named one, or a new byte-level BPE (digits split) trained on the corpus:
-    on all of the embedded data, on a bounded sample of any other corpus (trained once per corpus, then reused)."""
+    on all of the embedded data, on a bounded sample of any other corpus (trained once per corpus, then reused).
+    `--chat_template`, when given, replaces its chat template."""
+    tokenizer = source_tokenizer(script_args, model_args, corpus)
+    return tokenizer if script_args.chat_template is None else set_chat_template(tokenizer, script_args.chat_template)
+
+
+def source_tokenizer(script_args, model_args, corpus: Corpus):
     source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
     if source is not None:
         return load_tokenizer(source)
