@@ -503,6 +503,22 @@ def test_eval_asks_a_pretrained_model_as_its_corpus_asks_as_well(chain, tmp_path
     assert "asked as its corpus" not in (chain["sft"] / "README.md").read_text()
 
 
+def test_eval_gives_each_answer_the_budget_its_run_scored_dev_with(chain, tmp_path):
+    """Without --max_new_tokens, eval generates as many tokens as the run's own dev exact match did (its
+    run_info.json: 8 here), so a budget shorter than the longest worked answer cannot lower the held-out score behind
+    the user's back; given, it wins; a folder without the record gets 32."""
+    from plugformer.evaluation.scoring import EvalArguments, with_generation_budget
+    from plugformer.evaluation.scoring import main as eval_main
+
+    assert json.loads((chain["sft"] / "run_info.json").read_text())["max_new_tokens"] == 8
+    recorded = eval_main(["--model", str(chain["sft"]), "--examples", "2", "--output", str(tmp_path / "a.json")])
+    given = eval_main(["--model", str(chain["sft"]), "--examples", "2", "--max_new_tokens", "3",
+                       "--output", str(tmp_path / "b.json")])  # fmt: skip
+    assert (recorded["max_new_tokens"], given["max_new_tokens"]) == (8, 3)
+    assert recorded["key"]["options"]["max_new_tokens"] == 8
+    assert with_generation_budget(EvalArguments(model=str(tmp_path))).max_new_tokens == 32
+
+
 def test_a_question_answer_chat_template_chosen_at_pretraining_reaches_sft(tmp_path):
     """`--chat_template question_answer` at pretraining: the tokenizer every later stage loads writes a conversation
     as the corpus writes a problem, SFT trains through it (TRL's assistant-only mask needs its generation tags) and

@@ -3,6 +3,7 @@ perplexity, pairwise accuracy, and your own data's held-out split scored by what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -152,7 +153,11 @@ class EvalArguments:
                           "bare near misses in the scored pairs (default: the share it was trained with, from its "
                           "run_info.json; 0 without one)"},
     )  # fmt: skip
-    max_new_tokens: int = 32
+    max_new_tokens: int | None = field(
+        default=None,
+        metadata={"help": "tokens each generated answer may take (default: the budget the model's run scored its dev "
+                          "answers with, from its run_info.json; 32 without one)"},
+    )  # fmt: skip
     batch_size: int = 64
     dataset_name: str | None = field(
         default=None,
@@ -191,6 +196,17 @@ def check_model_dir(model: str) -> None:
     if missing:
         raise ValueError(f"--model {model} is not a saved model folder (no {' or '.join(missing)}); give a trained "
                          "stage's output directory (e.g. outputs/pipeline/sft)")  # fmt: skip
+
+
+def with_generation_budget(args: EvalArguments) -> EvalArguments:
+    """`args` with `max_new_tokens` set: as given, else the budget the model's run scored its own dev answers with
+    (`run_info.json`'s `max_new_tokens`: a shorter one cuts the longest worked answers before their `####` line),
+    else 32."""
+    if args.max_new_tokens is not None:
+        return args
+    info = Path(args.model, "run_info.json")
+    recorded = json.loads(info.read_text()).get("max_new_tokens") if info.is_file() else None
+    return dataclasses.replace(args, max_new_tokens=recorded if isinstance(recorded, int) and recorded > 0 else 32)
 
 
 def trained_direct_fraction(model: str) -> float:
@@ -234,8 +250,9 @@ def evaluate_directory(args: EvalArguments) -> dict:
         raise ValueError(f"--examples {args.examples!r}: expected an integer >= 1 (problems of the {args.split} "
                          "split to score)")  # fmt: skip
     check_model_dir(args.model)
+    args = with_generation_budget(args)
     config = AutoConfig.from_pretrained(args.model)
-    results = {"model": args.model, "split": args.split}
+    results = {"model": args.model, "split": args.split, "max_new_tokens": args.max_new_tokens}
     kind = model_kind(config)
     source = data_source(args)
     if source is not None:  # your own data: never the embedded task's scores for a model trained on something else
@@ -414,7 +431,7 @@ def main(argv: list[str]) -> dict:
     """`plugformer eval --model DIR [--split test] ...`: prints the scores and writes them as JSON."""
     from ..runtime.arguments import parse_arguments
 
-    args = parse_arguments(EvalArguments, argv, prog="plugformer eval")
+    args = with_generation_budget(parse_arguments(EvalArguments, argv, prog="plugformer eval"))
     output = Path(args.output or Path(args.model) / f"eval_{args.split}.json")
     problem = output_problem(args, output)  # before any work
     if problem is not None:

@@ -312,6 +312,7 @@ def train_and_save(
         "metrics": metrics,
         "data": data_record(script_args),  # what `plugformer eval` scores the model on by default
         "data_format": STAGES.get_stage(stage).data_format,  # text: pretraining, scored in its corpus's format too
+        "max_new_tokens": script_args.max_new_tokens,  # its dev answers' budget: `plugformer eval`'s default too
         "compute": compute_record(trainer, compute),
         **(extra or {}),
         **({"selection": selection.summary()} if selection is not None else {}),
