@@ -515,6 +515,11 @@ def test_eval_gives_each_answer_the_budget_its_run_scored_dev_with(chain, tmp_pa
     given = eval_main(["--model", str(chain["sft"]), "--examples", "2", "--max_new_tokens", "3",
                        "--output", str(tmp_path / "b.json")])  # fmt: skip
     assert (recorded["max_new_tokens"], given["max_new_tokens"]) == (8, 3)
+    tokenizer = AutoTokenizer.from_pretrained(chain["sft"])
+    lengths = {name: [len(tokenizer(s["completion"])["input_ids"]) for s in result["samples"]]
+               for name, result in (("recorded", recorded), ("given", given))}  # fmt: skip
+    # the generation itself obeys the budget: the untrained model runs to it (no end of turn in 8 tokens)
+    assert max(lengths["given"]) <= 3 < max(lengths["recorded"]) <= 8, lengths
     assert recorded["key"]["options"]["max_new_tokens"] == 8
     assert with_generation_budget(EvalArguments(model=str(tmp_path))).max_new_tokens == 32
 
