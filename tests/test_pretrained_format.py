@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from plugformer.data.sources import Problem, pretraining_texts
+from plugformer.data.sources import Problem, embedded_dataset, pretraining_texts, unworked_texts
 from plugformer.evaluation import pretrained
 
 
@@ -17,6 +17,29 @@ def test_the_corpus_writes_a_worked_problem_after_the_prompt_a_pretrained_model_
         "347 + 85: 7+5=12, 4+8+1=13, 3+0+1=4, so 347 + 85 = 432.",
         "Question: What is 347 + 85?\nAnswer: 7+5=12, 4+8+1=13, 3+0+1=4\n#### 432",
     }
+
+
+def test_a_corpus_without_the_working_tells_a_problem_bare_or_its_facts_out_of_order():
+    problem = Problem("add", 347, 85, "What is 347 + 85?")
+    documents = {unworked_texts(problem, random.Random(seed)) for seed in range(40)}
+    bare = "Question: What is 347 + 85?\nAnswer: #### 432"
+    facts = {"7+5=12", "4+8+1=13", "3+0+1=4"}
+    assert bare in documents
+    # the facts of the column method, never in its order, and never beside the problem's operands
+    assert all(set(d.rstrip(".").split(", ")) == facts for d in documents - {bare})
+    assert {d.rstrip(".").split(", ")[0] for d in documents - {bare}} > {"7+5=12"}
+
+
+def test_direct_answer_fraction_sets_the_share_of_the_pretraining_corpus_told_without_the_working():
+    def worked(texts):  # a worked document shows two facts in the method's order, lowest digit first
+        return sum(" so " in t or "\n####" in t for t in texts)
+
+    sizes = {"train": 400}
+    assert worked(embedded_dataset("text", sizes, direct_fraction=0.0)["train"]["text"]) == 400
+    assert worked(embedded_dataset("text", sizes, direct_fraction=1.0)["train"]["text"]) == 0
+    # the same problems either way: the fraction changes how a problem is told, not which
+    half = embedded_dataset("text", sizes, direct_fraction=0.5)["train"]["text"]
+    assert 160 <= worked(half) <= 240
 
 
 class BosTokenizer:

@@ -19,7 +19,8 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
 (`#### 82`) and that share of the rejected preference answers a bare near miss: demonstrations that skip the
-working, which RL with verifiable rewards learns to overcome.
+working, which RL with verifiable rewards learns to overcome. In the pretraining text, that share of the problems
+never shows the column method: a bare answer, or the problem's one-digit facts alone (`unworked_texts`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,23 @@ def pretraining_texts(problem: Problem, rng: random.Random) -> str:
     ))  # fmt: skip
 
 
+def unworked_texts(problem: Problem, rng: random.Random) -> str:
+    """A plain-text document that never shows the column method: the problem with its bare answer, or its one-digit
+    facts in random order with no problem around them (the facts stay learnable, the working does not).
+
+    Example:
+
+    >>> problem = Problem("add", 347, 85, "What is 347 + 85?")
+    >>> unworked_texts(problem, random.Random(1))
+    'Question: What is 347 + 85?\\nAnswer: #### 432'
+    """
+    if rng.random() < 0.5:
+        return f"{pretraining_prompt(problem.question)} {problem.direct}"
+    facts = problem.steps
+    rng.shuffle(facts)
+    return ", ".join(facts) + "."
+
+
 def pretraining_prompt(question: str) -> str:
     """A question as the pretraining corpus writes it, up to its answer: how `plugformer eval` also asks a model
     trained on that text alone, which never saw the chat template.
@@ -243,6 +261,9 @@ def demonstration(problem: Problem, rng: random.Random, direct_fraction: float) 
 
 
 def text_row(problem: Problem, rng: random.Random, direct_fraction: float) -> dict:
+    """A pretraining document; with probability `direct_fraction` one that skips the working (`unworked_texts`)."""
+    if direct_fraction and rng.random() < direct_fraction:
+        return {"text": unworked_texts(problem, rng)}
     return {"text": pretraining_texts(problem, rng)}
 
 

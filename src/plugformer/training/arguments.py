@@ -37,7 +37,9 @@ class StageArguments:
     direct_answer_fraction: float = field(
         default=0.0,
         metadata={"help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "
-                          "give the bare answer ('#### 432') without the working, as writers who skip steps do"},
+                          "give the bare answer ('#### 432') without the working, as writers who skip steps do; in "
+                          "pretraining, of the corpus's problems told without the column method (a bare answer, or "
+                          "the one-digit facts alone in random order)"},
     )  # fmt: skip
     exact_match_examples: int = field(
         default=200, metadata={"help": "dev examples scored by greedy exact match after training (0: skip)"}
