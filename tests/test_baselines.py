@@ -212,9 +212,9 @@ def test_the_same_difference_in_every_run_is_reported_as_such_not_as_a_tiny_p_va
     assert interval_text([0.86, 0.99, 0.94]) == "93.0 (76.7, 100.0)"
 
 
-def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_had_and_more():
-    """The baseline is SFT on the best data: the shipped configs give it sft's demonstrations (the problem stream's
-    first `train_examples`, all worked) and more of the same stream, never other ones."""
+def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_had():
+    """The baseline is SFT on the same data: the shipped configs give it sft's demonstrations (the problem stream's
+    first `train_examples`, all worked; more of the same stream where it is given more), never other ones."""
     from plugformer.training import parse_stage_arguments
     from plugformer.training.common import stage_data
 
@@ -225,7 +225,7 @@ def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_h
         return stage_data(stage, script_args)["train"]
 
     sft_rows, matched_rows = train_rows("sft"), train_rows("sft_matched")
-    assert len(matched_rows) >= len(sft_rows) == 32000
+    assert len(matched_rows) >= len(sft_rows) == 300
     head = matched_rows.select(range(len(sft_rows)))
     assert head["completion"] == sft_rows["completion"] and head["prompt"] == sft_rows["prompt"]
     assert all("####" in turns[0]["content"] and "=" in turns[0]["content"] for turns in matched_rows["completion"])
