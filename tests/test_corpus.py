@@ -139,14 +139,18 @@ def test_blocks_packed_by_several_processes_equal_one_process(corpus_file, tmp_p
     assert np.array_equal(np.concatenate(expected), np.array(one["train"]["input_ids"]))
 
 
-def test_the_corpus_fingerprint_follows_the_file(corpus_file):
+def test_the_corpus_fingerprint_follows_the_files_bytes(corpus_file):
     from datasets import load_dataset
 
     data = load_dataset("json", data_files=str(corpus_file))
     source = {"dataset_name": "json", "data_files": [str(corpus_file)]}
     before = corpus_fingerprint(source, data)
     assert corpus_fingerprint(source, data) == before
-    os.utime(corpus_file, ns=(1, 1))  # same bytes, another modification time: treated as changed
+    os.utime(corpus_file, ns=(1, 1))  # same bytes, another modification time: the same corpus
+    assert corpus_fingerprint(source, data) == before
+    text = corpus_file.read_text()  # other bytes of the same length under the old modification time: another corpus
+    corpus_file.write_text(text.replace(text[10], "#" if text[10] != "#" else "$", 1))
+    os.utime(corpus_file, ns=(1, 1))
     assert corpus_fingerprint(source, data) != before
     pattern = str(corpus_file.parent / "*.jsonl")  # a glob: a file added to it changes the corpus
     matched = prepare.file_signatures([pattern])

@@ -37,7 +37,7 @@ class CorpusArguments:
         return flags + (["--data_cache_dir", self.data_cache_dir] if self.data_cache_dir else [])
 
     def corpus_key(self) -> str | None:
-        """What the runs and scores depend on: the source and its files' size and modification time."""
+        """What the runs and scores depend on: the source and the sha256 of its files' bytes (`file_signatures`)."""
         if self.dataset_name is None:
             return None
         files = file_signatures(self.data_files)

@@ -7,15 +7,14 @@ Layout of the cache (`--data_cache_dir`, default `$PLUGFORMER_CACHE` or `~/.cach
     blocks/<key>/       the packed splits' Arrow files, as the workers wrote them, for (corpus, tokenizer,
                         block_size, document positions, causal labels, packing version)
 
-A key is a digest of what the content depends on; the corpus part digests each data file's path, size and
-modification time and the loaded splits' `datasets` fingerprints, so a changed corpus or tokenizer never reuses stale
-blocks. A folder appears only complete (written beside it, then renamed), so an interrupted preparation is redone,
+A key is a digest of what the content depends on; the corpus part digests each data file's path and the sha256 of its
+bytes (`identity.files_record`, kept in `digests/` so that an unchanged file is not read twice) and the loaded splits'
+`datasets` fingerprints, so a changed corpus or tokenizer never reuses stale blocks. A folder appears only complete (written beside it, then renamed), so an interrupted preparation is redone,
 never read half-written. Deleting the cache folder is always safe: it is rebuilt on the next run.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -63,22 +62,18 @@ def digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def file_signatures(data_files: list[str] | None) -> list[list]:
-    """(resolved path, size, modification time in ns) of each local file `data_files` names, globs expanded: changes
-    whenever a file is rewritten, added or removed."""
-    paths = sorted({path for pattern in data_files or [] for path in glob.glob(pattern) or [pattern]})
-    signatures = []
-    for path in paths:
-        if os.path.isfile(path):
-            stat = os.stat(path)
-            signatures.append([str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns])
-    return signatures
+def file_signatures(data_files: list[str] | None, data_cache_dir: str | None = None) -> list[list]:
+    """(resolved path, sha256 of its bytes) of each local file `data_files` names, globs expanded
+    (`identity.files_record`): changes whenever a file's content changes, or a file is added or removed."""
+    from .identity import files_record
+
+    return [[record["path"], record["sha256"]] for record in files_record(None, data_files, data_cache_dir)]
 
 
-def corpus_fingerprint(source: dict, splits: DatasetDict) -> str:
-    """The identity of a loaded corpus: its source (name, config, files with their size and mtime, split sizes and
-    seed) and each split's `datasets` fingerprint."""
-    files = file_signatures(source.get("data_files"))
+def corpus_fingerprint(source: dict, splits: DatasetDict, data_cache_dir: str | None = None) -> str:
+    """The identity of a loaded corpus: its source (name, config, files with the sha256 of their bytes, split sizes
+    and seed) and each split's `datasets` fingerprint."""
+    files = file_signatures(source.get("data_files"), data_cache_dir)
     return digest(source, files, {name: split._fingerprint for name, split in splits.items()})
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +35,12 @@ from dataclasses import dataclass
 from datasets import Dataset, DatasetDict, Value, load_dataset
 
 from .dates import date_rows
+from .identity import carve, dataset_cache_dir, files_record, held_out_record
 from .nli import nli_rows
 from .splits import SPLITS, split_of_key
 
+
+logger = logging.getLogger(__name__)
 
 ANSWER_MARKER = "####"
 NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gus", "Hana", "Ivo", "Jun")
@@ -363,6 +367,8 @@ def load_stage_dataset(
     seed: int = 0,
     direct_fraction: float = 0.0,
     rename_columns: str | None = None,
+    keep_duplicates: bool = False,
+    data_cache_dir: str | None = None,
 ) -> DatasetDict:
     """The data a stage reads, in its TRL format, with `train`/`dev`/`test` splits.
 
@@ -381,6 +387,12 @@ def load_stage_dataset(
             rejected preference answers that give the bare answer, without the working.
         rename_columns (`str`, *optional*): Your data's columns under the names the format reads,
             `"document=source,summary=target"` (`column_renames`), renamed in every split before anything is read.
+        keep_duplicates (`bool`, *optional*, defaults to `False`): Keep the rows of train identical to a held-out
+            row (by default dropped and counted: `identity.carve`).
+        data_cache_dir (`str`, *optional*): Where the files' digests are kept (`data.prepare.cache_root`).
+
+    Your data comes back with `.identity` (`data_identity`): its files' digests, the held-out splits' digests and
+    row keys, the duplicates dropped; `run_info.json` records it.
     """
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
@@ -388,7 +400,8 @@ def load_stage_dataset(
     if data_files and dataset_name not in BUILDERS:
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
-    loaded = load_user_dataset(dataset_name, dataset_config, data_files, source)
+    files = files_record(dataset_name, data_files, data_cache_dir)  # before reading: a file named twice is refused
+    loaded = load_user_dataset(dataset_name, dataset_config, data_files, source, dataset_cache_dir(files))
     splits = DatasetDict({_canonical_split(name): split for name, split in loaded.items()})
     if "train" not in splits:
         raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
@@ -400,14 +413,19 @@ def load_stage_dataset(
                          f"{splits['train'].column_names})")  # fmt: skip
     if data_format == "text":
         check_text_column(splits["train"], source)  # before carving: its row is the row of the files
-    for held_out in ("test", "dev"):
-        if held_out not in splits and sizes.get(held_out, 0) > 0:
-            if len(splits["train"]) <= sizes[held_out]:
-                raise ValueError(f"{source}: {len(splits['train'])} rows left in train cannot give --{held_out}"
-                                 f"_examples {sizes[held_out]} and still train; hold out fewer")  # fmt: skip
-            parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
-            splits["train"], splits[held_out] = parts["train"], parts["test"]
+    splits, keys, dropped = carve(splits, sizes, seed, keep_duplicates, source)
+    splits.identity = data_identity(files, keys, dropped, keep_duplicates)
+    if dropped:
+        logger.warning("%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)", source,
+                       ", ".join(f"{count} {name}" for name, count in dropped.items()))  # fmt: skip
     return splits
+
+
+def data_identity(files: list, keys: dict[str, list[str]], dropped: dict[str, int], keep_duplicates: bool) -> dict:
+    """What `run_info.json` records of a user's data beside its source: each file's sha256 (`identity.files_record`),
+    the held-out splits' digests and row keys, and the rows dropped as twins of held-out rows."""
+    return {"files": files, "held_out": held_out_record(keys), "duplicates_dropped": dropped,
+            "keep_duplicates": keep_duplicates}  # fmt: skip
 
 
 def column_renames(text: str, columns: list[str], source: str = "your data") -> dict[str, str]:
@@ -440,12 +458,15 @@ def column_renames(text: str, columns: list[str], source: str = "your data") -> 
     return renames
 
 
-def load_user_dataset(dataset_name: str, dataset_config: str | None, data_files: list[str] | None, source: str):
-    """`datasets.load_dataset`, with a malformed line of a json file reported as its file and line number."""
+def load_user_dataset(
+    dataset_name: str, dataset_config: str | None, data_files: list[str] | None, source: str, cache_dir: str | None = None
+):
+    """`datasets.load_dataset` (into `cache_dir`: `identity.dataset_cache_dir`), with a malformed line of a json file
+    reported as its file and line number."""
     from datasets.exceptions import DatasetGenerationError
 
     try:
-        return load_dataset(dataset_name, dataset_config, data_files=data_files)
+        return load_dataset(dataset_name, dataset_config, data_files=data_files, cache_dir=cache_dir)
     except DatasetGenerationError as error:
         where = first_malformed_json_line(data_files) if dataset_name == "json" and data_files else None
         if where is None:

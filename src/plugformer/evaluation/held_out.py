@@ -33,6 +33,7 @@ def data_record(script_args) -> dict:
         return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
     name = script_args.dataset_name
     return {
+        **(getattr(script_args, "data_identity", None) or {}),  # files' and held-out rows' digests (`data.identity`)
         "dataset_name": os.path.abspath(name) if name not in BUILDERS and Path(name).exists() else name,
         "dataset_config": script_args.dataset_config,
         "data_files": [os.path.abspath(f) for f in script_args.data_files] if script_args.data_files else None,
@@ -41,6 +42,7 @@ def data_record(script_args) -> dict:
         "dev_examples": script_args.dev_examples,
         "test_examples": script_args.test_examples,
         "streaming": bool(getattr(script_args, "streaming", False)),
+        "keep_duplicates": bool(getattr(script_args, "keep_duplicates", False)),
     }
 
 
@@ -84,6 +86,7 @@ def held_out_rows(source: dict, split: str, examples: int):
     if split not in ("dev", "test"):
         raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")
     dev, test = source["dev_examples"], source["test_examples"]
+    splits = None
     if source.get("streaming"):  # the stream's first `dev` documents, then the next `test`
         stream = load_dataset(source["dataset_name"], source["dataset_config"], data_files=source["data_files"],
                               split="train", streaming=True)  # fmt: skip
@@ -95,14 +98,66 @@ def held_out_rows(source: dict, split: str, examples: int):
         splits = load_stage_dataset("conversation", dataset_name=source["dataset_name"],
                                     dataset_config=source["dataset_config"], data_files=source["data_files"],
                                     sizes={"dev": dev, "test": test}, seed=source["dataset_seed"],
-                                    rename_columns=source.get("rename_columns"))  # fmt: skip
+                                    rename_columns=source.get("rename_columns"),
+                                    keep_duplicates=bool(source.get("keep_duplicates")))  # fmt: skip
         if split not in splits:
             raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
                              f"(--{split}_examples 0)")  # fmt: skip
         rows = splits[split]
+    recorded = (source.get("held_out") or {}).get(split)
+    if recorded:
+        rows = recorded_rows(rows, splits, recorded, source, split)
     if len(rows) == 0:
         raise ValueError(f"--split {split}: no {split} rows held out of {source['dataset_name']}")
     return rows.select(range(min(examples, len(rows))))
+
+
+def recorded_rows(rows, splits, recorded: dict, source: dict, split: str):
+    """The rows a run held out as `split` (`identity.held_out_record`): `rows` when their digest is the recorded one,
+    else the recorded rows found by content in the data as it is now (`splits`: every row is searched), in their
+    recorded order, with a warning naming what changed. Raises `ValueError` naming the files and both digests when a
+    recorded row is gone: another split would score rows the model may have trained on."""
+    from datasets import concatenate_datasets
+
+    from ..data.identity import KEY_HEX, row_keys, split_digest
+
+    keys = row_keys(rows)
+    if split_digest(keys) == recorded["sha256"]:
+        return rows
+    changed = changed_files(source)
+    if splits is not None:
+        everything = concatenate_datasets([part for part in splits.values()])
+        index = {}
+        for position, key in enumerate(row_keys(everything)):
+            index.setdefault(key[:KEY_HEX], position)
+        found = [index.get(key) for key in recorded["row_keys"]]
+        if None not in found:
+            logger.warning("%s changed since the run (%s): scoring the %d %s rows it held out, found by content",
+                           source["dataset_name"], changed, len(found), split)  # fmt: skip
+            return everything.select(found)
+        missing = found.count(None)
+    else:
+        missing = "some"
+    raise ValueError(f"--split {split}: the data changed since the run ({changed}); {missing} of the "
+                     f"{len(recorded['row_keys'])} {split} rows it held out (sha256 {recorded['sha256'][:12]}) are no "
+                     f"longer in it (its {split} split now: sha256 {split_digest(keys)[:12]}), so another split would "
+                     "score rows the model may have trained on. Restore the files, or give the data to score with "
+                     "--dataset_name/--data_files")  # fmt: skip
+
+
+def changed_files(source: dict) -> str:
+    """The files of `source` whose sha256 differs from the one its run recorded, with both digests, as text."""
+    from ..data.identity import files_record
+
+    recorded = {record["path"]: record["sha256"] for record in source.get("files") or []}
+    try:
+        now = {record["path"]: record["sha256"]
+               for record in files_record(source["dataset_name"], source.get("data_files"))}  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    parts = [f"{path}: sha256 {recorded.get(path, 'none')[:12]} then, {now.get(path, 'none')[:12]} now"
+             for path in sorted(set(recorded) | set(now)) if recorded.get(path) != now.get(path)]  # fmt: skip
+    return "; ".join(parts) or "its files are unchanged, but the rows read from them differ"
 
 
 def prompts_and_completions(rows) -> tuple[list, list]:

@@ -34,6 +34,11 @@ class StageArguments:
         metadata={"help": "your data's columns under the names the stage reads, OLD=NEW pairs: "
                           "'document=source,summary=target', 'question=prompt', 'content=text'"},
     )  # fmt: skip
+    keep_duplicates: bool = field(
+        default=False,
+        metadata={"help": "your data: keep the training rows identical to a dev or test row (by default they are "
+                          "dropped, counted in run_info.json and the card: a held-out row's twin in train leaks it)"},
+    )  # fmt: skip
     direct_answer_fraction: float = field(
         default=0.0,
         metadata={"help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "

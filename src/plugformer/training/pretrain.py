@@ -15,8 +15,10 @@ from transformers import (
     default_data_collator,
 )
 
+from ..data.identity import files_record, row_keys
 from ..data.packing import pack
 from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
+from ..data.sources import data_identity
 from ..data.tokenization import set_chat_template, train_tokenizer
 from ..data.validation import check_data_files
 from ..evaluation.cards import StageCard
@@ -47,7 +49,9 @@ def load_corpus(script_args) -> Corpus:
         check_data_files(script_args.dataset_name, script_args.data_files)
         source = {"path": script_args.dataset_name, "name": script_args.dataset_config,
                   "data_files": script_args.data_files}  # fmt: skip
-        return stream_corpus(source, script_args.dev_examples, script_args.test_examples, script_args.rename_columns)
+        corpus = stream_corpus(source, script_args.dev_examples, script_args.test_examples, script_args.rename_columns)
+        script_args.data_identity = stream_identity(script_args, corpus)
+        return corpus
     data = stage_data("pretrain", script_args)
     if script_args.dataset_name is None:
         return Corpus(data)
@@ -55,7 +59,15 @@ def load_corpus(script_args) -> Corpus:
               "data_files": script_args.data_files, "sizes": script_args.sizes(), "seed": script_args.dataset_seed}  # fmt: skip
     if script_args.rename_columns:  # an unrenamed corpus keeps the cache key it had before the option
         source["rename_columns"] = script_args.rename_columns
-    return Corpus(data, corpus_fingerprint(source, data))
+    return Corpus(data, corpus_fingerprint(source, data, script_args.data_cache_dir))
+
+
+def stream_identity(script_args, corpus: Corpus) -> dict:
+    """What identifies a streamed corpus in `run_info.json` (`sources.data_identity`): its files' digests and its
+    held-out documents' (the stream's first ones; nothing is dropped, as the stream is not read ahead)."""
+    files = files_record(script_args.dataset_name, script_args.data_files, script_args.data_cache_dir)
+    keys = {name: row_keys(split) for name, split in corpus.splits.items()}
+    return data_identity(files, keys, {}, keep_duplicates=True)
 
 
 def build_tokenizer(script_args, model_args, corpus: Corpus):
