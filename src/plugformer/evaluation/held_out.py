@@ -53,6 +53,16 @@ def recorded_source(model: str) -> dict | None:
     return record if isinstance(record, dict) and record.get("dataset_name") else None
 
 
+def recorded_held_out_texts(model: str | Path, split: str) -> list[str] | None:
+    """The `split` documents the run in `model` held out of its own corpus, checked against the digest it recorded
+    (`held_out_rows`: found by content when the corpus changed, else refused), or None when the run recorded none
+    (the embedded data, or a run older than the record)."""
+    source = recorded_source(str(model))
+    if source is None or not source.get("held_out"):
+        return None
+    return list(held_out_rows(source, split, source[f"{split}_examples"])["text"])
+
+
 def data_source(args) -> dict | None:
     """The source `plugformer eval` scores: `--dataset_name` (with `--data_files`, `--dataset_config`), else the one
     the model's run trained on; None for the embedded task. `--dev_examples` / `--test_examples` default to the

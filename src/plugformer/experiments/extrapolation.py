@@ -145,6 +145,7 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
 
     from ..data.sources import load_stage_dataset
     from ..data.tokenization import load_tokenizer
+    from ..evaluation.held_out import recorded_held_out_texts
     from ..positions import POSITION_SCHEMES
 
     lengths = args.lengths()
@@ -158,7 +159,9 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     tokenizer = load_tokenizer(str(model_dir))
     if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
         plan = training_plan(args)
-        texts = args.held_out_texts("test", plan.dev_examples, plan.test_examples, args.dataset_seed)
+        texts = recorded_held_out_texts(model_dir, "test") or args.held_out_texts(
+            "test", plan.dev_examples, plan.test_examples, args.dataset_seed
+        )
     else:
         texts = load_stage_dataset("text", sizes={"test": args.test_examples}, seed=args.dataset_seed)["test"]["text"]
     stream = token_stream(tokenizer, list(texts), key["tokens"])
