@@ -169,6 +169,10 @@ def test_eval_after_the_data_grew_scores_the_rows_the_run_held_out(pretrained, t
     with pytest.raises(ValueError, match=r"data changed since the run \(.*chat.jsonl: sha256 \w{12} then, \w{12} now"
                                          r"\); 8 of the 8 test rows"):  # fmt: skip
         eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json")])
+    other = write_jsonl(tmp_path / "other.jsonl", conversations(30, start=100))  # data given to eval: named by content
+    given = eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "o.json"), "--dataset_name",
+                       "json", "--data_files", str(other), "--test_examples", "4"])  # fmt: skip
+    assert given["data"]["files"] == files_record("json", [str(other)])
 
 
 def test_pretraining_refuses_a_corpus_named_twice_and_records_the_duplicates_it_dropped(tmp_path):

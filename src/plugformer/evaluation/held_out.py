@@ -77,9 +77,12 @@ def data_source(args) -> dict | None:
     if args.dataset_name is None:
         source = dict(recorded)
     else:
+        from ..data.identity import files_record
+
         source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config,
                   "data_files": args.data_files, "dataset_seed": args.dataset_seed, "streaming": False,
-                  "rename_columns": args.rename_columns}  # fmt: skip
+                  "rename_columns": args.rename_columns,
+                  "files": files_record(args.dataset_name, args.data_files)}  # fmt: skip
     for split in ("dev", "test"):
         given = getattr(args, f"{split}_examples")
         fallback = (recorded or {}).get(f"{split}_examples", DEFAULT_HELD_OUT)
