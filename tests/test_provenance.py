@@ -294,3 +294,127 @@ def test_extrapolation_cache_key_covers_the_options_and_the_weights_scored(tmp_p
         assert evaluation_key(ExtrapolationArguments(**changed), tmp_path) != key, changed
     (tmp_path / "model.safetensors").write_bytes(b"weights two")  # the model replaced in its folder
     assert evaluation_key(ExtrapolationArguments(), tmp_path) != key
+
+
+# --- issue 58 (5): what a number ran on -----------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVIRONMENT_KEYS = {"cpu", "cpu_capability", "aten_cpu_capability", "torch", "blas", "transformers", "trl",
+                    "accelerate", "peft", "datasets", "python", "platform", "world_size", "torch_threads",
+                    "omp_num_threads"}  # fmt: skip
+
+
+def test_the_environment_record_holds_what_torch_and_the_platform_report(monkeypatch):
+    import platform
+
+    import accelerate
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    from plugformer.runtime.environment import environment_record, environment_text
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    record = environment_record(world_size=2)
+    assert set(record) == ENVIRONMENT_KEYS
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert record["aten_cpu_capability"] == "avx2"  # the variable that lowers it, as set
+    assert record["torch"] == torch.__version__ and record["torch_threads"] == torch.get_num_threads()
+    assert record["omp_num_threads"] == "3" and record["world_size"] == 2
+    assert (record["transformers"], record["trl"], record["accelerate"], record["datasets"]) == (
+        transformers.__version__, trl.__version__, accelerate.__version__, datasets.__version__)  # fmt: skip
+    assert record["python"] == platform.python_version() and record["platform"] == platform.platform()
+    assert record["cpu"] and record["blas"].split()[0] in torch.__config__.show()  # BLAS_INFO=mkl: "mkl 2024.2"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert environment_record(world_size=1)["omp_num_threads"] is None
+    text = environment_text(record)
+    assert text.startswith(f"{record['cpu']} ({record['cpu_capability']}), torch {torch.__version__}")
+
+
+@pytest.fixture(scope="module")
+def finished_stage(tmp_path_factory) -> Path:
+    """A pipeline folder whose 2-step pretraining stage of a 32-wide model finished (read, never written to)."""
+    from conftest import micro_stage_configs
+
+    from plugformer.experiments import pipeline
+
+    folder = tmp_path_factory.mktemp("environment")
+    pipeline.main(["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs",
+                   micro_stage_configs(folder), "--stages", "pretrain", "--test_examples", "0", "--jobs", "1",
+                   "--output_dir", str(folder / "out")])  # fmt: skip
+    return folder / "out"
+
+
+def test_a_stage_its_card_and_the_pipeline_record_what_they_ran_on(finished_stage):
+    import torch
+
+    info = json.loads((finished_stage / "pretrain/run_info.json").read_text())
+    assert set(info["environment"]) == ENVIRONMENT_KEYS and info["environment"]["world_size"] == info["world_size"]
+    assert info["environment"]["torch"] == torch.__version__
+    assert info["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    run = json.loads((finished_stage / "pipeline_run.json").read_text())
+    assert set(run["environment"]) == ENVIRONMENT_KEYS
+    card = (finished_stage / "pretrain/README.md").read_text()
+    assert f"s of training on {info['environment']['cpu']} ({info['environment']['cpu_capability']}), torch " in card
+
+
+def test_eval_results_record_what_they_ran_on(finished_stage, tmp_path):
+    import torch
+
+    from plugformer.evaluation.scoring import main as eval_main
+
+    output = tmp_path / "eval.json"
+    eval_main(["--model", str(finished_stage / "pretrain"), "--examples", "2", "--max_new_tokens", "2", "--output",
+               str(output)])  # fmt: skip
+    environment = json.loads(output.read_text())["key"]["environment"]
+    assert set(environment) == ENVIRONMENT_KEYS and environment["world_size"] == 1
+    assert environment["torch_threads"] == torch.get_num_threads()
+
+
+def test_compare_and_extrapolate_results_record_what_they_ran_on(tmp_path):
+    from plugformer.experiments.compare import CompareArguments, write_results
+
+    write_results(CompareArguments(output_dir=str(tmp_path)), {"variants": {}}, "table", lambda summary, path: None)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert set(written["environment"]) == ENVIRONMENT_KEYS and written["variants"] == {}
+
+
+def test_seeds_names_the_machines_and_says_when_runs_differ(tmp_path):
+    from plugformer.runtime.environment import environment_record, environment_text
+
+    environment = environment_record(world_size=1)
+    runs = [write_run(tmp_path / f"run{i}", 0.5 + i / 10, seed=i, digest=i) for i in range(3)]
+    for run in runs:
+        record = json.loads(Path(run, "pipeline_run.json").read_text())
+        Path(run, "pipeline_run.json").write_text(json.dumps({**record, "environment": environment}))
+    assert seeds.main(runs).endswith(f"every run on {environment_text(environment)}")
+    assert environment_text(environment).startswith(f"{environment['cpu']} ({environment['cpu_capability']}), torch")
+    other = {**environment, "cpu_capability": "AVX512"}
+    record = json.loads(Path(runs[2], "pipeline_run.json").read_text())
+    Path(runs[2], "pipeline_run.json").write_text(json.dumps({**record, "environment": other}))
+    assert "runs on different or unrecorded machines (the spread mixes seeds" in seeds.main(runs)
+
+
+# --- issue 58: GRPO's loss is set, not left to TRL's default ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs/grpo").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_grpo_config_sets_trl_default_loss_explicitly_and_its_card_names_it(config):
+    """TRL 1.16's GRPO default `loss_type` is "dapo" (token-level normalisation) with beta 0; the configs set both, so
+    the results are those of the default and a TRL release that changes it changes no shipped run."""
+    import dataclasses
+
+    import trl
+    import yaml
+
+    from plugformer.evaluation.cards import loss_text
+    from plugformer.training import parse_stage_arguments
+
+    values = yaml.safe_load(config.read_text())
+    assert values["loss_type"] == "dapo" and values["beta"] == 0.0
+    defaults = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    assert (defaults["loss_type"], defaults["beta"]) == ("dapo", 0.0)  # the values the shipped results were run with
+    training_args = parse_stage_arguments("grpo", ["--config", str(config), "--output_dir", "unused"])[2]
+    assert loss_text(training_args) == ", `dapo` loss, beta 0"

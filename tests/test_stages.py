@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from plugformer.cli import main as cli_main
-from plugformer.data.sources import FORMAT_COLUMNS
+from plugformer.data.user_data import FORMAT_COLUMNS
 from plugformer.evaluation.cards import StageCard
 from plugformer.experiments.parallel import split_batch
 from plugformer.experiments.pipeline import PipelineArguments, requirements, stage_argv

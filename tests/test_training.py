@@ -649,7 +649,8 @@ def test_a_streamed_corpus_holds_out_its_first_documents(tmp_path):
 def test_your_columns_renamed_for_training_eval_and_a_stream(tmp_path):
     """--rename_columns: a corpus whose text is in `content` pretrains (loaded, and streamed), its run records the
     renaming, and eval scores the documents the run held out under it; bad renamings name what is wrong."""
-    from plugformer.data.sources import column_renames, load_stage_dataset
+    from plugformer.data.sources import load_stage_dataset
+    from plugformer.data.user_data import column_renames
     from plugformer.evaluation.held_out import held_out_rows, recorded_source
     from plugformer.evaluation.scoring import main as eval_main
 

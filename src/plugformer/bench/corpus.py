@@ -99,9 +99,9 @@ def encode_reference(dataset, tokenizer, num_proc: int) -> int:
 
 
 def run(args: CorpusBenchArguments) -> dict:
+    from ..data.identity import cache_root
     from ..data.prepare import (
         Corpus,
-        cache_root,
         corpus_fingerprint,
         default_num_proc,
         prepared_blocks,

@@ -22,6 +22,7 @@ import glob
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
@@ -102,9 +103,15 @@ def _keep(entry: Path, record: dict) -> None:
         logger.debug("digest cache %s not written: %s", entry, error)
 
 
-def digest_cache(data_cache_dir: str | None = None) -> Path:
-    from .prepare import cache_root
+def cache_root(data_cache_dir: str | None = None) -> Path:
+    """`data_cache_dir`, else `$PLUGFORMER_CACHE`, else `~/.cache/plugformer`."""
+    if data_cache_dir:
+        return Path(data_cache_dir).expanduser()
+    return Path(os.environ.get("PLUGFORMER_CACHE", Path.home() / ".cache" / "plugformer")).expanduser()
 
+
+def digest_cache(data_cache_dir: str | None = None) -> Path:
+    """Where files' digests are kept: `digests/` of the corpus cache (`cache_root`)."""
     return cache_root(data_cache_dir) / "digests"
 
 

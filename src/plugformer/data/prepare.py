@@ -38,6 +38,7 @@ from datasets import (
 )
 
 from ..runtime.files import write_json_atomic
+from .identity import files_record
 from .packing import pack
 
 
@@ -50,13 +51,6 @@ def say(message: str, *args) -> None:
 PACKING_VERSION = 2
 
 
-def cache_root(data_cache_dir: str | None = None) -> Path:
-    """`data_cache_dir`, else `$PLUGFORMER_CACHE`, else `~/.cache/plugformer`."""
-    if data_cache_dir:
-        return Path(data_cache_dir).expanduser()
-    return Path(os.environ.get("PLUGFORMER_CACHE", Path.home() / ".cache" / "plugformer")).expanduser()
-
-
 def digest(*parts) -> str:
     """A short hex digest of JSON-serialisable `parts`."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -65,8 +59,6 @@ def digest(*parts) -> str:
 def file_signatures(data_files: list[str] | None, data_cache_dir: str | None = None) -> list[list]:
     """(resolved path, sha256 of its bytes) of each local file `data_files` names, globs expanded
     (`identity.files_record`): changes whenever a file's content changes, or a file is added or removed."""
-    from .identity import files_record
-
     return [[record["path"], record["sha256"]] for record in files_record(None, data_files, data_cache_dir)]
 
 
@@ -146,8 +138,8 @@ def random_batches(train: Dataset, seed: int, batch: int = 1000) -> Iterator[lis
 def stream_corpus(source: dict, dev: int, test: int, rename_columns: str | None = None) -> Corpus:
     """`source` (`load_dataset` keyword arguments) read lazily: `dev` and `test` are the first `dev` and the next
     `test` documents of its train split, held in memory; training reads the documents after them. `rename_columns`
-    (`"content=text"`) renames the stream's columns first (`sources.column_renames`)."""
-    from .sources import column_renames
+    (`"content=text"`) renames the stream's columns first (`user_data.column_renames`)."""
+    from .user_data import column_renames
 
     stream = load_dataset(**source, split="train", streaming=True)
     if rename_columns:

@@ -56,7 +56,7 @@ def _check_text_file(path: Path) -> None:
 def required_columns(data_format: str, columns: list[str], source: str, reader: str) -> tuple[str, ...]:
     """The columns of `data_format` that must hold a value in every row; for a format with alternatives (TRL's SFT
     column sets) the first one present, refused (`ValueError` naming what `reader` needs) when none is."""
-    from .sources import FORMAT_COLUMNS
+    from .user_data import FORMAT_COLUMNS
 
     if data_format not in FORMAT_ALTERNATIVES:
         return tuple(c for c in FORMAT_COLUMNS.get(data_format, ()) if c in columns)

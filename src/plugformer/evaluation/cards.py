@@ -11,6 +11,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..capabilities import KERNELS
 from ..decomposable import DecomposableAttentionConfig
+from ..runtime.environment import environment_text
 from .stats import wilson_interval
 
 
@@ -28,10 +29,10 @@ A `{{ head }}` — {{ summary }} — produced by the `{{ stage }}` stage of plug
 
 ## Training
 
-- stage: `{{ stage }}` ({{ trainer }}), started from `{{ parent }}`
+- stage: `{{ stage }}` ({{ trainer }}{{ loss }}), started from `{{ parent }}`
 - data: {{ data }}
 - hyperparameters: {{ hyperparameters }}
-- {{ world_size }} data-parallel process{{ 'es' if world_size > 1 else '' }}, {{ train_seconds }} s of training
+- {{ world_size }} data-parallel process{{ 'es' if world_size > 1 else '' }}, {{ train_seconds }} s of training{{ machine }}
 
 ## Evaluation
 
@@ -192,6 +193,38 @@ def architecture_rows(model) -> tuple[list[tuple[str, str]], list[str]]:
     return rows, [f"attention_score:{config.attention_score}", f"position_scheme:{config.position_scheme}"]
 
 
+def loss_text(training_args) -> str:
+    """`, `dapo` loss, beta 0` for a trainer config with a `loss_type` (TRL's GRPO and DPO; a list: DPO's combined
+    losses), `""` without one: the loss a stage trained with is named, not left to a TRL version's default."""
+    loss, beta = getattr(training_args, "loss_type", None), getattr(training_args, "beta", None)
+    if not loss:
+        return ""
+    names = " + ".join(f"`{name}`" for name in ([loss] if isinstance(loss, str) else loss))
+    return f", {names} loss" + (f", beta {beta:g}" if beta is not None else "")
+
+
+def machine_text(info: dict) -> str:
+    """` on AMD EPYC (AVX2), torch 2.13.0 (mkl 2024.2), 1 thread` from `run_info.json`'s `environment` (another
+    CPU's instruction set rounds otherwise, so one seed trains otherwise there), `""` where unrecorded."""
+    return f" on {environment_text(info['environment'])}" if info.get("environment") else ""
+
+
+def identity_text(data: dict) -> str:
+    """What names your data by content (`run_info.json`'s `data`, `data.identity`): each file's sha256, the held-out
+    splits' digests, and the training rows dropped as twins of held-out rows (Duplicates)."""
+    files = "; ".join(f"{Path(f['path']).name} sha256 {f['sha256'][:12]}" for f in data.get("files") or [])
+    held = ", ".join(
+        f"{name} {r['rows']} rows sha256 {r['sha256'][:12]}" for name, r in (data.get("held_out") or {}).items()
+    )
+    dropped = data.get("duplicates_dropped") or {}
+    twins = (f"; Duplicates: {', '.join(f'{n} {name}' for name, n in dropped.items())} rows identical to a held-out "
+             "row dropped" if dropped else "; Duplicates: kept (--keep_duplicates)" if data.get("keep_duplicates")
+             else "")  # fmt: skip
+    return "".join(
+        part for part in (f"; files: {files}" if files else "", f"; held out: {held}" if held else "", twins)
+    )
+
+
 def stage_card(
     model, info: dict, training_args, script_args, parent: str | None, model_path: str, card: StageCard
 ) -> ModelCard:
@@ -202,6 +235,7 @@ def stage_card(
     name = Path(model_path).name or "plugformer"
     data = (
         f"`{script_args.dataset_name}`" + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
+        + identity_text(info.get("data") or {})
         if script_args.dataset_name
         else EMBEDDED_TASKS[card.embedded_task][2]
         + (f"; {script_args.train_examples:,} training examples" if getattr(script_args, "train_examples", None) else "")
@@ -234,12 +268,14 @@ def stage_card(
         summary=card.summary,
         stage=stage,
         trainer=card.trainer,
+        loss=loss_text(training_args),
         parent=parent or "a new model",
         architecture="\n".join(f"| {name} | {value} |" for name, value in rows),
         data=data,
         hyperparameters=hyperparameters,
         world_size=info.get("world_size", 1),
         train_seconds=info.get("train_seconds"),
+        machine=machine_text(info),
         evaluation=evaluation,
         limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else card.embedded_task],
         auto_class=AUTO_CLASSES.get(type(model).__name__, type(model).__name__.replace("Plugformer", "AutoModel")),

@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from ..data.sources import BUILDERS
+from ..data.user_data import BUILDERS
 from .implicit_reward import completion_log_probs, completion_token_ids, padded_batch
 
 
@@ -94,7 +94,8 @@ def held_out_rows(source: dict, split: str, examples: int):
     """The first `examples` rows of `split` (`dev` or `test`) held out of `source` as the run held them out."""
     from datasets import Dataset, load_dataset
 
-    from ..data.sources import column_renames, load_stage_dataset
+    from ..data.sources import load_stage_dataset
+    from ..data.user_data import column_renames
 
     if split not in ("dev", "test"):
         raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..data.tokenization import load_tokenizer
+from ..runtime.environment import environment_record
 from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
 from ..runtime.loading import load_checked
 from . import seq2seq
@@ -390,10 +391,13 @@ NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json
 
 def results_key(args: EvalArguments) -> dict:
     """What an evaluation's results depend on: every option but where they go, the model folder (resolved) and the
-    digests of the model in it (`runtime.files.model_sha256`). Written beside the results: a reader (or a later
-    evaluation deciding whether it may replace them) sees which model and settings they are of."""
+    digests of the model in it (`runtime.files.model_sha256`), and what it ran on (`runtime.environment`: another
+    CPU's instruction set rounds otherwise). Written beside the results: a reader (or a later evaluation deciding
+    whether it may replace them) sees which model and settings they are of."""
     options = {name: getattr(args, name) for name in args.__dataclass_fields__ if name not in NOT_KEYED}
-    return {"options": options, "model_dir": str(Path(args.model).resolve()), **model_sha256(args.model)}
+    environment = environment_record(world_size=1)  # `plugformer eval` runs in one process
+    return {"options": options, "model_dir": str(Path(args.model).resolve()), **model_sha256(args.model),
+            "environment": environment}  # fmt: skip
 
 
 NOT_KEYED = ("model", "output", "overwrite_output")  # the model is keyed by its folder and digests

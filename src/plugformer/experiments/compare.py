@@ -125,7 +125,7 @@ class CompareArguments(CorpusArguments):
 def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> None:
     """Compare scores the last stage: a language model by perplexity or exact match, a classifier (a stage reading
     labelled text, `CLASSIFIER_FORMATS`: classify, nli) by accuracy; a reward classifier has neither."""
-    from ..data.sources import CLASSIFIER_FORMATS
+    from ..data.user_data import CLASSIFIER_FORMATS
     from ..training import STAGES
 
     last = STAGES.get(stages[-1]) if stages else None
@@ -263,6 +263,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from ..data.tokenization import load_tokenizer
     from ..evaluation.answers import generate_answers
     from ..evaluation.classification import labelled_rows_scores
+    from ..evaluation.held_out import recorded_held_out_texts
     from ..evaluation.rewards import exact_match_reward
     from ..evaluation.scoring import document_losses
     from ..training import STAGES
@@ -280,7 +281,9 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if args.metric == "perplexity":
         if args.dataset_name is not None:  # the documents the runs' pretraining held out of your corpus
-            texts = args.held_out_texts(split, args.dev_examples, args.test_examples, args.dataset_seed)
+            texts = recorded_held_out_texts(model_dir, split) or args.held_out_texts(
+                split, args.dev_examples, args.test_examples, args.dataset_seed
+            )
         else:
             texts = load_stage_dataset("text", sizes={split: size}, seed=args.dataset_seed)[split]["text"]
         losses, counts = document_losses(model, tokenizer, list(texts))
@@ -413,11 +416,15 @@ def run(args: CompareArguments) -> dict:
 
 
 def write_results(args, summary: dict, text: str, plot_summary) -> None:
-    """`results.md` (the table), `results.json` (arguments and summary) and `results.png` in `args.output_dir`."""
+    """`results.md` (the table), `results.json` (arguments, summary and what it ran on: `runtime.environment`) and
+    `results.png` in `args.output_dir`."""
+    from ..runtime.environment import environment_record
+
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     write_text_atomic(output / "results.md", text + "\n")
-    write_json_atomic(output / "results.json", {"arguments": dataclasses.asdict(args), **summary}, indent=2)
+    record = {"arguments": dataclasses.asdict(args), **summary, "environment": environment_record(world_size=1)}
+    write_json_atomic(output / "results.json", record, indent=2)
     plot_summary(summary, output / "results.png")
     print("\n" + text + f"\n\nwritten: {output / 'results.md'}, results.json, results.png")
 

@@ -7,8 +7,9 @@ listed: sft -> rft (rejection sampling) and pretrain -> sft_matched (SFT for the
 chain); the table reports the other stages' gains against them (`experiments/baselines.py`). Every stage's arguments
 are parsed before the first one trains. A finished stage (`run_info.json`) is reused only when its command line,
 its YAML and its parents' weights are those it was trained with (`pipeline_stage.json` records them); otherwise it
-retrains and says why. An interrupted stage resumes from its newest intact checkpoint, so an interrupted pipeline
-continues where it stopped.
+retrains and says why; its weights, config.json and tokenizer files must also be those it saved, or it is refused,
+naming the file. An interrupted stage resumes from its newest intact checkpoint, so an interrupted pipeline continues
+where it stopped.
 
 `--jobs N` (N > 1) uses N CPU cores: each stage runs as its own process as soon as the stages it needs have
 finished, the one heading the most work first (on two cores, with the shipped configs: dpo -> rlhf beside reward,
@@ -29,7 +30,8 @@ from accelerate import PartialState
 
 from ..evaluation.scoring import EvalArguments, evaluate_directory
 from ..runtime.arguments import config_path, stage_config
-from ..runtime.files import weights_sha256, write_json_atomic, write_text_atomic
+from ..runtime.environment import environment_record
+from ..runtime.files import MODEL_FILES, files_sha256, weights_sha256, write_json_atomic, write_text_atomic
 from ..training import STAGES, run_stage
 from ..training.stages import StageInput
 from .baselines import COMPUTE_RULE, add_baseline_gains, baseline_gains_text, compute_text
@@ -147,11 +149,19 @@ def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
 
 RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json
 WEIGHTS_KEY = "weights_sha256"  # in RECORD: the sha256 of the weights the stage saved (`runtime.files.weights_sha256`)
+MODEL_FILES_KEY = "model_files_sha256"  # in RECORD: {name: sha256} of its config and tokenizer files (`MODEL_FILES`)
+
+
+def model_file_digests(folder: str | Path) -> dict[str, str]:
+    """`{name: sha256}` of the config, generation and tokenizer files (`runtime.files.MODEL_FILES`) atop `folder`."""
+    names = sorted({path.name for pattern in MODEL_FILES for path in Path(folder).glob(pattern) if path.is_file()})
+    return {name: files_sha256(folder, (name,)) for name in names}
 
 
 def finished_record(args: PipelineArguments, stage: str, record: dict) -> dict:
-    """`record` with the sha256 of the weights the stage just saved: a reused stage is checked against it."""
-    return {**record, WEIGHTS_KEY: weights_sha256(stage_dir(args, stage))}
+    """`record` with the digests of the weights, config and tokenizer files the stage saved: reuse checks them."""
+    folder = stage_dir(args, stage)
+    return {**record, WEIGHTS_KEY: weights_sha256(folder), MODEL_FILES_KEY: model_file_digests(folder)}
 
 
 def refuse_replaced_weights(folder: Path, stage: str, trained: str) -> None:
@@ -163,6 +173,23 @@ def refuse_replaced_weights(folder: Path, stage: str, trained: str) -> None:
         raise ValueError(f"stage {stage!r}: {folder} now holds {found}, but the stage saved weights sha256 "
                          f"{trained[:12]} ({RECORD}); the pipeline does not reuse replaced weights: restore them, or "
                          "--rerun true to retrain")  # fmt: skip
+
+
+def digest_text(digest: str | None) -> str:
+    return f"sha256 {digest[:12]}" if digest else "absent"
+
+
+def refuse_changed_files(folder: Path, stage: str, saved: dict[str, str]) -> None:
+    """Raises `ValueError` naming each config, generation or tokenizer file of a finished stage's folder that differs
+    from what it saved (`saved`: `model_file_digests` then), with both digests: the same weights under an edited
+    config.json (rope -> alibi) or another tokenizer compute something other than what was trained and scored."""
+    current = model_file_digests(folder)
+    changed = [f"{name} ({digest_text(saved.get(name))} when it finished, now {digest_text(current.get(name))})"
+               for name in sorted(saved.keys() | current.keys()) if saved.get(name) != current.get(name)]  # fmt: skip
+    if changed:
+        raise ValueError(f"stage {stage!r}: {folder} changed since the stage finished: {', '.join(changed)} "
+                         f"({RECORD}); the pipeline does not reuse a folder that computes something other than "
+                         "what it trained and scored: restore the file, or --rerun true to retrain")  # fmt: skip
 
 
 def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
@@ -190,14 +217,19 @@ def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, 
     saved_path = folder / RECORD
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
     trained_weights = saved.pop(WEIGHTS_KEY, None) if saved is not None else None
+    trained_files = saved.pop(MODEL_FILES_KEY, None) if saved is not None else None
     if (folder / "run_info.json").exists():
         if args.rerun:
             return "--rerun true", ["--overwrite_output_dir", "true"]
         if saved == record and trained_weights is None:
             return f"retraining: its {RECORD} records no weights sha256 to check the folder's weights against", [
                 "--overwrite_output_dir", "true"]  # fmt: skip
+        if saved == record and trained_files is None:  # recorded before the config and tokenizer were checked
+            return (f"retraining: its {RECORD} records no sha256 of config.json and the tokenizer files to check the "
+                    "folder's against", ["--overwrite_output_dir", "true"])  # fmt: skip
         if saved == record:
             refuse_replaced_weights(folder, stage, trained_weights)
+            refuse_changed_files(folder, stage, trained_files)
             return None
         changed = [key for key in record if saved is None or saved.get(key) != record[key]]
         why = f"its {RECORD} is missing" if saved is None else f"{', '.join(changed)} changed since it trained"
@@ -224,7 +256,7 @@ def validate_stages(args: PipelineArguments) -> None:
                              "parse (argparse's message above says which)") from error  # fmt: skip
 
 
-RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run and the speed of the machine it ran on
+RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run, the speed of the machine and what it ran on
 
 
 def machine_speed(size: int = 1024, repeats: int = 25) -> dict:
@@ -264,7 +296,8 @@ def run(args: PipelineArguments) -> dict:
         report(args, results)
         seconds = time.perf_counter() - started_pipeline
         speed = run_speed(speed, machine_speed())
-        record = {"wall_seconds": round(seconds, 1), "jobs": args.jobs, "seed": args.seed, "machine": speed}
+        record = {"wall_seconds": round(seconds, 1), "jobs": args.jobs, "seed": args.seed, "machine": speed,
+                  "environment": environment_record(state.num_processes)}  # fmt: skip
         write_json_atomic(Path(args.output_dir, RUN_RECORD), record, indent=2)
         print(f"pipeline finished in {seconds:.0f}s (torch.mm here: {speed['matmul_gflops']:.0f} GFLOP/s on "
               f"{speed['threads']} thread(s), {speed['matmul_gflops_before']:.0f} before the run and "

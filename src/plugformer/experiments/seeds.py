@@ -183,6 +183,26 @@ def wall_times(directories: list[str]) -> str | None:
     return "wall time per run (torch.mm rate of the machine): " + ", ".join(parts) if parts else None
 
 
+def machines(directories: list[str]) -> str | None:
+    """One line: what the runs ran on (`pipeline_run.json`'s `environment`: CPU, instruction set, torch, threads),
+    saying so when they differ (another instruction set rounds otherwise, so the spread is then not the seeds'
+    alone); None when no run recorded it."""
+    from ..runtime.environment import environment_text
+
+    texts = {}
+    for directory in directories:
+        path = Path(directory, RUN_RECORD)
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if record.get("environment"):
+            texts[Path(directory).name] = environment_text(record["environment"])
+    if not texts:
+        return None
+    if len(set(texts.values())) == 1 and len(texts) == len(directories):
+        return f"every run on {next(iter(texts.values()))}"
+    return ("runs on different or unrecorded machines (the spread mixes seeds and machines' floating-point "
+            "rounding): " + "; ".join(f"{name} {text}" for name, text in texts.items()))  # fmt: skip
+
+
 def main(argv: list[str]) -> str:
     """`plugformer seeds DIR [DIR ...] [--output FILE]`: prints (and writes) the table."""
     import argparse
@@ -195,8 +215,8 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     table = seed_table(load_runs(args.directories), names=[Path(d).name for d in args.directories])
-    times = wall_times(args.directories)
-    table += f"\n\n{times}" if times else ""
+    notes = [note for note in (wall_times(args.directories), machines(args.directories)) if note]
+    table += "".join(f"\n\n{note}" for note in notes)
     print(table)
     if args.output:
         if Path(args.output).is_dir():

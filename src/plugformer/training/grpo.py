@@ -1,5 +1,9 @@
 """RLVR with TRL's `GRPOTrainer` (Shao et al. 2024): groups of sampled answers per prompt, scored by verifiable
-rewards (exact numeric answer, answer format), generated with plain `generate`."""
+rewards (exact numeric answer, answer format), generated with plain `generate`.
+
+The shipped configs set TRL 1.16's default loss explicitly, `loss_type: dapo` (Yu et al. 2025: token-level losses
+normalised by the active tokens of the whole accumulated batch, no length bias), with `beta: 0.0` (no KL term, no
+reference model); the model card names both."""
 
 from __future__ import annotations
 

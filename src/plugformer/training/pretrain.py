@@ -15,11 +15,11 @@ from transformers import (
     default_data_collator,
 )
 
-from ..data.identity import files_record, row_keys
+from ..data.identity import cache_root, files_record, row_keys
 from ..data.packing import pack
-from ..data.prepare import Corpus, cache_root, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
-from ..data.sources import data_identity
+from ..data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
 from ..data.tokenization import set_chat_template, train_tokenizer
+from ..data.user_data import data_identity
 from ..data.validation import check_data_files
 from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM

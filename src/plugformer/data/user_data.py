@@ -1,0 +1,162 @@
+"""Your own data for every stage: any `datasets` source read into the columns a stage's format names, renamed on
+request, checked (a malformed json line named by its file and line), and split into train / dev / test by content
+(`identity.carve`), with what identifies it (`data_identity`) for `run_info.json`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+
+from datasets import DatasetDict, Value, load_dataset
+
+from .identity import carve, dataset_cache_dir, files_record, held_out_record
+
+
+logger = logging.getLogger(__name__)
+
+# `datasets`' packaged builders that read --data_files; `load_dataset` takes these names before any local folder
+BUILDERS = ("json", "csv", "text", "parquet", "arrow")
+# the columns each of TRL's formats (`Stage.data_format`) needs from your data (`conversation`: one of TRL's SFT
+# column sets, checked by `data.validation`)
+FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "conversation": (),  # TRL accepts text | messages | prompt + completion
+    "preference": ("chosen", "rejected"),
+    "prompt": ("prompt",),
+    "prompt_answer": ("prompt", "answer"),
+    "classification": ("text", "label"),
+    "source_target": ("source", "target"),
+    "sentence_pair": ("text", "text_pair", "label"),
+}
+# the formats a sequence classifier reads: its held-out rows are scored by accuracy
+CLASSIFIER_FORMATS = ("classification", "sentence_pair")
+
+
+def load_user_splits(
+    data_format: str,
+    dataset_name: str,
+    dataset_config: str | None,
+    data_files: list[str] | None,
+    sizes: dict[str, int],
+    seed: int,
+    rename_columns: str | None = None,
+    keep_duplicates: bool = False,
+    data_cache_dir: str | None = None,
+) -> DatasetDict:
+    """Your data in `data_format` with `train`/`dev`/`test` splits (the arguments of `sources.load_stage_dataset`),
+    carrying `.identity` (`data_identity`)."""
+    if data_files and dataset_name not in BUILDERS:
+        raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
+    source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
+    files = files_record(dataset_name, data_files, data_cache_dir)  # before reading: a file named twice is refused
+    loaded = load_user_dataset(dataset_name, dataset_config, data_files, source, dataset_cache_dir(files))
+    splits = DatasetDict({_canonical_split(name): split for name, split in loaded.items()})
+    if "train" not in splits:
+        raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
+    if rename_columns:
+        splits = splits.rename_columns(column_renames(rename_columns, splits["train"].column_names, source))
+    missing = [c for c in FORMAT_COLUMNS[data_format] if c not in splits["train"].column_names]
+    if missing:
+        raise ValueError(f"{source}: lacks the columns {missing} of the {data_format!r} format (it has "
+                         f"{splits['train'].column_names})")  # fmt: skip
+    if data_format == "text":
+        check_text_column(splits["train"], source)  # before carving: its row is the row of the files
+    splits, keys, dropped = carve(splits, sizes, seed, keep_duplicates, source)
+    splits.identity = data_identity(files, keys, dropped, keep_duplicates)
+    if dropped:
+        logger.warning("%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)", source,
+                       ", ".join(f"{count} {name}" for name, count in dropped.items()))  # fmt: skip
+    return splits
+
+
+def data_identity(files: list, keys: dict[str, list[str]], dropped: dict[str, int], keep_duplicates: bool) -> dict:
+    """What `run_info.json` records of a user's data beside its source: each file's sha256 (`identity.files_record`),
+    the held-out splits' digests and row keys, and the rows dropped as twins of held-out rows."""
+    return {"files": files, "held_out": held_out_record(keys), "duplicates_dropped": dropped,
+            "keep_duplicates": keep_duplicates}  # fmt: skip
+
+
+def column_renames(text: str, columns: list[str], source: str = "your data") -> dict[str, str]:
+    """`"document=source,summary=target"` as `{"document": "source", "summary": "target"}`, checked against the
+    data's `columns`: each old name must be one of them, and no new name may be a column left as it is (two columns
+    of one name).
+
+    >>> column_renames("question=prompt, answer=answer", ["question", "answer", "id"])
+    {'question': 'prompt'}
+    """
+    renames = {}
+    for item in text.split(","):
+        old, separator, new = (part.strip() for part in item.partition("="))
+        if not item.strip():
+            continue
+        if not separator or not old or not new:
+            raise ValueError(f"--rename_columns {text!r}: expected comma-separated OLD=NEW pairs, got {item.strip()!r}")
+        if old not in columns:
+            raise ValueError(f"--rename_columns {text!r}: {source} has no column {old!r}; its columns: {columns}")
+        if old in renames:
+            raise ValueError(f"--rename_columns {text!r}: {old!r} is renamed twice")
+        if old != new:
+            renames[old] = new
+    kept = set(columns) - set(renames)
+    clashes = sorted(new for new in renames.values() if new in kept)
+    if clashes or len(set(renames.values())) < len(renames):
+        twice = clashes or sorted({n for n in renames.values() if list(renames.values()).count(n) > 1})
+        raise ValueError(f"--rename_columns {text!r}: {twice} would name two columns (the data has {columns}); "
+                         "rename or drop the other one too")  # fmt: skip
+    return renames
+
+
+def load_user_dataset(
+    dataset_name: str,
+    dataset_config: str | None,
+    data_files: list[str] | None,
+    source: str,
+    cache_dir: str | None = None,
+):
+    """`datasets.load_dataset` (into `cache_dir`: `identity.dataset_cache_dir`), with a malformed line of a json file
+    reported as its file and line number."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load_dataset(dataset_name, dataset_config, data_files=data_files, cache_dir=cache_dir)
+    except DatasetGenerationError as error:
+        where = first_malformed_json_line(data_files) if dataset_name == "json" and data_files else None
+        if where is None:
+            raise
+        raise ValueError(f"{source}: {where}") from error
+
+
+def check_text_column(train, source: str) -> None:
+    """Raises `ValueError` naming the row (counted from 0 across the files, in order) of the first `text` value that
+    is not a string; `datasets` loads a column of mixed types as JSON values, which tokenisation cannot read."""
+    if train.features["text"] == Value("string") or train.features["text"] == Value("large_string"):
+        return
+    for start in range(0, len(train), 1000):
+        for offset, value in enumerate(train[start : start + 1000]["text"]):
+            if not isinstance(value, str) and value is not None:  # nulls are named by `check_rows`
+                raise ValueError(f"{source}: column 'text' holds a {type(value).__name__} ({value!r:.40}) in row "
+                                 f"{start + offset} (counted from 0 across the files); every value must be text")  # fmt: skip
+
+
+def _canonical_split(name: str) -> str:
+    return {"validation": "dev", "valid": "dev", "eval": "dev"}.get(name, name)
+
+
+def first_malformed_json_line(data_files: list[str]) -> str | None:
+    """`"<file> line <n>: <error>"` for the first line of the json-lines `data_files` that is not JSON, or `None`.
+    Read only after `datasets` failed, so a good corpus is never parsed twice."""
+    for name in data_files:
+        for path in sorted(glob.glob(name)) or [name]:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                if file.read(4096).lstrip().startswith("["):
+                    continue  # one JSON array over many lines, not JSON lines
+                file.seek(0)
+                for number, line in enumerate(file, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as error:
+                        return f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
+    return None
