@@ -216,7 +216,7 @@ def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_h
     """The baseline is SFT on the same data: the shipped configs give it sft's demonstrations (the problem stream's
     first `train_examples`, all worked; more of the same stream where it is given more), never other ones."""
     from plugformer.training import parse_stage_arguments
-    from plugformer.training.common import stage_data
+    from plugformer.training.data import stage_data
 
     def train_rows(stage: str):
         argv = ["--config", str(ROOT / f"configs/{stage}/tiny.yaml"), "--output_dir", "o"]

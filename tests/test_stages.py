@@ -24,7 +24,8 @@ from plugformer.evaluation.cards import StageCard
 from plugformer.experiments.parallel import split_batch
 from plugformer.experiments.pipeline import PipelineArguments, requirements, stage_argv
 from plugformer.training import STAGES, parse_stage_arguments, register_stage
-from plugformer.training.common import stage_data, write_card
+from plugformer.training.common import write_card
+from plugformer.training.data import stage_data
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -161,7 +161,8 @@ DEBUG_VARIABLE = "PLUGFORMER_DEBUG"
 
 def main(argv: list[str] | None = None) -> None:
     """`plugformer [--debug] <command> [options]`. A user error prints as one line, `ValueError: ...`, and exits with
-    status 2; `--debug` (before the command) or `PLUGFORMER_DEBUG=1` shows the traceback instead."""
+    status 2, Ctrl-C as one line with status 130; `--debug` (before the command) or `PLUGFORMER_DEBUG=1` shows the
+    traceback instead."""
 
     from .runtime.flags import environment_flag
     from .runtime.offline import apply_offline_defaults
@@ -190,6 +191,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{type(error).__name__}: {message} [plugformer {argv[0]}; traceback: plugformer --debug ... or "
               f"{DEBUG_VARIABLE}=1]", file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: what it left behind, in one line (a stage says; see outputs)
+        if debug:
+            raise
+        message = " ".join(str(interrupt).split()) or "interrupted"
+        print(f"KeyboardInterrupt: {message} [plugformer {argv[0]}]", file=sys.stderr)
+        raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports a Ctrl-C
     from .training.distributed import end_process_group
 
     end_process_group()  # under `accelerate launch`: the group goes before the interpreter's finalization

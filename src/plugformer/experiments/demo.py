@@ -22,7 +22,7 @@ from ..data.tokenization import generation_eos_token_ids, train_tokenizer
 from ..modeling import PlugformerForCausalLM
 from ..positions import POSITION_SCHEMES
 from ..runtime.arguments import parse_arguments
-from ..runtime.files import naming_a_full_disk
+from ..runtime.files import naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
 from ..scores import ATTENTION_SCORES
 from ..training.outputs import claim_folder, release_lock
@@ -127,6 +127,7 @@ def train_and_show(args: DemoArguments, started: float) -> dict:
     with naming_a_full_disk(args.output_dir, "the demo model", "the model files in it are incomplete"):
         model.save_pretrained(args.output_dir)  # before the evaluation: a failure there keeps the trained model
         tokenizer.save_pretrained(args.output_dir)
+    weights_with_umask_mode(args.output_dir)  # safetensors writes 0600: a shared folder stays readable
     final = trainer.evaluate()["eval_loss"]
     print(f"held-out perplexity: {math.exp(initial):.1f} before training -> {math.exp(final):.2f} after")
     generator = pipeline("text-generation", model=args.output_dir)

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM
-from ..runtime.files import naming_a_full_disk
+from ..runtime.files import naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
 from ..training.outputs import claimed_folder
 
@@ -258,6 +258,7 @@ def convert(
         with naming_a_full_disk(output_dir, "the converted model", f"its partly written files are removed; the "
                                 f"source {source} is untouched"):  # fmt: skip
             model.save_pretrained(output_dir)
+        weights_with_umask_mode(output_dir)  # safetensors writes 0600: a shared folder stays readable
     return model
 
 

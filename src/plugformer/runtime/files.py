@@ -1,7 +1,9 @@
 """Files written whole or not at all: a kill or a full disk mid-write leaves the previous version, never a torn one.
 
 A torn `run_info.json` broke every later pipeline run (issue 18): state files are written to a temporary file in
-the same folder, flushed to disk, and renamed over the target (`os.replace` is atomic within a file system).
+the same folder, flushed to disk, and renamed over the target (`os.replace` is atomic within a file system). The
+file gets the mode a plain `open` would give it (`0o666` less the umask), not the temporary file's 0600, so that a
+model folder or a cache shared by a group stays readable; `with_umask_mode` does the same for other such writers.
 """
 
 from __future__ import annotations
@@ -85,9 +87,44 @@ def disk_full(path: str | Path, what: str, intact: str, cause: BaseException) ->
     return DiskFullError(getattr(cause, "errno", None) or errno.ENOSPC, message)
 
 
+def current_umask(default: int = 0o022) -> int:
+    """The process umask, read without changing it (`/proc/self/status`, Linux); elsewhere set and restored at once,
+    or `default` where neither works."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        current = os.umask(0o022)
+        os.umask(current)
+        return current
+    except (OSError, NotImplementedError):  # pragma: no cover - no umask on this platform
+        return default
+
+
+def umask_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: `0o666` less the umask (0644 under umask 022)."""
+    return 0o666 & ~current_umask()
+
+
+def with_umask_mode(*paths: str | Path) -> None:
+    """Gives each file the umask's mode (`umask_mode`): writers that go through a temporary file (`mkstemp`,
+    safetensors' `save_file` since 0.8) leave it 0600, unreadable to a group sharing the folder."""
+    mode = umask_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
+
+def weights_with_umask_mode(folder: str | Path) -> None:
+    """`with_umask_mode` for the safetensors files at the top of `folder`, after a `save_pretrained` into it."""
+    with_umask_mode(*Path(folder).glob("*.safetensors"))
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Writes `text` (UTF-8) to `path` through a temporary sibling file, fsync and `os.replace`; a full disk raises
-    `DiskFullError` with the previous file intact."""
+    """Writes `text` (UTF-8) to `path` through a temporary sibling file, fsync and `os.replace`, with the umask's
+    mode (`umask_mode`); a full disk raises `DiskFullError` with the previous file intact."""
     path = Path(path)
     intact = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
     descriptor, temporary = None, None
@@ -98,6 +135,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
+            os.chmod(temporary, umask_mode())  # mkstemp creates 0600; a plain open gives the umask's mode
             os.replace(temporary, path)
     except BaseException:
         if temporary is not None:

@@ -22,7 +22,7 @@ import shutil
 from functools import cache
 from pathlib import Path
 
-from ..runtime.files import naming_a_full_disk, write_json_atomic
+from ..runtime.files import naming_a_full_disk, with_umask_mode, write_json_atomic
 
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,10 @@ def atomic_checkpoints(trainer_class: type) -> type:
 
 
 def publish(staged: Path, final: Path) -> None:
-    """Writes the manifest, flushes every file, renames `staged` to `final` and flushes the parent directory."""
+    """Writes the manifest, flushes every file, renames `staged` to `final` and flushes the parent directory. The
+    files get the umask's mode (safetensors writes its files 0600)."""
     files = sorted(path for path in staged.rglob("*") if path.is_file())
+    with_umask_mode(*files)
     manifest = {
         str(path.relative_to(staged)): {"bytes": path.stat().st_size, "sha256": _sha256(path)} for path in files
     }

@@ -89,7 +89,8 @@ def labelled_trainer(model, tokenizer, data, label2id: dict[str, int], script_ar
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForSequenceClassification
 
-    from .common import load_model, load_tokenizer, require_model_path, stage_data, train_and_save, with_adapters
+    from .common import load_model, load_tokenizer, require_model_path, train_and_save, with_adapters
+    from .data import stage_data
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
 

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,20 +16,19 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..data.sources import load_stage_dataset
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
-from ..data.validation import check_data_files, check_rows
 from ..evaluation.held_out import data_record
-from ..evaluation.pretrained import pretraining_format_exact_match
-from ..evaluation.scoring import PER_EXAMPLE, exact_match, sampled_pass_at_k
-from ..runtime.files import naming_a_full_disk, write_json_atomic
+from ..runtime.environment import environment_record
+from ..runtime.files import naming_a_full_disk, weights_with_umask_mode, write_json_atomic
 from ..runtime.loading import load_checked
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
+from .data import evaluation_data, stage_data
+from .dev_scores import dev_policy_scores
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
-from .outputs import claim_output_dir, release_lock
+from .outputs import begin_run, claim_output_dir, finish_run, interrupted_run, release_lock
 from .selection import DevSelection, save_last_step
-from .sharding import is_sharded, refuse_unsharded_fallback
+from .sharding import refuse_unsharded_fallback
 from .stages import STAGES
 
 
@@ -112,40 +112,6 @@ def peft_config(model_args):
     return get_peft_config(model_args)
 
 
-def stage_data(stage: str, script_args):
-    """The splits of `stage`, in the data format its record names (`format_data`)."""
-    return format_data(STAGES.get_stage(stage).data_format, script_args, f"stage {stage!r}")
-
-
-def evaluation_data(script_args):
-    """Prompts with their ground truth, for dev selection and dev exact match (`format_data`)."""
-    return format_data("prompt_answer", script_args, "stage 'evaluation'")
-
-
-def format_data(data_format: str, script_args, reader: str):
-    """The splits of `data_format`; user data is checked first (files missing, empty, not UTF-8) and after loading
-    (SFT's columns, null values in the columns the format needs, empty splits), each error naming the file or split
-    and `reader`, what needs them."""
-    if script_args.dataset_name is not None:
-        check_data_files(script_args.dataset_name, script_args.data_files)
-    data = load_stage_dataset(
-        data_format,
-        dataset_name=script_args.dataset_name,
-        dataset_config=script_args.dataset_config,
-        data_files=script_args.data_files,
-        sizes=script_args.sizes(),
-        seed=script_args.dataset_seed,
-        direct_fraction=script_args.direct_answer_fraction,
-        rename_columns=script_args.rename_columns,
-    )
-    if script_args.dataset_name is not None:
-        source = f"--dataset_name {script_args.dataset_name}" + (
-            f" --data_files {' '.join(script_args.data_files)}" if script_args.data_files else ""
-        )
-        check_rows(data_format, data, source, reader)
-    return data
-
-
 def resume_checkpoint(training_args) -> str | None:
     """`--resume_from_checkpoint PATH`, or `last`/`true` for the newest intact checkpoint in the output directory
     (a damaged newer one is skipped with a warning). An explicit PATH that fails its manifest is refused. Resolved
@@ -195,13 +161,18 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     if use_cache is not None:  # the Trainer set config.use_cache = args.use_cache (False) for training
         trainer.accelerator.unwrap_model(model).config.use_cache = use_cache
     if not has_adapters(model):
+        if trainer.is_world_process_zero():  # an earlier LoRA run's adapters would read as this model's
+            shutil.rmtree(Path(output_dir, "adapter"), ignore_errors=True)
         trainer.save_model(output_dir)
+        if trainer.is_world_process_zero():
+            weights_with_umask_mode(output_dir)
         return
     if trainer.is_world_process_zero():
         save_adapters(trainer, output_dir)
         merged = model.merge_and_unload()
         merged.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
+        weights_with_umask_mode(output_dir)
     trainer.accelerator.wait_for_everyone()
 
 
@@ -214,6 +185,7 @@ def save_adapters(trainer, output_dir: str) -> None:
     """The LoRA adapters alone, in `output_dir/adapter` (rank 0)."""
     if trainer.is_world_process_zero():
         trainer.model.save_pretrained(Path(output_dir) / "adapter")
+        weights_with_umask_mode(Path(output_dir) / "adapter")
 
 
 def final_save_failed(output_dir: str) -> str:
@@ -268,7 +240,8 @@ def train_and_save(
 
     With `selection` (a `DevSelection` callback of the trainer) the saved model is the best dev step's, and
     `run_info.json` records the selected and the last step with the dev history. `compute` counts the run's
-    tokens (`compute_record`)."""
+    tokens (`compute_record`). From the first step to `run_info.json`, written last, the folder's records say the run
+    is in progress (`outputs.begin_run`); Ctrl-C meanwhile ends in one line saying so (`outputs.interrupted_run`)."""
     args = trainer.args
     refuse_unsharded_fallback(trainer)
     checkpoint = resume_checkpoint(args)
@@ -278,6 +251,22 @@ def train_and_save(
             raise ValueError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {checkpoint} was trained with "
                              f"another model ({changed}); resume it with its own settings, or train the new one "
                              "into a new --output_dir (or --overwrite_output_dir true)")  # fmt: skip
+    if trainer.is_world_process_zero():  # before training writes anything: no record of the model it replaces
+        begin_run(args.output_dir, stage)
+    with interrupted_run(args.output_dir, stage):
+        info = train_and_record(trainer, stage, script_args, tokenizer, checkpoint, extra, selection, compute)
+    trainer.accelerator.wait_for_everyone()
+    release_lock(args.output_dir)
+    return info
+
+
+def train_and_record(
+    trainer, stage: str, script_args, tokenizer, checkpoint: str | None, extra: dict | None,
+    selection: DevSelection | None, compute: Callable | None,
+) -> dict:  # fmt: skip
+    """The body of `train_and_save`: trains from `checkpoint`, saves the model, scores it and writes the records
+    (`write_records`, main process); returns `run_info.json`'s content."""
+    args = trainer.args
     started = time.perf_counter()
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     seconds = time.perf_counter() - started
@@ -300,6 +289,8 @@ def train_and_save(
     if selection is not None and selection.keep_last:  # dpo: its implicit reward is what it learned, not step 0's
         with naming_a_full_disk(args.output_dir, "the last step's model", "the selected model is saved"):
             last_step = save_last_step(trainer, tokenizer, selection, args.output_dir)
+        if last_step is not None and trainer.is_world_process_zero():
+            weights_with_umask_mode(Path(args.output_dir, last_step))
         extra = {**(extra or {}), "last_step_model": last_step}
     if "eval_loss" in metrics and STAGES.get_stage(stage).language_model_loss:  # exp of it is a perplexity
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
@@ -307,6 +298,7 @@ def train_and_save(
         "stage": stage,
         "train_seconds": round(seconds, 1),
         "world_size": trainer.accelerator.num_processes,
+        "environment": environment_record(trainer.accelerator.num_processes),  # what its numbers ran on
         "distributed_type": trainer.accelerator.distributed_type.value,  # FSDP, DEEPSPEED, MULTI_CPU (DDP), NO, ...
         "parameter_digests": digests,
         "metrics": metrics,
@@ -322,19 +314,25 @@ def train_and_save(
         info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer, as_text)
         if pass_at_k is not None:
             info["dev_pass_at_k"] = pass_at_k
-        # written whole or not at all: a torn run_info.json broke every later pipeline run
-        write_json_atomic(Path(args.output_dir, "run_info.json"), info, indent=2, default=str)
-        # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
-        write_json_atomic(Path(args.output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2,
-                          sort_keys=True)  # fmt: skip
-        with naming_a_full_disk(Path(args.output_dir, "README.md"), "the model card", "the trained model is saved"):
-            write_card(trainer, info, script_args)
+        write_records(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
               + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip
-    trainer.accelerator.wait_for_everyone()
-    release_lock(args.output_dir)
     return info
+
+
+def write_records(trainer, info: dict, script_args) -> None:
+    """The trainer state, the model card and `run_info.json` (`info`) beside the saved model, `run_info.json` last:
+    its presence says that the files beside it are this run's (`outputs.finish_run`)."""
+    output_dir = trainer.args.output_dir
+    # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
+    write_json_atomic(Path(output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2,
+                      sort_keys=True)  # fmt: skip
+    with naming_a_full_disk(Path(output_dir, "README.md"), "the model card", "the trained model is saved"):
+        write_card(trainer, info, script_args)
+    # written whole or not at all: a torn run_info.json broke every later pipeline run
+    write_json_atomic(Path(output_dir, "run_info.json"), info, indent=2, default=str)
+    finish_run(output_dir, info["stage"])
 
 
 def run_trainer(
@@ -416,72 +414,6 @@ def write_card(trainer, info: dict, script_args) -> None:
     card = stage_card(model, info, trainer.args, script_args, parent=parent, model_path=trainer.args.output_dir,
                       card=STAGES.get_stage(info["stage"]).card)  # fmt: skip
     card.save(Path(trainer.args.output_dir) / "README.md")
-
-
-def dev_policy_scores(trainer, script_args, tokenizer, as_text: bool = False) -> tuple[dict | None, dict | None]:
-    """(greedy dev exact match, dev pass@k from `--pass_at_k_samples` samples or None) of language-model stages
-    (both None for the reward model or masked LMs); see `dev_exact_match` for where a sharded model is scored and
-    `as_text`."""
-    samples = getattr(script_args, "pass_at_k_samples", 0)
-    scores = dev_exact_match(trainer, script_args, tokenizer, return_model=bool(samples), as_text=as_text)
-    if not samples or scores is None:
-        return scores, None
-    scores, model, rows = scores
-    ks = tuple(sorted({1, samples}))
-    headroom = sampled_pass_at_k(model, tokenizer, rows, samples, ks, max_new_tokens=script_args.max_new_tokens)
-    return scores, headroom
-
-
-def dev_exact_match(trainer, script_args, tokenizer, return_model: bool = False, as_text: bool = False):
-    """Greedy exact match on dev for language-model stages (not for the reward model or masked LMs); with
-    `return_model`, (scores, the model scored, the dev rows). `as_text`: a model trained on text alone, asked as its
-    corpus writes a problem (`evaluation.pretrained`), not through the chat template it never saw.
-
-    Runs on rank 0 only. A sharded model (FSDP2, ZeRO-3) cannot generate there alone, as every forward gathers
-    parameters from all ranks: its saved checkpoint (the full weights) is scored instead, loaded as a plain model,
-    with transformers' ZeRO-3 switch off meanwhile (`alone_on_this_rank`: else `from_pretrained` would partition
-    the copy and `generate` sync with the other ranks, both waiting for them forever).
-    """
-    import contextlib
-
-    from .sharding import alone_on_this_rank
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    sharded = is_sharded(model)
-    with alone_on_this_rank() if sharded else contextlib.nullcontext():
-        if sharded:
-            model = type(model).from_pretrained(trainer.args.output_dir, dtype=model.dtype)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a (merged) LoRA wrapper
-        if script_args.exact_match_examples <= 0 or not base.can_generate():
-            return None
-        if base.config.is_encoder_decoder:  # source -> target pairs: their generated targets
-            return dev_seq2seq_scores(model, tokenizer, script_args)
-        try:
-            rows = evaluation_data(script_args).get("dev")
-        except ValueError as error:  # a dataset without prompt/answer columns has nothing to score
-            logger.info("no exact-match evaluation: %s", error)
-            return None
-        if rows is None:
-            return None
-        rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-        score = pretraining_format_exact_match if as_text else exact_match
-        scores = score(model, tokenizer, rows, max_new_tokens=script_args.max_new_tokens)
-        return (scores, model, rows) if return_model else scores
-
-
-def dev_seq2seq_scores(model, tokenizer, script_args) -> dict | None:
-    """An encoder-decoder's scores on the first `--exact_match_examples` dev pairs (`evaluation.seq2seq`), without
-    the per-example lists."""
-    from ..evaluation.seq2seq import seq2seq_scores
-
-    rows = format_data("source_target", script_args, "dev scores of an encoder-decoder").get("dev")
-    if rows is None or len(rows) == 0:
-        return None
-    rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-    scores = seq2seq_scores(model, tokenizer, rows, max_new_tokens=script_args.max_target_length,
-                            num_beams=script_args.num_beams, max_source_length=script_args.max_source_length,
-                            max_target_length=script_args.max_target_length)  # fmt: skip
-    return {key: value for key, value in scores.items() if key not in PER_EXAMPLE or key == "samples"}
 
 
 def set_generation_eos(model, tokenizer) -> None:

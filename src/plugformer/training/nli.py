@@ -94,7 +94,8 @@ def build_model(script_args, model_args, tokenizer, labels: dict):
 def train(script_args, model_args, training_args) -> dict:
     from .arguments import check_trainer_arguments, refuse_liger_kernel
     from .classify import label_fields, labelled_trainer
-    from .common import stage_data, train_and_save
+    from .common import train_and_save
+    from .data import stage_data
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
 

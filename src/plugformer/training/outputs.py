@@ -1,13 +1,24 @@
-"""An output folder belongs to one run: a second run into it, or a second live process, is refused before training.
+"""An output folder belongs to one run, and a run into it is a transaction: its records describe the weights beside
+them, or say that a run is in progress.
 
 transformers 5.24's `TrainingArguments` no longer has `overwrite_output_dir`: a run into a folder that holds another
 run's model and checkpoints overwrites the model, and the checkpoint rotation then keeps whichever `checkpoint-N` has
 the highest step — possibly the other run's, which `--resume_from_checkpoint last` would later resume inside this
-one. `claim_output_dir` refuses such a folder unless the run resumes (`--resume_from_checkpoint`) or says
-`--overwrite_output_dir true` (then the other run's checkpoints and records are removed first), and takes a
-lock file against a second live run in the same folder. A lock whose process is dead (a killed run) is taken over
-with a warning; takers go one at a time (an `flock` on a guard file beside the lock, released by the kernel when its
-holder dies), so two processes can never both take over the same stale lock.
+one. `claim_output_dir` refuses such a folder unless the run resumes its own checkpoint (`--resume_from_checkpoint`)
+or says `--overwrite_output_dir true`, and takes a lock file against a second live run in the same folder. A lock
+whose process is dead (a killed run) is taken over with a warning; takers go one at a time (an `flock` on a guard file
+beside the lock, released by the kernel when its holder dies), so two processes can never both take over the same
+stale lock.
+
+A checkpoint of another folder resumes only into a folder that holds no run (or with `--overwrite_output_dir true`).
+The overwrite removes only what plugformer wrote (`overwritten`): the records of a plugformer run, the checkpoints
+its manifest vouches for, the LoRA `adapter/` and last-step model that went with its model, and `plugformer eval`'s
+results; a folder holding `checkpoint-*` that plugformer did not publish is refused, naming them.
+
+Before training writes anything, `begin_run` marks the folder's run in progress (`RUN_RECORD`'s `status`) and
+removes a finished run's records, `run_info.json` first; `run_info.json` is written last, when the new model, its
+trainer state and card are in place (`finish_run`). A run interrupted in between (a kill, Ctrl-C: `interrupted_run`
+says so in one line) leaves no record of another model beside its weights.
 
 The folder records which stage claimed it (`RUN_RECORD`, beside `run_info.json` once the run finishes): resuming in
 a folder of another stage (`train sft --output_dir <a pretrain run> --resume_from_checkpoint last` continued the
@@ -26,22 +37,27 @@ import os
 import shutil
 import socket
 import time
-from fnmatch import fnmatch
 from pathlib import Path
 
 from ..runtime.files import write_json_atomic
-from .checkpoints import _CHECKPOINT, PROGRESS, retire
+from .checkpoints import _CHECKPOINT, MANIFEST, PROGRESS, retire
+from .selection import LAST_STEP_DIR
 
 
 logger = logging.getLogger(__name__)
 
 LOCK = ".plugformer.lock"
 TAKEOVER = ".plugformer.lock.takeover"  # flock'ed while a process judges and takes the lock: takers go one at a time
-RUN_RECORD = ".plugformer_run.json"  # {"stage": ...}: the stage that claimed the folder (read by a resume)
+# {"stage": ..., "status": "in_progress" | "finished"}: the stage that claimed the folder (read by a resume) and
+# whether its run_info.json describes the model beside it
+RUN_RECORD = ".plugformer_run.json"
+IN_PROGRESS, FINISHED = "in_progress", "finished"
+# a finished run's records of its model: removed before another run replaces it, run_info.json first
+RECORDS = ("run_info.json", "trainer_state.json")
+# removed by --overwrite_output_dir in a folder of a plugformer run, beside its checkpoints, eval results and claim:
+# the step it reached, and the LoRA adapters and last-step model that belong to its model
+REPLACED = (*RECORDS, PROGRESS, "adapter", LAST_STEP_DIR)
 # what a finished or interrupted run leaves in its folder (TensorBoard's runs/ and a README alone are no model)
-# removed by --overwrite_output_dir beside the checkpoints: the other run's record and the step it reached
-# and `plugformer eval`'s results of the replaced model (they would read as the new one's)
-REPLACED = ("run_info.json", "trainer_state.json", PROGRESS, RUN_RECORD, "eval_*.json")
 RUN_FILES = ("run_info.json", "trainer_state.json", "config.json", "*.safetensors", "checkpoint-*", "adapter")
 
 
@@ -64,6 +80,49 @@ def recorded_stage(folder: str | Path) -> tuple[str | None, str | None]:
         if isinstance(stage, str):
             return stage, name
     return None, None
+
+
+def eval_results(folder: str | Path) -> list[Path]:
+    """The `eval_*.json` files in `folder` that are results of `plugformer eval` (a JSON object naming the `model` and
+    the `split`), sorted; another tool's files of that name are no results."""
+    found = []
+    for path in sorted(Path(folder).glob("eval_*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(result, dict) and {"model", "split"} <= result.keys():
+            found.append(path)
+    return found
+
+
+def foreign_checkpoints(folder: str | Path) -> list[str]:
+    """The `checkpoint-<N>` folders in `folder` that plugformer did not publish, sorted: every one in a folder that
+    holds no plugformer run (`recorded_stage`), else those without plugformer's manifest (`MANIFEST`)."""
+    checkpoints = sorted(path for path in Path(folder).iterdir() if _CHECKPOINT.match(path.name) and path.is_dir())
+    ours = recorded_stage(folder)[0] is not None
+    return [path.name for path in checkpoints if not ours or not (path / MANIFEST).is_file()]
+
+
+def overwritten(folder: str | Path) -> list[Path]:
+    """What `--overwrite_output_dir true` removes from `folder`: `plugformer eval`'s results, and in a folder of a
+    plugformer run its records and claim (`REPLACED`, `run_info.json` first) and its checkpoints."""
+    folder = Path(folder)
+    results = eval_results(folder)
+    if recorded_stage(folder)[0] is None:
+        return results
+    checkpoints = [path for path in sorted(folder.iterdir()) if _CHECKPOINT.match(path.name) and path.is_dir()]
+    records = [folder / name for name in REPLACED]
+    # the finished record first, the claim last: a kill meanwhile leaves no record of a half-removed run, and the
+    # folder still judged a plugformer run's
+    return [path for path in [*records, *results, *checkpoints, folder / RUN_RECORD] if path.exists()]
+
+
+def own_checkpoint(output_dir: str | Path, resume: str) -> bool:
+    """Whether `--resume_from_checkpoint resume` resumes a checkpoint of `output_dir` (`last` always does)."""
+    if str(resume).lower() in ("last", "true"):
+        return True
+    return Path(resume).resolve().parent == Path(output_dir).resolve()
 
 
 def resume_problem(output_dir: str, resume: str, stage: str) -> str | None:
@@ -99,18 +158,40 @@ def occupied_problem(
         return f"--output_dir {output_dir} is under {existing}, which is a file, not a folder; choose a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"--output_dir {output_dir}: {existing} is not writable by this user; choose a folder you can write"
-    if overwrite and resume is not None:
-        return (f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: "
-                "resume the run in the folder, or overwrite it, not both")  # fmt: skip
-    if resume is not None and stage is not None:
-        return resume_problem(output_dir, resume, stage)
+    own = resume is not None and own_checkpoint(output_dir, resume)
+    if overwrite and own:
+        return (f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: the "
+                "overwrite removes the folder's checkpoints; resume the run in the folder, or overwrite it, not both")  # fmt: skip
+    problem = overwrite_problem(output_dir) if overwrite else None
+    if problem is None and resume is not None and stage is not None:
+        problem = resume_problem(output_dir, resume, stage)
     found = run_files(output)
-    if not found or resume is not None or overwrite:
-        return None
+    if problem is not None or not found or own or overwrite:
+        return problem
     shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    if resume is not None:  # another folder's checkpoint
+        return (f"--resume_from_checkpoint {resume}: the checkpoint is of another folder ({Path(resume).parent}), "
+                f"and --output_dir {output_dir} holds another run ({shown}), whose model and records the resumed "
+                "run would replace; resume into a new or empty --output_dir, or replace that run with "
+                "--overwrite_output_dir true")  # fmt: skip
     resume_it = "resume that run with --resume_from_checkpoint last, " if resumable else ""
     return (f"--output_dir {output_dir} already holds another run ({shown}); choose a new folder, {resume_it}or "
             "replace it with --overwrite_output_dir true")  # fmt: skip
+
+
+def overwrite_problem(output_dir: str) -> str | None:
+    """Why `--overwrite_output_dir true` must not replace the run in `output_dir`: it holds `checkpoint-*` folders
+    that plugformer did not publish (`foreign_checkpoints`), which the overwrite would neither remove nor keep apart
+    from the new run's."""
+    foreign = foreign_checkpoints(output_dir) if Path(output_dir).is_dir() else []
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+    why = ("the folder holds no plugformer run" if recorded_stage(output_dir)[0] is None
+           else f"no {MANIFEST}")  # fmt: skip
+    return (f"--overwrite_output_dir true: {output_dir} holds {shown}, which plugformer did not write ({why}); "
+            "the overwrite removes only plugformer's files. Move or delete them yourself, or choose a new "
+            "--output_dir")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:
@@ -230,18 +311,62 @@ def claim_output_dir(script_args, training_args, stage: str | None = None) -> No
 
 
 def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
-    """With `overwrite`, removes the other run's checkpoints and records (`REPLACED`); records `stage` as the
+    """With `overwrite`, removes what plugformer wrote of the other run (`overwritten`); records `stage` as the
     folder's (`RUN_RECORD`)."""
     if overwrite:
-        replaced = [p for p in Path(output_dir).iterdir()
-                    if _CHECKPOINT.match(p.name) or any(fnmatch(p.name, name) for name in REPLACED)]  # fmt: skip
+        replaced = overwritten(output_dir)
         if replaced:
             logger.warning("--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced),
                            output_dir)  # fmt: skip
         for path in replaced:
-            retire(path) if path.is_dir() else path.unlink()
+            _remove(path)
     if stage is not None:
         write_json_atomic(Path(output_dir, RUN_RECORD), {"stage": stage})
+
+
+def _remove(path: Path) -> None:
+    if _CHECKPOINT.match(path.name):
+        retire(path)  # renamed out of sight first: no half-deleted checkpoint-N
+    elif path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def begin_run(output_dir: str | Path, stage: str) -> None:
+    """Marks the run in `output_dir` in progress (`RUN_RECORD`) and removes the records of a finished run there
+    (`RECORDS`, `run_info.json` first, and `plugformer eval`'s results), before training writes anything: until
+    `finish_run`, no reader takes them for the model this run saves. Main process only."""
+    folder = Path(output_dir)
+    write_json_atomic(folder / RUN_RECORD, {"stage": stage, "status": IN_PROGRESS})
+    stale = [path for path in [*(folder / name for name in RECORDS), *eval_results(folder)] if path.exists()]
+    if stale:
+        logger.warning("%s: removing %s of the finished run it replaces; this run writes its own when it finishes",
+                       output_dir, [path.name for path in stale])  # fmt: skip
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
+def finish_run(output_dir: str | Path, stage: str) -> None:
+    """Marks the run in `output_dir` finished (`RUN_RECORD`), once its `run_info.json` is written. Main process
+    only."""
+    write_json_atomic(Path(output_dir, RUN_RECORD), {"stage": stage, "status": FINISHED})
+
+
+@contextlib.contextmanager
+def interrupted_run(output_dir: str | Path, stage: str):
+    """Turns Ctrl-C in the block (from `begin_run` to the `run_info.json` write) into a `KeyboardInterrupt` whose
+    message says what the folder holds and how to go on (the CLI prints it as one line)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if Path(output_dir, "run_info.json").is_file():  # interrupted after the run finished
+            raise
+        raise KeyboardInterrupt(
+            f"stage {stage!r} interrupted before it finished: {output_dir} holds no run_info.json ({RUN_RECORD} says "
+            "in progress), so its model files are no finished run; continue it with --resume_from_checkpoint last, "
+            "or train again with --overwrite_output_dir true"
+        ) from None
 
 
 def claim_folder(output_dir: str, stage: str, overwrite: bool = False) -> None:

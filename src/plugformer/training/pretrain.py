@@ -25,7 +25,8 @@ from ..evaluation.cards import StageCard
 from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from .arguments import PretrainArguments, check_trainer_arguments, refuse_liger_kernel
 from .checkpoints import atomic_checkpoints
-from .common import load_model, load_tokenizer, preset_config, set_generation_eos, stage_data, train_and_save
+from .common import load_model, load_tokenizer, preset_config, set_generation_eos, train_and_save
+from .data import stage_data
 from .distributed import check_launch, log_effective_batch
 from .outputs import claim_output_dir
 from .stages import Stage, register_stage

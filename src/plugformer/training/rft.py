@@ -65,7 +65,7 @@ def sampled_data(script_args, counts: dict):
         from datasets import Dataset, DatasetDict
 
         from ..evaluation.answers import generate_answers
-        from .common import format_data, stage_data
+        from .data import format_data, stage_data
 
         problems = stage_data("rft", script_args)["train"]
         prompts, answers, k = list(problems["prompt"]), list(problems["answer"]), script_args.num_samples

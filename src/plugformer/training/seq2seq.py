@@ -89,7 +89,8 @@ def train(script_args, model_args, training_args) -> dict:
 
     from .arguments import check_trainer_arguments, refuse_liger_kernel
     from .checkpoints import atomic_checkpoints
-    from .common import stage_data, train_and_save, with_adapters
+    from .common import train_and_save, with_adapters
+    from .data import stage_data
     from .distributed import check_launch, log_effective_batch
     from .outputs import claim_output_dir
 

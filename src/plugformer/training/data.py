@@ -1,0 +1,47 @@
+"""The data a stage reads: its splits in the TRL format its record names, your data checked and named by content
+(`data.user_data`), and the prompts with ground truth that dev selection and dev exact match score."""
+
+from __future__ import annotations
+
+from ..data.sources import load_stage_dataset
+from ..data.validation import check_data_files, check_rows
+from .stages import STAGES
+
+
+def stage_data(stage: str, script_args):
+    """The splits of `stage`, in the data format its record names (`format_data`); what identifies your data
+    (`sources.data_identity`) is kept on `script_args.data_identity` for `run_info.json`."""
+    data = format_data(STAGES.get_stage(stage).data_format, script_args, f"stage {stage!r}")
+    script_args.data_identity = getattr(data, "identity", None)
+    return data
+
+
+def evaluation_data(script_args):
+    """Prompts with their ground truth, for dev selection and dev exact match (`format_data`)."""
+    return format_data("prompt_answer", script_args, "stage 'evaluation'")
+
+
+def format_data(data_format: str, script_args, reader: str):
+    """The splits of `data_format`; user data is checked first (files missing, empty, not UTF-8) and after loading
+    (SFT's columns, null values in the columns the format needs, empty splits), each error naming the file or split
+    and `reader`, what needs them."""
+    if script_args.dataset_name is not None:
+        check_data_files(script_args.dataset_name, script_args.data_files)
+    data = load_stage_dataset(
+        data_format,
+        dataset_name=script_args.dataset_name,
+        dataset_config=script_args.dataset_config,
+        data_files=script_args.data_files,
+        sizes=script_args.sizes(),
+        seed=script_args.dataset_seed,
+        direct_fraction=script_args.direct_answer_fraction,
+        rename_columns=script_args.rename_columns,
+        keep_duplicates=script_args.keep_duplicates,
+        data_cache_dir=getattr(script_args, "data_cache_dir", None),
+    )
+    if script_args.dataset_name is not None:
+        source = f"--dataset_name {script_args.dataset_name}" + (
+            f" --data_files {' '.join(script_args.data_files)}" if script_args.data_files else ""
+        )
+        check_rows(data_format, data, source, reader)
+    return data
