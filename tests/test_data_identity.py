@@ -163,6 +163,8 @@ def test_eval_after_the_data_grew_scores_the_rows_the_run_held_out(pretrained, t
     results = eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json")])
     assert results["examples"] == 8 and results["data_sha256"] == rows_digest(held_out["test"])
     assert "changed since the run" in caplog.text
+    with pytest.raises(ValueError, match=r"--test_examples 12: the run held out 8 test rows"):
+        eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json"), "--test_examples", "12"])
     trained = [row for row in rows if row["prompt"][0]["content"] not in
                {p[0]["content"] for split in ("dev", "test") for p in held_out[split]["prompt"]}]  # fmt: skip
     write_jsonl(data, trained)  # the held-out rows removed: no split of it can be scored honestly

@@ -86,6 +86,11 @@ def data_source(args) -> dict | None:
     for split in ("dev", "test"):
         given = getattr(args, f"{split}_examples")
         fallback = (recorded or {}).get(f"{split}_examples", DEFAULT_HELD_OUT)
+        if args.dataset_name is None and given is not None and given != fallback and recorded.get("held_out"):
+            raise ValueError(f"--{split}_examples {given}: the run held out {fallback} {split} rows of its data "
+                             f"({args.model}/run_info.json); another count carves other rows, some of which it "
+                             "trained on. Drop the flag (--examples scores fewer), or give the data to score with "
+                             "--dataset_name")  # fmt: skip
         source[f"{split}_examples"] = fallback if given is None else given
     return source
 
