@@ -179,14 +179,14 @@ def training_step_by_kernel(config: PlugformerConfig, ids: torch.Tensor, kernels
     return results
 
 
-def assert_same_training_step(results: dict, reference: str = "eager", atol: float = 2e-5) -> None:
-    """Every kernel's logits and gradients in `results` (`training_step_by_kernel`) equal the reference kernel's."""
+def assert_same_training_step(results: dict, config: PlugformerConfig, reference: str = "eager") -> None:
+    """Every kernel's logits and gradients in `results` (`training_step_by_kernel` on `config`) equal the reference
+    kernel's, within fp32's rounding through the model (`tolerances.assert_same_step`)."""
+    from tolerances import assert_same_step
+
     logits, grads = results[reference]
     for kernel, (other_logits, other_grads) in results.items():
-        torch.testing.assert_close(other_logits, logits, atol=atol, rtol=0, msg=kernel)
-        assert other_grads.keys() == grads.keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(other_grads[name], grad, atol=atol, rtol=1e-4, msg=f"{kernel}: {name}")
+        assert_same_step(config, other_logits, other_grads, logits, grads, msg=kernel)
 
 
 def count_applies(monkeypatch, function) -> list:
@@ -331,10 +331,23 @@ def smoke(item) -> bool:
     )
 
 
+# torch 2.13's inductor, told to generate scalar code (`ATEN_CPU_CAPABILITY=default` on a CPU with SIMD), still emits
+# `at::vec` reductions without their header, so every compiled flex_attention fails to build its C++ there: a limit
+# of torch's, not a difference in numbers: under that setting the flex tests are expected to fail with that error
+# only (any other failure, a wrong number included, still fails)
+COMPILED_FLEX_BUILDS = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() != "default"
+
+
 def pytest_collection_modifyitems(config, items):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    no_flex = pytest.mark.xfail(raises=BackendCompilerFailed, strict=False,
+                                reason="torch's inductor builds no flex_attention with ATEN_CPU_CAPABILITY=default")  # fmt: skip
     for item in items:
         if smoke(item):
             item.add_marker(pytest.mark.smoke)
+        if not COMPILED_FLEX_BUILDS and "flex" in item.name:
+            item.add_marker(no_flex)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_training_step, attention_leaves, tiny_config, training_step_by_kernel
 from conftest import materialised_relative_attention as materialised
+from tolerances import attention_tolerances
 
 import plugformer.kernels_banded as banded
 import plugformer.kernels_relative_native as relative_native
@@ -62,11 +63,14 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, d
     exact = [leaf.detach().double().requires_grad_() for leaf in leaves]
     expected = materialised(*exact[:3], values_of(exact[3], length, far), 0.3)
     expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
-    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=1e-5)
-    for name, grad, want in zip(("query", "key", "value", "table"), grads, expected_grads, strict=True):
-        # the far entry's gradient is minus the sum of every band score gradient: fp32 sums of up to 2·N·W terms
-        atol = 5e-6 if name != "table" else 1e-5 * want.abs().max().item()
-        torch.testing.assert_close(grad.double(), want, atol=atol, rtol=1e-4, msg=name)
+    slots = torch.arange(length)
+    bias = values_of(leaves[3].detach(), length, far)[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    # the far entry's gradient sums every pair's score gradient: the bias's bound, over every pair of a head
+    atol = attention_tolerances(*leaves[:3], grad_output, 0.3, bias, causal)
+    torch.testing.assert_close(output.double(), expected, atol=atol["output"], rtol=0)
+    for name, grad, want in zip(("query", "key", "value", "bias"), grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=atol[name], rtol=0, msg=name)
 
 
 @pytest.mark.parametrize(("length", "width"), [(130, 16), (130, 40), (1100, 100), (1100, 1030)])
@@ -113,7 +117,7 @@ def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     ids = torch.randint(3, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(relative_native, "BANDED_FROM", 45)  # this length is a long one: the banded kernel's
     calls = spy(monkeypatch)
-    assert_same_training_step(training_step_by_kernel(config, ids))
+    assert_same_training_step(training_step_by_kernel(config, ids), config)
     assert calls.count("native_forward") == config.num_hidden_layers
     assert calls.count("native_band_backward") == config.num_hidden_layers
 

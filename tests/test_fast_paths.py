@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 from conftest import SCHEMES, additive_path, build, spy_additive_chunks, tiny_config
+from tolerances import assert_same_step, model_tolerance
 from transformers import DynamicCache
 
 import plugformer.kernels as kernels
@@ -37,7 +38,6 @@ def has_parameters(scheme: str) -> bool:
 # backward (FIRE's per-row bias goes to SDPA as a float mask instead)
 LEARNED_BIAS_SCHEMES = [name for name in RELATIVE_BIAS_SCHEMES if has_parameters(name)]
 LENGTH = 40  # three 16-row blocks, the last one short
-ATOL = 2e-5
 
 
 @pytest.fixture
@@ -71,10 +71,8 @@ def assert_same_training_step(models, **inputs):
     real = inputs["attention_mask"].bool()
     if logits_eager.dim() == 3:
         logits_eager, logits_sdpa = logits_eager[real], logits_sdpa[real]
-    torch.testing.assert_close(logits_sdpa, logits_eager, atol=ATOL, rtol=0)
-    assert grads_sdpa.keys() == grads_eager.keys()
-    for name, grad in grads_eager.items():
-        torch.testing.assert_close(grads_sdpa[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+    assert_same_step(models["eager"].config, logits_sdpa, grads_sdpa, logits_eager, grads_eager, msg="sdpa",
+                     tokens=inputs["input_ids"].shape[1])  # fmt: skip
 
 
 def batch(length: int = LENGTH, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -133,7 +131,8 @@ def test_cached_chunks_equal_full_forward(scheme, chunks, small_blocks):
         for size in chunks:
             logits.append(models["sdpa"].eval()(ids[:, start : start + size], cache=cache, use_cache=True).logits)
             start += size
-    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=model_tolerance(models["eager"].config,
+                               reference), rtol=0)  # fmt: skip
 
 
 def relative_errors(result, reference) -> tuple[float, float]:
@@ -218,9 +217,7 @@ def test_a_custom_mask_that_shows_later_keys_is_honoured(scheme, small_blocks):
     inputs = {"input_ids": batch()["input_ids"], "attention_mask": prefix_lm_mask(LENGTH, prefix=20)}
     (logits_eager, grads_eager), (logits_sdpa, grads_sdpa) = (loss_and_grads(models[k], **inputs, labels=inputs[
         "input_ids"]) for k in ("eager", "sdpa"))  # fmt: skip
-    torch.testing.assert_close(logits_sdpa, logits_eager, atol=ATOL, rtol=0)
-    for name, grad in grads_eager.items():
-        torch.testing.assert_close(grads_sdpa[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+    assert_same_step(models["eager"].config, logits_sdpa, grads_sdpa, logits_eager, grads_eager, msg="sdpa")
 
 
 def test_mask_blocks_the_future():
@@ -325,9 +322,8 @@ def test_additive_chunks_with_bias_equal_one_chunk(scheme, monkeypatch):
         results[chunk] = loss_and_grads(model, **batch(pad=5))
     # padding queries see no key; eager averages whichever keys a chunk scores there (meaningless either way)
     real = batch(pad=5)["attention_mask"].bool()
-    torch.testing.assert_close(results[8][0][real], results[None][0][real], atol=1e-6, rtol=0)
-    for name, grad in results[None][1].items():
-        torch.testing.assert_close(results[8][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    (logits, grads), (whole_logits, whole_grads) = results[8], results[None]
+    assert_same_step(config, logits[real], grads, whole_logits[real], whole_grads, msg="chunks", tokens=LENGTH)
 
 
 @pytest.mark.parametrize("path", ["torch", "native"])
@@ -349,9 +345,7 @@ def test_additive_causal_chunks_score_only_the_keys_up_to_their_last_query(path,
     for layer in model.model.layers:
         layer.self_attn.score.chunk_size = None
     whole = loss_and_grads(model, **inputs, labels=inputs["input_ids"])
-    torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=0)
-    for name, grad in whole[1].items():
-        torch.testing.assert_close(chunked[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_step(model.config, *chunked, *whole, msg="chunks")
 
 
 @pytest.mark.parametrize("scheme", RELATIVE_BIAS_SCHEMES)

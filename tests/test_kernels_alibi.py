@@ -100,7 +100,7 @@ def test_sdpa_training_takes_the_alibi_kernel_and_equals_eager(score, monkeypatc
     config = tiny_config(score, "alibi")
     results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    assert_same_training_step(results)
+    assert_same_training_step(results, config)
 
 
 def test_padding_dropout_and_decoding_take_the_blockwise_kernel(monkeypatch):

@@ -108,7 +108,7 @@ def test_sdpa_training_takes_the_banded_kernel_and_equals_eager(scheme, score, m
     config = tiny_config(score, scheme)
     results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    assert_same_training_step(results)
+    assert_same_training_step(results, config)
 
 
 @pytest.mark.parametrize("scheme", CONSTANT_BIAS_SCHEMES)

@@ -64,7 +64,7 @@ def test_sdpa_training_takes_the_relative_kernel_and_equals_eager(score, monkeyp
     config = tiny_config(score, "kerple_log")
     results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    assert_same_training_step(results)
+    assert_same_training_step(results, config)
 
 
 def test_t5_bias_shorter_than_its_far_distance_takes_the_relative_kernel_and_equals_eager(monkeypatch):
@@ -76,7 +76,7 @@ def test_t5_bias_shorter_than_its_far_distance_takes_the_relative_kernel_and_equ
     config = tiny_config("dot", "t5_bias")
     results = training_step_by_kernel(config, ids)
     assert len(calls) == config.num_hidden_layers
-    assert_same_training_step(results)
+    assert_same_training_step(results, config)
 
 
 def test_applies_only_to_causal_unmasked_undropped_equal_lengths():

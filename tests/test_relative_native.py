@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_training_step, attention_leaves, tiny_config, training_step_by_kernel
 from conftest import materialised_relative_attention as materialised
+from tolerances import attention_tolerances
 
 import plugformer.kernels_relative_native as native
 from plugformer.bench.measure import profile_call
@@ -55,9 +56,13 @@ def test_output_and_every_gradient_equal_the_materialised_softmax(length, dim, k
     exact = [tensor.detach().double().requires_grad_() for tensor in (query, key, value, values)]
     expected = materialised(*exact, 0.3)
     expected_grads = torch.autograd.grad(expected, exact, grad_output.double())
-    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=1e-5)
-    for name, grad, want in zip(("query", "key", "value", "values"), grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad.double(), want, atol=5e-6 * spread, rtol=1e-4, msg=name)
+    slots = torch.arange(length)
+    bias = values.detach()[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    atol = attention_tolerances(query, key, value, grad_output, 0.3, bias, causal)
+    torch.testing.assert_close(output.double(), expected, atol=atol["output"], rtol=0)
+    for name, grad, want in zip(("query", "key", "value", "bias"), grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=atol[name], rtol=0, msg=name)
     assert not grads[3][:, length:].any()
 
 
@@ -69,7 +74,7 @@ def test_a_training_step_on_sdpa_equals_eager(scheme, monkeypatch):
     config = tiny_config("scaled_dot", scheme, hidden_size=64)  # 4 heads of 16, 2 key/value heads
     ids = torch.randint(3, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     calls = spy(monkeypatch)
-    assert_same_training_step(training_step_by_kernel(config, ids))
+    assert_same_training_step(training_step_by_kernel(config, ids), config)
     layers = config.num_hidden_layers
     assert sorted(calls) == [("native_band_backward", 33)] * layers + [("native_band_forward", 33)] * layers
 
