@@ -49,8 +49,8 @@ def build(config: PlugformerConfig, kernel: str = "eager", seed: int = 0) -> Plu
     return PlugformerForCausalLM(config).eval()
 
 
-# Each compiled flex kernel costs seconds on a cold CPU cache. The causal suite runs flex on every combination; the
-# encoder and seq2seq suites on these: every position scheme once, the dot-product scores taken in turn (each of them
+# Each compiled flex kernel costs seconds on a cold CPU cache. The causal suite runs flex on every combination (by
+# default on `FLEX_DEFAULT_SCORES`' pairs); the encoder and seq2seq suites on these: every position scheme once, the dot-product scores taken in turn (each of them
 # too while there are at least as many schemes), read from the registries.
 DOT_PRODUCT_SCORES = [name for name in SCORES if plugformer.ATTENTION_SCORES.get(name).dot_product]
 FLEX_REPRESENTATIVES = {(DOT_PRODUCT_SCORES[i % len(DOT_PRODUCT_SCORES)], scheme) for i, scheme in enumerate(SCHEMES)}
@@ -74,6 +74,11 @@ def default_pairs() -> set[tuple[str, str]]:
 
 
 DEFAULT_PAIRS = default_pairs()
+# the scores whose flex rows the causal suite runs by default: `scaled_dot` with every scheme (each scheme's own
+# `score_mod`), and `differential`, which calls the kernel twice on split heads. The other dot-product scores only
+# prepare q and k before the kernel (kernel-agnostic, checked on eager and sdpa); each of their flex rows costs a
+# cold compile of 4-13 s on 2 cores, so they run with -m slow
+FLEX_DEFAULT_SCORES = ("scaled_dot", "differential")
 # the one flex row of a representative suite run by default: a cold compile costs 10-75 s on the CPU, and a score-bias
 # scheme is the one that goes through plugformer's own score_mod
 DEFAULT_FLEX = next(pair for pair in sorted(FLEX_REPRESENTATIVES) if pair[1] in BIAS_SCHEMES)
@@ -81,7 +86,9 @@ DEFAULT_FLEX = next(pair for pair in sorted(FLEX_REPRESENTATIVES) if pair[1] in 
 
 def combinations(kernels=None, all_flex=True, projection=None, **overrides) -> list:
     """pytest params for every valid (score, scheme, kernel), id `score-scheme-kernel`; with `all_flex=False`,
-    flex_attention only for `FLEX_REPRESENTATIVES`, of which `DEFAULT_FLEX` runs by default.
+    flex_attention only for `FLEX_REPRESENTATIVES`, of which `DEFAULT_FLEX` runs by default; with `all_flex`, flex rows
+    run by default for `FLEX_DEFAULT_SCORES` only (every scheme's `score_mod` meets the compiled kernel through
+    `scaled_dot`).
 
     Pairs outside `DEFAULT_PAIRS`, and flex rows other than `DEFAULT_FLEX` of a representative suite, are marked
     `slow`: `-m slow` runs them, a plain run skips them. With another `projection` than the standard one, the id ends
@@ -98,6 +105,7 @@ def combinations(kernels=None, all_flex=True, projection=None, **overrides) -> l
                     continue
                 slow = (score, scheme) not in DEFAULT_PAIRS
                 slow |= kernel == "flex_attention" and not all_flex and (score, scheme) != DEFAULT_FLEX
+                slow |= kernel == "flex_attention" and all_flex and score not in FLEX_DEFAULT_SCORES
                 if other:
                     slow = kernel == "flex_attention" or (score != "scaled_dot" and scheme != "rope")
                 marks = (pytest.mark.slow,) if slow else ()
