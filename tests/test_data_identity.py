@@ -210,3 +210,26 @@ def test_sft_on_a_folder_of_chats_records_each_file(pretrained, tmp_path):
           str(folder), "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
     record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
     assert [f["path"] for f in record["files"]] == [str((folder / name).resolve()) for name in ("a.jsonl", "b.jsonl")]
+
+
+def test_eval_of_a_run_recorded_before_the_digests_scores_the_rows_it_held_out_by_position(
+    pretrained, tmp_path, caplog
+):
+    from datasets import load_dataset
+
+    from plugformer.evaluation.held_out import rows_digest
+    from plugformer.evaluation.scoring import main as eval_main
+
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(40))
+    flags = ["--dataset_name", "json", "--data_files", str(data), "--dev_examples", "4", "--test_examples", "6"]
+    train("sft", tmp_path / "sft", "--model_name_or_path", str(pretrained), *flags)
+    info_path = tmp_path / "sft/run_info.json"
+    info = json.loads(info_path.read_text())
+    for key in ("files", "held_out", "duplicates_dropped", "keep_duplicates"):  # as runs recorded it before
+        info["data"].pop(key)
+    info_path.write_text(json.dumps(info))
+    results = eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json")])
+    rows = load_dataset("json", data_files=[str(data)])["train"]  # the carving of those runs, by position
+    test = rows.train_test_split(test_size=6, seed=0)["test"]
+    assert results["examples"] == 6 and results["data_sha256"] == rows_digest(test)
+    assert "carved by position" in caplog.text

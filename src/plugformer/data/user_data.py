@@ -10,7 +10,7 @@ import logging
 
 from datasets import DatasetDict, Value, load_dataset
 
-from .identity import carve, dataset_cache_dir, files_record, held_out_record
+from .identity import HELD_OUT, carve, dataset_cache_dir, files_record, held_out_record
 
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,11 @@ def load_user_splits(
     rename_columns: str | None = None,
     keep_duplicates: bool = False,
     data_cache_dir: str | None = None,
+    carving: str = "content",
 ) -> DatasetDict:
     """Your data in `data_format` with `train`/`dev`/`test` splits (the arguments of `sources.load_stage_dataset`),
-    carrying `.identity` (`data_identity`)."""
+    carrying `.identity` (`data_identity`). `carving="position"` holds rows out as runs recorded before their
+    held-out rows were named by content did (`position_carve`), so that `plugformer eval` scores what they held out."""
     if data_files and dataset_name not in BUILDERS:
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
@@ -62,11 +64,26 @@ def load_user_splits(
                          f"{splits['train'].column_names})")  # fmt: skip
     if data_format == "text":
         check_text_column(splits["train"], source)  # before carving: its row is the row of the files
+    if carving == "position":
+        return position_carve(splits, sizes, seed, source)
     splits, keys, dropped = carve(splits, sizes, seed, keep_duplicates, source)
     splits.identity = data_identity(files, keys, dropped, keep_duplicates)
     if dropped:
         logger.warning("%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)", source,
                        ", ".join(f"{count} {name}" for name, count in dropped.items()))  # fmt: skip
+    return splits
+
+
+def position_carve(splits: DatasetDict, sizes: dict[str, int], seed: int, source: str) -> DatasetDict:
+    """`test`, then `dev`, held out of `train` by `datasets`' seeded `train_test_split` (by position): how runs
+    recorded before `identity.carve` split your data. Their rows cannot be verified by content."""
+    for held_out in HELD_OUT:
+        if held_out not in splits and sizes.get(held_out, 0) > 0:
+            if len(splits["train"]) <= sizes[held_out]:
+                raise ValueError(f"{source}: {len(splits['train'])} rows left in train cannot give --{held_out}"
+                                 f"_examples {sizes[held_out]} and still train; hold out fewer")  # fmt: skip
+            parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
+            splits["train"], splits[held_out] = parts["train"], parts["test"]
     return splits
 
 

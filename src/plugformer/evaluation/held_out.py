@@ -99,8 +99,7 @@ def held_out_rows(source: dict, split: str, examples: int):
     """The first `examples` rows of `split` (`dev` or `test`) held out of `source` as the run held them out."""
     from datasets import Dataset, load_dataset
 
-    from ..data.sources import load_stage_dataset
-    from ..data.user_data import column_renames
+    from ..data.user_data import column_renames, load_user_splits
 
     if split not in ("dev", "test"):
         raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")
@@ -114,11 +113,15 @@ def held_out_rows(source: dict, split: str, examples: int):
         if source.get("rename_columns"):
             rows = rows.rename_columns(column_renames(source["rename_columns"], rows.column_names))
     else:
-        splits = load_stage_dataset("conversation", dataset_name=source["dataset_name"],
-                                    dataset_config=source["dataset_config"], data_files=source["data_files"],
-                                    sizes={"dev": dev, "test": test}, seed=source["dataset_seed"],
-                                    rename_columns=source.get("rename_columns"),
-                                    keep_duplicates=bool(source.get("keep_duplicates")))  # fmt: skip
+        carving = "content" if "files" in source else "position"  # a record older than the files' digests
+        if carving == "position":
+            logger.warning("%s: its run recorded no digests (a run older than them): scoring the %s rows carved by "
+                           "position, as that run carved them; they cannot be checked against the data as it is now",
+                           source["dataset_name"], split)  # fmt: skip
+        splits = load_user_splits("conversation", source["dataset_name"], source["dataset_config"],
+                                  source["data_files"], {"dev": dev, "test": test}, source["dataset_seed"],
+                                  source.get("rename_columns"), bool(source.get("keep_duplicates")),
+                                  carving=carving)  # fmt: skip
         if split not in splits:
             raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
                              f"(--{split}_examples 0)")  # fmt: skip
