@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import additive_path, count_applies, tiny_config
+from tolerances import model_length, model_steps, softmax_spread, tolerance
 
 from plugformer import PlugformerForCausalLM, native
 from plugformer import kernels_additive_native as native_kernels
@@ -54,6 +55,48 @@ def float64_formula(query, key, value, energy, bias, mask):
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
+# rounded operations of one score term v_a tanh(q_a + k_a) in units of u relative to |v_a|: the native tanh's 1.3 ulp,
+# the add before it (|x| sech²(x) ≤ 0.45) and the product after it
+SCORE_STEPS = 3.3
+# of one gradient term through tanh' = 1 − tanh²: twice tanh's 1.3 ulp, the add, the subtraction and two products
+GRADIENT_STEPS = 6.0
+
+
+def chunk_tolerances(query, key, value, energy, bias, mask, upstream) -> dict[str, float]:
+    """`atol` of a chunk of `NativeAdditiveAttention` (fp32) against `float64_formula` and of its gradients (upstream
+    `upstream`), as `tolerances.attention_tolerances` for dot-product scores: growth √K, the rows' spread, the scores'
+    own rounding in units of u (SCORE_STEPS · max Σ_a |v_a|, one for the bias), exp and the division (and for the
+    gradients GRADIENT_STEPS through tanh'); magnitudes max|V| for the output, for the gradients the terms each sums,
+    from ds_ij = p_ij (g_ij − Σ_k p_ik g_ik) with g = dO Vᵀ: times max|v_a| over a row (query) or a column (key), times
+    |tanh| ≤ 1 over every pair of a head (energy; the bias's table too), Σ_i p_ij |dO_i| for the values."""
+    with torch.no_grad():
+        query, key, value, energy, upstream = (t.detach().double() for t in (query, key, value, energy, upstream))
+        bias = bias.detach() if torch.is_tensor(bias) else bias
+        scores = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy) + bias
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        if mask.dtype == torch.bool:  # the reference's weights: a fully blocked row's uniform
+            weights = scores.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
+        else:
+            weights = (scores + mask.double()).softmax(-1)
+        size = energy.abs().sum(-1).max().item()
+        spread = softmax_spread(scores, allowed) + SCORE_STEPS * size + 1
+        growth = {"length": scores.shape[-1], "spread": spread}
+        g = (upstream @ value.transpose(-1, -2)).abs()  # (B, H, Q, K)
+        terms = weights * (g + (weights * g).sum(-1, keepdim=True))
+        largest = energy.abs().max().item()
+        gradients = {
+            "query": largest * terms.sum(-1).max().item(),
+            "key": largest * terms.sum(-2).max().item(),
+            "value": (weights.transpose(-1, -2) @ upstream.abs()).max().item(),
+            "energy": terms.sum((0, 2, 3)).max().item(),
+            "values": terms.sum((0, 2, 3)).max().item(),
+        }
+    bounds = {"output": tolerance(torch.float32, magnitude=value.abs().max().item(), steps=2, **growth)}
+    for name, magnitude in gradients.items():
+        bounds[name] = tolerance(torch.float32, magnitude=magnitude, steps=2 + GRADIENT_STEPS, **growth)
+    return bounds
+
+
 def leaves(*shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [(torch.randn(*shape, generator=generator) * 1.5).requires_grad_() for shape in shapes]
@@ -69,11 +112,25 @@ def test_native_scores_and_gradients_equal_the_formula_in_float64():
     doubles = [tensor.detach().double().requires_grad_() for tensor in (query, key, energy)]
     reference = torch.einsum("bhqka,ha->bhqk", torch.tanh(doubles[0][:, :, :, None] + doubles[1][:, :, None]),
                              doubles[2])  # fmt: skip
-    torch.testing.assert_close(scores.double(), reference, atol=2e-6, rtol=0)
+    # fp32 against fp64: a sum over the attention dim of terms of size |v_a|
+    energy_size = energy.detach().abs()
+    atol = tolerance(torch.float32, magnitude=energy_size.sum(-1).max().item(), length=4, steps=SCORE_STEPS)
+    torch.testing.assert_close(scores.double(), reference, atol=atol, rtol=0)
     grads = torch.autograd.grad(scores, (query, key, energy), upstream)
     expected = torch.autograd.grad(reference, doubles, upstream.double())
+    # each gradient sums terms |upstream| · |v_a| (query: over keys, key: over queries) or |upstream| (energy: over
+    # batch, queries and keys, |tanh| ≤ 1)
+    size = upstream.abs()
+    bounds = {
+        "query": tolerance(torch.float32, magnitude=energy_size.max().item() * size.sum(-1).max().item(), length=7,
+                           steps=GRADIENT_STEPS),
+        "key": tolerance(torch.float32, magnitude=energy_size.max().item() * size.sum(-2).max().item(), length=5,
+                         steps=GRADIENT_STEPS),
+        "energy": tolerance(torch.float32, magnitude=size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
+                            steps=GRADIENT_STEPS),
+    }  # fmt: skip
     for name, grad, want in zip(("query", "key", "energy"), grads, expected, strict=True):
-        torch.testing.assert_close(grad.double(), want, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grad.double(), want, atol=bounds[name], rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
@@ -103,13 +160,15 @@ def test_native_attention_chunk_equals_the_formula_with_bias_padding_and_causal_
     doubles = [tensor.detach().double().requires_grad_() for tensor in (*inputs, values)]
     bias = RelativeBias(doubles[4], length, length).rows(start, stop, stop) if with_bias else 0.0
     reference = float64_formula(*doubles[:4], bias, chunk_mask)
-    torch.testing.assert_close(output.double(), reference, atol=1e-5, rtol=0)
     upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(2))
+    # fp32 against fp64 through the softmax of a chunk (`chunk_tolerances`)
+    bounds = chunk_tolerances(*doubles[:4], bias, chunk_mask, upstream)
+    torch.testing.assert_close(output.double(), reference, atol=bounds["output"], rtol=0)
     wanted = (*inputs, values) if with_bias else inputs
     grads = torch.autograd.grad(output, wanted, upstream)
     expected = torch.autograd.grad(reference, doubles[: len(wanted)], upstream.double())
     for name, grad, want in zip(("query", "key", "value", "energy", "values"), grads, expected, strict=False):
-        torch.testing.assert_close(grad.double(), want, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grad.double(), want, atol=bounds[name], rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("scheme", ["none", "rope", "alibi", "t5_bias", "kerple_log", "fire"])
@@ -135,10 +194,15 @@ def test_a_training_step_equals_the_torch_paths(scheme, monkeypatch):
         results.append((loss.detach(), grads))
     assert (len(scores) > 0) if scheme == "fire" else (len(fused) > 0 and not scores)
     (torch_loss, torch_grads), (native_loss, native_grads) = results
-    torch.testing.assert_close(native_loss, torch_loss, atol=1e-5, rtol=0)
+    # two fp32 training steps: fp32's rounding through the model's layers and longest reduction, times the loss
+    # (at least 1) and the largest gradient (as `tolerances.assert_same_step`)
+    growth = {"length": model_length(config, ids.shape[1]), "steps": model_steps(config)}
+    atol = tolerance(torch.float32, magnitude=max(torch_loss.abs().item(), 1.0), **growth)
+    torch.testing.assert_close(native_loss, torch_loss, atol=atol, rtol=0)
     assert native_grads.keys() == torch_grads.keys()
+    atol = tolerance(torch.float32, magnitude=max(grad.abs().max().item() for grad in torch_grads.values()), **growth)
     for name, grad in torch_grads.items():
-        torch.testing.assert_close(native_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(native_grads[name], grad, atol=atol, rtol=0, msg=name)
 
 
 def test_a_chunk_reads_its_keys_in_place():
