@@ -11,7 +11,9 @@ import stat
 from pathlib import Path
 
 import pytest
+import test_red_team
 from test_corpus import write_corpus
+from test_red_team import refuse_training
 from test_training import PRETRAIN, TINY, weights
 
 from plugformer.runtime.arguments import override_flags
@@ -20,6 +22,9 @@ from plugformer.training.outputs import RUN_RECORD
 
 STEPS = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
          "--exact_match_examples", "0", "--max_steps", "2"]  # fmt: skip
+
+
+finished = test_red_team.finished  # the fixture: a finished 2-step pretraining run with checkpoint-2, copied only
 
 
 def flags(output_dir, *extra: str) -> list[str]:
@@ -32,24 +37,12 @@ def pretrain(output_dir, *extra: str) -> dict:
     return run_stage("pretrain", flags(output_dir, *extra))
 
 
-def refuse_training(*_, **__):
-    raise AssertionError("training started")
-
-
 def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def record(folder: Path) -> dict:
     return json.loads((folder / RUN_RECORD).read_text())
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A finished 2-step pretraining run with checkpoint-2 (copied, never written to)."""
-    directory = tmp_path_factory.mktemp("finished") / "run"
-    pretrain(directory)
-    return directory
 
 
 def copy_of(run: Path, target: Path) -> Path:

@@ -81,11 +81,8 @@ def file_sha256(path: Path, cache: Path | None = None) -> str:
                 return kept["sha256"]
         except (OSError, ValueError, AttributeError):
             pass
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    value = digest.hexdigest()
+        value = hashlib.file_digest(handle, "sha256").hexdigest()
     if entry is not None:
         _keep(entry, {"path": str(path), "signature": signature, "sha256": value})
     return value
@@ -184,9 +181,7 @@ def carve(
         wanted = sizes.get(held_out, 0)
         if held_out in splits or wanted <= 0:
             continue
-        if len(splits["train"]) <= wanted:
-            raise ValueError(f"{source}: {len(splits['train'])} rows left in train cannot give --{held_out}_examples "
-                             f"{wanted} and still train; hold out fewer")  # fmt: skip
+        check_room(splits["train"], held_out, wanted, source)
         taken = {key for name in HELD_OUT for key in keys.get(name, [])}  # a twin of a test row is no dev row
         chosen = ranked_distinct(keys["train"], seed, wanted, taken)
         splits[held_out], keys[held_out] = splits["train"].select(chosen), [keys["train"][i] for i in chosen]
@@ -200,6 +195,13 @@ def carve(
             _keep_rows(splits, keys, name, [i for i, key in enumerate(keys[name]) if key not in held])
             dropped[name] = twins
     return splits, keys, dropped
+
+
+def check_room(train: Dataset, held_out: str, wanted: int, source: str) -> None:
+    """Raises `ValueError` unless `train` keeps rows after holding `wanted` out as `held_out`."""
+    if len(train) <= wanted:
+        raise ValueError(f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {wanted} and "
+                         "still train; hold out fewer")  # fmt: skip
 
 
 def _keep_rows(splits: DatasetDict, keys: dict[str, list[str]], name: str, indices: list[int]) -> None:

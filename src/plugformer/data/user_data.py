@@ -10,7 +10,7 @@ import logging
 
 from datasets import DatasetDict, Value, load_dataset
 
-from .identity import HELD_OUT, carve, dataset_cache_dir, files_record, held_out_record
+from .identity import HELD_OUT, carve, check_room, dataset_cache_dir, files_record, held_out_record
 
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,7 @@ def position_carve(splits: DatasetDict, sizes: dict[str, int], seed: int, source
     recorded before `identity.carve` split your data. Their rows cannot be verified by content."""
     for held_out in HELD_OUT:
         if held_out not in splits and sizes.get(held_out, 0) > 0:
-            if len(splits["train"]) <= sizes[held_out]:
-                raise ValueError(f"{source}: {len(splits['train'])} rows left in train cannot give --{held_out}"
-                                 f"_examples {sizes[held_out]} and still train; hold out fewer")  # fmt: skip
+            check_room(splits["train"], held_out, sizes[held_out], source)
             parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
             splits["train"], splits[held_out] = parts["train"], parts["test"]
     return splits
