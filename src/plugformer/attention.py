@@ -56,7 +56,7 @@ def check_tensor_parallel(config: PlugformerConfig) -> None:
             "query head, are not sharded with the heads; load the model without tp_plan"
         )
     if config.num_key_value_heads % tp_size:
-        # Tensor parallelism gives each rank whole heads (`STACK_TP_PLAN`); a key/value head split over ranks would
+        # Tensor parallelism gives each rank whole heads (`base_model_tp_plan`); a key/value head split over ranks would
         # leave each a fraction of d_k (transformers' Llama fails there with a shape error). Replicating the heads
         # instead would change the group arithmetic of every kernel and the cache layout. The query heads, a
         # multiple of the key/value heads, split whenever these do.

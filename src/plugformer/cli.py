@@ -18,11 +18,11 @@ def _convert(argv: list[str]) -> None:
     """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite_output_dir true]"""
     import argparse
 
-    import yaml
     from transformers.hf_argparser import string_to_bool as str_to_bool
 
     from .integrations.convert import convert
     from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
+    from .runtime.yaml_text import load_yaml_text
 
     parser = argparse.ArgumentParser(prog="plugformer convert", allow_abbrev=False, epilog=REPEATED_FLAGS_RULE,
                                      description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 "
@@ -44,7 +44,7 @@ def _convert(argv: list[str]) -> None:
         field, separator, value = item.partition("=")
         if not separator:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-        overrides[field] = yaml.safe_load(value)
+        overrides[field] = load_yaml_text(value, f"--set {field}")
     model = convert(args.source, args.output_dir, overwrite=args.overwrite_output_dir or args.overwrite, **overrides)
     print(
         f"saved {type(model).__name__} ({model.config.attention_score}, {model.config.position_scheme}) to {args.output_dir}"

@@ -23,26 +23,16 @@ from .registry import choice, in_range, positive, unused_fields
 from .scores import ATTENTION_SCORES
 
 
-# Tensor parallelism splits the attention heads over the ranks (Megatron-LM's layout, as transformers' Llama): q, k, v
-# by output columns, o by input rows, so each rank attends with whole heads and one all-reduce follows o_proj (and
-# down_proj). Keys are relative to one stack; a seq2seq head adds its decoder's cross-attention, and transformers adds
-# `embed_tokens` (vocabulary-parallel). Every rank must hold whole key/value heads: `PlugformerAttention` refuses a
-# `num_key_value_heads` the TP size does not divide.
-STACK_TP_PLAN: dict[str, str] = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    # Every parameter of a score function is per head, head dimension first (see `AttentionScore`): a module entry
-    # gives each of them this style, which shards dim 0 whatever the rank of the tensor. ("colwise" would split dim
-    # ndim − 2, i.e. d_k of a (H, D, D) weight, as it does the output dim of (experts, out, in) weights; "rowwise" the
-    # last.) Its forward hook never runs (attention calls the score's `prepare_*` methods, which read the local
-    # shards), and a score without parameters matches the entry all the same.
-    "layers.*.self_attn.score": "embedding_rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
+# Tensor parallelism splits the attention heads over the ranks (Megatron-LM's layout, as transformers' Llama): each
+# rank attends with whole heads, one all-reduce follows o_proj (and down_proj). Keys are relative to one stack: the
+# attention projection, the feed-forward and the position scheme add their own modules' entries (`base_model_tp_plan`);
+# a seq2seq head adds its decoder's cross-attention, and transformers adds `embed_tokens` (vocabulary-parallel). Every
+# rank must hold whole key/value heads: `PlugformerAttention` refuses a `num_key_value_heads` the TP size does not
+# divide. Every parameter of a score function is per head, head dimension first (see `AttentionScore`): a module
+# entry gives each of them this style, which shards dim 0 whatever the rank of the tensor ("colwise" would split dim
+# ndim − 2, i.e. d_k of a (H, D, D) weight; "rowwise" the last). Its forward hook never runs (attention calls the
+# score's `prepare_*` methods, which read the local shards), and a score without parameters matches it all the same.
+STACK_TP_PLAN: dict[str, str] = {"layers.*.self_attn.score": "embedding_rowwise"}
 
 
 # The variant axes whose classes own config fields (`registry.ConfigHooks`); each registry's `axis` is its field.
@@ -184,10 +174,13 @@ class PlugformerConfig(PreTrainedConfig):
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """transformers' tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`) of one stack
-        ([`PlugformerModel`]): `STACK_TP_PLAN` and the entries the position scheme declares for its own parameters
-        (`PositionScheme.tp_plan`, keyed relative to the stack's `positions`). A property: the scheme is a field."""
-        scheme = POSITION_SCHEMES.get(self.position_scheme)
-        return {**STACK_TP_PLAN, **{f"positions.{name}": style for name, style in scheme.tp_plan.items()}}
+        ([`PlugformerModel`]): the entries of the modules this config builds, each declared by its variant (the
+        attention projection's `tp_plan(config)`, the feed-forward's and the position scheme's `tp_plan`), and
+        `STACK_TP_PLAN`. A property: the variants are fields."""
+        parts = ((ATTENTION_PROJECTIONS.get(self.attention_projection).tp_plan(self), "layers.*.self_attn."),
+                 (STACK_TP_PLAN, ""), (FEED_FORWARDS.get(self.ffn_type).tp_plan, "layers.*.mlp."),
+                 (POSITION_SCHEMES.get(self.position_scheme).tp_plan, "positions."))  # fmt: skip
+        return {f"{prefix}{name}": style for plan, prefix in parts for name, style in plan.items()}
 
     @base_model_tp_plan.setter
     def base_model_tp_plan(self, value) -> None:

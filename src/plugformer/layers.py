@@ -98,7 +98,14 @@ class PostNorm(NormPlacement):
 
 @FEED_FORWARDS.register("mlp")
 class MLP(nn.Module):
-    """down(act(up(x))): the original position-wise FFN (GELU in GPT-2/BERT)."""
+    """down(act(up(x))): the original position-wise FFN (GELU in GPT-2/BERT).
+
+    Class attributes:
+        tp_plan (`dict[str, str]`): tensor-parallel styles of its modules (the config's `base_model_tp_plan` adds them
+            under `layers.*.mlp.`): up by output columns, down by input rows, one all-reduce after it (Megatron-LM).
+    """
+
+    tp_plan = {"up_proj": "colwise", "down_proj": "rowwise"}
 
     def __init__(self, config: PlugformerConfig):
         super().__init__()
@@ -113,6 +120,8 @@ class MLP(nn.Module):
 @FEED_FORWARDS.register("glu")
 class GatedMLP(MLP):
     """down(act(gate(x)) * up(x)) (Shazeer 2020): SwiGLU with `hidden_act="silu"` (Llama), GeGLU with "gelu"."""
+
+    tp_plan = {"gate_proj": "colwise", **MLP.tp_plan}
 
     def __init__(self, config: PlugformerConfig):
         super().__init__(config)

@@ -128,7 +128,10 @@ class RotaryPositions(PositionScheme):
         dimensions; longrope's attention factor divides by log(original_max_position_embeddings))."""
         config.validate_rope()  # first transformers' check of the required keys, with its clearer message
         try:
-            inv_freq, scaling = cls.frequency_function(config.rope_parameters["rope_type"])(config)
+            # on the CPU whatever device is current: a model built on the meta device (`from_pretrained`, the memory
+            # check) validates its config too, and meta frequencies hold no values to check
+            with torch.device("cpu"):
+                inv_freq, scaling = cls.frequency_function(config.rope_parameters["rope_type"])(config, device="cpu")
         except (ArithmeticError, RuntimeError, TypeError, ValueError, KeyError) as error:
             raise ValueError(
                 f"rope_parameters={config.rope_parameters!r} give no rotation frequencies for head_dim="

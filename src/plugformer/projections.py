@@ -39,8 +39,8 @@ class AttentionProjection(ConfigHooks):
     """Base class of the attention projections: stateless, its modules live on the attention it builds them into.
 
     Class attributes:
-        tensor_parallel (`bool`, defaults to `True`): whether `configuration.STACK_TP_PLAN` shards its modules exactly;
-            `False` is refused under `tp_plan`.
+        tensor_parallel (`bool`, defaults to `True`): whether its `tp_plan` shards its modules exactly; `False` is
+            refused under `tp_plan`.
         standard_heads (`bool`, defaults to `True`): whether the kernel gets `num_key_value_heads` key/value heads of
             `head_dim` (the shapes an engine that sizes its own KV cache from the config, vLLM's, allocates);
             kernels whose record says `head_shapes=False` refuse the others.
@@ -73,6 +73,12 @@ class AttentionProjection(ConfigHooks):
     @staticmethod
     def build(attention: nn.Module, config: PlugformerConfig) -> None:
         """Adds the projection modules (`q_proj`, ..., `o_proj`) to `attention`."""
+        raise NotImplementedError
+
+    @classmethod
+    def tp_plan(cls, config: PlugformerConfig) -> dict[str, str]:
+        """transformers' tensor-parallel styles of the modules `build` adds for `config`, keyed by module name (the
+        config's `base_model_tp_plan` adds them under `layers.*.self_attn.`): exactly the modules built."""
         raise NotImplementedError
 
     @staticmethod
@@ -126,6 +132,12 @@ class StandardProjection(AttentionProjection):
         attention.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         attention.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         attention.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+
+    @classmethod
+    def tp_plan(cls, config):
+        # Megatron-LM's layout, as transformers' Llama: q, k, v split by output columns (whole heads per rank), o by
+        # input rows, one all-reduce after it
+        return {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
 
     @staticmethod
     def project(attention, hidden_states, rotary):
@@ -274,6 +286,13 @@ class LatentProjection(AttentionProjection):
         attention.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
                                         bias=False)  # fmt: skip
         attention.o_proj = nn.Linear(heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+
+    @classmethod
+    def tp_plan(cls, config):
+        # transformers' DeepseekV3 plan, less the query projection not built; refused under tensor parallelism all
+        # the same (`tensor_parallel`), so a plan matching the modules, not a tested layout
+        query = {"q_proj": "colwise"} if config.q_lora_rank is None else {"q_b_proj": "colwise"}
+        return {**query, "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
 
     @staticmethod
     def project(attention, hidden_states, rotary):

@@ -25,6 +25,7 @@ from ..runtime.arguments import parse_arguments
 from ..runtime.files import naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
 from ..scores import ATTENTION_SCORES
+from ..training.arguments import check_counts, check_trainer_arguments
 from ..training.outputs import claim_folder, release_lock
 
 
@@ -79,16 +80,40 @@ def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
     return model
 
 
+def training_arguments(args: DemoArguments) -> TrainingArguments:
+    """The `Trainer`'s options from the demo's, checked by the rule every training command follows
+    (`check_trainer_arguments`: `--max_steps -5` trained 3 epochs, as transformers reads any negative count)."""
+    check_counts(args, {"batch_size": 1})  # under its own name, not the trainer's per_device_train_batch_size
+    training_args = TrainingArguments(
+        output_dir=str(Path(args.output_dir) / "checkpoints"),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.max_steps // 20),
+        logging_steps=max(1, args.max_steps // 10),
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    check_trainer_arguments(training_args)
+    return training_args
+
+
 def run(args: DemoArguments) -> dict:
     started = time.perf_counter()
+    training_args = training_arguments(args)  # a bad count is refused before the folder is claimed or any work
     claim_folder(args.output_dir, "demo", args.overwrite_output_dir)  # another run's folder is refused, as by a stage
     try:
-        return train_and_show(args, started)
+        return train_and_show(args, training_args, started)
     finally:
         release_lock(args.output_dir)
 
 
-def train_and_show(args: DemoArguments, started: float) -> dict:
+def train_and_show(args: DemoArguments, training_args: TrainingArguments, started: float) -> dict:
     set_seed(args.seed)
     train_texts = arithmetic_sentences(args.train_sentences, seed=args.seed)
     eval_texts = arithmetic_sentences(args.eval_sentences, seed=args.seed + 1)
@@ -103,21 +128,7 @@ def train_and_show(args: DemoArguments, started: float) -> dict:
     encode = lambda text: tokenizer(tokenizer.bos_token + text + tokenizer.eos_token)  # noqa: E731
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(
-            output_dir=str(Path(args.output_dir) / "checkpoints"),
-            max_steps=args.max_steps,
-            per_device_train_batch_size=args.batch_size,
-            per_device_eval_batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=max(1, args.max_steps // 20),
-            logging_steps=max(1, args.max_steps // 10),
-            save_strategy="no",
-            report_to=[],
-            use_cpu=not torch.cuda.is_available(),
-            seed=args.seed,
-            disable_tqdm=True,
-        ),
+        args=training_args,
         train_dataset=[encode(text) for text in train_texts],
         eval_dataset=[encode(text) for text in eval_texts],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),

@@ -9,14 +9,14 @@ import argparse
 import dataclasses
 import enum
 import math
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from transformers import HfArgumentParser
+
+from .yaml_text import MAX_YAML_BYTES, read_yaml  # noqa: F401 (the YAML reader lives there; importable from here)
 
 
 T = TypeVar("T")
@@ -46,12 +46,6 @@ def config_path(path: str | Path) -> str:
                             "configs/<stage>/<name>.yaml, configs/demo.yaml and configs/accelerate/<name>.yaml")  # fmt: skip
 
 
-# a YAML file larger than this, or whose aliases expand to more values, is refused before it is built: a 480-byte
-# "billion laughs" under any key hung a command past 2.4 GB; plugformer's configs are a few kB
-MAX_YAML_BYTES = 1 << 20
-MAX_YAML_VALUES = 100_000
-
-
 def stage_config(template: str, stage: str) -> str:
     """`template` with `{stage}` filled in (`--stage_configs configs/{stage}/tiny.yaml`), or a `ValueError` naming
     the flag for any other placeholder (`{stgae}`, `{0}`, an unmatched brace), which `str.format` raised as a bare
@@ -65,81 +59,6 @@ def stage_config(template: str, stage: str) -> str:
     except (KeyError, IndexError, ValueError, AttributeError) as error:
         raise ValueError(f"--stage_configs {template!r}: {type(error).__name__} {error} in its placeholders; the "
                          "only placeholder is {stage} (e.g. configs/{stage}/tiny.yaml)") from None  # fmt: skip
-
-
-class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading `1e-3` as a float as YAML 1.2 does (PyYAML's YAML 1.1 resolver needs a dot,
-    `1.0e-3`, and gives the string '1e-3' otherwise; the command line's float() took it, so configs write it), and
-    refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode):
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
-                        f"{key_node.start_mark.line + 1}); PyYAML would keep the last silently: keep one",
-                        key_node.start_mark,
-                    )  # fmt: skip
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _expanded_values(node, sizes: dict) -> int:
-    """How many values `node` stands for once every alias is expanded (shared subtrees counted each time they are
-    referred to, each computed once)."""
-    if id(node) not in sizes:
-        sizes[id(node)] = 0  # a recursive alias (`&a [*a]`) counts once here; PyYAML refuses it when building
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [part for pair in node.value for part in pair]
-        else:
-            children = []
-        sizes[id(node)] = 1 + sum(_expanded_values(child, sizes) for child in children)
-    return sizes[id(node)]
-
-
-def read_yaml(path: str | Path) -> Any:
-    """The document in the YAML file `path` (safe loader), or a `ValueError` naming the file: larger than
-    `MAX_YAML_BYTES`, not UTF-8 (with the byte's offset), aliases that expand past `MAX_YAML_VALUES` values (an
-    alias bomb, refused before anything is built), a duplicate key, or invalid YAML."""
-    size = Path(path).stat().st_size
-    if size > MAX_YAML_BYTES:
-        raise ValueError(f"--config {path}: {size} bytes; a config file is at most {MAX_YAML_BYTES} bytes")
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--config {path}: not UTF-8 text (byte {raw[error.start : error.start + 1]!r} at offset "
-                         f"{error.start}); save it as UTF-8") from None  # fmt: skip
-    loader = YamlLoader(text)  # a SafeLoader: no arbitrary objects
-    loader.name = str(path)  # marks name the file, not "<unicode string>"
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        values = _expanded_values(node, {})
-        if values > MAX_YAML_VALUES:
-            raise ValueError(f"--config {path}: its aliases expand to {values} values (at most {MAX_YAML_VALUES}); "
-                             "an alias bomb? write the values out")  # fmt: skip
-        return loader.construct_document(node)
-    except yaml.YAMLError as error:
-        message = " ".join(str(error).split())
-        raise ValueError(f"--config {path}: {message}") from None
-    except RecursionError:
-        raise ValueError(f"--config {path}: nested too deeply to be a config") from None
-    finally:
-        loader.dispose()
 
 
 def load_yaml(path: str | Path, allowed: set[str], classes: tuple[type, ...] = ()) -> dict:

@@ -28,7 +28,7 @@ from ..runtime.arguments import (
     merge_repeated_flags,
     read_yaml,
 )
-from .stages import STAGES, Stage, StageInput, register_stage
+from .stages import STAGES, Stage, StageInput, refuse_unhonoured_options, register_stage
 
 
 __all__ = ["STAGES", "Stage", "StageInput", "check_stage_yaml", "parse_stage_arguments", "register_stage", "run_stage"]
@@ -85,6 +85,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             f"sizes multiples of it ({error})"
         ) from error
     check_numbers(*parsed)  # --learning_rate inf, --max_grad_norm nan: refused before any work
+    refuse_unhonoured_options(entry, parsed[1])  # --use_peft where the stage trains every weight, ...
     return parsed
 
 

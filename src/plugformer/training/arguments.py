@@ -256,12 +256,12 @@ def refuse_liger_kernel(training_args) -> None:
 
 
 def parse_overrides(text: str | None, name: str) -> dict:
-    """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values parsed as YAML scalars).
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values parsed as YAML, by the one capped reader `load_yaml_text`).
 
     >>> parse_overrides("norm_type=layernorm,attention_dropout=0.1", "config_overrides")
     {'norm_type': 'layernorm', 'attention_dropout': 0.1}
     """
-    import yaml
+    from ..runtime.yaml_text import load_yaml_text
 
     values = {}
     for item in (text or "").split(","):
@@ -270,7 +270,7 @@ def parse_overrides(text: str | None, name: str) -> dict:
         key, separator, value = item.partition("=")
         if not separator or not key.strip():
             raise ValueError(f"{name}={text!r}: expected comma-separated FIELD=VALUE pairs, got {item!r}")
-        values[key.strip()] = yaml.safe_load(value)
+        values[key.strip()] = load_yaml_text(value, f"--{name} {key.strip()}")
     return values
 
 

@@ -20,15 +20,12 @@ from .stages import Stage, register_stage
 def check_parent(script_args, model_args) -> None:
     """Raises `ValueError` before any work for a `--model_name_or_path` that is no decomposable attention model, for
     architecture flags beside it that differ from its own (they would be ignored) and for options this model has no
-    use for."""
+    use for (`--use_peft`: the record's `adapters=False`, refused for every such stage while parsing)."""
     from transformers import AutoConfig
 
     from ..decomposable import DecomposableAttentionConfig
     from .common import require_model_path
 
-    if model_args.use_peft:
-        raise ValueError("--use_peft true: the nli stage trains every weight of the decomposable attention model (a "
-                         "few hundred thousand); drop --use_peft")  # fmt: skip
     if model_args.attn_implementation is not None:
         raise ValueError(f"--attn_implementation {model_args.attn_implementation}: the decomposable attention model "
                          "computes its alignments itself, with no attention kernel to choose; drop it")  # fmt: skip
@@ -131,5 +128,6 @@ STAGE = register_stage(
         ),
         train=train,
         pipeline_default=False,
+        adapters=False,  # a few hundred thousand weights, all trained: --use_peft is refused
     )
 )

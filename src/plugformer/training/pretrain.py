@@ -177,6 +177,7 @@ STAGE = register_stage(
         data_parallel=True,
         card=StageCard("pretrained from scratch on plain text", "Trainer"),
         language_model_loss=True,
+        adapters=False,  # every weight of the new (or continued) model trains: --use_peft is refused
         train=train,
     )
 )

@@ -8,6 +8,7 @@ imports them inside its `train` function, so `plugformer train --help` lists the
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class Stage:
             table reports the other stages' gains against it, and never hands it on as the final model.
         pipeline_default (`bool`, *optional*, defaults to `True`): Whether `plugformer pipeline` runs it when its
             `stages` are not given (classify, which no policy stage builds on, runs only when listed).
+        adapters (`bool`, *optional*, defaults to `True`): Whether `--use_peft true` trains LoRA adapters on its
+            model (`--lora_*`); `False` for a stage that trains every weight whatever is asked, where the flag is
+            refused (`refuse_unhonoured_options`) rather than ignored.
         train (`Callable`): `train(script_args, model_args, training_args) -> dict`, what `run_info.json` holds.
     """
 
@@ -71,6 +75,7 @@ class Stage:
     inputs: tuple[StageInput, ...] = ()
     baseline: bool = False
     pipeline_default: bool = True
+    adapters: bool = True
     train: Callable[..., dict]
 
     def config_type(self) -> type:
@@ -121,3 +126,31 @@ STAGES = StageTable()
 def register_stage(stage: Stage) -> Stage:
     """Registers `stage` in `STAGES` (see `StageTable.register`) and returns it."""
     return STAGES.register(stage)
+
+
+# TRL's `ModelConfig` options that shape LoRA adapters: without `--use_peft true` nothing reads them
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")  # fmt: skip
+
+
+def refuse_unhonoured_options(stage: Stage, model_args) -> None:
+    """Raises `ValueError` before any work for a `ModelConfig` option that `stage` would accept and ignore, one rule
+    for every stage (read from its record, never its name): `--use_peft true` where the stage trains every weight
+    (`Stage.adapters` false: pretrain trained a full model, no word), or with no `--model_name_or_path` (LoRA on a
+    random initialisation adapts nothing: seq2seq trained it), and a `--lora_*` option without `--use_peft true`."""
+    if model_args.use_peft and not stage.adapters:
+        honouring = [name for name, entry in STAGES.items() if entry.adapters]
+        raise ValueError(f"--use_peft true: the {stage.name} stage trains every weight of its model, no LoRA adapters "
+                         f"(the stages that train adapters: {', '.join(honouring)}); drop --use_peft")  # fmt: skip
+    if model_args.use_peft and model_args.model_name_or_path is None:
+        trained = f"a finished {stage.parent} run" if stage.parent else f"a trained model, e.g. a {stage.name} run"
+        raise ValueError(f"--use_peft true without --model_name_or_path: LoRA adapts a trained model, and the "
+                         f"{stage.name} stage would start from a random initialisation; give --model_name_or_path "
+                         f"({trained}) or drop --use_peft")  # fmt: skip
+    if not model_args.use_peft:
+        defaults = {field.name: field.default for field in dataclasses.fields(model_args)}
+        for name in LORA_OPTIONS:
+            value = getattr(model_args, name, defaults.get(name))
+            if name in defaults and value != defaults[name]:
+                raise ValueError(f"--{name} {value!r} shapes LoRA adapters, which the {stage.name} stage trains only "
+                                 "with --use_peft true; add --use_peft true or drop it")  # fmt: skip
