@@ -97,12 +97,14 @@ def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp
         writer.writerow(["text", "text_pair", "label"])
         writer.writerows((premise, hypothesis, names[label]) for premise, hypothesis, label in nli_examples(90))
     info = classify(tmp_path / "nli", pretrained, "--dataset_name", "csv", "--data_files", str(path),
-                    "--dev_examples", "9", "--test_examples", "12")  # fmt: skip
+                    "--dev_examples", "9", "--test_examples", "12", "--held_out_fraction", "1")  # fmt: skip
     assert info["labels"] == ["contradiction", "entailment", "neutral"]  # sorted text labels
     record = json.loads((tmp_path / "nli/run_info.json").read_text())["data"]
     assert record["dataset_name"] == "csv" and record["test_examples"] == 12
     results = eval_main(["--model", str(tmp_path / "nli")])  # the run's own held-out pairs
-    held_out = load_stage_dataset("classification", "csv", data_files=[str(path)], sizes={"dev": 9, "test": 12})
+    held_out = load_stage_dataset(
+        "classification", "csv", data_files=[str(path)], sizes={"dev": 9, "test": 12}, held_out_fraction=1.0
+    )
     assert results["examples"] == 12 and results["data_sha256"] == rows_digest(held_out["test"])
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "nli")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "nli")

@@ -129,7 +129,9 @@ def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists(
     assert parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "3"])[2].max_steps == 3
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--max_step', '1'\]"):
         parse_stage_arguments("sft", ["--output_dir", "unused", "--max_step", "1"])  # was read as --max_steps
-    _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--lora_target_modules", "q_proj",
+    _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--use_peft", "true",
+                                                     "--model_name_or_path", "unused-model",
+                                                     "--lora_target_modules", "q_proj",
                                                      "--lora_target_modules", "v_proj"])  # fmt: skip
     assert model_args.lora_target_modules == ["q_proj", "v_proj"]  # not the last one alone
     script_args, _, _ = parse_stage_arguments("pretrain", ["--output_dir", "unused", "--dataset_name", "json",

@@ -449,7 +449,7 @@ def test_missing_data_file_and_sft_with_other_columns_are_named(finished, tmp_pa
     argv = ["--output_dir", str(tmp_path / "sft"), "--model_name_or_path", str(finished), "--dataset_name", "json"]
     with pytest.raises(ValueError, match=r"--data_files .*nowhere.jsonl: no such file"):
         run_stage("sft", [*argv, "--data_files", str(tmp_path / "nowhere.jsonl")])
-    data = jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(8)])
+    data = jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(40)])
     with pytest.raises(ValueError, match=r"stage 'sft' needs the columns text \| messages \| prompt\+completion"
                                          r".*it has \['question', 'answer'\]"):  # fmt: skip
         run_stage("sft", [*argv, "--data_files", str(data), "--dev_examples", "2", "--test_examples", "2"])

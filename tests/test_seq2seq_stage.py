@@ -122,8 +122,8 @@ def numbers_csv(path) -> None:
 def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     numbers_csv(tmp_path / "numbers.csv")
     info = seq2seq(tmp_path / "mine", "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"),
-                   "--dev_examples", "10", "--test_examples", "12", "--max_steps", "30", "--vocab_size", "300",
-                   "--rename_columns", "words=source,digits=target")  # fmt: skip
+                   "--dev_examples", "10", "--test_examples", "12", "--held_out_fraction", "1", "--max_steps", "30",
+                   "--vocab_size", "300", "--rename_columns", "words=source,digits=target")  # fmt: skip
     assert info["data"]["dataset_name"] == "csv" and info["data"]["test_examples"] == 12
     results = eval_main(["--model", str(tmp_path / "mine")])
     rows = held_out_rows(recorded_source(str(tmp_path / "mine")), "test", 300)
@@ -135,8 +135,8 @@ def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     # LoRA on the trained model: adapters in adapter/, the merged model beside them; the base weights stay
     seq2seq(tmp_path / "lora", "--model_name_or_path", str(tmp_path / "mine"), "--use_peft", "true", "--lora_r", "4",
             "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"), "--dev_examples", "10",
-            "--test_examples", "12", "--max_steps", "5", "--learning_rate", "0.05", "--rename_columns",
-            "words=source,digits=target")  # fmt: skip
+            "--test_examples", "12", "--held_out_fraction", "1", "--max_steps", "5", "--learning_rate", "0.05",
+            "--rename_columns", "words=source,digits=target")  # fmt: skip
     from peft import PeftModel
 
     base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine")

@@ -110,6 +110,13 @@ def _bench(argv: list[str]) -> None:
     main(argv)
 
 
+def _accelerate_config(argv: list[str]) -> None:
+    """plugformer accelerate-config [NAME]"""
+    from .runtime.launch import main
+
+    main(argv)
+
+
 def _info(argv: list[str]) -> None:
     """plugformer info [--markdown | --readme README.md]"""
     from .runtime.readme_tables import main
@@ -120,7 +127,7 @@ def _info(argv: list[str]) -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
     "convert": (_convert, "import a Llama, Qwen3, Qwen3-Next, GPT-2 or dense DeepSeek-V3 checkpoint (same logits)"),
-    "train": (_train, "train one stage: pretrain | sft | reward | rlhf | dpo | grpo (also under accelerate launch)"),
+    "train": (_train, "train one stage (the stages listed below), also under accelerate launch"),
     "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
     "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),
     "eval": (_eval, "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy"),
@@ -130,6 +137,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "plot": (_plot, "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves"),
     "bench": (_bench, "plugformer vs transformers Llama/GPT-2 (A/B: train, decode, memory, MFU) and every variant"),
     "info": (_info, "list which kernels run each attention_score x position_scheme; --readme: regenerate its tables"),
+    "accelerate-config": (_accelerate_config, "path of a shipped accelerate YAML, for --config_file (no NAME: list)"),
 }
 
 
@@ -151,6 +159,21 @@ def _version() -> str:
         from . import __version__
 
         return __version__
+
+
+def top_level_usage() -> str:
+    """`plugformer --help`: every command of `COMMANDS` and every stage of the stage table (`training.STAGES`), read
+    from them, so that a new command or stage is listed without an edit here."""
+    import textwrap
+
+    from .training import STAGES
+
+    width = max(map(len, COMMANDS)) + 2  # a name as long as "accelerate-config" must not run into its text
+    commands = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
+    # unindented: an indented line is a command's (tests/test_project.py reads them so)
+    stages = textwrap.fill(" | ".join(STAGES), width=100, break_on_hyphens=False)
+    return (f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{commands}\n\n"
+            f"stages of `plugformer train <stage>` (described by `plugformer train --help`):\n{stages}")  # fmt: skip
 
 
 # raised for what the user gave (flags, files, folders); anything else is a bug and keeps its traceback
@@ -176,9 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"plugformer {_version()}")
         raise SystemExit(0)
     if not argv or argv[0] not in COMMANDS:
-        width = max(map(len, COMMANDS)) + 2  # a name as long as "attention-map" must not run into its text
-        usage = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
-        _usage(f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{usage}", argv)
+        _usage(top_level_usage(), argv)
     from .runtime.denormals import flushing_denormals
 
     try:

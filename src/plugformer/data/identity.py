@@ -22,6 +22,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -36,6 +37,9 @@ CONTENT_COLUMNS = ("text", "text_pair", "prompt", "completion", "messages", "cho
                    "solution", "label", "source", "target")  # fmt: skip
 KEY_HEX = 16  # a row key's hex digits kept in run_info.json: 64 bits, no collision among billions of rows
 HELD_OUT = ("test", "dev")  # carved in this order: test first, as ranked
+# the most of your data's distinct rows each carved held-out split takes (`--held_out_fraction`): 300 chats with
+# the shipped caps of 200 hold out 30 + 30 rows instead of refusing
+HELD_OUT_FRACTION = 0.1
 
 
 def local_files(dataset_name: str | None, data_files: list[str] | None) -> list[Path]:
@@ -171,12 +175,25 @@ def split_digest(keys: list[str]) -> str:
 
 
 def carve(
-    splits: DatasetDict, sizes: dict[str, int], seed: int, keep_duplicates: bool = False, source: str = "your data"
+    splits: DatasetDict,
+    sizes: dict[str, int],
+    seed: int,
+    keep_duplicates: bool = False,
+    source: str = "your data",
+    fraction: float | None = None,
 ):
     """`splits` with `test` and then `dev` (when missing and `sizes` asks for them) held out of `train` by rank of
     sha256(seed, row key), and, unless `keep_duplicates`, the rows of train (and of dev) identical to a row held out
-    after them dropped. Returns (splits, keys per split, dropped rows per split)."""
+    after them dropped. With `fraction`, `sizes` are caps scaled to the data (`held_out_sizes`). Returns (splits,
+    keys per split, dropped rows per split)."""
     keys = {name: row_keys(split) for name, split in splits.items()}
+    if fraction is not None:
+        distinct = len(set(keys["train"]))
+        scaled = held_out_sizes(distinct, sizes, fraction)
+        for held_out in HELD_OUT:
+            if held_out not in splits and sizes.get(held_out, 0) > 0 and scaled[held_out] == 0:
+                refuse_too_few(splits["train"], distinct, held_out, sizes[held_out], fraction, source)
+        sizes = {**sizes, **scaled}
     for held_out in HELD_OUT:
         wanted = sizes.get(held_out, 0)
         if held_out in splits or wanted <= 0:
@@ -202,6 +219,27 @@ def check_room(train: Dataset, held_out: str, wanted: int, source: str) -> None:
     if len(train) <= wanted:
         raise ValueError(f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {wanted} and "
                          "still train; hold out fewer")  # fmt: skip
+
+
+def held_out_sizes(distinct: int, caps: dict[str, int], fraction: float) -> dict[str, int]:
+    """Each held-out split's size for data of `distinct` rows: its cap (`--test_examples`, `--dev_examples`), but at
+    most `fraction` of the rows (rounded down: at least 1 from 1 / `fraction` rows on).
+
+    >>> held_out_sizes(300, {"test": 200, "dev": 200}, 0.1)
+    {'test': 30, 'dev': 30}
+    >>> held_out_sizes(5000, {"test": 200, "dev": 0}, 0.1)
+    {'test': 200, 'dev': 0}
+    """
+    share = math.floor(distinct * fraction + 1e-9)  # 1e-9: 0.29 * 100 is 28.999999999999996
+    return {name: min(caps.get(name, 0), share) for name in HELD_OUT}
+
+
+def refuse_too_few(train: Dataset, distinct: int, held_out: str, cap: int, fraction: float, source: str) -> None:
+    """Raises `ValueError` for data too small to hold out even `fraction` of its rows as `held_out`."""
+    needed = math.ceil(1 / fraction - 1e-9)
+    raise ValueError(f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {cap} and still "
+                     f"train, and {fraction:g} of its {distinct} distinct rows (--held_out_fraction) is not one row: "
+                     f"give at least {needed} distinct rows, or --{held_out}_examples 0")  # fmt: skip
 
 
 def _keep_rows(splits: DatasetDict, keys: dict[str, list[str]], name: str, indices: list[int]) -> None:

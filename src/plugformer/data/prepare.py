@@ -140,12 +140,14 @@ def stream_corpus(source: dict, dev: int, test: int, rename_columns: str | None 
     `test` documents of its train split, held in memory; training reads the documents after them. `rename_columns`
     (`"content=text"`) renames the stream's columns first (`user_data.column_renames`)."""
     from .user_data import column_renames
+    from .validation import refusing_hub_ids_offline
 
-    stream = load_dataset(**source, split="train", streaming=True)
-    if rename_columns:
-        columns = stream.column_names or list(next(iter(stream.take(1))))
-        stream = stream.rename_columns(column_renames(rename_columns, columns, f"--dataset_name {source['path']}"))
-    held_out = list(stream.take(dev + test))
+    with refusing_hub_ids_offline(source.get("path")):  # a stream reaches the Hub when it starts, or on its first read
+        stream = load_dataset(**source, split="train", streaming=True)
+        if rename_columns:
+            columns = stream.column_names or list(next(iter(stream.take(1))))
+            stream = stream.rename_columns(column_renames(rename_columns, columns, f"--dataset_name {source['path']}"))
+        held_out = list(stream.take(dev + test))
     if len(held_out) < dev + test:
         raise ValueError(f"--streaming: the source holds {len(held_out)} documents, fewer than --dev_examples {dev} "
                          f"+ --test_examples {test} held out before training")  # fmt: skip

@@ -35,6 +35,7 @@ from .dates import date_rows
 from .nli import nli_rows
 from .splits import SPLITS, split_of_key
 from .user_data import load_user_splits
+from .validation import refusing_hub_ids_offline
 
 
 ANSWER_MARKER = "####"
@@ -350,6 +351,7 @@ def load_stage_dataset(
     rename_columns: str | None = None,
     keep_duplicates: bool = False,
     data_cache_dir: str | None = None,
+    held_out_fraction: float | None = None,
 ) -> DatasetDict:
     """The data a stage reads, in its TRL format, with `train`/`dev`/`test` splits.
 
@@ -371,6 +373,8 @@ def load_stage_dataset(
         keep_duplicates (`bool`, *optional*, defaults to `False`): Keep the rows of train identical to a held-out
             row (by default dropped and counted: `identity.carve`).
         data_cache_dir (`str`, *optional*): Where the files' digests are kept (`data.identity.cache_root`).
+        held_out_fraction (`float`, *optional*): Your data: the `dev`/`test` sizes are caps, each carved split
+            holding at most this share of the distinct rows (`identity.held_out_sizes`); `None`: the sizes as given.
 
     Your data comes back with `.identity` (`data_identity`): its files' digests, the held-out splits' digests and
     row keys, the duplicates dropped; `run_info.json` records it.
@@ -378,5 +382,6 @@ def load_stage_dataset(
     sizes = dict(sizes or {"train": 2000, "dev": 200, "test": 200})
     if dataset_name is None:
         return embedded_dataset(data_format, sizes, seed, direct_fraction)
-    return load_user_splits(data_format, dataset_name, dataset_config, data_files, sizes, seed, rename_columns,
-                            keep_duplicates, data_cache_dir)  # fmt: skip
+    with refusing_hub_ids_offline(dataset_name):
+        return load_user_splits(data_format, dataset_name, dataset_config, data_files, sizes, seed, rename_columns,
+                                keep_duplicates, data_cache_dir, held_out_fraction=held_out_fraction)  # fmt: skip

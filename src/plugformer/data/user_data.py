@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 
 from datasets import DatasetDict, Value, load_dataset
 
@@ -29,6 +30,9 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "source_target": ("source", "target"),
     "sentence_pair": ("text", "text_pair", "label"),
 }
+# a column a format may find under another name: TRL's math datasets name the ground truth `solution` (a worked
+# solution whose final answer `training.data.evaluation_data` reads as the `answer`)
+STAND_INS = {"answer": "solution"}
 # the formats a sequence classifier reads: its held-out rows are scored by accuracy
 CLASSIFIER_FORMATS = ("classification", "sentence_pair")
 
@@ -44,10 +48,13 @@ def load_user_splits(
     keep_duplicates: bool = False,
     data_cache_dir: str | None = None,
     carving: str = "content",
+    held_out_fraction: float | None = None,
 ) -> DatasetDict:
     """Your data in `data_format` with `train`/`dev`/`test` splits (the arguments of `sources.load_stage_dataset`),
     carrying `.identity` (`data_identity`). `carving="position"` holds rows out as runs recorded before their
-    held-out rows were named by content did (`position_carve`), so that `plugformer eval` scores what they held out."""
+    held-out rows were named by content did (`position_carve`), so that `plugformer eval` scores what they held out.
+    With `held_out_fraction`, the `dev`/`test` sizes are caps, each carved split taking at most that share of the
+    distinct rows (`identity.held_out_sizes`); the sizes used are printed and recorded (`held_out_sizes`)."""
     if data_files and dataset_name not in BUILDERS:
         raise ValueError(f"data_files={data_files} need dataset_name to be a builder (json, csv, text, parquet, arrow)")
     source = f"--dataset_name {dataset_name}" + (f" --data_files {' '.join(data_files)}" if data_files else "")
@@ -58,16 +65,22 @@ def load_user_splits(
         raise ValueError(f"dataset {dataset_name!r} has no train split; it has {sorted(loaded)}")
     if rename_columns:
         splits = splits.rename_columns(column_renames(rename_columns, splits["train"].column_names, source))
-    missing = [c for c in FORMAT_COLUMNS[data_format] if c not in splits["train"].column_names]
+    columns = splits["train"].column_names
+    missing = [c for c in FORMAT_COLUMNS[data_format] if c not in columns and STAND_INS.get(c) not in columns]
     if missing:
-        raise ValueError(f"{source}: lacks the columns {missing} of the {data_format!r} format (it has "
-                         f"{splits['train'].column_names})")  # fmt: skip
+        named = [f"{c} (or {STAND_INS[c]})" if c in STAND_INS else c for c in missing]
+        raise ValueError(f"{source}: lacks the columns {named} of the {data_format!r} format (it has "
+                         f"{columns})")  # fmt: skip
     if data_format == "text":
         check_text_column(splits["train"], source)  # before carving: its row is the row of the files
     if carving == "position":
         return position_carve(splits, sizes, seed, source)
-    splits, keys, dropped = carve(splits, sizes, seed, keep_duplicates, source)
+    carved = [name for name in HELD_OUT if name not in splits and sizes.get(name, 0) > 0]
+    splits, keys, dropped = carve(splits, sizes, seed, keep_duplicates, source, held_out_fraction)
     splits.identity = data_identity(files, keys, dropped, keep_duplicates)
+    if held_out_fraction is not None:
+        splits.identity["held_out_sizes"] = used = held_out_used(keys, sizes, carved, held_out_fraction)
+        announce_held_out(used, source)
     if dropped:
         logger.warning("%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)", source,
                        ", ".join(f"{count} {name}" for name, count in dropped.items()))  # fmt: skip
@@ -83,6 +96,29 @@ def position_carve(splits: DatasetDict, sizes: dict[str, int], seed: int, source
             parts = splits["train"].train_test_split(test_size=sizes[held_out], seed=seed)
             splits["train"], splits[held_out] = parts["train"], parts["test"]
     return splits
+
+
+def held_out_used(keys: dict[str, list[str]], caps: dict[str, int], carved: list[str], fraction: float) -> dict:
+    """`run_info.json`'s record of the held-out sizes scaled to the data: the rows each carved split holds, the caps
+    (`--test_examples`, `--dev_examples`), the share and the distinct rows it is a share of. A split the source
+    holds itself is not carved and not listed."""
+    distinct = len({key for name in ("train", *carved) for key in keys.get(name, [])})  # train's before carving
+    return {**{name: len(keys.get(name, [])) for name in carved}, "caps": {name: caps.get(name, 0) for name in HELD_OUT},
+            "fraction": fraction, "distinct_rows": distinct}  # fmt: skip
+
+
+_ANNOUNCED: set[tuple] = set()  # a stage reads its data twice (training rows, dev problems): one line for both
+
+
+def announce_held_out(used: dict, source: str) -> None:
+    """Prints the held-out sizes a run uses, once per process and source (the main process only)."""
+    sizes = tuple((name, used[name], used["caps"][name]) for name in HELD_OUT if name in used)
+    if not sizes or (source, sizes) in _ANNOUNCED or int(os.environ.get("RANK", "0")) != 0:
+        return
+    _ANNOUNCED.add((source, sizes))
+    parts = ", ".join(f"{rows} {name} (--{name}_examples {cap})" for name, rows, cap in sizes)
+    print(f"[data] held out {parts} of {used['distinct_rows']} distinct rows, each at most "
+          f"{used['fraction']:g} of them (--held_out_fraction)", flush=True)  # fmt: skip
 
 
 def data_identity(files: list, keys: dict[str, list[str]], dropped: dict[str, int], keep_duplicates: bool) -> dict:

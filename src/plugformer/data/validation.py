@@ -7,7 +7,9 @@ null `text` deep inside tokenisation, and SFT data with other columns in `KeyErr
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -80,3 +82,28 @@ def check_rows(data_format: str, data, source: str, reader: str) -> None:
             if row is not None:
                 raise ValueError(f"{source}: column {column!r} is null in row {row} of the {split_name} split "
                                  f"({reader} needs a value in every row)")  # fmt: skip
+
+
+def hub_offline() -> bool:
+    """Whether `datasets` and huggingface_hub run offline (`HF_HUB_OFFLINE`, which plugformer sets to 1 unless the user
+    set it: `runtime.offline`)."""
+    from datasets import config
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE or config.HF_HUB_OFFLINE)
+
+
+@contextlib.contextmanager
+def refusing_hub_ids_offline(dataset_name: str | None) -> Iterator[None]:
+    """Turns the `ConnectionError` that `datasets.load_dataset` raises offline for a name that is no local folder or
+    builder (a Hub id, or a misspelt path), a 41-line traceback without a hint, into one `ValueError` naming
+    `dataset_name` and the switch that turns the Hub on. Online, a `ConnectionError` is a real one and passes."""
+    try:
+        yield
+    except ConnectionError as error:
+        if not hub_offline():
+            raise
+        raise ValueError(f"--dataset_name {dataset_name!r}: no local folder or file of that name, and the Hugging "
+                         "Face Hub is offline (plugformer sets HF_HUB_OFFLINE=1 unless you set it); run with "
+                         "HF_HUB_OFFLINE=0 to load it from the Hub, or give a local folder, or --dataset_name json "
+                         "--data_files FILE.jsonl") from error  # fmt: skip

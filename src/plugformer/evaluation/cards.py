@@ -203,6 +203,14 @@ def loss_text(training_args) -> str:
     return f", {names} loss" + (f", beta {beta:g}" if beta is not None else "")
 
 
+def rewards_text(info: dict) -> str:
+    """`, rewards exact_match_reward x1, my_verifier x0.5 (`verifiers:my_verifier`, sha256 ...)` from `run_info.json`'s
+    `rewards` (GRPO: `training.grpo.rewards_record`), `""` without them: your own functions are named on the card."""
+    parts = [f"{r['name']} x{r['weight']:g}" + (f" (`{r['spec']}`" + (f", sha256 {r['sha256'][:12]}" if r.get("sha256")
+             else "") + ")" if r.get("spec") else "") for r in info.get("rewards") or []]  # fmt: skip
+    return f", rewards {', '.join(parts)}" if parts else ""
+
+
 def machine_text(info: dict) -> str:
     """` on AMD EPYC (AVX2), torch 2.13.0 (mkl 2024.2), 1 thread` from `run_info.json`'s `environment` (another
     CPU's instruction set rounds otherwise, so one seed trains otherwise there), `""` where unrecorded."""
@@ -268,7 +276,7 @@ def stage_card(
         summary=card.summary,
         stage=stage,
         trainer=card.trainer,
-        loss=loss_text(training_args),
+        loss=loss_text(training_args) + rewards_text(info),
         parent=parent or "a new model",
         architecture="\n".join(f"| {name} | {value} |" for name, value in rows),
         data=data,

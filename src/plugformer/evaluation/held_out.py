@@ -28,19 +28,23 @@ DEFAULT_HELD_OUT = 200  # a stage's --dev_examples / --test_examples default (`S
 def data_record(script_args) -> dict:
     """What a stage's run read, for `run_info.json`: the embedded task's seed and share of bare answers, or your
     source (local paths made absolute, so `plugformer eval` finds them from any folder; a builder name such as `text`
-    stays a name, as `load_dataset` reads it even beside a folder of that name) and how it was split."""
+    stays a name, as `load_dataset` reads it even beside a folder of that name) and how it was split: the held-out
+    sizes carved, which may be fewer than `--dev_examples`/`--test_examples` (`held_out_sizes` keeps those caps)."""
     if script_args.dataset_name is None:
         return {"dataset_seed": script_args.dataset_seed, "direct_answer_fraction": script_args.direct_answer_fraction}
     name = script_args.dataset_name
+    identity = getattr(script_args, "data_identity", None) or {}
+    # the sizes carved (scaled to the data: `identity.held_out_sizes`), which eval carves again as they are
+    used = identity.get("held_out_sizes") or {}
     return {
-        **(getattr(script_args, "data_identity", None) or {}),  # files' and held-out rows' digests (`data.identity`)
+        **identity,  # files' and held-out rows' digests (`data.identity`)
         "dataset_name": os.path.abspath(name) if name not in BUILDERS and Path(name).exists() else name,
         "dataset_config": script_args.dataset_config,
         "data_files": [os.path.abspath(f) for f in script_args.data_files] if script_args.data_files else None,
         "dataset_seed": script_args.dataset_seed,
         "rename_columns": script_args.rename_columns,
-        "dev_examples": script_args.dev_examples,
-        "test_examples": script_args.test_examples,
+        "dev_examples": used.get("dev", script_args.dev_examples),
+        "test_examples": used.get("test", script_args.test_examples),
         "streaming": bool(getattr(script_args, "streaming", False)),
         "keep_duplicates": bool(getattr(script_args, "keep_duplicates", False)),
     }
@@ -100,15 +104,17 @@ def held_out_rows(source: dict, split: str, examples: int):
     from datasets import Dataset, load_dataset
 
     from ..data.user_data import column_renames, load_user_splits
+    from ..data.validation import refusing_hub_ids_offline
 
     if split not in ("dev", "test"):
         raise ValueError(f"--split {split}: your own data is scored on what training held out: dev or test")
     dev, test = source["dev_examples"], source["test_examples"]
     splits = None
     if source.get("streaming"):  # the stream's first `dev` documents, then the next `test`
-        stream = load_dataset(source["dataset_name"], source["dataset_config"], data_files=source["data_files"],
-                              split="train", streaming=True)  # fmt: skip
-        held = list(stream.take(dev + test))
+        with refusing_hub_ids_offline(source["dataset_name"]):
+            stream = load_dataset(source["dataset_name"], source["dataset_config"], data_files=source["data_files"],
+                                  split="train", streaming=True)  # fmt: skip
+            held = list(stream.take(dev + test))
         rows = Dataset.from_list(held[:dev] if split == "dev" else held[dev:])
         if source.get("rename_columns"):
             rows = rows.rename_columns(column_renames(source["rename_columns"], rows.column_names))
@@ -118,10 +124,11 @@ def held_out_rows(source: dict, split: str, examples: int):
             logger.warning("%s: its run recorded no digests (a run older than them): scoring the %s rows carved by "
                            "position, as that run carved them; they cannot be checked against the data as it is now",
                            source["dataset_name"], split)  # fmt: skip
-        splits = load_user_splits("conversation", source["dataset_name"], source["dataset_config"],
-                                  source["data_files"], {"dev": dev, "test": test}, source["dataset_seed"],
-                                  source.get("rename_columns"), bool(source.get("keep_duplicates")),
-                                  carving=carving)  # fmt: skip
+        with refusing_hub_ids_offline(source["dataset_name"]):
+            splits = load_user_splits("conversation", source["dataset_name"], source["dataset_config"],
+                                      source["data_files"], {"dev": dev, "test": test}, source["dataset_seed"],
+                                      source.get("rename_columns"), bool(source.get("keep_duplicates")),
+                                      carving=carving)  # fmt: skip
         if split not in splits:
             raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
                              f"(--{split}_examples 0)")  # fmt: skip

@@ -74,6 +74,16 @@ def completion_token_ids(tokenizer, prompt: str | list[dict], completion: str | 
     return ids, len(head_ids)
 
 
+def explicit_prompts(rows):
+    """Preference `rows` with a `prompt` column: where it is implicit, the shared start of chosen and rejected becomes
+    the prompt, as TRL's `DPOTrainer` and `RewardTrainer` read such pairs (`trl.data_utils.maybe_extract_prompt`)."""
+    if "prompt" in rows.column_names:
+        return rows
+    from trl.data_utils import maybe_extract_prompt
+
+    return rows.map(maybe_extract_prompt)
+
+
 def padded_batch(rows: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids (B, T) right-padded, attention mask (B, T), completion starts (B,)) of `completion_token_ids` rows."""
     width = max(len(ids) for ids, _ in rows)

@@ -1,7 +1,7 @@
 """Verifiable rewards (RLVR): plain callables in TRL's reward-function signature.
 
-`f(prompts, completions, **kwargs) -> list[float | None]`; dataset columns such as `answer` arrive as keyword
-lists. Completions are strings, or for conversational data `[{"role": "assistant", "content": ...}]`.
+`f(prompts, completions, **kwargs) -> list[float | None]`; dataset columns such as `answer` (or `solution`, the
+name TRL's math datasets give the ground truth) arrive as keyword lists. Completions are strings, or for conversational data `[{"role": "assistant", "content": ...}]`.
 """
 
 from __future__ import annotations
@@ -70,17 +70,46 @@ def extract_answer(text: str) -> Fraction | None:
     return parse_number(numbers[-1]) if numbers else None
 
 
-def exact_match_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
-    """1.0 where the completion's final answer equals the ground truth as a number, else 0.0.
+def final_answer(solution: str) -> str | None:
+    """The final answer of a worked solution as text, exactly (`extract_answer`): what an `answer` column would hold.
+
+    Example:
+
+    >>> final_answer("37 + 45 = 82\\n#### 82"), final_answer("42"), final_answer("3/4"), final_answer("none")
+    ('82', '42', '3/4', None)
+    """
+    value = extract_answer(str(solution))
+    return None if value is None else str(value)
+
+
+def ground_truths(answer: list | None, solution: list | None, reward: str) -> list[Fraction | None]:
+    """The numbers to match: the `answer` column's, else each worked `solution`'s final answer (TRL's math datasets
+    name the ground truth `solution`). Raises `ValueError` naming `reward` when the data holds neither column."""
+    if answer is not None:
+        return [parse_number(str(truth)) for truth in answer]
+    if solution is not None:
+        return [extract_answer(str(truth)) for truth in solution]
+    raise ValueError(f"reward {reward!r} compares completions with the ground truth in an `answer` or a `solution` "
+                     "column; your data has neither: add one (--rename_columns OLD=answer), or reward with your own "
+                     "function (--reward_funcs pkg.module:function)")  # fmt: skip
+
+
+def exact_match_reward(
+    completions: list, answer: list[str] | None = None, solution: list[str] | None = None, **kwargs
+) -> list[float]:
+    """1.0 where the completion's final answer equals the ground truth as a number, else 0.0. The ground truth is
+    `answer`, else the final answer of `solution` (after its last `####`, else its last number).
 
     Example:
 
     >>> exact_match_reward(["3 + 4 = 7\\n#### 7", "#### +7.0", "#### 71", "seven"], answer=["7"] * 4)
     [1.0, 1.0, 0.0, 0.0]
+    >>> exact_match_reward(["#### 7", "#### 8"], solution=["3 + 4 = 7\\n#### 7", "so 2 * 4 is 8"])
+    [1.0, 1.0]
     """
     rewards = []
-    for completion, truth in zip(completions, answer, strict=True):
-        predicted, expected = extract_answer(completion_text(completion)), parse_number(str(truth))
+    for completion, expected in zip(completions, ground_truths(answer, solution, "exact_match"), strict=True):
+        predicted = extract_answer(completion_text(completion))
         rewards.append(float(predicted is not None and predicted == expected))
     return rewards
 
@@ -123,17 +152,23 @@ def steps_reward(completions: list, solution: list[str], **kwargs) -> list[float
     return rewards
 
 
-def math_verify_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
-    """1.0 where `math-verify` judges the completion equal to the answer (LaTeX, fractions, expressions).
+def math_verify_reward(
+    completions: list, answer: list[str] | None = None, solution: list[str] | None = None, **kwargs
+) -> list[float | None]:
+    """1.0 where `math-verify` judges the completion equal to the ground truth (`answer`, else `solution`, which it
+    parses whole, as TRL's `accuracy_reward` does): LaTeX, fractions, expressions.
 
     Needs `pip install math-verify`; returns `None` (no reward) for completions it cannot parse.
     """
+    truths = answer if answer is not None else solution
+    if truths is None:
+        ground_truths(None, None, "math_verify")  # raises, naming both columns
     try:
         from math_verify import parse, verify
     except ImportError as error:
         raise ImportError("math_verify_reward needs `pip install math-verify`") from error
     rewards = []
-    for completion, truth in zip(completions, answer, strict=True):
+    for completion, truth in zip(completions, truths, strict=True):
         parsed = parse(completion_text(completion))
         rewards.append(float(verify(parse(str(truth)), parsed)) if parsed else None)
     return rewards

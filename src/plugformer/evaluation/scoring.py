@@ -13,7 +13,7 @@ import torch
 
 from ..data.tokenization import load_tokenizer
 from ..runtime.environment import environment_record
-from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, write_json_atomic
+from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, portable_path, recorded_path, write_json_atomic
 from ..runtime.loading import load_checked
 from . import seq2seq
 from .answers import generate_answers, prompt_text
@@ -364,6 +364,10 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     rows = held_out_rows(source, args.split, args.examples)
     tokenizer = load_tokenizer(args.model)
     results = {"data": source, "examples": len(rows), "data_sha256": rows_digest(rows)}
+    if {"chosen", "rejected"} <= set(rows.column_names):  # pairs with an implicit prompt, as training read them
+        from .implicit_reward import explicit_prompts
+
+        rows = explicit_prompts(rows)
     if kind == "masked":
         return {**results, **masked_lm_scores(args, tokenizer, rows)}
     if kind in CLASSIFIER_DATA:
@@ -373,7 +377,8 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
     if kind == "scalar":
         if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
             raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
-                             f"{sorted(rows.column_names)}, not prompt, chosen and rejected")  # fmt: skip
+                             f"{sorted(rows.column_names)}, not chosen and rejected (with a prompt, or with the "
+                             "prompt implicit in both)")  # fmt: skip
         model = load_checked(AutoModelForSequenceClassification, args.model)
         return {**results, "pairwise_accuracy": preference_accuracy(model, tokenizer, rows, args.batch_size)}
     model = load_checked(AutoModelForCausalLM, args.model)
@@ -389,14 +394,14 @@ PER_EXAMPLE = ("samples", "correct", "completion_losses", "completion_tokens", "
 NOT_RESULTS = (*WEIGHT_FILES, *MODEL_FILES, "run_info.json", "trainer_state.json", "training_args.bin")
 
 
-def results_key(args: EvalArguments) -> dict:
-    """What an evaluation's results depend on: every option but where they go, the model folder (resolved) and the
-    digests of the model in it (`runtime.files.model_sha256`), and what it ran on (`runtime.environment`: another
-    CPU's instruction set rounds otherwise). Written beside the results: a reader (or a later evaluation deciding
-    whether it may replace them) sees which model and settings they are of."""
+def results_key(args: EvalArguments, output: Path) -> dict:
+    """What an evaluation's results depend on: every option but where they go, the model folder (as `output` records
+    it: `runtime.files.portable_path`) and the digests of the model in it (`runtime.files.model_sha256`), and what it
+    ran on (`runtime.environment`: another CPU's instruction set rounds otherwise). Written beside the results: a
+    reader (or a later evaluation deciding whether it may replace them) sees which model and settings they are of."""
     options = {name: getattr(args, name) for name in args.__dataclass_fields__ if name not in NOT_KEYED}
     environment = environment_record(world_size=1)  # `plugformer eval` runs in one process
-    return {"options": options, "model_dir": str(Path(args.model).resolve()), **model_sha256(args.model),
+    return {"options": options, "model_dir": portable_path(args.model, output.parent), **model_sha256(args.model),
             "environment": environment}  # fmt: skip
 
 
@@ -424,8 +429,9 @@ def output_problem(args: EvalArguments, output: Path) -> str | None:
     if not isinstance(earlier, dict) or not {"model", "split"} <= earlier.keys():
         return (f"--output {output} already holds a file that is no result of plugformer eval; choose another "
                 "--output, or replace it with --overwrite_output true")  # fmt: skip
-    theirs = (earlier.get("key") or {}).get("model_dir") or str(Path(earlier["model"]).resolve())
-    if theirs != str(Path(args.model).resolve()):
+    # recorded relative to the results' folder (`portable_path`); absolute in files of earlier versions
+    theirs = recorded_path((earlier.get("key") or {}).get("model_dir") or earlier["model"], output.parent)
+    if theirs != Path(args.model).resolve():
         return (f"--output {output} holds the results of another model ({theirs}), not of --model {args.model}; "
                 "choose another --output, or replace them with --overwrite_output true")  # fmt: skip
     return None
@@ -440,7 +446,9 @@ def main(argv: list[str]) -> dict:
     problem = output_problem(args, output)  # before any work
     if problem is not None:
         raise ValueError(problem)
-    results = {**evaluate_directory(args), "key": results_key(args)}
+    # the model as the results' folder reaches it, not an absolute path naming the user's home (a shared folder)
+    model = portable_path(args.model, output.parent)
+    results = {**evaluate_directory(args), "model": model, "key": results_key(args, output)}
     write_json_atomic(output, results, indent=2)
     shown = {k: v for k, v in results.items() if k not in PER_EXAMPLE}
     print(json.dumps(shown, indent=2) + f"\nwritten to {output} (with the scores per example)")

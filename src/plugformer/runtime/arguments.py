@@ -43,7 +43,7 @@ def config_path(path: str | Path) -> str:
         return str(shipped)
     where = f"{Path.cwd()}" + (f" or among the shipped configs in {SHIPPED_CONFIGS}" if shipped else "")
     raise FileNotFoundError(f"--config {path}: no such file (looked in {where}); the shipped YAMLs are named "
-                            "configs/<stage>/<name>.yaml, configs/demo.yaml and configs/accelerate/<name>.yaml")  # fmt: skip
+                            "configs/<stage>/<name>.yaml and configs/demo.yaml (accelerate's: `plugformer accelerate-config`)")  # fmt: skip
 
 
 def stage_config(template: str, stage: str) -> str:

@@ -193,3 +193,32 @@ def model_sha256(folder: str | Path) -> dict[str, str | None]:
     generation defaults and tokenizer beside them (`MODEL_FILES`). The key of a cached score: equal digests, the
     same model."""
     return {"weights_sha256": weights_sha256(folder), "model_files_sha256": files_sha256(folder, MODEL_FILES)}
+
+
+def portable_path(path: str | Path, folder: str | Path) -> str:
+    """`path` as a record written in `folder` holds it: never an absolute path into the user's home folder, which
+    names the user and leaks when the folder is shared. Relative to `folder` when `path` is inside it (`"."` for
+    `folder` itself) or when both are inside the home folder; else `~/...` when `path` alone is; else absolute.
+    `recorded_path` reads it back.
+
+    >>> portable_path("/srv/runs/sft", "/srv/runs/sft"), portable_path("/srv/runs/sft", "/srv/runs")
+    ('.', 'sft')
+    """
+    target, base = Path(path).expanduser().resolve(), Path(folder).expanduser().resolve()
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # no HOME and no passwd entry: nothing to hide
+        home = None
+    in_home = home is not None and target.is_relative_to(home)
+    if target.is_relative_to(base) or (in_home and base.is_relative_to(home)):
+        return Path(os.path.relpath(target, base)).as_posix()
+    if in_home:
+        return Path("~", target.relative_to(home)).as_posix()
+    return target.as_posix()
+
+
+def recorded_path(recorded: str | Path, folder: str | Path) -> Path:
+    """The absolute path a record in `folder` names with `recorded` (`portable_path`'s inverse; an absolute
+    `recorded`, as earlier versions wrote, is taken as it is)."""
+    named = Path(recorded).expanduser()
+    return (named if named.is_absolute() else Path(folder, named)).resolve()

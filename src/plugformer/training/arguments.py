@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..data.identity import HELD_OUT_FRACTION
 from ..data.tokenization import CHAT_TEMPLATES
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
@@ -28,6 +29,12 @@ class StageArguments:
     test_examples: int = field(
         default=200, metadata={"help": "test examples (carved from train if the source has none)"}
     )
+    held_out_fraction: float = field(
+        default=HELD_OUT_FRACTION,
+        metadata={"help": "your data: dev and test carved from train each hold at most this share of its distinct rows "
+                          "(at least 1 from 1/share rows on), --dev_examples / --test_examples being the most; 1: "
+                          "those counts as given (refused where train keeps no row)"},
+    )  # fmt: skip
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded generator and of carved splits"})
     rename_columns: str | None = field(
         default=None,
@@ -59,6 +66,9 @@ class StageArguments:
     def __post_init__(self):
         check_counts(self, {"train_examples": 1, "dev_examples": 0, "test_examples": 0, "exact_match_examples": 0,
                             "max_new_tokens": 1})  # fmt: skip
+        share = self.held_out_fraction
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"--held_out_fraction {share!r}: expected a share of the rows in (0, 1]")
         if not isinstance(self.direct_answer_fraction, (int, float)) or not 0 <= self.direct_answer_fraction <= 1:
             raise ValueError(f"--direct_answer_fraction {self.direct_answer_fraction!r}: expected a number in [0, 1]")
         if self.rename_columns and self.dataset_name is None:
@@ -280,8 +290,9 @@ class PolicyArguments(StageArguments):
 
     selection_steps: int = field(
         default=0,
-        metadata={"help": "score dev exact match every N steps (and at the start) and hand on the best weights, not "
-                          "the last (0: the last)"},
+        metadata={"help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
+                          "the last): exact match against an answer or solution column, else the stage's own signal "
+                          "(dpo: implicit-reward accuracy; grpo, rlhf: mean reward)"},
     )  # fmt: skip
     selection_examples: int = field(default=200, metadata={"help": "dev problems scored for selection"})
     pass_at_k_samples: int = field(
@@ -314,6 +325,27 @@ class GRPOArguments(PolicyArguments):
         default_factory=lambda: ["exact_match", "format"],
         metadata={"help": "verifiable rewards from plugformer.evaluation.rewards (weights: --reward_weights)"},
     )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "your own reward functions (TRL's option): pkg.module:function (or pkg.module.function) "
+                          "on the Python path, each f(prompts, completions, **kwargs) -> list[float | None] with the "
+                          "data's other columns as keywords; scored after --reward_functions, --reward_weights "
+                          "weighing all of them in that order"},
+    )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        from ..evaluation.custom_rewards import resolve_reward_function
+        from ..evaluation.rewards import REWARD_FUNCTIONS
+
+        self.reward_functions = list(self.reward_functions or [])
+        self.reward_funcs = list(self.reward_funcs or [])
+        unknown = [name for name in self.reward_functions if name not in REWARD_FUNCTIONS]
+        if unknown or not (self.reward_functions or self.reward_funcs):
+            raise ValueError(f"--reward_functions {self.reward_functions}: choose one or more of "
+                             f"{sorted(REWARD_FUNCTIONS)}, or give your own with --reward_funcs pkg.module:function")  # fmt: skip
+        for spec in self.reward_funcs:  # imported and checked now, before any model or data loads
+            resolve_reward_function(spec)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .data import evaluation_data, stage_data
 from .dev_scores import dev_policy_scores
 from .distributed import agreed_checkpoint, check_launch, log_effective_batch
 from .outputs import begin_run, claim_output_dir, finish_run, interrupted_run, release_lock
-from .selection import DevSelection, save_last_step
+from .selection import DevSelection, ExactMatchSignal, save_last_step
 from .sharding import refuse_unsharded_fallback
 from .stages import STAGES
 
@@ -349,6 +349,7 @@ def run_trainer(
     prepare: Callable | None = None,
     compute: Callable | None = None,
     keep_last_step: bool = False,
+    selection_signal: Callable | None = None,
     **trainer_kwargs,
 ) -> dict:
     """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
@@ -356,7 +357,8 @@ def run_trainer(
     `run_info.json`. `data(model, tokenizer) -> splits` replaces the stage's own splits (rft: the loaded parent's
     verified samples); `prepare(trainer) -> dict` runs on the built trainer before training (sft_matched: its step
     count), its result going into `run_info.json`; `compute` counts the tokens (`compute_record`). With
-    `keep_last_step` and dev selection, the last step is saved beside the selected one (`save_last_step`: dpo)."""
+    `keep_last_step` and dev selection, the last step is saved beside the selected one (`save_last_step`: dpo);
+    `selection_signal` is the stage's dev signal where the data holds no verifiable answer (`dev_selection`)."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
     claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early
@@ -365,7 +367,7 @@ def run_trainer(
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
     data = stage_data(stage, script_args) if data is None else data(model, tokenizer)
-    selection = dev_selection(script_args, tokenizer, model, keep_last_step)
+    selection = dev_selection(script_args, tokenizer, model, keep_last_step, data, selection_signal)
     trainer = atomic_checkpoints(trainer_class)(
         model=model,
         args=training_args,
@@ -381,9 +383,17 @@ def run_trainer(
     return train_and_save(trainer, stage, script_args, tokenizer, extra, selection, compute)
 
 
-def dev_selection(script_args, tokenizer, model, keep_last: bool = False) -> DevSelection | None:
+# columns that hold a verifiable ground truth: dev selection scores exact match against them
+VERIFIABLE = ("answer", "solution")
+
+
+def dev_selection(
+    script_args, tokenizer, model, keep_last: bool = False, data=None, signal: Callable | None = None
+) -> DevSelection | None:  # fmt: skip
     """The dev-selection callback asked for by `--selection_steps` (policy stages), on the first
-    `--selection_examples` dev problems; None when off."""
+    `--selection_examples` dev rows; None when off. Its signal is chosen by the data's columns: exact match where
+    they hold a verifiable answer (`VERIFIABLE`, or the embedded task), else the stage's own, `signal(script_args,
+    tokenizer, dev rows)` (`selection_signals`), refused when the stage has none."""
     steps = getattr(script_args, "selection_steps", 0)
     if not steps:
         return None
@@ -391,18 +401,35 @@ def dev_selection(script_args, tokenizer, model, keep_last: bool = False) -> Dev
         raise ValueError(
             f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
         )
+    columns = data["train"].column_names if data is not None else []
+    if script_args.dataset_name is None or any(c in columns for c in VERIFIABLE) or signal is None:
+        rows = verifiable_dev_rows(script_args, steps)
+        chosen = ExactMatchSignal(rows, tokenizer, script_args.max_new_tokens)
+    else:
+        rows = data.get("dev")
+        if rows is None or len(rows) == 0:
+            raise ValueError(f"--selection_steps {steps}: dev selection needs dev rows (--dev_examples > 0)")
+        rows = rows.select(range(min(script_args.selection_examples, len(rows))))
+        chosen = signal(script_args, tokenizer, rows)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[selection] every {steps} steps: {chosen.description} on {len(rows)} dev rows ({chosen.name})",
+              flush=True)  # fmt: skip
+    return DevSelection(None, tokenizer, steps, keep_last=keep_last, signal=chosen)
+
+
+def verifiable_dev_rows(script_args, steps: int):
+    """The first `--selection_examples` dev prompts with their ground truth (`evaluation_data`)."""
     try:
         rows = evaluation_data(script_args).get("dev")
     except ValueError as error:  # your own data without a ground truth: say which flag asked for one
         if script_args.dataset_name is None:
             raise
         raise ValueError(f"--selection_steps {steps}: dev selection scores greedy answers against the `answer` "
-                         f"column (the final number) of your data's dev split: {error}. Add or mend that column, or "
-                         "train without dev selection: --selection_steps 0") from error  # fmt: skip
+                         f"column (or the final answer of a `solution`) of your data's dev split: {error}. Add or "
+                         "mend that column, or train without dev selection: --selection_steps 0") from error  # fmt: skip
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
-    rows = rows.select(range(min(script_args.selection_examples, len(rows))))
-    return DevSelection(rows, tokenizer, steps, max_new_tokens=script_args.max_new_tokens, keep_last=keep_last)
+    return rows.select(range(min(script_args.selection_examples, len(rows))))
 
 
 def write_card(trainer, info: dict, script_args) -> None:

@@ -17,8 +17,21 @@ def stage_data(stage: str, script_args):
 
 
 def evaluation_data(script_args):
-    """Prompts with their ground truth, for dev selection and dev exact match (`format_data`)."""
-    return format_data("prompt_answer", script_args, "stage 'evaluation'")
+    """Prompts with their ground truth, for dev selection and dev exact match (`format_data`); data whose ground
+    truth is a worked `solution` (TRL's math datasets) gets its final answer as the `answer` (`with_answers`)."""
+    return with_answers(format_data("prompt_answer", script_args, "stage 'evaluation'"))
+
+
+def with_answers(data):
+    """`data` with an `answer` column in every split, the final answer of its `solution` (`rewards.final_answer`:
+    after the last `####`, else the last number) where it has none; the splits are replaced in place, so what
+    identifies your data (`.identity`) stays."""
+    from ..evaluation.rewards import final_answer
+
+    for name, split in list(data.items()):
+        if "answer" not in split.column_names and "solution" in split.column_names:
+            data[name] = split.map(lambda row: {"answer": final_answer(row["solution"])})
+    return data
 
 
 def format_data(data_format: str, script_args, reader: str):
@@ -38,6 +51,7 @@ def format_data(data_format: str, script_args, reader: str):
         rename_columns=script_args.rename_columns,
         keep_duplicates=script_args.keep_duplicates,
         data_cache_dir=getattr(script_args, "data_cache_dir", None),
+        held_out_fraction=getattr(script_args, "held_out_fraction", None),
     )
     if script_args.dataset_name is not None:
         source = f"--dataset_name {script_args.dataset_name}" + (

@@ -39,9 +39,10 @@ LAUNCH_SWITCHES = ("cpu", "multi_gpu")
 # each process saves its own random state into the checkpoint; the other files must be alike on every rank
 RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")
 USE_INSTEAD = (
-    "launch with --multi_gpu and use_cpu instead: `accelerate launch --config_file configs/accelerate/cpu_2proc.yaml` "
-    "on one CPU machine, or `accelerate launch --multi_gpu --num_machines N --machine_rank R --main_process_ip IP "
-    "--main_process_port P --num_processes TOTAL` on each machine (plugformer sets use_cpu=True without a GPU)"
+    'launch with --multi_gpu and use_cpu instead: `accelerate launch --config_file "$(plugformer accelerate-config '
+    'cpu_2proc.yaml)"` on one CPU machine, or `accelerate launch --multi_gpu --num_machines N --machine_rank R '
+    "--main_process_ip IP --main_process_port P --num_processes TOTAL` on each machine (plugformer sets use_cpu=True "
+    "without a GPU)"
 )
 
 
@@ -119,7 +120,8 @@ def launch_problem(
             f"refusing to train: the launcher started {announced} processes (WORLD_SIZE={announced}, "
             f"RANK={environ.get('RANK', '?')}; {formed}) but the trainer's world size is {trainer_world_size}, so "
             "each process would train an independent copy (use_cpu=False without a GPU?); pass --use_cpu true "
-            "(plugformer's default without a GPU) or use configs/accelerate/cpu_2proc.yaml"
+            "(plugformer's default without a GPU) or launch with `--config_file \"$(plugformer accelerate-config "
+            'cpu_2proc.yaml)"`'
         )
     # accelerate's simple launcher always sets ACCELERATE_USE_CPU, and MASTER_ADDR/MASTER_PORT only when more than
     # one process or machine was asked for; it never sets WORLD_SIZE, so no process group can form.

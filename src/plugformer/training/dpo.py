@@ -24,7 +24,20 @@ def train(script_args, model_args, training_args) -> dict:
     # picks the policy handed on; the last step is kept as the reward (`keep_last_step`)
     implicit = {**reference_record(model_args.model_name_or_path), "beta": training_args.beta}
     return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit,
-                       keep_last_step=True)  # fmt: skip
+                       keep_last_step=True, selection_signal=implicit_reward_signal(model_args, training_args))  # fmt: skip
+
+
+def implicit_reward_signal(model_args, training_args):
+    """DPO's dev signal on pairs without a verifiable answer: `(script_args, tokenizer, dev rows) ->` the implicit
+    reward's pairwise accuracy against the reference this stage trains against (`ImplicitRewardAccuracy`)."""
+
+    def signal(script_args, tokenizer, rows):
+        from .selection_signals import ImplicitRewardAccuracy
+
+        return ImplicitRewardAccuracy(rows, tokenizer, model_args.model_name_or_path, training_args.beta,
+                                      max_length=training_args.max_length)  # fmt: skip
+
+    return signal
 
 
 def reference_record(reference: str) -> dict:

@@ -1,5 +1,5 @@
 """RLVR with TRL's `GRPOTrainer` (Shao et al. 2024): groups of sampled answers per prompt, scored by verifiable
-rewards (exact numeric answer, answer format), generated with plain `generate`.
+rewards (exact numeric answer, answer format, and your own `--reward_funcs`), generated with plain `generate`.
 
 The shipped configs set TRL 1.16's default loss explicitly, `loss_type: dapo` (Yu et al. 2025: token-level losses
 normalised by the active tokens of the whole accumulated batch, no length bias), with `beta: 0.0` (no KL term, no
@@ -8,16 +8,51 @@ reference model); the model card names both."""
 from __future__ import annotations
 
 from ..evaluation.cards import StageCard
+from ..evaluation.custom_rewards import resolve_reward_function, reward_name, reward_record
 from ..evaluation.rewards import REWARD_FUNCTIONS
 from .arguments import GRPOArguments
 from .stages import Stage, register_stage
 
 
-def reward_functions(names: list[str]) -> list:
+def reward_functions(names: list[str], specs: list[str] | None = None) -> list:
+    """The built-in rewards `names` (`REWARD_FUNCTIONS`), then your own `specs` (`--reward_funcs`), in the order
+    `--reward_weights` weighs them. Raises `ValueError` for an unknown name, none at all, or two of one name (TRL
+    logs each under its name: `rewards/<name>/mean`)."""
     unknown = [name for name in names if name not in REWARD_FUNCTIONS]
-    if unknown or not names:
-        raise ValueError(f"reward_functions={names}: choose one or more of {sorted(REWARD_FUNCTIONS)}")
-    return [REWARD_FUNCTIONS[name] for name in names]
+    if unknown or not (names or specs):
+        raise ValueError(f"--reward_functions {names}: choose one or more of {sorted(REWARD_FUNCTIONS)}, or give your "
+                         "own with --reward_funcs pkg.module:function")  # fmt: skip
+    functions = [REWARD_FUNCTIONS[name] for name in names] + [resolve_reward_function(s) for s in specs or []]
+    given = [*names, *(specs or [])]
+    seen: dict[str, str] = {}
+    for value, function in zip(given, functions, strict=True):
+        name = reward_name(function)
+        if name in seen:
+            raise ValueError(f"--reward_funcs {value!r}: its function is named {name!r}, as {seen[name]!r} is; TRL "
+                             "logs each reward under its name (rewards/<name>/mean): rename one")  # fmt: skip
+        seen[name] = value
+    return functions
+
+
+def check_reward_weights(weights: list[float] | None, script_args) -> None:
+    """Raises `ValueError` unless `--reward_weights` gives one weight per reward function (built-in, then yours):
+    TRL refuses a mismatch only after the model has loaded."""
+    given = [*script_args.reward_functions, *script_args.reward_funcs]
+    if weights is not None and len(weights) != len(given):
+        raise ValueError(f"--reward_weights {list(weights)}: {len(weights)} weights for {len(given)} reward functions "
+                         f"({', '.join(given)}: --reward_functions, then --reward_funcs); give one weight each, in "
+                         "that order")  # fmt: skip
+
+
+def rewards_record(script_args, training_args) -> list[dict]:
+    """`run_info.json`'s record of the rewards trained on, in order: each one's name, weight and origin (a built-in
+    name, or your function's flag value, file and sha256)."""
+    weights = training_args.reward_weights or [1.0] * (
+        len(script_args.reward_functions) + len(script_args.reward_funcs)
+    )
+    records = [{"builtin": name, "name": reward_name(REWARD_FUNCTIONS[name])} for name in script_args.reward_functions]
+    records += [reward_record(resolve_reward_function(spec), spec) for spec in script_args.reward_funcs]
+    return [{**record, "weight": float(weight)} for record, weight in zip(records, weights, strict=True)]
 
 
 def train(script_args, model_args, training_args) -> dict:
@@ -26,11 +61,36 @@ def train(script_args, model_args, training_args) -> dict:
 
     from .common import run_trainer, sampled_tokens
 
-    rewards = reward_functions(script_args.reward_functions)
+    rewards = reward_functions(script_args.reward_functions, script_args.reward_funcs)
+    check_reward_weights(training_args.reward_weights, script_args)
     return run_trainer(
         "grpo", GRPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
         evaluate=False, compute=sampled_tokens, reward_funcs=rewards,
+        extra={"rewards": rewards_record(script_args, training_args)},
+        selection_signal=mean_reward_signal(rewards, training_args.reward_weights),
     )  # fmt: skip
+
+
+# the built-in rewards that compare completions with a ground truth (`answer` or `solution`)
+NEED_GROUND_TRUTH = ("exact_match", "math_verify", "steps")
+
+
+def mean_reward_signal(rewards: list, weights: list[float] | None):
+    """GRPO's dev signal on prompts without a verifiable answer: `(script_args, tokenizer, dev rows) ->` the weighted
+    mean reward of greedy dev answers (`MeanReward`). Refused (`ValueError`) while a built-in reward needs the
+    ground truth the data lacks: it would fail at the first step."""
+
+    def signal(script_args, tokenizer, rows):
+        from .selection_signals import MeanReward
+
+        needing = [name for name in script_args.reward_functions if name in NEED_GROUND_TRUTH]
+        if needing:
+            raise ValueError(f"--reward_functions {script_args.reward_functions}: {needing} compare completions with "
+                             f"an `answer` or `solution` column, which your data lacks (it has {rows.column_names}); "
+                             "add one, or reward with --reward_functions format and your own --reward_funcs")  # fmt: skip
+        return MeanReward(rows, tokenizer, rewards, weights, max_new_tokens=script_args.max_new_tokens)
+
+    return signal
 
 
 STAGE = register_stage(

@@ -49,9 +49,22 @@ def refuse_untrained_reward_head(path: str) -> None:
                          "output or a dpo stage's")  # fmt: skip
 
 
+def reward_model_signal(reward_model, reward_tokenizer):
+    """RLHF's dev signal on prompts without a verifiable answer: `(script_args, tokenizer, dev rows) ->` the reward
+    model's mean score of greedy dev answers (`MeanReward`): the proxy on held-out prompts, no gold score."""
+
+    def signal(script_args, tokenizer, rows):
+        from .selection_signals import ClassifierReward, MeanReward
+
+        reward = reward_model if reward_tokenizer is None else ClassifierReward(reward_model, reward_tokenizer)
+        return MeanReward(rows, tokenizer, [reward], max_new_tokens=script_args.max_new_tokens)
+
+    return signal
+
+
 def train(script_args, model_args, training_args) -> dict:
     """RLOO against the reward model; with `--selection_steps`, also `overoptimisation.png` in the output directory:
-    the reward model's score and dev exact match against KL and steps."""
+    the reward model's score and dev exact match against KL and steps (where the data holds a verifiable answer)."""
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
     from trl import RLOOTrainer
@@ -64,6 +77,7 @@ def train(script_args, model_args, training_args) -> dict:
         "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
         evaluate=False, extra={"reward_model": script_args.reward_model_path}, compute=sampled_tokens,
         reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
+        selection_signal=reward_model_signal(reward_model, reward_tokenizer),
     )  # fmt: skip
     if "selection" in info and PartialState().is_main_process:
         path = plot_overoptimisation(

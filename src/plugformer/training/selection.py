@@ -1,10 +1,11 @@
-"""Dev selection for the RL stages: score dev exact match while training, hand on the best weights.
+"""Dev selection for the policy stages: score dev while training, hand on the best weights.
 
 The NLP recipe's rule: the dev split chooses, the test split is read once at the end. `DevSelection` is a
-`TrainerCallback`; it scores greedy exact match on dev problems before the first step and every `every` steps,
-keeps a copy of the best weights, and loads them back when training ends, before the stage saves its model. The
-history (step, dev exact match, the trainer's proxy reward and KL at that step) goes into `run_info.json`; the RLHF
-stage draws it as the over-optimisation curve of Gao et al. (2023).
+`TrainerCallback`; it scores its signal on dev before the first step and every `every` steps, keeps a copy of the
+best weights, and loads them back when training ends, before the stage saves its model. The signal is greedy exact
+match (`ExactMatchSignal`) where the data holds a verifiable answer, else the stage's own (`selection_signals`). The
+history (step, the signal's value, the trainer's proxy reward and KL at that step) goes into `run_info.json`; the
+RLHF stage draws it as the over-optimisation curve of Gao et al. (2023).
 
 A DPO policy is also a reward model (its implicit reward against the reference). Selection chooses the policy it
 hands on; the reward is what DPO learned, so with `keep_last=True` the last step's weights are saved beside the
@@ -33,16 +34,33 @@ LOGGED = ("reward", "kl")
 LAST_STEP_DIR = "last_step"
 
 
+class ExactMatchSignal:
+    """Greedy dev exact match of the final number (`scoring.exact_match`) on `rows` (`prompt` and `answer`), with the
+    answers' format rate beside it: the signal wherever the data holds a verifiable answer."""
+
+    name = "dev_exact_match"
+    description = "greedy exact match of the final number against the `answer` (or `solution`) column"
+
+    def __init__(self, rows, tokenizer, max_new_tokens: int = 32):
+        self.rows, self.tokenizer, self.max_new_tokens = rows, tokenizer, max_new_tokens
+
+    def __call__(self, model, step: int) -> dict:
+        result = exact_match(model, self.tokenizer, self.rows, self.max_new_tokens, synced_gpus=is_sharded(model))
+        return {"dev_exact_match": result["exact_match"], "dev_format": result["format"]}
+
+
 class DevSelection(TrainerCallback):
-    """Scores dev exact match every `every` optimiser steps and restores the best weights at the end of training.
+    """Scores a dev signal every `every` optimiser steps and restores the best weights at the end of training.
 
     Args:
-        rows (`datasets.Dataset`): Dev problems (`prompt` and `answer` columns).
+        rows (`datasets.Dataset`): Dev problems (`prompt` and `answer` columns) for the default signal.
         tokenizer: The policy's tokenizer.
         every (`int`): Steps between two scores; the start (step 0) and the last step are always scored.
         max_new_tokens (`int`, *optional*, defaults to 32): Generation budget per answer.
         keep_last (`bool`, *optional*, defaults to `False`): Keep a full copy of the last step's weights when an
             earlier step is handed on (`last_weights`, for `save_last_step`).
+        signal (*optional*): What is scored, higher being better: a callable `(model, step) -> dict` whose entry
+            `signal.name` is the value compared; defaults to `ExactMatchSignal(rows, tokenizer, max_new_tokens)`.
 
     Every rank scores the same problems: unsharded, each its own replica (no collective); sharded by FSDP2, all in
     step (`synced_gpus`), as each forward gathers parameters from every rank, and the weights are copied and
@@ -51,27 +69,27 @@ class DevSelection(TrainerCallback):
     among the best.
     """
 
-    def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32, keep_last: bool = False):
+    def __init__(self, rows, tokenizer, every: int, max_new_tokens: int = 32, keep_last: bool = False, signal=None):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"selection_steps={every!r}: expected a positive number of steps (0 turns selection off)")
-        self.rows, self.tokenizer, self.every = rows, tokenizer, every
-        self.max_new_tokens, self.keep_last = max_new_tokens, keep_last
+        self.every, self.keep_last = every, keep_last
+        self.signal = signal if signal is not None else ExactMatchSignal(rows, tokenizer, max_new_tokens)
         self.last_weights: dict[str, torch.Tensor] | None = None
         self.history: list[dict] = []
         self.best: dict | None = None
         self._best_weights: dict[str, torch.Tensor] | None = None
 
     def score(self, model, step: int) -> None:
-        result = exact_match(model, self.tokenizer, self.rows, self.max_new_tokens, synced_gpus=is_sharded(model))
-        entry = {"step": step, "dev_exact_match": result["exact_match"], "dev_format": result["format"]}
+        key = self.signal.name
+        entry = {"step": step, **self.signal(model, step)}
         self.history.append(entry)
-        if self.best is None or entry["dev_exact_match"] > self.best["dev_exact_match"]:
+        if self.best is None or entry[key] > self.best[key]:
             self.best = entry
             reshard(model)
             # a copy, not a view: the optimiser updates the parameters in place
             self._best_weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-        logger.info("dev selection: step %d, dev exact match %.3f (best %.3f at step %d)", step,
-                    entry["dev_exact_match"], self.best["dev_exact_match"], self.best["step"])  # fmt: skip
+        logger.info("dev selection: step %d, %s %.3f (best %.3f at step %d)", step, key, entry[key], self.best[key],
+                    self.best["step"])  # fmt: skip
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -101,14 +119,16 @@ class DevSelection(TrainerCallback):
                 parameters = dict(model.named_parameters())
                 for name, value in self._best_weights.items():
                     parameters[name].copy_(value)
-            logger.warning("dev selection: handing on step %d (dev exact match %.3f), not the last step %d (%.3f)",
-                           self.best["step"], self.best["dev_exact_match"], state.global_step,
-                           self.history[-1]["dev_exact_match"])  # fmt: skip
+            key = self.signal.name
+            logger.warning("dev selection: handing on step %d (%s %.3f), not the last step %d (%.3f)",
+                           self.best["step"], key, self.best[key], state.global_step, self.history[-1][key])  # fmt: skip
         self._best_weights = None
 
     def summary(self) -> dict:
-        """What `run_info.json` records: the selected and the last step with their dev scores, and the history."""
-        return {"selected": self.best, "last": self.history[-1], "every": self.every, "history": self.history}
+        """What `run_info.json` records: the signal's name, the selected and the last step with their dev scores, and
+        the history."""
+        return {"signal": self.signal.name, "selected": self.best, "last": self.history[-1], "every": self.every,
+                "history": self.history}  # fmt: skip
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -180,12 +200,13 @@ def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy r
     """The over-optimisation picture of Gao et al. (2023) from a `DevSelection` history: the learned reward model's
     score (proxy) and dev exact match (gold) against the KL to the reference model, and against steps.
 
-    Returns the path written, or None when the history has fewer than two scored steps with a logged reward.
+    Returns the path written, or None when the history has fewer than two scored steps with a logged reward, or no
+    gold score (selection by another signal: `selection_signals`).
     """
     from ..evaluation.figures import pyplot, save_figure
 
     logged = [entry for entry in history if "reward" in entry]
-    if len(logged) < 2:
+    if len(logged) < 2 or any("dev_exact_match" not in entry for entry in history):
         return None
     plt = pyplot()
     panels = [("step", "optimiser step")] + ([("kl", "KL(policy ‖ reference), nats per token")] if all("kl" in e for e in logged) else [])  # fmt: skip

@@ -85,7 +85,8 @@ def enable_fsdp2_on_cpu() -> None:
 
 
 DEEPSPEED_ON_CPU_HINT = (
-    "on a CPU machine launch with configs/accelerate/cpu_zero2.yaml or cpu_zero3.yaml and leave use_cpu unset "
+    'on a CPU machine launch with `--config_file "$(plugformer accelerate-config cpu_zero2.yaml)"` (or '
+    "cpu_zero3.yaml) and leave use_cpu unset "
     "(plugformer then runs DeepSpeed's CPU accelerator on gloo)"
 )
 
@@ -106,7 +107,7 @@ def refuse_unshardable_request(training_args) -> None:
     if wanted == "fsdp" and on_cpu and version != "2":
         raise ValueError(
             f"the launch asks for FSDP version {version} on CPU, which accelerate cannot run there: on CPU only FSDP "
-            "version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+            "version 2 shards (fsdp_version: 2, as `plugformer accelerate-config cpu_fsdp2`)"
         )
     if wanted == "fsdp" and on_cpu and not launched:
         fsdp = training_args.fsdp
@@ -114,7 +115,7 @@ def refuse_unshardable_request(training_args) -> None:
         raise ValueError(
             f"--fsdp {asked} asks transformers for FSDP version 2 on CPU, which plugformer shards only under "
             "accelerate's FSDP2 launch: drop --fsdp and run `accelerate launch --config_file "
-            "configs/accelerate/cpu_fsdp2.yaml -m plugformer train ...`"
+            '"$(plugformer accelerate-config cpu_fsdp2)" -m plugformer train ...`'
         )
     if wanted == "deepspeed" and training_args.use_cpu:
         raise ValueError(
@@ -133,7 +134,7 @@ def refuse_unsharded_fallback(trainer) -> None:
     if expected is None or running == expected:
         return
     hint = (
-        "on CPU only FSDP version 2 shards (fsdp_version: 2, as configs/accelerate/cpu_fsdp2.yaml)"
+        "on CPU only FSDP version 2 shards (fsdp_version: 2, as `plugformer accelerate-config cpu_fsdp2`)"
         if wanted == "fsdp"
         else DEEPSPEED_ON_CPU_HINT
     )
