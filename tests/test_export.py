@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 from conftest import SCHEMES, SCORES, build, tiny_config
+from tolerances import model_tolerance
 from torch.export import Dim
 
 
@@ -37,10 +38,12 @@ ALL_VARIANTS = [pytest.param(score, scheme, id=f"{score}-{scheme}") for score in
 LOOPING = [("scaled_dot", "clamped_bias"), ("additive", "alibi")]
 
 
-def assert_equal_on_real_tokens(actual, expected, mask):
-    # a padding query attends to nothing; kernels and runtimes fill that row differently
+def assert_equal_on_real_tokens(actual, expected, mask, config):
+    # a padding query attends to nothing; kernels and runtimes fill that row differently. The exported program and
+    # the runtime compute the same model in other kernels: fp32's rounding through it (`model_tolerance`)
     real = mask.bool()
-    torch.testing.assert_close(torch.as_tensor(actual)[real], expected[real], atol=1e-5, rtol=0)
+    atol = model_tolerance(config, expected, magnitude=max(expected[real].abs().max().item(), 1.0))
+    torch.testing.assert_close(torch.as_tensor(actual)[real], expected[real], atol=atol, rtol=0)
 
 
 def check_torch_export(score, scheme):
@@ -48,7 +51,7 @@ def check_torch_export(score, scheme):
     program = torch.export.export(model, example_inputs(2, 8, 0), dynamic_shapes=DYNAMIC, strict=False)
     ids, mask = example_inputs(3, 13, 1, left_padding=4)  # another batch and length, left padding
     with torch.no_grad():
-        assert_equal_on_real_tokens(program.module()(ids, mask), model(ids, mask), mask)
+        assert_equal_on_real_tokens(program.module()(ids, mask), model(ids, mask), mask, tiny_config(score, scheme))
 
 
 @pytest.mark.parametrize(("score", "scheme"), LOOPING)
@@ -79,4 +82,4 @@ def test_onnx_export_runs_at_another_shape(score, scheme, tmp_path):
     ids, mask = example_inputs(3, 13, 1, left_padding=4)
     (logits,) = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
     with torch.no_grad():
-        assert_equal_on_real_tokens(torch.from_numpy(logits), model(ids, mask), mask)
+        assert_equal_on_real_tokens(torch.from_numpy(logits), model(ids, mask), mask, tiny_config(score, scheme))

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_hf_integration import HIDE_PLUGFORMER
+from tolerances import model_tolerance
 
 from plugformer import PlugformerConfig, PlugformerForCausalLM
 from plugformer.runtime.arguments import override_flags
@@ -110,7 +111,9 @@ def test_a_sharded_save_loads_with_trust_remote_code_without_the_package(runs, t
     model = PlugformerForCausalLM.from_pretrained(runs["sharded"]).eval()
     with torch.no_grad():
         expected = model(torch.arange(3, 19)[None]).logits
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-6, rtol=0)
+    # the other process's threads and kernel choice: `model_tolerance`
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=model_tolerance(model.config, expected),
+                               rtol=0)  # fmt: skip
 
 
 # a few steps of a 2-layer, 32-wide model (tests/test_training.py's flags)

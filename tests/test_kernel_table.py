@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SCHEMES, SCORES, build, tiny_config
+from tolerances import model_tolerance
 from transformers import AutoModelForCausalLM, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -135,7 +136,8 @@ def test_a_kernel_registered_only_with_transformers_runs_what_it_can_compute(sch
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=kernel_name).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+        expected = reference(ids).logits  # the registered kernel against eager: `model_tolerance`
+        torch.testing.assert_close(model(ids).logits, expected, atol=model_tolerance(model.config, expected), rtol=0)
     assert calls and all(bias is None for bias in calls)
 
 
@@ -155,7 +157,7 @@ def test_a_registered_kernel_declaring_a_dense_bias_gets_one_and_matches_eager(k
     with torch.no_grad():
         got, expected = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
     real = mask.bool()  # a padding query attends to nothing: its output is the kernel's own choice
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[real], expected[real], atol=model_tolerance(model.config, expected), rtol=0)
     heads = reference.config.num_attention_heads
     assert shapes and all(shape == (2, heads, 6, 6) for shape in shapes)
     # what it did not declare is still refused: a score that is not a dot product
@@ -204,7 +206,7 @@ def test_a_kernel_adding_alibi_itself_computes_alibi_only_and_gets_no_bias(kerne
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.no_grad():
         got, expected = model(ids).logits, reference(ids).logits
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=model_tolerance(model.config, expected), rtol=0)
     assert received and all(bias is None for bias in received)
     saved(tmp_path / "rope", "scaled_dot", "rope")
     with pytest.raises(ValueError, match=rf"attn_implementation='{kernel_name}' adds ALiBi.*position_scheme='rope'"):
@@ -378,8 +380,8 @@ def test_a_kernel_declaring_cache_and_padding_limits_is_refused_them(kernel_name
     with pytest.raises(ValueError, match=rf"'{kernel_name}' with padding .* padding=False\); use one of \['eager'"):
         model(ids, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     with torch.no_grad():  # no padding, a dynamic cache: computed
-        torch.testing.assert_close(model(ids).logits, build(tiny_config("scaled_dot", "rope"))(ids).logits,
-                                   atol=1e-5, rtol=0)  # fmt: skip
+        expected = build(tiny_config("scaled_dot", "rope"))(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, atol=model_tolerance(model.config, expected), rtol=0)
     static = KERNELS.decoding_with_static_caches()
     assert kernel_name not in static and "flex_attention" not in static and "sdpa" in static
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import build, tiny_config
+from tolerances import model_tolerance
 
 from plugformer import PlugformerForConditionalGeneration, train_tokenizer
 from plugformer.data.corpus import arithmetic_sentences
@@ -118,12 +119,14 @@ def intra_op_threads(count: int):
         torch.set_num_threads(previous)
 
 
-def assert_same_results(expected: dict, got: dict) -> None:
+def assert_same_results(expected: dict, got: dict, config) -> None:
     assert expected.keys() == got.keys()
     for name in expected:
         if expected[name].is_floating_point():
             # kernels may pick other blockings under contention: equal up to float rounding, not always bitwise
-            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+            # (fp32's rounding through `config`'s model, `model_tolerance`)
+            atol = model_tolerance(config, expected[name])
+            torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=0, msg=name)
         else:
             assert torch.equal(got[name], expected[name]), name
 
@@ -165,7 +168,7 @@ def test_one_model_serves_many_threads_with_the_outputs_of_one_at_a_time_calls(t
         for repeat in range(2):  # reshuffled each time so that different requests overlap
             order = jobs[repeat::2] + jobs[1 - repeat :: 2]
             for job, got in zip(order, pool.map(lambda job: request(model, requests[job]), order), strict=True):
-                assert_same_results(expected[job], got)
+                assert_same_results(expected[job], got, model.config)
 
 
 @pytest.mark.xfail(strict=True, reason="dynamic RoPE keeps its frequencies as module state (transformers' "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import tolerance
 from torch import nn
 
 from plugformer.piecewise import relu_mlp, relu_mlp_pieces
@@ -14,6 +15,28 @@ def mlp_by_layers(inputs, weight_in, bias_in, weight_out, bias_out):
     """The reference: nn.functional's two linear layers and ReLU, as `(B, H, Q, K)`."""
     hidden = nn.functional.relu(nn.functional.linear(inputs[..., None], weight_in, bias_in))  # (B, Q, K, U)
     return nn.functional.linear(hidden, weight_out, bias_out).permute(0, 3, 1, 2)  # (B, H, Q, K)
+
+
+def mlp_tolerances(inputs, weight_in, bias_in, weight_out, bias_out, grad_output) -> list[float]:
+    """`atol` of the MLP's value and of its gradients (inputs, then each parameter; upstream `grad_output`
+    `(B, H, Q, K)`) computed two ways in fp64 (linear pieces against layers): each sums terms |W2_hu| (|W1_u x| +
+    |b1_u|) + |b2_h| over the units U (the pieces' intercepts and slopes too), the gradients those terms times
+    |upstream| over the heads and units (inputs) or every position and head (parameters)."""
+    with torch.no_grad():
+        x, g = inputs.detach().abs()[..., None], grad_output.detach().abs().permute(0, 2, 3, 1)  # (B,Q,K,1), (B,Q,K,H)
+        w1, b1, w2, b2 = (p.detach().abs() for p in (weight_in[:, 0], bias_in, weight_out, bias_out))
+        hidden = x * w1 + b1 + 1  # (B, Q, K, U): a unit's terms, at least the 1 of its gate
+        units, positions = w1.numel(), x.numel()
+        bounds = [
+            (hidden @ w2.T + b2).max().item(),  # the value, over the units
+            ((g @ w2) * w1).sum(-1).max().item(),  # d/dx, over the heads and units
+            ((g @ w2) * x).sum((0, 1, 2)).max().item(),  # d/dW1, over every position and head
+            (g @ w2).sum((0, 1, 2)).max().item(),  # d/db1
+            (g[..., :, None] * hidden[..., None, :]).sum((0, 1, 2)).max().item(),  # d/dW2
+            g.sum((0, 1, 2)).max().item(),  # d/db2
+        ]
+    lengths = [units, w2.shape[0] * units, positions * w2.shape[0], positions * w2.shape[0], positions, positions]
+    return [tolerance(torch.float64, magnitude=m, length=n, steps=4) for m, n in zip(bounds, lengths, strict=True)]
 
 
 def drawn(units: int = 32, heads: int = 6, dtype=torch.float64, seed: int = 0):
@@ -48,11 +71,12 @@ def test_values_and_every_gradient_equal_the_mlp_in_fp64(batch):
     grad_output = torch.randn(batch, 6, 9, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     mine = relu_mlp(inputs, *parameters)
     reference = mlp_by_layers(inputs, *parameters)
-    torch.testing.assert_close(mine, reference, atol=1e-12, rtol=0)
+    value, *gradients = mlp_tolerances(inputs, *parameters, grad_output)
+    torch.testing.assert_close(mine, reference, atol=value, rtol=0)
     wanted = [inputs, *parameters]
-    for got, expected in zip(torch.autograd.grad(mine, wanted, grad_output),
-                             torch.autograd.grad(reference, wanted, grad_output), strict=True):  # fmt: skip
-        torch.testing.assert_close(got, expected, atol=1e-11, rtol=0)
+    for got, expected, atol in zip(torch.autograd.grad(mine, wanted, grad_output),
+                                   torch.autograd.grad(reference, wanted, grad_output), gradients, strict=True):  # fmt: skip
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
 
 def test_units_without_a_kink_are_constant_and_get_their_gradients():
@@ -67,10 +91,12 @@ def test_units_without_a_kink_are_constant_and_get_their_gradients():
     inputs = torch.linspace(-3, 3, 13, dtype=torch.float64).view(1, 1, 13)
     parameters = [weight_in, bias_in, weight_out, bias_out]
     mine, reference = relu_mlp(inputs, *parameters), mlp_by_layers(inputs, *parameters)
-    torch.testing.assert_close(mine, reference, atol=1e-12, rtol=0)
+    value, _, *gradients = mlp_tolerances(inputs, *parameters, torch.ones_like(reference))
+    torch.testing.assert_close(mine, reference, atol=value, rtol=0)
     mine_grads = torch.autograd.grad(mine.sum(), parameters)
-    for got, expected in zip(mine_grads, torch.autograd.grad(reference.sum(), parameters), strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    for got, expected, atol in zip(mine_grads, torch.autograd.grad(reference.sum(), parameters), gradients,
+                                   strict=True):  # fmt: skip
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
 
 def test_a_float32_block_is_as_close_to_the_fp64_truth_as_the_mlp():

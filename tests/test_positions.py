@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import build, decode_in_chunks, tiny_config
+from tolerances import layer_tolerance, model_tolerance, tolerance
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -115,16 +116,19 @@ def test_rope_partial_rotary_factor_matches_phi():
     cos, sin = rope.rotary(query.transpose(1, 2), positions)
     assert cos.shape == (1, 5, 2)
     phi_cos, phi_sin = phi_rope(query, positions)
-    torch.testing.assert_close(cos, phi_cos, atol=1e-6, rtol=0)
+    # the rotated pair's angles p·θ_0 = p are exact (θ_0 = base^0 = 1): cos's own rounding only, a few ulps
+    torch.testing.assert_close(cos, phi_cos, atol=tolerance(torch.float32, steps=2), rtol=0)
     rotated_q, rotated_k = apply_rotary(query, key, cos, sin)
     phi_q, phi_k = phi_apply_rotary(query[..., :2], key[..., :2], phi_cos, phi_sin)
-    torch.testing.assert_close(rotated_q, torch.cat([phi_q, query[..., 2:]], -1), atol=1e-6, rtol=0)
-    torch.testing.assert_close(rotated_k, torch.cat([phi_k, key[..., 2:]], -1), atol=1e-6, rtol=0)
+    # x0·cos − x1·sin: terms |x0| + |x1|, through cos's and sin's rounding, two products and the sum
+    atol = tolerance(torch.float32, magnitude=torch.cat([query, key])[..., :2].abs().sum(-1).max().item(), steps=4)
+    torch.testing.assert_close(rotated_q, torch.cat([phi_q, query[..., 2:]], -1), atol=atol, rtol=0)
+    torch.testing.assert_close(rotated_k, torch.cat([phi_k, key[..., 2:]], -1), atol=atol, rtol=0)
     # by hand: the pair (x0, x1) turns by angle p · theta_0 = p (theta_0 = base^0); the other dimensions are untouched
     angle = positions[0].float()
     x0, x1 = query[..., 0], query[..., 1]
-    torch.testing.assert_close(rotated_q[..., 0], x0 * angle.cos() - x1 * angle.sin(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(rotated_q[..., 1], x1 * angle.cos() + x0 * angle.sin(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotated_q[..., 0], x0 * angle.cos() - x1 * angle.sin(), atol=atol, rtol=0)
+    torch.testing.assert_close(rotated_q[..., 1], x1 * angle.cos() + x0 * angle.sin(), atol=atol, rtol=0)
     assert torch.equal(rotated_q[..., 2:], query[..., 2:])
 
 
@@ -136,8 +140,9 @@ def test_rope_partial_rotary_factor_decodes_with_a_cache_as_the_full_forward(ker
         full = model(tokens, use_cache=False).logits
         eager = build(tiny_config(scheme="rope", rope_parameters=PARTIAL), "eager")(tokens, use_cache=False).logits
     cached = decode_in_chunks(model, tokens, [4, 1, 1, 1, 1, 1], DynamicCache(config=model.config))
-    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
-    torch.testing.assert_close(full, eager, atol=1e-5, rtol=0)
+    # cached against full, the kernel against eager: fp32's rounding through the model (`model_tolerance`)
+    torch.testing.assert_close(cached, full, atol=model_tolerance(model.config, full), rtol=0)
+    torch.testing.assert_close(full, eager, atol=model_tolerance(model.config, full), rtol=0)
     legacy = tiny_config(scheme="rope", partial_rotary_factor=0.25)  # Phi's top-level key, as transformers converts it
     assert legacy.rope_parameters["partial_rotary_factor"] == 0.25
 
@@ -181,13 +186,14 @@ def test_rope_no_rope_layers_make_nope_layers(kernel):
         for index, rotated in ((0, True), (1, False)):
             hidden, output = seen[index]
             expected = attention_by_hand(model.model.layers[index].self_attn, hidden, *((cos, sin) if rotated else ()))
-            torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+            atol = layer_tolerance(model.model.layers[index].self_attn, hidden)  # two fp32 computations of a layer
+            torch.testing.assert_close(output, expected, atol=atol, rtol=0)
         # layer 1 with the rotation would differ: the flag acts
         rotated_1 = attention_by_hand(model.model.layers[1].self_attn, seen[1][0], cos, sin)
         assert (rotated_1 - seen[1][1]).abs().max() > 1e-4
         full = model(tokens, use_cache=False).logits
     cached = decode_in_chunks(model, tokens, [3, 1, 1, 1, 1], DynamicCache(config=model.config))
-    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached, full, atol=model_tolerance(model.config, full), rtol=0)
 
 
 def test_rope_no_rope_layers_are_checked():
@@ -212,10 +218,13 @@ def test_kerple_log_matches_the_papers_formula():
     bias = kerple.bias(queries, keys)[0]  # (H, Q, K)
     expected = torch.tensor([[[-r1[h] * math.log(1 + r2[h] * abs(i - j)) for j in keys.tolist()]
                               for i in queries.tolist()] for h in range(4)])  # fmt: skip
-    torch.testing.assert_close(bias, expected, atol=1e-6, rtol=0)
+    # fp32 against Python floats: r1 · log(1 + r2·d) through the softplus (exp, log1p), the product, the sum, the
+    # log and the product: a relative u each of terms of size max(|bias|, r1) (a log's absolute error is relative)
+    atol = tolerance(torch.float32, magnitude=max(expected.abs().max().item(), max(r1)), steps=6)
+    torch.testing.assert_close(bias, expected, atol=atol, rtol=0)
     # the per-distance values a kernel gets expand to the same matrix
     values = kerple.bias_by_distance(3, 6, 0, 12, torch.device("cpu"))
-    torch.testing.assert_close(RelativeBias(values, 6, 12).dense()[0], expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(RelativeBias(values, 6, 12).dense()[0], expected, atol=atol, rtol=0)
 
 
 def test_kerple_log_coefficients_stay_positive_and_learn():
@@ -257,6 +266,18 @@ def fire_by_hand(fire, query_position: int, key_position: int) -> list[float]:
     return [sum(w * h for w, h in zip(row, hidden, strict=True)) + b for row, b in zip(w2, b2, strict=True)]
 
 
+def fire_tolerance(fire, query_position: int, key_position: int) -> float:
+    """`atol` of FIRE's fp32 bias b(i, j) against `fire_by_hand`: the MLP's terms Σ_k |W2_hk| (|W1_k x| + |b1_k|) +
+    |b2_h| (x's own rounding, from its two logs, the division and the ε, reaches b through |W1_k x|) summed by the
+    MLP's width, through the six rounded steps of x and the hidden layer."""
+    i, j = query_position, key_position
+    c, threshold, later = abs(fire.distance_scale.item()), fire.threshold().item(), max(i, j)
+    x = math.log(c * abs(i - j) + 1) / (math.log(c * max(threshold, later) + 1) + 1e-6)
+    hidden = (fire.mlp_in.weight[:, 0] * x).abs() + fire.mlp_in.bias.abs()  # (width,)
+    terms = fire.mlp_out.weight.abs() @ hidden + fire.mlp_out.bias.abs()  # (H,)
+    return tolerance(torch.float32, magnitude=terms.max().item(), length=hidden.numel(), steps=6)
+
+
 def test_fire_matches_the_papers_formula():
     """FIRE (Li et al. 2023, §3): every causal entry of the (H, Q, K) bias worked out with `math.log` and the MLP
     written out by hand, for queries 0..7 around the threshold L = 3.5."""
@@ -265,7 +286,8 @@ def test_fire_matches_the_papers_formula():
     bias = fire.bias(slots, slots)[0]  # (H, Q, K)
     for i in range(8):
         for j in range(i + 1):
-            torch.testing.assert_close(bias[:, i, j], torch.tensor(fire_by_hand(fire, i, j)), atol=1e-5, rtol=1e-5)
+            expected = torch.tensor(fire_by_hand(fire, i, j))
+            torch.testing.assert_close(bias[:, i, j], expected, atol=fire_tolerance(fire, i, j), rtol=0)
     # below L every query is normalised by ψ(L): the bias of a distance is the same for queries 0..3
     torch.testing.assert_close(bias[:, 3, 1], bias[:, 2, 0])
     assert not torch.allclose(bias[:, 7, 5], bias[:, 2, 0])  # past L it depends on the query position
@@ -290,7 +312,8 @@ def test_fire_bidirectional_inputs_are_signed_and_normalised_by_the_later_positi
     slots = torch.arange(8)
     bias = fire.bias(slots, slots)[0]
     for i, j in [(0, 7), (2, 5), (5, 2), (6, 6), (7, 0)]:
-        torch.testing.assert_close(bias[:, i, j], torch.tensor(fire_by_hand(fire, i, j)), atol=1e-5, rtol=1e-5)
+        expected = torch.tensor(fire_by_hand(fire, i, j))
+        torch.testing.assert_close(bias[:, i, j], expected, atol=fire_tolerance(fire, i, j), rtol=0)
     inputs = fire.mlp_inputs(slots[None], slots[:, None] - slots[None, :])[0]  # (Q, K)
     assert (inputs.triu(1) < 0).sum() == 28 and inputs.abs().max() <= 1  # every later key negative, all in [-1, 1]
 
@@ -353,7 +376,11 @@ def test_rope_scores_depend_on_relative_offset_only():
         _, k = apply_rotary(key, key, *rope.rotary(torch.zeros(1, 1, 32), torch.tensor([[n]])))
         return (q * k).sum(-1)
 
-    torch.testing.assert_close(score(7, 3), score(107, 103), atol=1e-4, rtol=0)
+    # angles up to 107 radians rounded to a relative u (their θ_i too) move the rotated entries by u·107·|x|: the
+    # dot product's terms |q_d k_d| summed, times 107, through the rotation's products and sums
+    magnitude = 107 * (query.abs() * key.abs()).sum(-1).max().item()
+    torch.testing.assert_close(score(7, 3), score(107, 103), atol=tolerance(torch.float32, magnitude=magnitude,
+                               length=8, steps=4), rtol=0)  # fmt: skip
     assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-3)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from test_fire import left_padded, with_small_threshold
-from tolerances import assert_same_step
+from tolerances import assert_same_step, attention_tolerances
 
 import plugformer.kernels as kernels
 import plugformer.kernels_sdpa as kernels_sdpa
@@ -24,6 +24,17 @@ from plugformer.positions_bias import FireBias
 
 
 HEADS, KV_HEADS, DIM = 4, 2, 8  # GQA: two query heads per key/value head
+NAMES = (
+    "query",
+    "key",
+    "value",
+    "distance_scale",
+    "threshold_scale",
+    "mlp_in.weight",
+    "mlp_in.bias",
+    "mlp_out.weight",
+    "mlp_out.bias",
+)  # the tensors whose gradients the tests compare, in `(q, k, v, *fire.bias_parameters())`'s order
 
 
 @pytest.fixture
@@ -59,6 +70,44 @@ def reference(fire, query, key, value, allowed, query_offset, positions, scaling
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.matmul(weights, value_heads)
+
+
+def fire_tolerances(fire, query, key, value, upstream, allowed, query_offset, positions, scaling, kept=1.0):
+    """`atol` of the kernel's output and gradients (upstream `upstream` `(B, Q, H, D)`) against `reference`, both
+    fp64: `attention_tolerances` with FIRE's dense bias and `allowed`, the values scaled by 1 / `kept` (dropout);
+    a parameter θ of the bias gets Σ_h Σ_ij ds_hij ∂b_hij/∂θ, so its error is at most the bias's bound (a head's
+    pairs) times the heads that share θ (all of them for c, L and f_θ's first layer, one for its second) times
+    max|∂b/∂θ|: from f_θ(x) = Σ_u W2_hu relu(W1_u x + b1_u) + b2_h, relu(·) for W2, 1 for b2, |W2|·|x| for W1, |W2|
+    for b1, and |f_θ'(x)| · |∂x/∂c| (∂x/∂L) for c (L), by forward-mode autograd through `mlp_inputs`."""
+    from torch.autograd import forward_ad
+
+    bias = fire.bias_values(query_offset, query.shape[2], 0, key.shape[2], positions).detach()
+    atol = attention_tolerances(query, key, value, upstream.transpose(1, 2), scaling, bias, allowed, torch.float64)
+    atol = {name: bound / kept for name, bound in atol.items()}
+    slots = torch.arange(query.shape[2]) + query_offset
+    behind = slots[:, None] - torch.arange(key.shape[2])[None, :]  # (Q, K)
+    parameters = [parameter.detach() for parameter in fire.bias_parameters()]
+    slopes = []
+    for index in (0, 1):  # ∂x/∂c, ∂x/∂L
+        with forward_ad.dual_level():
+            dual = list(parameters)
+            dual[index] = forward_ad.make_dual(parameters[index], torch.ones_like(parameters[index]))
+            slopes.append(forward_ad.unpack_dual(fire.mlp_inputs(positions, behind, dual)).tangent.abs())
+    weight_in, bias_in, weight_out = parameters[2][:, 0], parameters[3], parameters[4]
+    x = fire.mlp_inputs(positions, behind, parameters).detach()  # (B', Q, K)
+    hidden = x[..., None] * weight_in + bias_in  # (B', Q, K, U)
+    derivative = ((hidden > 0) * weight_in) @ weight_out.T  # (B', Q, K, H): f_θ'(x)
+    largest = derivative.abs().amax(-1)
+    heads, out = weight_out.shape[0], weight_out.abs().max().item()
+    sensitivity = {
+        "distance_scale": heads * (largest * slopes[0]).max().item(),
+        "threshold_scale": heads * (largest * slopes[1]).max().item(),
+        "mlp_in.weight": heads * out * x.abs().max().item(),
+        "mlp_in.bias": heads * out,
+        "mlp_out.weight": hidden.clamp(min=0).max().item(),
+        "mlp_out.bias": 1.0,
+    }
+    return atol | {name: atol["bias"] * size for name, size in sensitivity.items()}
 
 
 def case(name: str):
@@ -107,16 +156,15 @@ def test_outputs_and_every_gradient_equal_the_eager_computation_in_fp64(name, sm
     assert query_bias_applies(query, key, bias)
     output, _ = query_bias_attention_forward(Attention(causal), query, key, value, mask, scaling, 0.0, bias)
     expected = reference(fire, query, key, value, allowed, query_offset, positions, scaling).transpose(1, 2)
-    torch.testing.assert_close(output, expected, atol=1e-12, rtol=1e-10)
+    atol = fire_tolerances(fire, query, key, value, upstream, allowed, query_offset, positions, scaling)
+    torch.testing.assert_close(output, expected, atol=atol["output"], rtol=0)
     inputs = (query, key, value, *fire.bias_parameters())
     got = torch.autograd.grad((output * upstream).sum(), inputs)
     want = torch.autograd.grad((expected * upstream).sum(), inputs)
-    names = ("query", "key", "value", "distance_scale", "threshold_scale", "mlp_in.weight", "mlp_in.bias",
-             "mlp_out.weight", "mlp_out.bias")  # fmt: skip
-    for label, mine, theirs in zip(names, got, want, strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-11, rtol=1e-9, msg=label)
+    for label, mine, theirs in zip(NAMES, got, want, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=atol[label], rtol=0, msg=label)
     # c, L and θ do get a gradient here (L not in decoding: every query there lies past L = 2)
-    for label, grad in zip(names[3:6], want[3:6], strict=True):
+    for label, grad in zip(NAMES[3:6], want[3:6], strict=True):
         assert grad.abs().sum() > 1e-6 or (name, label) == ("decode", "threshold_scale"), label
 
 
@@ -225,11 +273,13 @@ def test_attention_dropout_drops_the_weights_of_a_seeded_keep_mask():
     )
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     expected = torch.matmul(weights * keep, value_heads).transpose(1, 2)  # (B, Q, H, D)
-    torch.testing.assert_close(output, expected, atol=1e-12, rtol=1e-10)
+    upstream = torch.ones_like(expected)  # output.sum()
+    atol = fire_tolerances(fire, query, key, value, upstream, allowed, 0, positions, DIM**-0.5, kept=1.0 - dropout)
+    torch.testing.assert_close(output, expected, atol=atol["output"], rtol=0)
     inputs = (query, key, value, *fire.bias_parameters())
-    for mine, theirs in zip(torch.autograd.grad(output.sum(), inputs), torch.autograd.grad(expected.sum(), inputs),
-                            strict=True):  # fmt: skip
-        torch.testing.assert_close(mine, theirs, atol=1e-11, rtol=1e-9)
+    for label, mine, theirs in zip(NAMES, torch.autograd.grad(output.sum(), inputs),
+                                   torch.autograd.grad(expected.sum(), inputs), strict=True):  # fmt: skip
+        torch.testing.assert_close(mine, theirs, atol=atol[label], rtol=0, msg=label)
 
 
 def test_the_dense_values_serve_inference_and_a_frozen_bias():

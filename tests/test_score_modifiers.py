@@ -12,6 +12,7 @@ import pytest
 import test_combinations as shared
 import torch
 from conftest import build, tiny_config
+from tolerances import model_tolerance, softmax_spread, tolerance
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from plugformer import ATTENTION_SCORES, PlugformerForCausalLM, supported_kernels
@@ -42,7 +43,7 @@ def test_qk_norm_matches_qwen3(kernel, tokens):
     model.set_attn_implementation(kernel)
     with torch.no_grad():
         expected, got = reference(tokens).logits, model(tokens).logits
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, expected, atol=model_tolerance(model.config, expected), rtol=0)  # two fp32 models
 
 
 def test_qk_norm_is_off_by_default_and_type_checked():
@@ -102,6 +103,22 @@ def test_qk_norm_and_sink_parameters_are_counted(head):
 # --- attn_logit_softcapping (Gemma 2) ----------------------------------------------------------------------------
 
 
+def sink_or_cap_tolerance(query, key, value, scaling, logits, allowed, steps):
+    """`atol` of fp32 attention over `logits` `(B, H, Q, K')` (capped, or with a sink's column; `allowed` True where
+    a key is seen) against the same in fp64 or in fp32 elsewhere (the weights: magnitude 1 in place of max|V|): the
+    row's softmax over its keys (spread, exp and the division), the dot product's rounding in units of u
+    (√D · scaling · max Σ_d |q_d k_d|; a cap's tanh passes it on with slope ≤ 1) and the score's own `steps`."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.double().repeat_interleave(groups, 1)
+    dot = query.shape[-1] ** 0.5 * scaling * (query.double().abs() @ key.abs().transpose(-1, -2)).max().item()
+    spread = softmax_spread(logits, allowed) + dot + steps
+    bound = tolerance(
+        torch.float32, magnitude=value.abs().max().item(), length=logits.shape[-1], spread=spread, steps=2
+    )
+    weights = tolerance(torch.float32, length=logits.shape[-1], spread=spread, steps=2)
+    return bound, weights
+
+
 def capped_attention(query, key, value, scaling, cap, mask):
     """softmax(c·tanh(scaling·q·k / c) + mask) V in float64, one head per key head (Gemma 2's eager order)."""
     logits = (query.double() @ key.double().transpose(-1, -2)) * scaling
@@ -129,7 +146,10 @@ def test_softcap_matches_formula(kernel):
 
         mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 6, 6, device="cpu")
     out, _ = function(module, query, key, value, mask, scaling=0.5, softcap=3.0)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    logits = 3.0 * torch.tanh(query.double() @ key.double().transpose(-1, -2) * 0.5 / 3.0)
+    # the cap's tanh, division and product: 3 steps of a score of size ≤ 3 (in units of u: 9)
+    atol, _ = sink_or_cap_tolerance(query, key, value, 0.5, logits, causal == 0, steps=3 * 3.0)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
     uncapped = capped_attention(query, key, value, 0.5, 1e9, causal)
     assert (uncapped - expected).abs().max() > 0.1  # the cap matters at these logits
 
@@ -181,14 +201,19 @@ def test_sinks_match_gpt_oss_eager_attention(kernel):
     module.eval()
     expected, expected_weights = gpt_oss_eager(module, query, key, value, mask, scaling=8**-0.5)
     assert (expected_weights.sum(-1) < 0.999).all()  # the sink absorbed weight in every row
+    # both fp32: the rows' softmax over the keys and the sink's column (a sink logit rounds once)
+    logits = query.double() @ key.double().repeat_interleave(2, 1).transpose(-1, -2) * 8**-0.5
+    logits = torch.cat([logits, sinks.double().view(1, 4, 1, 1).expand(2, 4, 6, 1)], dim=-1)
+    allowed = torch.cat([torch.ones(6, 6, dtype=torch.bool).tril(), torch.ones(6, 1, dtype=torch.bool)], dim=-1)
+    atol, weights_atol = sink_or_cap_tolerance(query, key, value, 8**-0.5, logits, allowed, steps=1)
     if kernel == "eager":
         out, weights = eager_attention_forward(module, query, key, value, mask, scaling=8**-0.5, s_aux=sinks)
-        torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=0)
+        torch.testing.assert_close(weights, expected_weights, atol=weights_atol, rtol=0)
     else:  # the boolean mask transformers builds for sdpa, and none (is_causal)
         out, _ = sdpa_forward(module, query, key, value, mask == 0, scaling=8**-0.5, s_aux=sinks)
         unmasked, _ = sdpa_forward(module, query, key, value, None, scaling=8**-0.5, s_aux=sinks)
-        torch.testing.assert_close(unmasked, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(unmasked, expected, atol=atol, rtol=0)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
 
 
 def test_sinks_are_learned_and_refused_where_not_computed(tokens):

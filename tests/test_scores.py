@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import additive_path, build, spy_additive_chunks, tiny_config
-from tolerances import assert_close, softmax_spread
+from test_additive_native import GRADIENT_STEPS, chunk_tolerances
+from test_additive_native import SCORE_STEPS as NATIVE_SCORE_STEPS
+from tolerances import assert_close, model_tolerance, softmax_spread, tolerance
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -46,6 +48,18 @@ def attention_reference(score):
     return torch.tensor([out])  # (1, Q, D_v) for one head
 
 
+def terms(a, b):
+    return sum(abs(x * y) for x, y in zip(a, b, strict=True))
+
+
+def magnitudes(matrix):
+    return [[abs(x) for x in row] for row in matrix]
+
+
+def norm(a):
+    return math.sqrt(dot(a, a))
+
+
 REFERENCE_SCORES = {
     "dot": lambda q, k: dot(q, k),
     "scaled_dot": lambda q, k: dot(q, k) / math.sqrt(2),
@@ -55,6 +69,32 @@ REFERENCE_SCORES = {
         ENERGY, [math.tanh(x + y) for x, y in zip(matvec_t(W1, q), matvec_t(W2, k), strict=True)]
     ),
 }
+
+
+# the size of the terms each score is formed from (Σ_d |q_d k_d| for a dot product; for additive Σ_a |v_a| (|tanh| ≤
+# 1 plus its argument's terms): the scale of its rounding in fp32
+SCORE_TERMS = {
+    "dot": lambda q, k: terms(q, k),
+    "scaled_dot": lambda q, k: terms(q, k) / math.sqrt(2),
+    "multiplicative": lambda q, k: terms([abs(x) for x in q], [terms(W[d], k) for d in range(2)]),
+    "cosine": lambda q, k: GAIN * terms(q, k) / (norm(q) * norm(k)),
+    "additive": lambda q, k: terms(ENERGY, [1 + x + y for x, y in zip(matvec_t(magnitudes(W1), magnitudes([q])[0]),
+                                                                       matvec_t(magnitudes(W2), magnitudes([k])[0]),
+                                                                       strict=True)]),
+}  # fmt: skip
+# rounded operations of a score (its products and sums, a norm's square root and division, a tanh)
+SCORE_STEPS = 4
+
+
+def formula_tolerance(name: str) -> float:
+    """`atol` of a kernel's fp32 output against `attention_reference` of score `name` in Python floats: the softmax
+    over the 3 keys of max|V|-sized values (its `softmax_spread`, exp and the division), and the scores' own rounding
+    (SCORE_STEPS · max SCORE_TERMS in units of u), which moves a weight p_j by p_j (δs_j − Σ_k p_k δs_k)."""
+    scores = torch.tensor([[REFERENCE_SCORES[name](q, k) for k in K] for q in Q], dtype=torch.float64)
+    size = max(SCORE_TERMS[name](q, k) for q in Q for k in K)
+    values = max(abs(x) for v in V for x in v)
+    return tolerance(torch.float32, magnitude=values, length=len(K), spread=softmax_spread(scores) + SCORE_STEPS * size,
+                     steps=2)  # fmt: skip
 
 
 # differential: one pair of query heads (maps 1 and 2) over two key/value heads, d_k = 2, the second layer
@@ -91,6 +131,27 @@ def differential_reference(layer_idx: int = 1):
     return torch.tensor([out])  # (1, Q, 2·D) for the one differential head
 
 
+def differential_tolerance(layer_idx: int = 1) -> float:
+    """`atol` of the fp32 differential head against `differential_reference`: each map's softmax over 3 keys (spread,
+    scores of terms Σ|q_d k_d| / √2), of values of terms Σ_j p_j |v_j| + |λ| Σ_j p'_j |v_j|; the difference cancels,
+    and RMSNorm divides its error by the row's rms (times 1 − λ_init); λ's exp and sums, the norm: 6 more steps."""
+    lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+    lam = math.exp(dot(LAMBDAS["lambda_q1"], LAMBDAS["lambda_k1"])) - math.exp(
+        dot(LAMBDAS["lambda_q2"], LAMBDAS["lambda_k2"])
+    )
+    lam += lambda_init
+    values = torch.tensor([v1 + v2 for v1, v2 in zip(V1, V2, strict=True)], dtype=torch.float64)  # (K, 4)
+    maps = [torch.tensor([[dot(q, k) / math.sqrt(2) for k in keys] for q in queries], dtype=torch.float64)
+            for queries, keys in ((Q, K), (Q2, K2))]  # fmt: skip
+    first, second = (scores.softmax(-1) for scores in maps)  # (Q, K)
+    difference = (first - lam * second) @ values  # (Q, 4)
+    size = (first @ values.abs() + abs(lam) * second @ values.abs()).amax(-1)  # (Q,)
+    amplification = (size / difference.pow(2).mean(-1).add(EPS).sqrt()).max().item()
+    dots = max(terms(q, k) / math.sqrt(2) for queries, keys in ((Q, K), (Q2, K2)) for q in queries for k in keys)
+    spread = max(softmax_spread(scores) for scores in maps) + SCORE_STEPS * dots
+    return tolerance(torch.float32, magnitude=(1 - lambda_init) * amplification, length=len(K), spread=spread, steps=8)
+
+
 def run_differential(kernel: str, layer_idx: int = 1):
     """The score's hooks around a kernel call, as the attention layer makes them."""
     config = tiny_config("differential", "none", num_attention_heads=2, num_key_value_heads=2, hidden_size=4)
@@ -109,7 +170,8 @@ def run_differential(kernel: str, layer_idx: int = 1):
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_differential_matches_formula(kernel):
-    torch.testing.assert_close(run_differential(kernel), differential_reference(), atol=1e-6, rtol=0)
+    atol = differential_tolerance()
+    torch.testing.assert_close(run_differential(kernel), differential_reference(), atol=atol, rtol=0)
 
 
 # scores whose reference is not one e(q, k) per pair of a query and a key
@@ -144,14 +206,14 @@ def run_kernel(name, kernel):
 
 @pytest.mark.parametrize("name", list(REFERENCE_SCORES))
 def test_score_matches_formula_on_eager(name):
-    torch.testing.assert_close(
-        run_kernel(name, "eager"), attention_reference(REFERENCE_SCORES[name]), atol=1e-6, rtol=0
-    )
+    expected = attention_reference(REFERENCE_SCORES[name])
+    torch.testing.assert_close(run_kernel(name, "eager"), expected, atol=formula_tolerance(name), rtol=0)
 
 
 @pytest.mark.parametrize("name", [n for n in REFERENCE_SCORES if ATTENTION_SCORES.get(n).dot_product])
 def test_dot_product_scores_run_exactly_on_sdpa(name):
-    torch.testing.assert_close(run_kernel(name, "sdpa"), attention_reference(REFERENCE_SCORES[name]), atol=1e-6, rtol=0)
+    expected = attention_reference(REFERENCE_SCORES[name])
+    torch.testing.assert_close(run_kernel(name, "sdpa"), expected, atol=formula_tolerance(name), rtol=0)
 
 
 def test_every_registered_score_has_a_reference():
@@ -209,14 +271,16 @@ def test_the_value_and_output_hooks_run_after_the_cache_and_before_o_proj(kernel
         for name, value in (("value_width", 2), ("prepare_value", widen), ("prepare_output", fold)):
             monkeypatch.setattr(score, name, value)
         model = build(config, kernel)
-        torch.testing.assert_close(model(tokens).logits, expected, atol=1e-5, rtol=0)
+        atol = model_tolerance(config, expected)  # wider values folded back: fp32's rounding through the model
+        torch.testing.assert_close(model(tokens).logits, expected, atol=atol, rtol=0)
         cache = DynamicCache(config=model.config)
         steps = [model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(tokens.shape[1])]
-        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=atol, rtol=0)
         assert cache.layers[0].values.shape[-1] == config.head_dim
         torch.manual_seed(0)
         hooked = PlugformerForConditionalGeneration(seq2seq_config).eval()(tokens, decoder_input_ids=tokens)
-        torch.testing.assert_close(hooked.logits, expected_seq2seq.logits, atol=1e-5, rtol=0)
+        atol = model_tolerance(seq2seq_config, expected_seq2seq.logits)
+        torch.testing.assert_close(hooked.logits, expected_seq2seq.logits, atol=atol, rtol=0)
     # 2 layers: full forward + 12 steps; seq2seq: 2 encoder, 2 decoder self- and 2 cross-attention layers
     assert calls.count("value") == calls.count("output") == 2 * (1 + tokens.shape[1]) + 6
 
@@ -246,7 +310,9 @@ def test_additive_kernel_bounds_memory_per_chunk(path, training, monkeypatch):
     chunks = spy_additive_chunks(monkeypatch)
     module = SimpleNamespace(num_key_value_groups=1, training=training, config=SimpleNamespace(output_attentions=False))
     out, weights = kernels_additive.additive_attention_forward(module, query, key, value, mask, energy=energy)
-    torch.testing.assert_close(out, naive_additive(query, key, value, energy, mask), atol=1e-5, rtol=0)
+    # the chunks against one pass of the formula, both fp32: the bound of a chunk against fp64 (`chunk_tolerances`)
+    atol = chunk_tolerances(query, key, value, energy, 0.0, mask, torch.zeros_like(query))["output"]
+    torch.testing.assert_close(out, naive_additive(query, key, value, energy, mask), atol=atol, rtol=0)
     assert weights is None
     assert len(chunks) > 1
     for (b, h, c, a), (_, _, k, _) in chunks:
@@ -264,8 +330,11 @@ def test_additive_checkpointed_chunks_give_the_same_gradients():
         )
         out.square().sum().backward()
         grads.append([leaf.grad for leaf in leaves])
-    for full, chunked in zip(*grads, strict=True):
-        torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+        upstream = 2 * out.detach().transpose(1, 2)  # d(Σ out²)/d out, (B, H, Q, D) as the kernel's inputs
+    # both fp32, each within a chunk's bound against fp64 (`chunk_tolerances`; upstream 2·out)
+    bounds = chunk_tolerances(query, key, value, energy, 0.0, mask, upstream)
+    for name, full, chunked in zip(("query", "key", "value", "energy"), *grads, strict=True):
+        torch.testing.assert_close(chunked, full, atol=bounds[name], rtol=0, msg=name)
 
 
 def fp64_leaves(*shapes, scale=2.0, seed=0):
@@ -288,12 +357,24 @@ def test_additive_scores_function_equals_autograd_in_fp64(path, monkeypatch):
     upstream = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     scores = kernels_additive.AdditiveScores.apply(query, key, energy)
     reference = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy)
-    torch.testing.assert_close(scores, reference, atol=1e-13, rtol=0)
+    # fp64 both sides, as test_additive_native's fp32 bounds: a score sums 4 terms of size |v_a| (SCORE_STEPS each);
+    # a gradient sums |upstream| · |v_a| over keys (query) or queries (key), |upstream| over every pair (energy)
+    energy_size, size = energy.detach().abs(), upstream.abs()
+    atol = tolerance(torch.float64, magnitude=energy_size.sum(-1).max().item(), length=4, steps=NATIVE_SCORE_STEPS)
+    torch.testing.assert_close(scores, reference, atol=atol, rtol=0)
+    bounds = {
+        "query": tolerance(torch.float64, magnitude=energy_size.max().item() * size.sum(-1).max().item(), length=7,
+                           steps=GRADIENT_STEPS),
+        "key": tolerance(torch.float64, magnitude=energy_size.max().item() * size.sum(-2).max().item(), length=5,
+                         steps=GRADIENT_STEPS),
+        "energy": tolerance(torch.float64, magnitude=size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
+                            steps=GRADIENT_STEPS),
+    }  # fmt: skip
     expected = torch.autograd.grad(reference, (query, key, energy), upstream)
     for _ in range(2):
         grads = torch.autograd.grad(scores, (query, key, energy), upstream, retain_graph=True)
         for name, grad, want in zip(("query", "key", "energy"), grads, expected, strict=True):
-            torch.testing.assert_close(grad, want, atol=1e-12, rtol=0, msg=name)
+            torch.testing.assert_close(grad, want, atol=bounds[name], rtol=0, msg=name)
 
 
 def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd():

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import build, projection_combinations, tiny_config, trainable_on_this_device
+from tolerances import model_tolerance
 from transformers import DynamicCache, StaticCache
 
 from plugformer import POSITION_SCHEMES, PlugformerConfig, PlugformerForMaskedLM
@@ -19,7 +20,6 @@ from plugformer.compat import CACHE_NAMED_CACHE
 
 
 WINDOW = 3
-ATOL = 1e-5
 # flex_attention compiles a kernel per shape on CPU (seconds each): one scheme with a score bias, one without
 _FLEX_SCHEMES = {next(s for s in POSITION_SCHEMES if POSITION_SCHEMES.get(s).has_bias),
                  next(s for s in POSITION_SCHEMES if not POSITION_SCHEMES.get(s).has_bias)}  # fmt: skip
@@ -68,7 +68,8 @@ def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, pr
     model = build(tiny_config(score, scheme, projection, sliding_window=WINDOW), kernel)
     reference = without_window(model)
     expected = logits(reference, tokens, attention_mask=window_mask(tokens.shape[1], WINDOW).expand(2, 1, -1, -1))
-    torch.testing.assert_close(logits(model, tokens), expected, atol=ATOL, rtol=0)
+    # the window against an explicit mask: fp32's rounding through the model (`model_tolerance`)
+    torch.testing.assert_close(logits(model, tokens), expected, atol=model_tolerance(model.config, expected), rtol=0)
     # the window matters here: full attention differs
     assert (logits(reference, tokens) - expected).abs().max() > 1e-3
 
@@ -76,8 +77,9 @@ def test_sliding_window_equals_an_explicit_window_mask(score, scheme, kernel, pr
 @pytest.mark.parametrize("score,scheme,kernel,projection", SLIDING_KERNELS)
 def test_sliding_window_kernels_match_eager(score, scheme, kernel, projection, tokens):
     config = tiny_config(score, scheme, projection, sliding_window=WINDOW)
-    torch.testing.assert_close(logits(build(config, kernel), tokens), logits(build(config, "eager"), tokens),
-                               atol=ATOL, rtol=0)  # fmt: skip
+    expected = logits(build(config, "eager"), tokens)
+    atol = model_tolerance(config, expected)  # the kernel against eager
+    torch.testing.assert_close(logits(build(config, kernel), tokens), expected, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("cache_class", ["dynamic", "static"])
@@ -103,7 +105,7 @@ def test_sliding_window_cached_decoding_equals_full_forward(score, scheme, kerne
             steps.append(out.logits)
     if cache_class == "dynamic":
         assert out.cache.layers[0].keys.shape[2] == WINDOW - 1  # only the window is kept
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=model_tolerance(model.config, full), rtol=0)
 
 
 @pytest.mark.parametrize("score,scheme,kernel,projection", EAGER_SDPA)
@@ -112,8 +114,9 @@ def test_sliding_window_left_padding_matches_unpadded(score, scheme, kernel, pro
     row = tokens[:1, :8]
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
-    torch.testing.assert_close(logits(model, padded, attention_mask=mask)[:, 3:], logits(model, row),
-                               atol=ATOL, rtol=0)  # fmt: skip
+    alone = logits(model, row)
+    torch.testing.assert_close(logits(model, padded, attention_mask=mask)[:, 3:], alone,
+                               atol=model_tolerance(model.config, alone), rtol=0)  # fmt: skip
 
 
 def test_sliding_window_generate_equals_greedy_full_forwards(tokens):
@@ -136,8 +139,8 @@ def test_sliding_window_encoder_equals_an_explicit_bidirectional_mask(kernel, to
     reference = without_window(model)
     mask = window_mask(tokens.shape[1], WINDOW, causal=False).expand(2, 1, -1, -1)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens).logits, reference(tokens, attention_mask=mask).logits,
-                                   atol=ATOL, rtol=0)  # fmt: skip
+        expected = reference(tokens, attention_mask=mask).logits
+        torch.testing.assert_close(model(tokens).logits, expected, atol=model_tolerance(config, expected), rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -182,8 +185,10 @@ def test_sliding_window_in_seq2seq_windows_self_attention_and_keeps_every_encode
         cache = generated.cache if CACHE_NAMED_CACHE else generated.past_key_values  # the name before 5.24
         assert all(layer.keys.shape[-2] == source.shape[1] for layer in cache.cross_attention_cache.layers)
         cached = torch.stack(generated.logits, dim=1)  # (B, steps, V): each decoding step's logits
-        torch.testing.assert_close(cached, logits[:, :-1], atol=ATOL, rtol=0)  # cached steps == the full forward
-        assert not torch.allclose(logits, full(source, decoder_input_ids=decoder_ids).logits, atol=1e-4)
+        # cached steps == the full forward, within fp32's rounding through both stacks (`model_tolerance`)
+        atol = model_tolerance(model.config, logits)
+        torch.testing.assert_close(cached, logits[:, :-1], atol=atol, rtol=0)
+        assert not torch.allclose(logits, full(source, decoder_input_ids=decoder_ids).logits, atol=atol, rtol=0)
         model.save_pretrained(tmp_path)
         loaded = PlugformerForConditionalGeneration.from_pretrained(tmp_path, attn_implementation=kernel).eval()
         torch.testing.assert_close(loaded(source, decoder_input_ids=decoder_ids).logits, logits, atol=0, rtol=0)

@@ -44,7 +44,6 @@ pytestmark = [
     ),
 ]
 
-ATOL = 1e-5  # fp32; measured differences are ~1e-7 (the all-reduce sums the heads' partial outputs in another order)
 TP_SIZE = 2
 SCORES, SCHEMES = ATTENTION_SCORES.names(), POSITION_SCHEMES.names()
 # Every score and every position scheme at least once, for the head classes that do not run the full product
@@ -157,13 +156,15 @@ def assert_equal_to_one_process(entry: dict, records: list[dict]) -> None:
         where = f"{entry['name']} on rank {rank}"
         assert "error" not in record, f"{where}: {record.get('traceback')}"
         assert record["logits_shape"][0] == record["logits_shape"][1], where
-        assert record["max_abs_diff"] <= ATOL, (where, record["max_abs_diff"])
+        # fp32; measured differences are ~1e-7 (the all-reduce sums the heads' partial outputs in another order), the
+        # bounds the worker derives from the model (`tolerances.model_tolerance`, `gradient_tolerance`)
+        assert record["max_abs_diff"] <= record["atol"], (where, record["max_abs_diff"], record["atol"])
         if entry["generate"]:
             assert record["generated"] == record["generated_reference"], where
         if entry["train"]:
-            assert record["loss_diff"] <= ATOL, (where, record["loss_diff"])
+            assert record["loss_diff"] <= record["loss_atol"], (where, record["loss_diff"], record["loss_atol"])
             worst = max(record["grad_diff"].items(), key=lambda item: item[1])
-            assert worst[1] <= ATOL, (where, worst)
+            assert worst[1] <= record["grad_atol"], (where, worst, record["grad_atol"])
         for name, full_shape in entry["parameters"].items():
             dim = sharded_dim(name)
             if dim is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
+from tolerances import model_tolerance
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -65,7 +66,8 @@ def test_a_yarn_checkpoint_converts_to_the_same_logits_and_loads_back(reference,
     assert loaded.config.rope_parameters["rope_type"] == "yarn"
     with torch.no_grad():
         expected, actual = source(tokens).logits, loaded(tokens).logits
-    assert (actual - expected).abs().max().item() <= 1e-5
+    # two models that round differently (other kernels): the bound from the dtype and the model's shape
+    torch.testing.assert_close(actual, expected, atol=model_tolerance(loaded.config, expected), rtol=0)
     prompt = tokens[:1, :5]
     assert torch.equal(
         loaded.generate(prompt, max_new_tokens=6, do_sample=False),

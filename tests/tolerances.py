@@ -26,7 +26,9 @@ dtype's `eps`: the coarsest dtype either side computes in, e.g. fp32's scores in
 - `SAFETY`: 2 for the two sides, each within the bound, times 2 for the probabilistic bound's constant.
 
 A bound from these quantities stays orders of magnitude below the error of any wrong formula (a dropped term, a
-wrong mask, a missed chunk), which is of the size of the magnitude itself.
+wrong mask, a missed chunk), which is of the size of the magnitude itself. Where a computation is too ill-conditioned
+for the estimate (a fuzzed model with scores in the hundreds), its condition κ is measured instead: the same forward
+in fp32 against fp64 differs by κ·u_fp32, so two fp64 computations by κ·u_fp64 (`conditioned_tolerance`).
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def softmax_spread(scores: torch.Tensor, mask: torch.Tensor | None = None) -> fl
 
 
 def model_steps(config) -> float:
-    """Rounded stages of a forward through `config`'s decoder layers (an encoder-decoder's both stacks)."""
-    layers = config.num_hidden_layers + getattr(config, "num_decoder_layers", 0) * config.is_encoder_decoder
+    """Rounded stages of a forward through `config`'s decoder layers (an encoder-decoder's both stacks; a model
+    without a stack of layers, as decomposable attention, one layer's)."""
+    layers = getattr(config, "num_hidden_layers", None) or 1
+    layers += getattr(config, "num_decoder_layers", 0) * config.is_encoder_decoder
     return STAGES_PER_LAYER * max(layers, 1)
 
 
@@ -101,8 +105,7 @@ def assert_same_step(config, logits: torch.Tensor, grads: dict, reference_logits
     atol = tolerance(torch.float32, magnitude=magnitude, length=length, steps=steps)
     torch.testing.assert_close(logits, reference_logits, atol=atol, rtol=0, msg=msg)
     assert grads.keys() == reference_grads.keys()
-    size = max(grad.abs().max().item() for grad in reference_grads.values())
-    atol = tolerance(torch.float32, magnitude=size, length=length, steps=steps)
+    atol = gradient_tolerance(config, reference_grads, tokens)
     for name, grad in reference_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=atol, rtol=0, msg=f"{msg}: {name}")
 
@@ -127,8 +130,8 @@ def attention_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     the query heads; `mask` (bool, True where a key is seen) broadcasts to the scores.
 
     Growth: the row's softmax (√K, `softmax_spread`, exp and the division) and the scores' own rounding in units of u
-    (√D · scale · max Σ_d |q_d k_d| for the dot product, one for the bias). Magnitudes: max|V| for the output; for the
-    gradients the terms each sums, from ds_ij = p_ij (g_ij − Σ_k p_ik g_ik) with g = dO Vᵀ, whose error is
+    (√D · scale · max Σ_d |q_d k_d| for the dot product, max(1, max|bias|) for adding the bias). Magnitudes: max|V|
+    for the output; for the gradients the terms each sums, from ds_ij = p_ij (g_ij − Σ_k p_ik g_ik) with g = dO Vᵀ, whose error is
     u·p_ij (|g_ij| + Σ_k p_ik |g_ik|) per unit of growth: times scale·max|K| summed over a row (query), scale·max|Q|
     over a column (key); Σ_i p_ij |dO_i| for the values (the key's and value's times the query heads
     that share a key head)."""
@@ -140,7 +143,8 @@ def attention_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
         weights = scores.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0)  # (B, H, Q, K)
         dot = math.sqrt(query.shape[-1]) * scale * (query.abs() @ key.abs().transpose(-1, -2)).max().item()
-        growth = {"length": scores.shape[-1], "spread": softmax_spread(scores, allowed) + dot + 1, "steps": 2}
+        added = 1.0 if bias is None else max(1.0, bias.detach().abs().max().item())
+        growth = {"length": scores.shape[-1], "spread": softmax_spread(scores, allowed) + dot + added, "steps": 2}
         g = (grad_output @ value.transpose(-1, -2)).abs()  # (B, H, Q, K)
         terms = weights * (g + (weights * g).sum(-1, keepdim=True))
         magnitudes = {
@@ -151,3 +155,49 @@ def attention_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             "bias": terms.sum((0, 2, 3)).max().item(),
         }
     return {name: tolerance(dtype, magnitude=magnitude, **growth) for name, magnitude in magnitudes.items()}
+
+
+def layer_tolerance(attention, hidden: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """`atol` of one attention layer's output `(B, T, hidden)` from its input `hidden` computed two ways in `dtype`:
+    o_proj's terms, at most max|v| · max_o Σ_k |W_o[o, k]| (softmax-weighted values are at most max|v|, and
+    max|v| ≤ max|hidden| · max_k Σ_d |W_v[k, d]|), through one layer's `STAGES_PER_LAYER` steps, its longest
+    reduction (the hidden size, o_proj's inputs or the T keys) and a softmax spread of at most ln T."""
+    config, tokens = attention.config, hidden.shape[1]
+    value = hidden.detach().abs().max().item() * attention.v_proj.weight.detach().abs().sum(-1).max().item()
+    rows = attention.o_proj.weight.detach().abs().sum(-1).max().item()
+    length = max(config.hidden_size, attention.o_proj.weight.shape[1], tokens)
+    return tolerance(dtype, magnitude=value * rows, length=length, spread=math.log(tokens), steps=STAGES_PER_LAYER)
+
+
+def conditioned_tolerance(config, reference: torch.Tensor, coarse: torch.Tensor) -> float:
+    """`model_tolerance` of `reference` (a model's output in fp64) where the model is too ill-conditioned for the
+    steps-and-lengths estimate (unscaled dot products of unit-sized weights: scores in the hundreds, whose rounding
+    the softmax carries to the output): the condition is measured instead. `coarse`, the same forward in fp32,
+    differs from `reference` by κ · u_fp32, so two fp64 computations differ by κ · u_fp64 each: SAFETY ·
+    max|coarse − reference| · u_fp64 / u_fp32 on top of `model_tolerance` in fp64."""
+    error = (coarse.detach().double() - reference.detach().double()).abs().max().item()
+    if not math.isfinite(error):  # fp32 overflowed: no measure of κ, only the fp64 estimate
+        error = 0.0
+    ratio = unit_roundoff(torch.float64) / unit_roundoff(torch.float32)
+    return SAFETY * error * ratio + model_tolerance(config, reference, dtype=torch.float64)
+
+
+def gradient_tolerance(config, reference_grads: dict, tokens: int) -> float:
+    """`atol` of a training step's gradients `{name: gradient}` through `config` over `tokens` computed two ways in
+    fp32 (checkpointed blocks recomputed, another accumulation order): `assert_same_step`'s gradient bound, the
+    magnitude the largest of `reference_grads`."""
+    size = max(grad.abs().max().item() for grad in reference_grads.values())
+    return tolerance(torch.float32, magnitude=size, length=model_length(config, tokens), steps=model_steps(config))
+
+
+def relative_bias_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
+                             scale: float, grad_output: torch.Tensor, dtype: torch.dtype = torch.float64
+                             ) -> dict[str, float]:  # fmt: skip
+    """`attention_tolerances` of causal attention `(B, H, N, D)` with the bias of the relative table `values`
+    `(H, 2N − 1)` (distance j − i at column j − i + N − 1, as `conftest.materialised_relative_attention` gathers it):
+    a table entry's gradient sums the pairs at its distances, within the bias's bound over every pair of a head."""
+    length = query.shape[2]
+    slots = torch.arange(length)
+    bias = values.detach()[:, slots[None, :] - slots[:, None] + length - 1]  # (H, N, N)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return attention_tolerances(query, key, value, grad_output, scale, bias, causal, dtype=dtype)
