@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from own_data import pretrained_folder, train_on_file
 from test_training import write_jsonl
 
 from plugformer.cli import main as cli_main
@@ -16,7 +17,6 @@ from plugformer.data.sources import load_stage_dataset
 from plugformer.evaluation.held_out import rows_digest
 
 
-ROOT = Path(__file__).resolve().parents[1]
 # tiny overrides of the shipped configs: a step or two, no generation-heavy scoring; the held-out sizes are left
 # to the configs (200 each), which a 300-row file cannot give unscaled
 QUICK = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
@@ -62,18 +62,12 @@ def test_scaled_sizes_count_distinct_rows_and_refuse_only_what_cannot_be_carved(
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    from test_training import train
-
-    folder = tmp_path_factory.mktemp("sizes") / "pretrain"
-    train("pretrain", folder)
-    return folder
+    return pretrained_folder(tmp_path_factory, "sizes")
 
 
 def stage(name: str, output: Path, parent: Path, data: Path, *extra: str) -> dict:
     """`plugformer train <name>` with its shipped tiny config, as the README gives it, on `data`."""
-    cli_main(["train", name, "--config", str(ROOT / f"configs/{name}/tiny.yaml"), "--model_name_or_path", str(parent),
-              "--dataset_name", "json", "--data_files", str(data), "--output_dir", str(output), "--bf16", "false",
-              *QUICK, *extra])  # fmt: skip
+    train_on_file(name, output, parent, data, "--bf16", "false", *QUICK, *extra)
     return json.loads((output / "run_info.json").read_text())
 
 

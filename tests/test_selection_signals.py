@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
+from own_data import pretrained_folder, train_on_file
 from test_training import write_jsonl
 
 from plugformer.cli import main as cli_main
@@ -16,7 +17,6 @@ from plugformer.evaluation.rewards import exact_match_reward, math_verify_reward
 from plugformer.training.data import with_answers
 
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--logging_steps", "1",
          "--report_to", "none", "--disable_tqdm", "true", "--exact_match_examples", "0", "--pass_at_k_samples", "0",
          "--dataloader_pin_memory", "false", "--bf16", "false", "--max_new_tokens", "8"]  # fmt: skip
@@ -29,17 +29,12 @@ def pairs(count: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    from test_training import train
-
-    folder = tmp_path_factory.mktemp("signals") / "pretrain"
-    train("pretrain", folder)
-    return folder
+    return pretrained_folder(tmp_path_factory, "signals")
 
 
 def stage(name: str, output: Path, parent: Path, data: Path, *extra: str) -> dict:
     """`plugformer train <name>` with its shipped tiny config on your `data`."""
-    cli_main(["train", name, "--config", str(ROOT / f"configs/{name}/tiny.yaml"), "--model_name_or_path", str(parent),
-              "--dataset_name", "json", "--data_files", str(data), "--output_dir", str(output), *QUICK, *extra])  # fmt: skip
+    train_on_file(name, output, parent, data, *QUICK, *extra)
     return json.loads((output / "run_info.json").read_text())
 
 
