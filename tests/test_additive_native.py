@@ -62,6 +62,18 @@ SCORE_STEPS = 3.3
 GRADIENT_STEPS = 6.0
 
 
+def score_gradient_tolerances(energy_size, upstream_size, dtype: torch.dtype) -> dict[str, float]:
+    """`atol` of the additive scores' gradients (B, H, 5 queries, 7 keys) in `dtype`: each sums |upstream| · |v_a|
+    over keys (query) or queries (key), |upstream| over every pair (energy, |tanh| ≤ 1)."""
+    largest = energy_size.max().item()
+    return {
+        "query": tolerance(dtype, magnitude=largest * upstream_size.sum(-1).max().item(), length=7, steps=GRADIENT_STEPS),
+        "key": tolerance(dtype, magnitude=largest * upstream_size.sum(-2).max().item(), length=5, steps=GRADIENT_STEPS),
+        "energy": tolerance(dtype, magnitude=upstream_size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
+                            steps=GRADIENT_STEPS),
+    }  # fmt: skip
+
+
 def chunk_tolerances(query, key, value, energy, bias, mask, upstream) -> dict[str, float]:
     """`atol` of a chunk of `NativeAdditiveAttention` (fp32) against `float64_formula` and of its gradients (upstream
     `upstream`), as `tolerances.attention_tolerances` for dot-product scores: growth √K, the rows' spread, the scores'
@@ -121,14 +133,7 @@ def test_native_scores_and_gradients_equal_the_formula_in_float64():
     # each gradient sums terms |upstream| · |v_a| (query: over keys, key: over queries) or |upstream| (energy: over
     # batch, queries and keys, |tanh| ≤ 1)
     size = upstream.abs()
-    bounds = {
-        "query": tolerance(torch.float32, magnitude=energy_size.max().item() * size.sum(-1).max().item(), length=7,
-                           steps=GRADIENT_STEPS),
-        "key": tolerance(torch.float32, magnitude=energy_size.max().item() * size.sum(-2).max().item(), length=5,
-                         steps=GRADIENT_STEPS),
-        "energy": tolerance(torch.float32, magnitude=size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
-                            steps=GRADIENT_STEPS),
-    }  # fmt: skip
+    bounds = score_gradient_tolerances(energy_size, size, torch.float32)
     for name, grad, want in zip(("query", "key", "energy"), grads, expected, strict=True):
         torch.testing.assert_close(grad.double(), want, atol=bounds[name], rtol=0, msg=name)
 

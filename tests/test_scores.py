@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import additive_path, build, spy_additive_chunks, tiny_config
-from test_additive_native import GRADIENT_STEPS, chunk_tolerances
 from test_additive_native import SCORE_STEPS as NATIVE_SCORE_STEPS
+from test_additive_native import chunk_tolerances, score_gradient_tolerances
 from tolerances import assert_close, model_tolerance, softmax_spread, tolerance
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -362,14 +362,7 @@ def test_additive_scores_function_equals_autograd_in_fp64(path, monkeypatch):
     energy_size, size = energy.detach().abs(), upstream.abs()
     atol = tolerance(torch.float64, magnitude=energy_size.sum(-1).max().item(), length=4, steps=NATIVE_SCORE_STEPS)
     torch.testing.assert_close(scores, reference, atol=atol, rtol=0)
-    bounds = {
-        "query": tolerance(torch.float64, magnitude=energy_size.max().item() * size.sum(-1).max().item(), length=7,
-                           steps=GRADIENT_STEPS),
-        "key": tolerance(torch.float64, magnitude=energy_size.max().item() * size.sum(-2).max().item(), length=5,
-                         steps=GRADIENT_STEPS),
-        "energy": tolerance(torch.float64, magnitude=size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
-                            steps=GRADIENT_STEPS),
-    }  # fmt: skip
+    bounds = score_gradient_tolerances(energy_size, size, torch.float64)
     expected = torch.autograd.grad(reference, (query, key, energy), upstream)
     for _ in range(2):
         grads = torch.autograd.grad(scores, (query, key, energy), upstream, retain_graph=True)
