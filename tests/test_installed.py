@@ -108,6 +108,7 @@ def test_the_sdist_holds_everything_the_tests_read(tmp_path):
               if path.is_file() and ".hypothesis" not in path.parts} | {".ci/run", ".ci/matrix.py", "README.md"}  # fmt: skip
     # (tests/.hypothesis is hypothesis' local example database, made by a test run: a cache, not a source)
     assert wanted - packed == set()
+    assert not [name for name in packed if ".hypothesis/" in name or "__pycache__" in name]  # caches, not sources
 
 
 @pytest.mark.slow

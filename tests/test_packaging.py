@@ -4,13 +4,9 @@ the Pythons allowed and their classifiers; an sdist that holds what tests/README
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import tarfile
 import tomllib
 from pathlib import Path
 
-import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -54,26 +50,3 @@ def test_the_manifest_ships_every_file_tests_readme_tells_users_to_run():
     assert ".ci/matrix.py" in named
     for path in named:
         assert (ROOT / path).is_file() and path in manifest, path
-
-
-def built_sdist(folder: Path) -> list[str]:
-    """The names in an sdist built here by setuptools' own backend (no isolation, no network: about 3 s)."""
-    script = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
-    built = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)  # fmt: skip
-    assert built.returncode == 0, built.stderr[-3000:]
-    with tarfile.open(folder / built.stdout.strip().splitlines()[-1]) as archive:
-        return [name.split("/", 1)[1] for name in archive.getnames() if "/" in name]
-
-
-def test_the_sdist_holds_the_matrix_the_tests_and_the_shipped_configs(tmp_path):
-    import setuptools
-
-    if not setuptools_range().contains(setuptools.__version__):
-        pytest.skip(f"setuptools {setuptools.__version__} is outside the build's range {setuptools_range()}")
-    if not (ROOT / ".git").exists():
-        pytest.skip("not a checkout: an sdist is built from one")
-    names = set(built_sdist(tmp_path))
-    assert {".ci/matrix.py", ".ci/run", "tests/README.md", "MANIFEST.in", "pyproject.toml"} <= names
-    assert "configs/accelerate/cpu_2proc.yaml" in names
-    assert not [name for name in names if "/.hypothesis/" in name or "__pycache__" in name]
