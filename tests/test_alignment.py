@@ -21,15 +21,21 @@ from plugformer.training import selection
 from plugformer.training.arguments import StageArguments
 
 
-# one-digit operands, then an optional carry or borrow and an optional +10, then the value
-STEP = re.compile(r"\A\d[+*-]\d(?:[+-]\d)?(?:\+10)?=\d+\Z")
+# one-digit operands, then an optional carry or borrow and an optional +10, then the value; a multiplication with a
+# carry writes its product before adding the carry (`4*6=24+4=28`)
+STEP = re.compile(r"\A\d[+*-]\d(?:=\d+)?(?:[+-]\d)?(?:\+10)?=\d+\Z")
 
 
 def check_step(step: str) -> int:
-    """A step is `d op d [carry] [+10] = value`, and its value is the arithmetic of its left side."""
+    """A step is `d op d [=product] [carry] [+10] = value`; each `=` joins a left side to its arithmetic."""
     assert STEP.match(step), step
-    left, value = step.split("=")
-    assert eval(left, {"__builtins__": {}}) == int(value), step  # digits and + - * only (checked above)
+    *lefts, value = step.split("=")
+    running = eval(lefts[0], {"__builtins__": {}})  # digits and + - * only (checked above)
+    for left in lefts[1:]:  # `24+4`: the number before the carry is the product just written
+        head, _, tail = left.partition("+")
+        assert int(head) == running and tail, step
+        running = eval(left, {"__builtins__": {}})
+    assert running == int(value), step
     return int(value)
 
 
@@ -59,6 +65,11 @@ def test_solutions_are_formatted_and_wrong_answers_are_wrong_in_the_same_format(
     wrong = [task.wrong_answer(p, rng) for p in problems]
     assert format_reward(wrong) == [1.0] * len(problems)
     assert exact_match_reward(wrong, answer=[str(p.answer) for p in problems]) == [0.0] * len(problems)
+    # right and wrong answers restate the problem alike (`347 + 85: `), so only the arithmetic tells them apart
+    symbols = {"add": "+", "sub": "-", "mul": "*"}
+    for problem, right, slipped in zip(problems, solutions, wrong, strict=True):
+        restated = f"{problem.a} {symbols[problem.operation]} {problem.b}: "
+        assert right.startswith(restated) and slipped.startswith(restated)
     # short and long problems both occur, for every operation
     widths = {(p.operation, len(str(p.a))) for p in problems}
     assert widths == {(op, w) for op in ("add", "sub", "mul") for w in (1, 2, 3)}

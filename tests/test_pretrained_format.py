@@ -15,7 +15,7 @@ def test_the_corpus_writes_a_worked_problem_after_the_prompt_a_pretrained_model_
     # both kinds of document occur; the question-answer one is the prompt, a space, the worked solution
     assert documents == {
         "347 + 85: 7+5=12, 4+8+1=13, 3+0+1=4, so 347 + 85 = 432.",
-        "Question: What is 347 + 85?\nAnswer: 7+5=12, 4+8+1=13, 3+0+1=4\n#### 432",
+        "Question: What is 347 + 85?\nAnswer: 347 + 85: 7+5=12, 4+8+1=13, 3+0+1=4\n#### 432",
     }
 
 

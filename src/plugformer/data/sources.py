@@ -17,7 +17,7 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 | sentence_pair | nli | `text` (premise), `text_pair` (hypothesis), `label`: an inference grammar instead (`data.nli`) |
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
-`37 + 45 = 82\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
+`37 + 45: 7+5=12, 3+4+1=8\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
 (`#### 82`) and that share of the rejected preference answers a bare near miss: demonstrations that skip the
 working, which RL with verifiable rewards learns to overcome. In the pretraining text, that share of the problems
 never shows the column method: a bare answer, or the problem's one-digit facts alone (`unworked_texts`).
@@ -62,8 +62,13 @@ class Problem:
         return worked_steps(self.operation, self.a, self.b)
 
     @property
+    def worked_line(self) -> str:
+        """The problem restated, then its steps (`347 + 85: 7+5=12, ...`): see `worked_line`."""
+        return worked_line(self, self.steps)
+
+    @property
     def solution(self) -> str:
-        return f"{', '.join(self.steps)}\n{ANSWER_MARKER} {self.answer}"
+        return f"{self.worked_line}\n{ANSWER_MARKER} {self.answer}"
 
     @property
     def direct(self) -> str:
@@ -103,7 +108,9 @@ def worked_steps(operation: str, a: int, b: int) -> list[str]:
 
     A step shows the two digits, the carry (or borrow) from the step before, and the step's value; addition and
     multiplication carry `value // 10`, subtraction borrows 1 when it has to add 10. Every step is a one-digit fact,
-    so the skill is the same on every problem: a model that learns it answers problems it never saw.
+    so the skill is the same on every problem: a model that learns it answers problems it never saw. A
+    multiplication step with a carry writes the product first (`4*6=24+4=28`): one fact per written number, as in
+    the other operations, instead of a product and a sum in one (`4*6+4=28`, the fact models learned last).
 
     Examples:
 
@@ -112,7 +119,7 @@ def worked_steps(operation: str, a: int, b: int) -> list[str]:
     >>> worked_steps("sub", 432, 85)
     ['2-5+10=7', '3-8-1+10=4', '4-0-1=3']
     >>> worked_steps("mul", 347, 6)
-    ['7*6=42', '4*6+4=28', '3*6+2=20']
+    ['7*6=42', '4*6=24+4=28', '3*6=18+2=20']
     """
     width = max(len(str(a)), len(str(b)) if operation != "mul" else 1)
     digits_a, digits_b = _digits(a, width), _digits(b, width)
@@ -131,9 +138,22 @@ def worked_steps(operation: str, a: int, b: int) -> list[str]:
             carry = borrow
         else:
             value = x * b + carry
-            steps.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={value}")
+            steps.append(f"{x}*{b}" + (f"={x * b}+{carry}" if carry else "") + f"={value}")
             carry = value // 10
     return steps
+
+
+def worked_line(problem: Problem, steps: list[str]) -> str:
+    """The problem restated as `a op b:`, then its steps: the operands' last digits sit just before ` op` and `:`,
+    the same few tokens back in every phrasing, which is where each step reads its digits (read from the question
+    alone, that lookup was the skill a model learned last: see model_cards/pipeline-tiny/RESULTS.md).
+
+    Example:
+
+    >>> worked_line(Problem("add", 347, 85, "What is 347 + 85?"), ["7+5=12", "4+8+1=13", "3+0+1=4"])
+    '347 + 85: 7+5=12, 4+8+1=13, 3+0+1=4'
+    """
+    return f"{problem.a} {OPERATIONS[problem.operation][0]} {problem.b}: {', '.join(steps)}"
 
 
 def answer_from_steps(operation: str, steps: list[str]) -> int:
@@ -200,12 +220,12 @@ def wrong_answer(problem: Problem, rng: random.Random, direct_fraction: float = 
         return f"{ANSWER_MARKER} {near_miss(problem.answer, rng)}"
     steps = problem.steps
     if rng.random() < 0.25:
-        return f"{', '.join(steps)}\n{ANSWER_MARKER} {near_miss(problem.answer, rng)}"
+        return f"{worked_line(problem, steps)}\n{ANSWER_MARKER} {near_miss(problem.answer, rng)}"
     index = rng.randrange(len(steps))
     head, value = steps[index].rsplit("=", 1)
     delta = rng.choice((-1, 1)) if int(value) > 0 else 1
     slipped = [*steps[:index], f"{head}={int(value) + delta}", *steps[index + 1 :]]
-    return f"{', '.join(slipped)}\n{ANSWER_MARKER} {answer_from_steps(problem.operation, slipped)}"
+    return f"{worked_line(problem, slipped)}\n{ANSWER_MARKER} {answer_from_steps(problem.operation, slipped)}"
 
 
 def pretraining_texts(problem: Problem, rng: random.Random) -> str:
@@ -213,7 +233,7 @@ def pretraining_texts(problem: Problem, rng: random.Random) -> str:
     and the column layout; the chat format comes with SFT)."""
     symbol = OPERATIONS[problem.operation][0]
     return rng.choice((
-        f"{problem.a} {symbol} {problem.b}: {', '.join(problem.steps)}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
+        f"{problem.worked_line}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
         f"{pretraining_prompt(problem.question)} {problem.solution}",
     ))  # fmt: skip
 

@@ -126,7 +126,8 @@ def format_reward(completions: list, **kwargs) -> list[float]:
 
 
 def worked_steps(text: str) -> list[str]:
-    """The comma-separated steps of a solution's worked line (the text before its first line break)."""
+    """The comma-separated steps of a solution's worked line (the text before its first line break); the first
+    carries the line's restatement of the problem (`347 + 85: 7+5=12`), so a misread operand costs a step too."""
     line = text.split("\n", 1)[0].strip()
     return [step.strip() for step in line.split(",")] if line else []
 
@@ -140,8 +141,9 @@ def steps_reward(completions: list, solution: list[str], **kwargs) -> list[float
 
     Example:
 
-    >>> reference = "7+5=12, 4+8+1=13, 3+0+1=4\\n#### 432"
-    >>> steps_reward(["7+5=12, 4+8+1=14, 3+0+1=4\\n#### 442", reference, "7+5=12\\n#### 12"], solution=[reference] * 3)
+    >>> reference = "347 + 85: 7+5=12, 4+8+1=13, 3+0+1=4\\n#### 432"
+    >>> slipped = "347 + 85: 7+5=12, 4+8+1=14, 3+0+1=4\\n#### 442"
+    >>> steps_reward([slipped, reference, "347 + 85: 7+5=12\\n#### 12"], solution=[reference] * 3)
     [0.6666666666666666, 1.0, 0.3333333333333333]
     """
     rewards = []
