@@ -94,9 +94,7 @@ class CompareArguments(CorpusArguments):
     significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
     bootstrap_samples: int = field(default=10_000, metadata={"help": f"resamples, at least {MIN_BOOTSTRAP_SAMPLES}"})
     alpha: float = field(default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected"})
-    max_new_tokens: int = field(
-        default=48, metadata={"help": "tokens each scored answer may take (the longest embedded worked answer: 48)"}
-    )
+    max_new_tokens: int = field(default=48, metadata={"help": "tokens a scored answer may take (embedded: 48 at most)"})
     rerun: bool = field(default=False, metadata={"help": "retrain and rescore runs that already finished"})
 
     def __post_init__(self):

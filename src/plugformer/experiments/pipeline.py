@@ -52,9 +52,7 @@ class PipelineArguments:
         default=200, metadata={"help": "held-out test problems scored after each stage (0: none)"}
     )
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
-    max_new_tokens: int = field(
-        default=48, metadata={"help": "tokens each scored answer may take (the longest embedded worked answer: 48)"}
-    )
+    max_new_tokens: int = field(default=48, metadata={"help": "tokens a scored answer may take (embedded: 48 at most)"})
     rerun: bool = field(default=False, metadata={"help": "retrain stages that already finished, even if unchanged"})
     prompt: str = field(default="What is 27 + 58?", metadata={"help": "question answered by the final model"})
     rlhf_reward: str = field(
