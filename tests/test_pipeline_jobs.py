@@ -83,19 +83,19 @@ def test_the_task_heading_the_most_work_starts_first(tmp_path):
 
 
 def test_on_the_shipped_configs_the_longest_branch_after_sft_starts_first():
-    """Each stage's work is its steps x batch from its YAML; after sft, grpo (500 x 64) heads more than dpo -> rlhf
-    (75 x 32 + 50 x 64), which heads more than reward (150 x 32); a grpo of 50 steps would start last."""
+    """Each stage's work is its steps x batch from its YAML; after sft, grpo (25 x 256) heads more than dpo -> rlhf
+    (25 x 32 + 25 x 64), which heads more than reward (40 x 32); a grpo of 2 steps would start last."""
     args = PipelineArguments(stages=["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"], rlhf_reward="dpo")
     work = {}
     for stage in args.stages:
         script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
         work[stage] = estimated_work(script_args, training_args)
     assert {stage: work[stage] for stage in ("reward", "dpo", "rlhf", "grpo")} == {
-        "reward": 150 * 32, "dpo": 75 * 32, "rlhf": 50 * 64, "grpo": 500 * 64}  # fmt: skip
+        "reward": 40 * 32, "dpo": 25 * 32, "rlhf": 25 * 64, "grpo": 25 * 256}  # fmt: skip
     ahead = chain_work(requirements(args), work)
     branches = sorted(["reward", "dpo", "rlhf", "grpo"], key=lambda stage: -ahead[stage])
-    assert branches[:3] == ["grpo", "dpo", "reward"] and ahead["dpo"] == 75 * 32 + 50 * 64
-    ahead = chain_work(requirements(args), {**work, "grpo": 50 * 64})
+    assert branches == ["grpo", "dpo", "rlhf", "reward"] and ahead["dpo"] == 25 * 32 + 25 * 64
+    ahead = chain_work(requirements(args), {**work, "grpo": 2 * 256})
     assert min(["reward", "dpo", "grpo"], key=lambda stage: ahead[stage]) == "grpo"
 
 
