@@ -3,7 +3,7 @@ weights so the directory documents itself (what it is, how it was trained, how w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 
@@ -96,6 +96,25 @@ AUTO_CLASSES = {"PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM",
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                    "lr_scheduler_type", "warmup_steps", "weight_decay", "seed", "beta", "num_generations",
                    "max_completion_length", "temperature", "loss_type")  # fmt: skip
+# listed only where they differ from transformers' defaults (a recipe that changed them depends on them)
+OPTIMIZER_HYPERPARAMETERS = ("optim", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
+
+
+def changed_defaults(training_args, names: tuple[str, ...]) -> dict:
+    """The fields `names` of the dataclass `training_args` whose values differ from the class's defaults.
+
+    >>> from transformers import TrainingArguments
+    >>> changed_defaults(TrainingArguments(output_dir="x", adam_beta2=0.95), ("adam_beta1", "adam_beta2"))
+    {'adam_beta2': 0.95}
+    """
+    defaults = {field.name: field.default for field in fields(training_args)}
+    return {
+        name: getattr(training_args, name)
+        for name in names
+        if name in defaults and getattr(training_args, name) != defaults[name]
+    }
+
+
 LIMITATIONS = (
     "A research model for comparing attention and position variants, trained at small scale on the data named "
     "above; it is not a general assistant and its answers outside that task are not meaningful. "
@@ -247,12 +266,13 @@ def stage_card(
         if script_args.dataset_name
         else EMBEDDED_TASKS[card.embedded_task][2]
         + (f"; {script_args.train_examples:,} training examples" if getattr(script_args, "train_examples", None) else "")
-        + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the SFT answers, or of "
-           "the rejected answers of preference pairs, is bare, without the working"
+        + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the answers (the corpus's "
+           "problems, SFT answers, or rejected answers of preference pairs) is bare, without the working"
            if script_args.direct_answer_fraction else "")
         + ")"
     )  # fmt: skip
     values = {key: getattr(training_args, key, None) for key in HYPERPARAMETERS}
+    values.update(changed_defaults(training_args, OPTIMIZER_HYPERPARAMETERS))
     hyperparameters = ", ".join(
         f"{key}={value.value if isinstance(value, Enum) else value}"
         for key, value in values.items()
