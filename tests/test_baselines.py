@@ -225,7 +225,7 @@ def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_h
         return stage_data(stage, script_args)["train"]
 
     sft_rows, matched_rows = train_rows("sft"), train_rows("sft_matched")
-    assert len(matched_rows) >= len(sft_rows) == 300
+    assert len(matched_rows) >= len(sft_rows) == 3200
     head = matched_rows.select(range(len(sft_rows)))
     assert head["completion"] == sft_rows["completion"] and head["prompt"] == sft_rows["prompt"]
     assert all("####" in turns[0]["content"] and "=" in turns[0]["content"] for turns in matched_rows["completion"])
