@@ -251,7 +251,10 @@ def test_a_resumed_run_sees_exactly_the_uninterrupted_batches(tmp_path, streamin
     resumed_against_whole(tmp_path, corpus_file, 1, "--streaming", str(streaming).lower())
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])  # ~50-70 s each
+# the streaming two-process case in the slow tier: the one-process test covers streaming resumption by default
+@pytest.mark.parametrize(
+    "streaming", [pytest.param(False, id="map-style"), pytest.param(True, id="streaming", marks=pytest.mark.slow)]
+)
 def test_a_resumed_two_process_run_sees_exactly_the_uninterrupted_batches(tmp_path, streaming):
     corpus_file = write_corpus(tmp_path / "corpus.jsonl", 400)
     resumed_against_whole(tmp_path, corpus_file, 2, "--streaming", str(streaming).lower())

@@ -88,6 +88,7 @@ def independent_scores(model_dir, rows) -> tuple[list[int], list[str], float]:
     return correct, generated, math.exp(loss / tokens)
 
 
+@pytest.mark.slow  # trains to a learned score; the default tier runs the stage and its scoring in the compare test
 def test_seq2seq_learns_the_dates_and_eval_scores_its_test_split(tmp_path):
     sacrebleu = pytest.importorskip("sacrebleu")
     info = seq2seq(tmp_path / "dates", "--max_steps", "400", "--train_examples", "8000", "--dev_examples", "100",
