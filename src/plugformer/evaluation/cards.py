@@ -3,7 +3,7 @@ weights so the directory documents itself (what it is, how it was trained, how w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -107,6 +107,8 @@ def changed_defaults(training_args, names: tuple[str, ...]) -> dict:
     >>> changed_defaults(TrainingArguments(output_dir="x", adam_beta2=0.95), ("adam_beta1", "adam_beta2"))
     {'adam_beta2': 0.95}
     """
+    if not is_dataclass(training_args):  # arguments built by hand (a namespace) carry no defaults to differ from
+        return {}
     defaults = {field.name: field.default for field in fields(training_args)}
     return {
         name: getattr(training_args, name)
