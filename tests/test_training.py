@@ -558,7 +558,7 @@ def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(ch
                           card=STAGES["sft"].card)  # fmt: skip
         return next(line for line in str(card).splitlines() if line.startswith("- data:"))
 
-    assert "direct_answer_fraction 0.6: that share of the answers (the corpus's problems, SFT answers" in data_line(direct_answer_fraction=0.6)
+    assert "direct_answer_fraction 0.6: that share of the answers" in data_line(direct_answer_fraction=0.6)
     assert "direct_answer_fraction" not in data_line()
     assert data_line(train_examples=32000).endswith("split by arithmetic fact; 32,000 training examples)")
 
