@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from plugformer.cli import main as cli_main
-from plugformer.data.user_data import FORMAT_COLUMNS
+from plugformer.data.formats import FORMAT_COLUMNS
 from plugformer.evaluation.cards import StageCard
 from plugformer.experiments.parallel import split_batch
 from plugformer.experiments.pipeline import PipelineArguments, requirements, stage_argv
@@ -94,7 +94,8 @@ def assert_stage_is_picked_up(name: str, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         cli_main(["train", "--help"])
     assert re.search(rf"^  {name}\s+{re.escape(stage.description)}$", capsys.readouterr().out, re.M)
-    assert isinstance(parse_stage_arguments(name, argv)[2], stage.config_type())
+    training_args = parse_stage_arguments(name, argv)[2]  # (its --output_dir: the pipeline's folder of the stage)
+    assert isinstance(training_args, stage.config_type())
     # the data loader: the rows of its format, checked as its format's
     script_args = stage.script_arguments(train_examples=3, dev_examples=2, test_examples=0)
     data = stage_data(name, script_args)
@@ -105,13 +106,13 @@ def assert_stage_is_picked_up(name: str, tmp_path: Path, capsys) -> None:
     from conftest import build, tiny_config
 
     model = build(tiny_config())
-    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-                              args=SimpleNamespace(output_dir=str(tmp_path / "card")))  # fmt: skip
-    Path(trainer.args.output_dir).mkdir()
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m), args=training_args)
+    Path(trainer.args.output_dir).mkdir(parents=True)
     write_card(trainer, {"stage": name, "world_size": 1, "train_seconds": 1.0}, script_args)
-    card = (tmp_path / "card" / "README.md").read_text()
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
     assert f"{stage.card.summary} — produced by the `{name}` stage" in card
-    assert f"({stage.card.trainer})" in card and f"pipeline_tag: {stage.card.pipeline_tag}" in card
+    # (the trainer, then its config's loss where it has one: `cards.loss_text`)
+    assert f"`{name}` ({stage.card.trainer}" in card and f"pipeline_tag: {stage.card.pipeline_tag}" in card
 
 
 def test_a_stage_registered_in_one_place_is_picked_up_everywhere(stage_table, tmp_path, capsys):

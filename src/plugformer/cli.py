@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         _usage(top_level_usage(), argv)
     from .runtime.denormals import flushing_denormals
+    from .runtime.interrupts import end_quiet_start
 
+    end_quiet_start()  # Ctrl-C while starting was answered by `runtime.interrupts`; from here, by the handler below
     try:
         with flushing_denormals():  # before any work, so that torch's thread pool starts in this mode
             COMMANDS[argv[0]][0](argv[1:])

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict
 
+from .validation import check_dataset_name, folder_given_as_file
+
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ def local_files(dataset_name: str | None, data_files: list[str] | None) -> list[
 
     Raises `ValueError` when one file is named twice (the same path, a link to it, overlapping globs): it would be
     trained twice and its held-out rows would have their twins in train."""
+    if dataset_name is not None:
+        check_dataset_name(dataset_name)  # an empty name is the current folder: every file in it digested as data
     if data_files:
         named = [(pattern, Path(path).resolve()) for pattern in data_files
                  for path in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])]  # fmt: skip
@@ -62,6 +66,8 @@ def local_files(dataset_name: str | None, data_files: list[str] | None) -> list[
         raise ValueError(f"--data_files {unmatched[0]}: the pattern matches no file")
     seen: dict[Path, str] = {}
     for pattern, path in named:
+        if path.is_dir() and data_files:
+            raise ValueError(folder_given_as_file(str(path) if glob.has_magic(pattern) else pattern, dataset_name))
         if not path.is_file():
             raise ValueError(f"--data_files {pattern}: no such file" + (f" ({path})" if str(path) != pattern else ""))
         if path in seen:
@@ -104,11 +110,39 @@ def _keep(entry: Path, record: dict) -> None:
         logger.debug("digest cache %s not written: %s", entry, error)
 
 
-def cache_root(data_cache_dir: str | None = None) -> Path:
-    """`data_cache_dir`, else `$PLUGFORMER_CACHE`, else `~/.cache/plugformer`."""
+CACHE_VARIABLE = "PLUGFORMER_CACHE"  # the corpus cache's folder when --data_cache_dir is not given
+
+
+def cache_location(data_cache_dir: str | None = None) -> tuple[Path, str]:
+    """(`data_cache_dir`, else `$PLUGFORMER_CACHE` (an empty value counts as unset), else `~/.cache/plugformer`; how
+    the user named it, for a message)."""
     if data_cache_dir:
-        return Path(data_cache_dir).expanduser()
-    return Path(os.environ.get("PLUGFORMER_CACHE", Path.home() / ".cache" / "plugformer")).expanduser()
+        return Path(data_cache_dir).expanduser(), f"--data_cache_dir {data_cache_dir}"
+    if os.environ.get(CACHE_VARIABLE, "").strip():
+        return Path(os.environ[CACHE_VARIABLE]).expanduser(), f"{CACHE_VARIABLE}={os.environ[CACHE_VARIABLE]}"
+    root = Path.home() / ".cache" / "plugformer"
+    return root, f"the corpus cache {root} (--data_cache_dir or {CACHE_VARIABLE} moves it)"
+
+
+def cache_root(data_cache_dir: str | None = None) -> Path:
+    """`data_cache_dir`, else `$PLUGFORMER_CACHE`, else `~/.cache/plugformer` (`cache_location`). What is only an
+    optimisation there (the files' digests) is skipped when it cannot be written; where a prepared corpus must be
+    kept, `corpus_cache_root` refuses a path that cannot be a folder."""
+    return cache_location(data_cache_dir)[0]
+
+
+def corpus_cache_root(data_cache_dir: str | None = None) -> Path:
+    """`cache_root`, or `ValueError` naming the option or the variable when that path is a file or lies under one: a
+    pretraining corpus is prepared there (tokenizer, packed blocks), and the first entry failed with a
+    `NotADirectoryError` traceback after the corpus was loaded. A folder that cannot be written is refused only
+    where a new entry must be written (`prepare.publish`)."""
+    from ..runtime.files import folder_problem
+
+    root, named = cache_location(data_cache_dir)
+    problem = folder_problem(root)
+    if problem is not None:
+        raise ValueError(f"{named}: {problem}; the corpus cache must be a folder (it is made if missing)")
+    return root
 
 
 def digest_cache(data_cache_dir: str | None = None) -> Path:

@@ -10,7 +10,8 @@ Layout of the cache (`--data_cache_dir`, default `$PLUGFORMER_CACHE` or `~/.cach
 A key is a digest of what the content depends on; the corpus part digests each data file's path and the sha256 of its
 bytes (`identity.files_record`, kept in `digests/` so that an unchanged file is not read twice) and the loaded splits'
 `datasets` fingerprints, so a changed corpus or tokenizer never reuses stale blocks. A folder appears only complete (written beside it, then renamed), so an interrupted preparation is redone,
-never read half-written. Deleting the cache folder is always safe: it is rebuilt on the next run.
+never read half-written; a published blocks folder found damaged later (a shard cut short: `load_blocks`) is
+moved aside and prepared again. Deleting the cache folder is always safe: it is rebuilt on the next run.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from datasets import (
     load_dataset,
 )
 
-from ..runtime.files import write_json_atomic
-from .identity import files_record
+from ..runtime.files import writable_folder_problem, write_json_atomic
+from .identity import CACHE_VARIABLE, files_record
 from .packing import pack
 
 
@@ -76,7 +77,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def publish(build, target: Path) -> Path:
     """Runs `build(tmp_dir)` into a folder beside `target`, then renames it to `target` (atomic on one file system);
-    if another process published `target` meanwhile, keeps theirs."""
+    if another process published `target` meanwhile, keeps theirs. A cache folder this process cannot write is
+    refused (`ValueError` naming it) before `build` runs: no tokenizer is trained, no corpus packed, for nothing."""
+    problem = writable_folder_problem(target.parent)
+    if problem is not None:
+        raise ValueError(f"the corpus cache has no {target.parent.name} entry {target.name} for this corpus and "
+                         f"cannot take one: {problem}; give a folder you can write as --data_cache_dir (or "
+                         f"{CACHE_VARIABLE}), or make this one writable")  # fmt: skip
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.partial"
     try:
@@ -140,8 +147,9 @@ def stream_corpus(source: dict, dev: int, test: int, rename_columns: str | None 
     `test` documents of its train split, held in memory; training reads the documents after them. `rename_columns`
     (`"content=text"`) renames the stream's columns first (`user_data.column_renames`)."""
     from .user_data import column_renames
-    from .validation import refusing_hub_ids_offline
+    from .validation import check_dataset_name, refusing_hub_ids_offline
 
+    check_dataset_name(source.get("path"))
     with refusing_hub_ids_offline(source.get("path")):  # a stream reaches the Hub when it starts, or on its first read
         stream = load_dataset(**source, split="train", streaming=True)
         if rename_columns:
@@ -214,8 +222,13 @@ def prepared_blocks(
                  PACKING_VERSION)  # fmt: skip
     folder = root / "blocks" / key
     if (folder / "complete").exists():
-        say("packed blocks reused from %s", folder)
-        return load_blocks(folder)
+        try:
+            blocks = load_blocks(folder)
+        except DamagedCacheError as error:  # a shard cut short (a full disk, a copy killed): prepared again
+            discard_damaged(folder, error)
+        else:
+            say("packed blocks reused from %s", folder)
+            return blocks
     num_proc = num_proc or default_num_proc()
     started = time.perf_counter()
 
@@ -247,6 +260,8 @@ def prepared_blocks(
             packed = pack_split(name, split, tmp)
             files[name] = [Path(f["filename"]).name for f in packed.cache_files]  # the shards, in order
             del packed  # memory-mapped until released
+        sizes = {shard: (tmp / shard).stat().st_size for shards in files.values() for shard in shards}
+        write_json_atomic(tmp / SHARD_SIZES, sizes, indent=1)
         write_json_atomic(tmp / "complete", files, indent=1)
 
     publish(build, folder)
@@ -254,10 +269,60 @@ def prepared_blocks(
     return load_blocks(folder)
 
 
+# beside `complete`: each shard's size in bytes as written (a shard cut short at a record boundary still reads, as
+# fewer blocks); a folder written before it has none, and versions before it ignore the file
+SHARD_SIZES = "shard_sizes.json"
+
+
+class DamagedCacheError(ValueError):
+    """A published cache folder that cannot be read back whole (`damage`: a shard missing, cut short or unreadable);
+    the message adds the remedy."""
+
+    def __init__(self, damage: str, folder: Path):
+        self.damage = damage
+        super().__init__(f"{damage}; delete {folder} (it is prepared again on the next run) or give another "
+                         "--data_cache_dir")  # fmt: skip
+
+
 def load_blocks(folder: Path) -> DatasetDict:
-    """The packed splits of a published blocks folder, memory-mapped from the shards its `complete` file lists."""
-    files = json.loads((folder / "complete").read_text())
-    return DatasetDict({
-        name: concatenate_datasets([Dataset.from_file(str(folder / shard)) for shard in shards])
-        for name, shards in files.items()
-    })  # fmt: skip
+    """The packed splits of a published blocks folder, memory-mapped from the shards its `complete` file lists.
+    Raises `DamagedCacheError` naming the shard (and the remedy) when one is missing, of another size than was
+    written (`SHARD_SIZES`), or not Arrow."""
+    import pyarrow as pa
+
+    try:
+        files = json.loads((folder / "complete").read_text())
+        sizes = json.loads((folder / SHARD_SIZES).read_text()) if (folder / SHARD_SIZES).exists() else {}
+    except (OSError, ValueError) as error:
+        raise DamagedCacheError(f"the corpus cache's {folder} is damaged (its record: {error})", folder) from None
+    splits = {}
+    for name, shards in files.items():
+        parts = []
+        for shard in shards:
+            path = folder / shard
+            found = path.stat().st_size if path.is_file() else None
+            if found is None or (shard in sizes and found != sizes[shard]):
+                what = "is missing" if found is None else f"holds {found} bytes of the {sizes[shard]} written"
+                raise DamagedCacheError(f"the corpus cache's shard {path} {what}", folder)
+            try:
+                parts.append(Dataset.from_file(str(path)))
+            except (pa.ArrowException, OSError) as error:  # ArrowInvalid: "Expected to read ... bytes"
+                damage = f"the corpus cache's shard {path} is damaged ({type(error).__name__}: {error})"
+                raise DamagedCacheError(damage, folder) from None
+        splits[name] = concatenate_datasets(parts)
+    return DatasetDict(splits)
+
+
+def discard_damaged(folder: Path, error: DamagedCacheError) -> None:
+    """Moves a damaged cache folder aside and removes it, so that it is prepared again; re-raises `error` (which names
+    the shard and the remedy) when the folder cannot be moved (a read-only cache). Another process that moved it
+    first is fine: the folder is gone either way."""
+    aside = folder.parent / f".{folder.name}.{uuid.uuid4().hex[:8]}.damaged"
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return
+    except OSError:
+        raise error from None
+    say("%s; preparing it again", error.damage)
+    shutil.rmtree(aside, ignore_errors=True)

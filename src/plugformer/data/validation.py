@@ -12,21 +12,63 @@ import glob
 from collections.abc import Iterator
 from pathlib import Path
 
+from .formats import BUILDERS, FORMAT_COLUMNS
+
 
 TEXT_BUILDERS = ("json", "csv", "text")  # builders that read text files (parquet and arrow are binary)
+# the files each builder reads, for a folder given as --data_files (`datasets`' own extensions)
+BUILDER_EXTENSIONS = {"json": (".jsonl", ".json"), "csv": (".csv",), "text": (".txt",), "parquet": (".parquet",),
+                      "arrow": (".arrow",)}  # fmt: skip
+# compressed files `datasets` reads as the file inside (it recognises them by these first bytes): name -> (magic,
+# the module that opens it); zstd needs the `zstandard` package, as `datasets` does
+COMPRESSIONS = {"gzip": (b"\x1f\x8b", "gzip"), "bz2": (b"BZh", "bz2"), "xz": (b"\xfd7zXZ\x00", "lzma"),
+                "zstd": (b"\x28\xb5\x2f\xfd", "zstandard")}  # fmt: skip
 # data formats whose data may come in one of several column sets: those TRL's SFTTrainer accepts
 FORMAT_ALTERNATIVES = {"conversation": (("text",), ("messages",), ("prompt", "completion"))}
+# columns a format does without, but once present every row needs a value: classify's text_pair (a pair in some rows
+# and a single text in others reached the tokenizer as `TypeError: TextInputSequence must be str`)
+ALL_OR_NONE = {"classification": ("text_pair",)}
+
+
+def check_dataset_name(dataset_name: str) -> None:
+    """Raises `ValueError` for a `--dataset_name` that can name nothing: empty (read as the current folder, whose
+    every file was digested as data) or a local path that does not exist (`datasets`' `FileNotFoundError` named no
+    option)."""
+    from ..runtime.files import looks_local
+
+    if not str(dataset_name).strip():
+        raise ValueError(f"--dataset_name {dataset_name!r}: expected a builder ({', '.join(BUILDERS)}) with "
+                         "--data_files, a local folder, or a Hub id")  # fmt: skip
+    if dataset_name not in BUILDERS and looks_local(dataset_name) and not Path(dataset_name).expanduser().exists():
+        raise ValueError(f"--dataset_name {dataset_name}: no such folder or file; give a folder of data files, or a "
+                         f"builder ({', '.join(BUILDERS)}) with --data_files")  # fmt: skip
+
+
+def folder_given_as_file(name: str, dataset_name: str | None) -> str:
+    """The message for a folder given as `--data_files`: how to name its files (a pattern of the extension its files
+    have, else the builder's) or the folder itself (`--dataset_name`)."""
+    extensions = BUILDER_EXTENSIONS.get(dataset_name or "", ())
+    found = sorted({"".join(p.suffixes[-2:]) for p in Path(name).iterdir() if p.is_file() and p.suffix})
+    suffix = next((s for s in found if s.startswith(extensions)), None) or (extensions or found or ("",))[0]
+    pattern = str(Path(name) / f"*{suffix}")
+    return (
+        f"--data_files {name} is a folder, and --data_files names files; give its files as a pattern "
+        f"(--data_files '{pattern}') or the folder as --dataset_name {name} (without --data_files)"
+    )
 
 
 def check_data_files(dataset_name: str | None, data_files: list[str] | None) -> None:
-    """Raises `ValueError` naming the file if one of `data_files` (paths or glob patterns) is missing, empty or, for
-    a text builder (`json`, `csv`, `text`), not UTF-8."""
+    """Raises `ValueError` naming the file if one of `data_files` (paths or glob patterns) is missing, a folder,
+    empty or, for a text builder (`json`, `csv`, `text`), not UTF-8 (a compressed file `datasets` reads, `a.jsonl.gz`,
+    is checked inside: `COMPRESSIONS`)."""
     for pattern in data_files or []:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise ValueError(f"--data_files {pattern}: the pattern matches no file")
         for name in matches:
             path = Path(name)
+            if path.is_dir():
+                raise ValueError(folder_given_as_file(name, dataset_name))
             if not path.is_file():
                 raise ValueError(f"--data_files {name}: no such file")
             if dataset_name in TEXT_BUILDERS:
@@ -35,15 +77,55 @@ def check_data_files(dataset_name: str | None, data_files: list[str] | None) -> 
                 raise ValueError(f"--data_files {name}: the file is empty")
 
 
+def compression(path: str | Path) -> str | None:
+    """The `COMPRESSIONS` name of the file at `path`, by its first bytes, or None."""
+    with open(path, "rb") as handle:
+        start = handle.read(8)
+    return next((name for name, (magic, _) in COMPRESSIONS.items() if start.startswith(magic)), None)
+
+
+def open_binary(path: str | Path):
+    """`path` opened for reading bytes, decompressed when `datasets` would decompress it (`compression`); `None` for
+    a compression whose module is not installed (`datasets` cannot read it either)."""
+    import importlib
+
+    kind = compression(path)
+    if kind is None:
+        return open(path, "rb")
+    try:
+        module = importlib.import_module(COMPRESSIONS[kind][1])
+    except ImportError:
+        return None
+    if kind == "zstd":
+        return module.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return module.open(path, "rb")
+
+
+def open_text(path: str | Path):
+    """`path` as UTF-8 text (undecodable bytes replaced), decompressed as `open_binary` reads it."""
+    import io
+
+    handle = open_binary(path)
+    return (
+        open(path, encoding="utf-8", errors="replace")
+        if handle is None
+        else io.TextIOWrapper(handle, encoding="utf-8", errors="replace", newline=None)
+    )
+
+
 def _check_text_file(path: Path) -> None:
+    handle = open_binary(path)
+    if handle is None:  # compressed by a module this environment lacks: `datasets` says so itself
+        return
+    inside = " (decompressed)" if compression(path) else ""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, content = 0, False
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+    with handle:
+        for block in iter(lambda: _read(handle, path), b""):
             try:
                 text = decoder.decode(block)
             except UnicodeDecodeError as error:
-                raise ValueError(f"--data_files {path}: not UTF-8 text (byte {offset + error.start} is "
+                raise ValueError(f"--data_files {path}: not UTF-8 text (byte {offset + error.start}{inside} is "
                                  f"{block[error.start : error.start + 1]!r}); re-encode it as UTF-8") from None  # fmt: skip
             content = content or bool(text.strip())
             offset += len(block)
@@ -52,16 +134,26 @@ def _check_text_file(path: Path) -> None:
         except UnicodeDecodeError:
             raise ValueError(f"--data_files {path}: not UTF-8 text (it ends inside a character)") from None
     if not content:
-        raise ValueError(f"--data_files {path}: the file is empty (no rows)")
+        raise ValueError(f"--data_files {path}: the file is empty (no rows{inside})")
+
+
+def _read(handle, path: Path) -> bytes:
+    """The next MiB of `handle`; a compressed file that is damaged (cut short, bad data) is named."""
+    try:
+        return handle.read(1 << 20)
+    except (OSError, EOFError, ValueError) as error:  # gzip.BadGzipFile, EOFError, lzma.LZMAError, zstd's
+        raise ValueError(f"--data_files {path}: a damaged {compression(path)} file ({type(error).__name__}: "
+                         f"{error}); compress it again") from None  # fmt: skip
 
 
 def required_columns(data_format: str, columns: list[str], source: str, reader: str) -> tuple[str, ...]:
-    """The columns of `data_format` that must hold a value in every row; for a format with alternatives (TRL's SFT
-    column sets) the first one present, refused (`ValueError` naming what `reader` needs) when none is."""
-    from .user_data import FORMAT_COLUMNS
-
+    """The columns of `data_format` that must hold a value in every row (with those of `ALL_OR_NONE` it has); for a
+    format with alternatives (TRL's SFT column sets) the first one present, refused (`ValueError` naming what
+    `reader` needs) when none is."""
     if data_format not in FORMAT_ALTERNATIVES:
-        return tuple(c for c in FORMAT_COLUMNS.get(data_format, ()) if c in columns)
+        return tuple(
+            c for c in (*FORMAT_COLUMNS.get(data_format, ()), *ALL_OR_NONE.get(data_format, ())) if c in columns
+        )
     for format_columns in FORMAT_ALTERNATIVES[data_format]:
         if all(c in columns for c in format_columns):
             return format_columns

@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from ..data.user_data import BUILDERS
+from ..data.formats import BUILDERS
 from .implicit_reward import completion_log_probs, completion_token_ids, padded_batch
 
 

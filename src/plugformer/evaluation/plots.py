@@ -27,6 +27,9 @@ from .figures import pyplot, save_figure
 # --- sinusoidal encoding ---------------------------------------------------------------------------------------
 
 
+MAX_CELLS = 2**24  # values of the sinusoidal heatmap: 16M, far more than its pixels
+
+
 def sinusoidal_matrix(positions: int, dim: int) -> torch.Tensor:
     """plugformer's sinusoidal table for positions `0..positions-1`, shape `(positions, dim)`.
 
@@ -37,6 +40,9 @@ def sinusoidal_matrix(positions: int, dim: int) -> torch.Tensor:
         raise ValueError(f"positions={positions!r} must be an int >= 1")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
         raise ValueError(f"dim={dim!r} must be an even int >= 2 (sine and cosine pairs)")
+    if positions * dim > MAX_CELLS:  # 2**63 positions overflowed torch's allocation with a RuntimeError traceback
+        raise ValueError(f"positions={positions} x dim={dim}: {positions * dim} values, more than a heatmap shows "
+                         f"(at most {MAX_CELLS}); choose fewer positions or a smaller dim")  # fmt: skip
     return sinusoidal_table(torch.arange(positions)[None], dim)[0]  # (1, P, d) -> (P, d)
 
 
@@ -297,13 +303,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> Path:
     """`plugformer plot positions|sinusoidal|curves ... --output F.png`; prints and returns the file written."""
-    from ..runtime.arguments import merge_repeated_flags
+    from ..runtime.arguments import check_numbers, merge_repeated_flags
 
     main_parser = parser()
     subparsers = next(a for a in main_parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     if argv and argv[0] in subparsers:  # a repeated option of the subcommand accumulates or is refused
         argv = [argv[0], *merge_repeated_flags(subparsers[argv[0]], list(argv[1:]), f"plugformer plot {argv[0]}", ())]
     args = main_parser.parse_args(argv)
+    check_numbers(args)  # --dpi 0, --dpi nan: refused naming the flag, before any work
     if args.command == "positions":
         plot_position_bias(load_model(args.model), args.output, args.max_distance, stack=args.stack, dpi=args.dpi)
     elif args.command == "sinusoidal":

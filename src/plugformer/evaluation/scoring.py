@@ -13,7 +13,15 @@ import torch
 
 from ..data.tokenization import load_tokenizer
 from ..runtime.environment import environment_record
-from ..runtime.files import MODEL_FILES, WEIGHT_FILES, model_sha256, portable_path, recorded_path, write_json_atomic
+from ..runtime.files import (
+    MODEL_FILES,
+    WEIGHT_FILES,
+    model_sha256,
+    portable_path,
+    recorded_path,
+    writable_folder_problem,
+    write_json_atomic,
+)
 from ..runtime.loading import load_checked
 from . import seq2seq
 from .answers import generate_answers, prompt_text
@@ -409,14 +417,20 @@ NOT_KEYED = ("model", "output", "overwrite_output")  # the model is keyed by its
 
 
 def output_problem(args: EvalArguments, output: Path) -> str | None:
-    """Why writing the results to `output` would destroy something, or `None`: a folder; a name of a model's or a
-    run's files (`NOT_RESULTS`); an existing file that is no `plugformer eval` result, or the result of another model
-    folder (unless `--overwrite_output true`). An earlier result of the same model folder is replaced: a rerun (other
+    """Why writing the results to `output` would fail or destroy something, or `None`: a folder, or a file in a folder
+    this process cannot write (found before the scoring, not after it); a name of a model's or a run's files
+    (`NOT_RESULTS`); an existing file that is no `plugformer eval` result, or the result of another model folder
+    (unless `--overwrite_output true`). An earlier result of the same model folder is replaced: a rerun (other
     settings, or the model retrained in its folder) supersedes it, and the key it writes says which it is."""
     from fnmatch import fnmatch
 
     if output.is_dir():
         return f"--output {output} is a folder; give the JSON file to write (default: <model>/eval_<split>.json)"
+    unwritable = writable_folder_problem(output.parent)
+    if unwritable is not None:  # found now, not after all the scoring
+        where = "" if args.output else f" (the default, in --model {args.model})"
+        return (f"--output {output}{where}: {unwritable}, so the results could not be written; give --output "
+                "FILE.json in a folder you can write")  # fmt: skip
     if any(fnmatch(output.name, pattern) for pattern in NOT_RESULTS):
         return (f"--output {output}: {output.name} is the name of a model's or a run's own file; results written "
                 "there would read as the model's. Choose another file name (default: <model>/eval_<split>.json)")  # fmt: skip

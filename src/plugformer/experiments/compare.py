@@ -125,7 +125,7 @@ class CompareArguments(CorpusArguments):
 def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> None:
     """Compare scores the last stage: a language model by perplexity or exact match, a classifier (a stage reading
     labelled text, `CLASSIFIER_FORMATS`: classify, nli) by accuracy; a reward classifier has neither."""
-    from ..data.user_data import CLASSIFIER_FORMATS
+    from ..data.formats import CLASSIFIER_FORMATS
     from ..training import STAGES
 
     last = STAGES.get(stages[-1]) if stages else None

@@ -29,6 +29,9 @@ from ..training.arguments import check_counts, check_trainer_arguments
 from ..training.outputs import claim_folder, release_lock
 
 
+MAX_SENTENCES = 10**7  # the demo's generated sentences, held in memory: ~0.5 GB of text
+
+
 @dataclass
 class DemoArguments:
     output_dir: str = field(default="outputs/demo", metadata={"help": "Where the model and tokenizer are saved."})
@@ -83,7 +86,12 @@ def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
 def training_arguments(args: DemoArguments) -> TrainingArguments:
     """The `Trainer`'s options from the demo's, checked by the rule every training command follows
     (`check_trainer_arguments`: `--max_steps -5` trained 3 epochs, as transformers reads any negative count)."""
-    check_counts(args, {"batch_size": 1})  # under its own name, not the trainer's per_device_train_batch_size
+    # under their own names (not the trainer's per_device_train_batch_size); a -1 was refused after the folder claim
+    check_counts(args, {"batch_size": 1, "train_sentences": 1, "eval_sentences": 1})
+    for name in ("train_sentences", "eval_sentences"):  # generated in memory before the folder is claimed
+        if getattr(args, name) > MAX_SENTENCES:
+            raise ValueError(f"--{name} {getattr(args, name)}: at most {MAX_SENTENCES} (the demo generates them in "
+                             "memory; `plugformer train pretrain --train_examples N` prepares a corpus of any size)")  # fmt: skip
     training_args = TrainingArguments(
         output_dir=str(Path(args.output_dir) / "checkpoints"),
         max_steps=args.max_steps,

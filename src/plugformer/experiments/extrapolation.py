@@ -39,6 +39,9 @@ FIXED = {
 }
 
 
+MAX_EVAL_LENGTH = 2**20  # tokens of the longest evaluation window: far past any position scheme's training length
+
+
 @dataclass
 class ExtrapolationArguments(CorpusArguments):
     output_dir: str = field(default="outputs/extrapolation", metadata={"help": "runs, table, JSON and plot"})
@@ -67,6 +70,9 @@ class ExtrapolationArguments(CorpusArguments):
             raise ValueError(f"train_length={self.train_length}: expected at least 2 tokens")
         if not self.factors or any(not math.isfinite(f) or f <= 0 for f in self.factors):
             raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
+        if max(self.factors) * self.train_length > MAX_EVAL_LENGTH:  # 1e308 x L ended in an OverflowError traceback
+            raise ValueError(f"factors={self.factors}: {max(self.factors):g} x train_length {self.train_length} is "
+                             f"longer than {MAX_EVAL_LENGTH} tokens, the longest evaluation length")  # fmt: skip
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")
         if self.test_examples < 1:  # the perplexity stream is cut from test documents (0 ended in KeyError: 'test')

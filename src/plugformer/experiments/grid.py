@@ -58,6 +58,9 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
     from ..training import STAGES
 
     config_fields = {f.name for f in dataclasses.fields(PlugformerConfig)}
+    unknown = [stage for stage in stages if stage not in STAGES]  # STAGES[''] was a KeyError traceback
+    if unknown:
+        raise ValueError(f"--stages {' '.join(map(str, stages))}: unknown stage {unknown[0]!r}; stages: {list(STAGES)}")
     options = {stage: stage_options(stage) for stage in stages}
     # a stage that builds a PlugformerConfig (pretrain, seq2seq); nli builds a decomposable model, with flags of its own
     builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None and "config_overrides" in options[s]),

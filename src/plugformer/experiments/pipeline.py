@@ -112,7 +112,8 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
         raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
     if parent is not None and args.stages.index(parent) > args.stages.index(stage):
         raise ValueError(f"stages={args.stages}: {parent!r} must come before {stage!r}")
-    argv = ["--config", config_path(stage_config(args.stage_configs, stage)), "--output_dir", stage_dir(args, stage)]
+    config = config_path(stage_config(args.stage_configs, stage), flag=f"--stage_configs {args.stage_configs}")
+    argv = ["--config", config, "--output_dir", stage_dir(args, stage)]
     argv += ["--seed", str(args.seed), "--dataset_seed", str(args.dataset_seed)]
     if parent is not None:
         argv += ["--model_name_or_path", stage_dir(args, parent)]

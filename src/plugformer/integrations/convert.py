@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM
-from ..runtime.files import naming_a_full_disk, weights_with_umask_mode
+from ..runtime.files import looks_local, naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
 from ..training.outputs import claimed_folder
 
@@ -241,12 +241,15 @@ def convert(
             `training.outputs.claim_folder`; the folder is locked while converting and records stage `convert`).
         overwrite (`bool`, *optional*, defaults to `False`): Replace the run or model already in `output_dir` (its
             checkpoints and run records are removed first, as `--overwrite_output_dir true` does for a stage).
-        overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that no longer fit
-            are dropped and new parameters initialised; both lists are logged.
+        overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that still fit are
+            kept; a source tensor whose shape the overrides change (`num_key_value_heads=2`) and a new parameter are
+            initialised anew, weights the new config has no place for dropped; the lists are logged.
 
     Returns:
         [`PlugformerForCausalLM`]: In eval mode; without overrides its logits equal the source model's.
     """
+    if str(source).startswith("~"):
+        source = Path(source).expanduser()  # transformers would read "~/..." as a Hub id
     if output_dir is not None:
         check_output_dir(source, output_dir)
     config, to_weights = converted_config(source, overrides)  # a bad source or override fails before the claim
@@ -262,10 +265,34 @@ def convert(
     return model
 
 
+def source_checkpoint_config(source: str | Path) -> PreTrainedConfig:
+    """The transformers config of `source`; `ValueError` naming it when it is a missing local path (transformers
+    read it as a Hub id: a validation or connection traceback), a file, a folder without `config.json`, or a name
+    that is neither a local folder nor, offline, a Hub id in the local cache."""
+    from huggingface_hub import constants
+
+    path = Path(source).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"convert {source}: a file, not a folder; give a transformers checkpoint folder "
+                         "(config.json and the weights)")  # fmt: skip
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"convert {source}: the folder holds no config.json, so it is no transformers checkpoint; "
+                         "give the folder save_pretrained wrote")  # fmt: skip
+    if not path.exists() and looks_local(source):
+        raise ValueError(f"convert {source}: no such folder ({path.absolute()}); give a transformers checkpoint folder")
+    try:
+        return AutoConfig.from_pretrained(path if path.exists() else source)
+    except OSError as error:  # a Hub id: not found, or offline and not in the local cache
+        offline = " and the Hugging Face Hub is offline (plugformer sets HF_HUB_OFFLINE=1 unless you set it)"
+        raise ValueError(f"convert {source}: no local folder of that name{offline if constants.HF_HUB_OFFLINE else ''}"
+                         f", and no Hub checkpoint could be read ({' '.join(str(error).split())[:200]}); give a "
+                         "transformers checkpoint folder") from error  # fmt: skip
+
+
 def converted_config(source: str | Path, overrides: dict[str, Any]) -> tuple[PlugformerConfig, Callable]:
     """(the plugformer config of `source` with `overrides`, its weight converter); refuses an unknown `model_type`,
     a bad override or a model too large for memory, before any weight is read."""
-    source_config = AutoConfig.from_pretrained(source)
+    source_config = source_checkpoint_config(source)
     if source_config.model_type not in CONVERTERS:
         raise ValueError(f"model_type={source_config.model_type!r} is not one of {list(CONVERTERS)}")
     to_config, to_weights = CONVERTERS[source_config.model_type]
@@ -279,12 +306,19 @@ def build_converted(source, config: PlugformerConfig, to_weights: Callable, over
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     weights = to_weights(reference.state_dict(), config)
     model = PlugformerForCausalLM(config)
+    # an override that changes a tensor's shape (num_key_value_heads, head_dim, ...): that tensor starts fresh, as a
+    # new parameter does; load_state_dict(strict=False) raised a size-mismatch traceback for it
+    own = model.state_dict()
+    resized = sorted(name for name, tensor in weights.items() if name in own and own[name].shape != tensor.shape)
+    weights = {name: tensor for name, tensor in weights.items() if name not in resized}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [name for name in missing if not (config.tie_word_embeddings and name == "lm_head.weight")]
     if (missing or unexpected) and not overrides:
         raise RuntimeError(f"conversion bug: missing {missing}, unexpected {unexpected}")
     if missing or unexpected:
-        logger.warning("after overrides %s: newly initialised %s; dropped %s", overrides, missing, unexpected)
+        fresh = [name for name in missing if name not in resized]
+        logger.warning("after overrides %s: %d source tensors of another shape initialised anew %s; newly "
+                       "initialised %s; dropped %s", overrides, len(resized), resized, fresh, unexpected)  # fmt: skip
     model.generation_config = reference.generation_config
     model.eval()
     return model

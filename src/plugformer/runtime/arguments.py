@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -26,10 +27,11 @@ T = TypeVar("T")
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def config_path(path: str | Path) -> str:
+def config_path(path: str | Path, flag: str = "--config") -> str:
     """`path` if it exists; else a relative `configs/...` path is looked up among the shipped YAMLs, which travel
     inside the package (so `--config configs/demo.yaml` works from any directory, in a clone or after a wheel
-    install); else a FileNotFoundError saying where it looked.
+    install); else a FileNotFoundError naming `flag` (the option that gave the path: `--stage_configs` for a
+    template filled in) and saying where it looked.
 
     >>> config_path("configs/demo.yaml").endswith("demo.yaml")
     True
@@ -42,7 +44,7 @@ def config_path(path: str | Path) -> str:
     if shipped is not None and shipped.is_file():
         return str(shipped)
     where = f"{Path.cwd()}" + (f" or among the shipped configs in {SHIPPED_CONFIGS}" if shipped else "")
-    raise FileNotFoundError(f"--config {path}: no such file (looked in {where}); the shipped YAMLs are named "
+    raise FileNotFoundError(f"{flag} {path}: no such file (looked in {where}); the shipped YAMLs are named "
                             "configs/<stage>/<name>.yaml and configs/demo.yaml (accelerate's: `plugformer accelerate-config`)")  # fmt: skip
 
 
@@ -301,14 +303,17 @@ NUMBER_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "warmup_ratio": (0.0, 1.0, False),
     "factors": (0.0, None, True),
     "temperature": (0.0, None, True),
+    "dpi": (0.0, None, True),  # matplotlib's "dpi must be positive" named no flag
+    "seed": (0, 2**32 - 1, False),  # numpy's "Seed must be between 0 and 2**32 - 1" (set_seed) named no flag
+    "seeds": (0, 2**32 - 1, False),  # compare's and extrapolate's, one run each
 }
 
 
 def check_numbers(*arguments) -> None:
-    """Raises `ValueError` naming the flag for a numeric option of the dataclass instances `arguments` that is not
-    finite (`--learning_rate inf` trained to an all-NaN model and exited 0, `--max_grad_norm nan` turned clipping
-    off), or outside its range in `NUMBER_RANGES`; lists are checked item by item. Every command calls it on what
-    it parsed, before any work.
+    """Raises `ValueError` naming the flag for a numeric option of the dataclass instances (or argparse namespaces)
+    `arguments` that is not finite (`--learning_rate inf` trained to an all-NaN model and exited 0, `--max_grad_norm
+    nan` turned clipping off), or outside its range in `NUMBER_RANGES`; lists are checked item by item. Every command
+    calls it on what it parsed, before any work.
 
     >>> from dataclasses import dataclass
     >>> @dataclass
@@ -320,21 +325,72 @@ def check_numbers(*arguments) -> None:
     ValueError: --learning_rate inf: expected a finite number
     """
     for instance in arguments:
-        if not dataclasses.is_dataclass(instance):
+        if isinstance(instance, argparse.Namespace):  # an argparse command's options (plot)
+            values = vars(instance)
+        elif dataclasses.is_dataclass(instance):
+            values = {field.name: getattr(instance, field.name, None) for field in dataclasses.fields(instance)}
+        else:
             continue
-        for field in dataclasses.fields(instance):
-            value = getattr(instance, field.name, None)
+        for name, value in values.items():
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, bool) or not isinstance(item, (int, float)):
                     continue
                 if not math.isfinite(item):
-                    raise ValueError(f"--{field.name} {item!r}: expected a finite number")
-                low, high, open_low = NUMBER_RANGES.get(field.name, (None, None, False))
+                    raise ValueError(f"--{name} {item!r}: expected a finite number")
+                low, high, open_low = NUMBER_RANGES.get(name, (None, None, False))
                 if (low is not None and (item < low or (open_low and item == low))) or (
                     high is not None and item > high
                 ):
-                    bounds = f"{'>' if open_low else '>='} {low:g}" if high is None else f"in [{low:g}, {high:g}]"
-                    raise ValueError(f"--{field.name} {item!r}: expected a value {bounds}")
+                    shown = [f"{bound:g}" if isinstance(bound, float) else str(bound) for bound in (low, high)]
+                    bounds = (
+                        f"{'>' if open_low else '>='} {shown[0]}" if high is None else f"in [{shown[0]}, {shown[1]}]"
+                    )
+                    raise ValueError(f"--{name} {item!r}: expected a value {bounds}")
+
+
+def option_values(argv: list[str]) -> list[tuple[str, str]]:
+    """(`--option`, value) of each option given a value on the command line (`--x 1` or `--x=1`).
+
+    >>> option_values(["--a", "1", "--b=x", "--flag", "--c", "-1"])
+    [('--a', '1'), ('--b', 'x'), ('--c', '-1')]
+    """
+    pairs = []
+    for index, token in enumerate(argv):
+        if not token.startswith("--"):
+            continue
+        name, equals, value = token.partition("=")
+        if equals:
+            pairs.append((name, value))
+        elif index + 1 < len(argv) and not (argv[index + 1].startswith("--") and len(argv[index + 1]) > 2):
+            pairs.append((name, argv[index + 1]))
+    return pairs
+
+
+def naming_the_option(error: Exception, argv: list[str]) -> ValueError | None:
+    """`error`, raised by a library while it built its config from `argv` (transformers' or TRL's `__post_init__`:
+    "invalid literal for int() with base 10: ''", "You provided -1", an `OverflowError` for `inf`), as a `ValueError`
+    that names the option the message is about: the one given a non-finite number for an `OverflowError`, else the
+    one whose value the message quotes. None when the message names a given option already, or no single one fits.
+
+    >>> naming_the_option(ValueError("GRPO needs 2 generations. You provided -1."), ["--num_generations", "-1"])
+    ValueError('--num_generations -1: GRPO needs 2 generations. You provided -1.')
+    """
+    given = option_values(argv)
+    text = " ".join(str(error).split())
+    if any(re.search(rf"{re.escape(name)}\b", text) or re.search(rf"\b{re.escape(name[2:])}\b", text)
+           for name, _ in given):  # fmt: skip
+        return None
+    if isinstance(error, OverflowError):
+        fits = [
+            (name, value) for name, value in given if value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan")
+        ]
+    else:
+        fits = [(name, value) for name, value in given
+                if re.search(rf"(?<![\w.+-]){re.escape(value)}(?!\w|\.\d)", text) or (not value and "''" in text)]  # fmt: skip
+    if len(fits) != 1:
+        return None
+    name, value = fits[0]
+    return ValueError(f"{name} {value if value else repr(value)}: {text}")
 
 
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:

@@ -87,6 +87,51 @@ def disk_full(path: str | Path, what: str, intact: str, cause: BaseException) ->
     return DiskFullError(getattr(cause, "errno", None) or errno.ENOSPC, message)
 
 
+def looks_local(source: str | Path) -> bool:
+    """Whether `source` can only be a local path, never a Hub id (`org/name`): absolute, starting with `.` or `~`, or
+    holding a backslash or more than one `/`.
+
+    >>> looks_local("./llama"), looks_local("~/m"), looks_local("a/b/c"), looks_local("meta-llama/Llama-3.2-1B")
+    (True, True, True, False)
+    """
+    text = str(source)
+    return Path(text).is_absolute() or text.startswith((".", "~")) or "\\" in text or text.count("/") > 1
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """`path` made absolute, or its nearest parent that exists."""
+    path = Path(path).expanduser().absolute()
+    return next(folder for folder in [path, *path.parents] if folder.exists())
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a folder (a file, or under a file), or None: what a folder-valued option says in one
+    line, before any work, instead of a `NotADirectoryError` when the first file is written into it.
+
+    >>> folder_problem("/dev/null")
+    '/dev/null is a file, not a folder'
+    """
+    existing = nearest_existing(path)
+    if existing.is_dir():
+        return None
+    shown = Path(path).expanduser().absolute()
+    if existing == shown:
+        return f"{path} is a file, not a folder"
+    return f"{path} is under {existing}, which is a file, not a folder"
+
+
+def writable_folder_problem(path: str | Path) -> str | None:
+    """Why files cannot be written into the folder `path` (made if missing) by this process, or None: `folder_problem`,
+    or its nearest existing folder is not writable (`os.access`: also false on a read-only file system)."""
+    problem = folder_problem(path)
+    if problem is not None:
+        return problem
+    existing = nearest_existing(path)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
 def current_umask(default: int = 0o022) -> int:
     """The process umask, read without changing it (`/proc/self/status`, Linux); elsewhere set and restored at once,
     or `default` where neither works."""

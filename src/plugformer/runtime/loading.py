@@ -15,14 +15,21 @@ from pathlib import Path
 
 def load_checked(auto_class, path: str | Path, **kwargs):
     """`auto_class.from_pretrained(path, **kwargs)`, raising `ValueError` when tensors of the base model are
-    missing from the checkpoint, unexpected in it, or of another shape."""
+    missing from the checkpoint, unexpected in it, or of another shape. With `ignore_mismatched_sizes=True` the
+    caller changed a size on purpose (classify's new `num_labels`): only the tensors that depend on it (the head's)
+    can be of another shape, and they are initialised anew."""
     model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
     # a head's own layer (a reward model's `score`, new over a causal checkpoint) may be missing; a model that is its
     # own base model (the seq2seq head, as T5's) has no such layer: every tensor is checked
     own_base = getattr(model, "base_model", model) is model
     prefix = "" if own_base else f"{getattr(model, 'base_model_prefix', '') or ''}."
     problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+    kinds = (
+        "missing_keys",
+        "unexpected_keys",
+        *(() if kwargs.get("ignore_mismatched_sizes") else ("mismatched_keys",)),
+    )
+    for kind in kinds:
         names = sorted(str(key if isinstance(key, str) else key[0]) for key in info.get(kind, ()))
         names = [name for name in names if prefix in ("", ".") or name.startswith(prefix)]
         if names:

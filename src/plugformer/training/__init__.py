@@ -26,6 +26,8 @@ from ..runtime.arguments import (
     check_yaml_types,
     config_path,
     merge_repeated_flags,
+    naming_the_option,
+    option_values,
     read_yaml,
 )
 from .stages import STAGES, Stage, StageInput, refuse_unhonoured_options, register_stage
@@ -77,6 +79,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
         if value == "--config":  # a shipped YAML also from outside the checkout
             argv[index + 1] = config_path(argv[index + 1])
             check_stage_yaml(argv[index + 1], parser.dataclass_types)
+    check_config_files(argv)
     try:
         parsed = parser.parse_args_and_config(argv)
     except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked
@@ -84,9 +87,34 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             f"stage {stage!r}: --num_generations must be at least 2 (answers compared per prompt), and the batch "
             f"sizes multiples of it ({error})"
         ) from error
+    except (ValueError, OverflowError) as error:  # raised by transformers' or TRL's config for a value given
+        named = naming_the_option(error, argv)
+        if named is None:
+            raise
+        raise named from error
     check_numbers(*parsed)  # --learning_rate inf, --max_grad_norm nan: refused before any work
     refuse_unhonoured_options(entry, parsed[1])  # --use_peft where the stage trains every weight, ...
     return parsed
+
+
+# trainer options that take a JSON file (or a JSON object): transformers reads a missing one with a bare
+# FileNotFoundError (accelerator_config) or an AttributeError (fsdp_config); deepspeed needs its package first
+CONFIG_FILE_OPTIONS = ("--accelerator_config", "--fsdp_config", "--deepspeed")
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Raises `ValueError` naming a `CONFIG_FILE_OPTIONS` option whose value is neither a JSON object nor an existing
+    file, or `--deepspeed` without the deepspeed package."""
+    import importlib.util
+    from pathlib import Path
+
+    for name, value in option_values(argv):
+        if name not in CONFIG_FILE_OPTIONS or value.lstrip().startswith("{"):
+            continue
+        if not Path(value).is_file():
+            raise ValueError(f"{name} {value!r}: no such file; give a JSON file or a JSON object")
+        if name == "--deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(f"--deepspeed {value}: the deepspeed package is not installed (pip install deepspeed)")
 
 
 def check_stage_yaml(path: str, classes) -> None:

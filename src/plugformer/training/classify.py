@@ -7,13 +7,25 @@ the class ids (integers keep their order), saved as the model's `id2label` / `la
 "text-classification")` answers with the data's own labels. A dev or test label unseen in training is refused. The
 dev split is scored after training by accuracy and macro F1; `plugformer eval` scores the test split. The embedded
 data is a sentiment grammar ("the food was not really good" -> NEGATIVE, `data.sources.sentiment_rows`).
+
+A CSV's labels are read as written: `07` and `7` are two classes (pandas read both as the integer 7); labels that are
+all integers, no two of them spellings of one, stay integers as before (`user_data.csv_labels`). A parent that is
+itself a classifier (a classify run, or the nli stage's model) with another number of labels keeps everything but its
+head, which starts anew with a warning naming both label sets (transformers' `ignore_mismatched_sizes`: what
+fine-tuning a classifier on a new task means); with the same number, its head is fine-tuned further. The nli stage's
+model reads sentence pairs only.
 """
 
 from __future__ import annotations
 
+import logging
+
 from ..evaluation.cards import StageCard
 from .arguments import ClassifyArguments, check_trainer_arguments, refuse_liger_kernel
 from .stages import Stage, register_stage
+
+
+logger = logging.getLogger(__name__)
 
 
 def label_names(values: list) -> list[str]:
@@ -52,6 +64,36 @@ def label_fields(data) -> dict:
     check_labels(data, names)
     return {"num_labels": len(names), "id2label": dict(enumerate(names)),
             "label2id": {name: index for index, name in enumerate(names)}}  # fmt: skip
+
+
+def head_options(path: str, labels: dict, columns: list[str]) -> dict:
+    """`from_pretrained` options for a classifier of `labels` (`label_fields`) on the model in `path`, read from its
+    config before any weight: a classifier's head of another label count is replaced by a new one
+    (`ignore_mismatched_sizes`; transformers refused with a size-mismatch traceback), with a warning naming both label
+    sets. Raises `ValueError` when the model is the nli stage's, which reads sentence pairs, and the data (`columns`)
+    has no `text_pair`."""
+    from transformers import AutoConfig
+
+    from ..decomposable import DecomposableAttentionConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type == DecomposableAttentionConfig.model_type and "text_pair" not in columns:
+        raise ValueError(f"--model_name_or_path {path} is the nli stage's decomposable attention model, which reads "
+                         f"sentence pairs; your data has no text_pair column (it has {columns}): give pairs as text "
+                         "and text_pair, or start from a language model (a pretrain run)")  # fmt: skip
+    if not any(name.endswith("ForSequenceClassification") for name in config.architectures or ()):
+        return {}  # a language model: its classification head is new anyway
+    theirs, ours = [str(name) for name in config.id2label.values()], list(labels["id2label"].values())
+    if theirs == ours:
+        return {}  # the same classes: the head is fine-tuned further
+    shown = f"{path} is a classifier of {len(theirs)} labels {theirs[:10]}; your data has {len(ours)}: {ours[:10]}"
+    if len(theirs) == len(ours):
+        logger.warning("%s: its head is kept and fine-tuned, each of its rows now standing for your label in its "
+                       "place", shown)  # fmt: skip
+        return {}
+    logger.warning("%s: its head is replaced by a new %d-way head, trained from scratch; the rest is kept", shown,
+                   len(ours))  # fmt: skip
+    return {"ignore_mismatched_sizes": True}
 
 
 def tokenized(split, tokenizer, label2id: dict[str, int], max_length: int):
@@ -100,8 +142,10 @@ def train(script_args, model_args, training_args) -> dict:
     claim_output_dir(script_args, training_args, "classify")
     data = stage_data("classify", script_args)
     labels = label_fields(data)
-    tokenizer = load_tokenizer(require_model_path(model_args, "classify"))
-    model = load_model(AutoModelForSequenceClassification, model_args, "classify", **labels)
+    path = require_model_path(model_args, "classify")
+    tokenizer = load_tokenizer(path)
+    options = head_options(path, labels, data["train"].column_names)
+    model = load_model(AutoModelForSequenceClassification, model_args, "classify", **labels, **options)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads each row's last real token through it
     if model_args.use_peft:
         model = with_adapters(model, model_args, "SEQ_CLS")

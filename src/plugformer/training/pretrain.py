@@ -15,7 +15,7 @@ from transformers import (
     default_data_collator,
 )
 
-from ..data.identity import cache_root, files_record, row_keys
+from ..data.identity import corpus_cache_root, files_record, row_keys
 from ..data.packing import pack
 from ..data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
 from ..data.tokenization import set_chat_template, train_tokenizer
@@ -85,7 +85,7 @@ def source_tokenizer(script_args, model_args, corpus: Corpus):
         return load_tokenizer(source)
     if corpus.fingerprint is None:
         return train_tokenizer(corpus.splits["train"]["text"], vocab_size=script_args.vocab_size, split_digits=True)
-    root = cache_root(script_args.data_cache_dir)
+    root = corpus_cache_root(script_args.data_cache_dir)
     return prepared_tokenizer(corpus, script_args.vocab_size, script_args.tokenizer_sample_mb,
                               script_args.dataset_seed, root)  # fmt: skip
 
@@ -99,7 +99,7 @@ def pack_corpus(corpus: Corpus, tokenizer, script_args, causal: bool) -> dict:
         blocks = corpus.splits.map(pack, batched=True, remove_columns=corpus.splits["train"].column_names,
                                    fn_kwargs=options)  # fmt: skip
     else:
-        root = cache_root(script_args.data_cache_dir)
+        root = corpus_cache_root(script_args.data_cache_dir)
         blocks = prepared_blocks(corpus.splits, corpus.fingerprint, root=root,
                                  num_proc=script_args.preprocessing_num_workers, **options)  # fmt: skip
     blocks = dict(blocks)
@@ -135,6 +135,8 @@ def train(script_args, model_args, training_args) -> dict:
     refuse_liger_kernel(training_args)
     check_tokenizer_source(script_args, model_args)
     check_launch(training_args)  # before the tokenizer trains: a launch of independent copies is refused at once
+    if script_args.dataset_name is not None and not script_args.streaming:
+        corpus_cache_root(script_args.data_cache_dir)  # a file as the corpus cache: refused before the data loads
     claim_output_dir(script_args, training_args, "pretrain")  # another run's folder, or one in use, is refused as early
     if script_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming true has no epochs to count (the stream's length is unknown): give --max_steps")

@@ -46,7 +46,7 @@ class Stage:
         config_class (`str`): Its trainer config class: `"TrainingArguments"`, `"Seq2SeqTrainingArguments"` or the
             name of a TRL config class.
         description (`str`): One line for `plugformer train --help`.
-        data_format (`str`): The TRL dataset format it reads, a key of `plugformer.data.user_data.FORMAT_COLUMNS`.
+        data_format (`str`): The TRL dataset format it reads, a key of `plugformer.data.formats.FORMAT_COLUMNS`.
         data_parallel (`bool`): Whether `plugformer pipeline --jobs N` may split its per-device batch over idle
             cores: true where that batch is a set of examples, false for online RL (a batch of sampled groups).
         card (`StageCard`): Its model card's summary, trainer and pipeline tag.
