@@ -41,12 +41,59 @@ def tiny_config(
     return PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, **overrides)
 
 
+def takes(score: str, **overrides) -> bool:
+    """Whether `score` can be built with the config fields `overrides`: a `causal_only` score (stick-breaking) has no
+    encoder (`is_causal=False`) or seq2seq (`is_encoder_decoder=True`) model; its own tests check the refusal."""
+    bidirectional = overrides.get("is_causal") is False or overrides.get("is_encoder_decoder") is True
+    return not (bidirectional and plugformer.ATTENTION_SCORES.get(score).causal_only)
+
+
 def build(config: PlugformerConfig, kernel: str = "eager", seed: int = 0) -> PlugformerForCausalLM:
     """A model in eval mode on `kernel`; configs are deep-copied (models built from one config share it)."""
     torch.manual_seed(seed)
     config = copy.deepcopy(config)
     config._attn_implementation = kernel
     return PlugformerForCausalLM(config).eval()
+
+
+def on_kernel(model, kernel: str):
+    """A copy of `model`, the same weights, on another kernel."""
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(kernel)
+    return other
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    """Token ids `(batch, length)` drawn from 3..127 (the tiny preset's vocabulary, special ids aside)."""
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(length: int = 12, pad: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """`random_ids(2, length)` and its attention mask, the second row's first `pad` tokens padding."""
+    tokens = random_ids(2, length)
+    mask = torch.ones_like(tokens)
+    mask[1, :pad] = 0
+    return tokens, mask
+
+
+def training_step(model, tokens, mask, labels=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step's logits and every parameter's gradient. The default labels are the real tokens, less the
+    second row's first real one (predicted from a padding query)."""
+    model.train().zero_grad()
+    if labels is None:
+        labels = tokens.masked_fill(mask == 0, -100)
+        labels[1, : int((mask[1] == 0).sum()) + 1] = -100
+    out = model(tokens, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """16-row blocks in the sdpa bias kernels (`kernels.BIAS_BLOCK_BYTES` of 1): their multi-block path."""
+    import plugformer.kernels as kernels
+
+    monkeypatch.setattr(kernels, "BIAS_BLOCK_BYTES", 1)
 
 
 # Each compiled flex kernel costs seconds on a cold CPU cache. The causal suite runs flex on every combination (by
@@ -92,11 +139,12 @@ def combinations(kernels=None, all_flex=True, projection=None, **overrides) -> l
 
     Pairs outside `DEFAULT_PAIRS`, and flex rows other than `DEFAULT_FLEX` of a representative suite, are marked
     `slow`: `-m slow` runs them, a plain run skips them. With another `projection` than the standard one, the id ends
-    in `-<projection>`, and only `scaled_dot` or `rope` pairs off flex run by default (the rest is `slow`).
+    in `-<projection>`, and only `scaled_dot` or `rope` pairs off flex run by default (the rest is `slow`). A score
+    that cannot take `overrides` (`takes`: stick-breaking in an encoder) has no rows.
     """
     other = projection not in (None, DEFAULT_PROJECTION)
     params = []
-    for score in SCORES:
+    for score in [name for name in SCORES if takes(name, **overrides)]:
         for scheme in SCHEMES:
             for kernel in supported_kernels(tiny_config(score, scheme, projection, **overrides)):
                 if kernels is not None and kernel not in kernels:
@@ -146,18 +194,20 @@ def projection_combinations(kernels=None, all_flex=True, representative=False, *
 REPRESENTATIVE_PAIRS = (("scaled_dot", "rope"), ("scaled_dot", BIAS_SCHEMES[0]))
 
 
-def variants(projections: bool = False) -> list:
-    """pytest params `(score, scheme)`, id `score-scheme`, for every pair; those outside `DEFAULT_PAIRS` are `slow`.
-    With `projections`, also `(score, scheme, projection)` for every other registered attention projection, id
-    `score-scheme-projection`, of which scaled_dot + rope runs by default."""
+def variants(projections: bool = False, **overrides) -> list:
+    """pytest params `(score, scheme)`, id `score-scheme`, for every pair whose score `takes` the config fields
+    `overrides`; those outside `DEFAULT_PAIRS` are `slow`. With `projections`, also `(score, scheme, projection)` for
+    every other registered attention projection, id `score-scheme-projection`, of which scaled_dot + rope runs by
+    default."""
+    scores = [score for score in SCORES if takes(score, **overrides)]
     params = [pytest.param((score, scheme), id=f"{score}-{scheme}",
                            marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
-              for score in SCORES for scheme in SCHEMES]  # fmt: skip
+              for score in scores for scheme in SCHEMES]  # fmt: skip
     for projection in PROJECTIONS if projections else ():
         if projection != DEFAULT_PROJECTION:
             params += [pytest.param((score, scheme, projection), id=f"{score}-{scheme}-{projection}",
                                     marks=() if (score, scheme) == ("scaled_dot", "rope") else (pytest.mark.slow,))
-                       for score in SCORES for scheme in SCHEMES]  # fmt: skip
+                       for score in scores for scheme in SCHEMES]  # fmt: skip
     return params
 
 

@@ -1,10 +1,10 @@
 """Run by tests/test_distributed_kernels.py under `torchrun --nproc_per_node 2` (gloo): for each position scheme whose
 causal training call the `sdpa` entry point sends to a custom autograd kernel (`kernels_relative`, `kernels_alibi`,
-`kernels_banded`, `kernels_query_bias`), a tiny model trained `STEPS` AdamW steps with FSDP2 (`fully_shard` on every
-block named in `_no_split_modules`, then the root) and with DDP, each rank on its half of a fixed batch, and on rank 0
-in one process without a wrapper on the whole batch (the reference). Counts each kernel's entry-point and hand-written
-backward calls on every rank, and writes per scheme every parameter's largest difference from the reference: of its
-first gradient and of its trained weights."""
+`kernels_banded`, `kernels_query_bias`: FIRE and forgetting attention), a tiny model trained `STEPS` AdamW steps with
+FSDP2 (`fully_shard` on every block named in `_no_split_modules`, then the root) and with DDP, each rank on its half of
+a fixed batch, and on rank 0 in one process without a wrapper on the whole batch (the reference). Counts each kernel's
+entry-point and hand-written backward calls on every rank, and writes per scheme every parameter's largest difference
+from the reference: of its first gradient and of its trained weights."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ CASES = {
     "t5_bias": ({"relative_attention_num_buckets": 8, "relative_attention_max_distance": 8},
                 "banded_bias_attention_forward", BandedBiasAttention),
     "fire": ({}, "query_bias_attention_forward", QueryBiasAttention),
+    "forgetting": ({}, "query_bias_attention_forward", QueryBiasAttention),
 }  # fmt: skip
 CALLS: Counter = Counter()
 

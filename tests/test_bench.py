@@ -176,15 +176,16 @@ def quick_run(tmp_path_factory) -> Path:
 # biases constant beyond a distance the tiny preset puts below 64 (kernels_banded: clamped at 8, T5 buckets at 16),
 # and KERPLE's through the Toeplitz-view kernel (kernels_relative), which takes fp32 only (not bf16)
 OWN_BIAS_PATHS = {"alibi": "linear-bias", "fire": "query-bias", "t5_bias": "banded-bias", "clamped_bias": "banded-bias",
-                  "kerple_log": "relative-bias"}  # fmt: skip
+                  "kerple_log": "relative-bias", "forgetting": "query-bias"}  # fmt: skip
 
 
 def expected_sdpa_kernel(score: str, scheme: str, dtype: str) -> str:
     """The profile label of a variant's training step on sdpa at the quick run's length. Differential attention's
     values are twice as wide as its queries, which torch's CPU flash kernel refuses: SDPA runs its math path, and of
-    the bias kernels only FIRE's (no flash call of its own) takes it."""
+    the bias kernels only the per-block one (FIRE's and forgetting attention's, no flash call of its own) takes it."""
     wide_values = score == "differential"
-    path = OWN_BIAS_PATHS.get(scheme) if not wide_values or scheme == "fire" else None
+    path = OWN_BIAS_PATHS.get(scheme)
+    path = path if not wide_values or path == "query-bias" else None
     if path == "relative-bias" and dtype != "fp32":
         path = None
     if path is None and POSITION_SCHEMES.get(scheme).has_bias:

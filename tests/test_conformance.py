@@ -64,13 +64,19 @@ def eager_copy(model):
     return model
 
 
-def assert_attention_maps(maps, layers: int, heads: int, queries: int, keys: int, causal: bool) -> None:
+def assert_attention_maps(maps, layers: int, heads: int, queries: int, keys: int, causal: bool, score=None) -> None:
+    """Each of `layers` maps has the shape asked, no weight on a later key where `causal`, and rows summing to 1, or
+    to at most 1 where `score` (a name) says its weights do not (`weights_sum_to_one`: stick-breaking)."""
     assert len(maps) == layers
+    normalised = score is None or plugformer.ATTENTION_SCORES.get(score).weights_sum_to_one
     for weights in maps:
         assert weights.shape == (BATCH, heads, queries, keys)
         # fp32's exp and division, then a sum of `keys` weights of total 1 (`tolerance`)
         atol = tolerance(torch.float32, length=keys, steps=2)
-        torch.testing.assert_close(weights.sum(-1), torch.ones(BATCH, heads, queries), atol=atol, rtol=0)
+        if normalised:
+            torch.testing.assert_close(weights.sum(-1), torch.ones(BATCH, heads, queries), atol=atol, rtol=0)
+        else:
+            assert weights.min() >= 0 and weights.sum(-1).max() <= 1 + atol
         if causal:  # no weight on a later key
             assert not weights.triu(1).any()
 
@@ -128,7 +134,7 @@ class TestCausalLM:
         model = eager_copy(causal)
         output = model(ids(), output_attentions=True, output_hidden_states=True)
         assert_attention_maps(output.attentions, config.num_hidden_layers, config.num_attention_heads, LENGTH,
-                              LENGTH, causal=True)  # fmt: skip
+                              LENGTH, causal=True, score=config.attention_score)  # fmt: skip
         assert len(output.hidden_states) == config.num_hidden_layers + 1
         assert all(h.shape == (BATCH, LENGTH, config.hidden_size) for h in output.hidden_states)
         attentions, hidden = output.attentions[0], output.hidden_states[0]
@@ -189,7 +195,7 @@ class TestCausalLM:
 ENCODER = dict(is_causal=False, pad_token_id=0)
 
 
-@pytest.fixture(scope="class", params=PROJECTED)
+@pytest.fixture(scope="class", params=variants(projections=True, **ENCODER))  # the scores an encoder takes
 def encoder(request):
     variant = request.param  # (score, scheme) or (score, scheme, projection)
     return {
@@ -249,7 +255,7 @@ class TestEncoderHeads:
 SEQ2SEQ = dict(is_encoder_decoder=True, pad_token_id=0, num_decoder_layers=3)
 
 
-@pytest.fixture(scope="class", params=VARIANTS)
+@pytest.fixture(scope="class", params=variants(**SEQ2SEQ))  # the scores a seq2seq model takes
 def seq2seq(request):
     return make(PlugformerForConditionalGeneration, *request.param, **SEQ2SEQ)
 

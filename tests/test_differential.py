@@ -218,31 +218,13 @@ def test_lambda_parameters_init_and_depth():
 def test_a_saved_model_loads_with_trust_remote_code_without_the_package(tmp_path):
     """The checkpoint carries the code (scores.py with the class, the attention hooks): same logits and tokens in a
     process where plugformer cannot be imported."""
-    import os
-    import subprocess
-    import sys
-
-    from test_hf_integration import HIDDEN_PACKAGE_SCRIPT
+    from test_hf_integration import assert_same_without_the_package
 
     torch.manual_seed(0)
     model = PlugformerForCausalLM(tiny_config("differential", "rope")).eval()
     model.save_pretrained(tmp_path / "model")
     tokens = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    (tmp_path / "load.py").write_text(HIDDEN_PACKAGE_SCRIPT)
-    torch.save(tokens, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    subprocess.run(
-        [sys.executable, str(tmp_path / "load.py"), str(tmp_path / "model"), str(tmp_path / "ids.pt"),
-         str(tmp_path / "out.pt")],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
-    result = torch.load(tmp_path / "out.pt")
-    assert result["module"].startswith("transformers_modules.")
-    with torch.no_grad():
-        # the same code in another process (its own kernel choice and threads): `model_tolerance`
-        expected = model(tokens).logits
-        torch.testing.assert_close(result["logits"], expected, atol=model_tolerance(model.config, expected), rtol=0)
-        assert torch.equal(result["generated"], model.generate(tokens[:, :4], max_new_tokens=4, do_sample=False))
+    assert_same_without_the_package(model, tmp_path / "model", tokens, tmp_path)
 
 
 @pytest.mark.parametrize(

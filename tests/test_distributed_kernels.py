@@ -1,9 +1,9 @@
 """The sdpa entry point's custom autograd kernels under 2-process training on CPU (gloo): `kernels_relative` (KERPLE),
 `kernels_alibi` (ALiBi), `kernels_banded` (clamped and T5 biases over more tokens than their far distance) and
-`kernels_query_bias` (FIRE, in training) run forward and backward on every rank with FSDP2 (`fully_shard`) and with
-DDP, and both train to the weights one process reaches on the whole batch. One `torchrun` launch
-(`kernels_fsdp_worker.py`) runs every case. `fully_shard` takes every parameter (it refused FIRE's c and L scales while
-they were 0-d).
+`kernels_query_bias` (FIRE and forgetting attention, in training) run forward and backward on every rank with FSDP2
+(`fully_shard`) and with DDP, and both train to the weights one process reaches on the whole batch. One `torchrun`
+launch (`kernels_fsdp_worker.py`) runs every case. `fully_shard` takes every parameter (it refused FIRE's c and L
+scales while they were 0-d).
 """
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ def gradient_bound(scheme: str, scales: dict[str, float]) -> float:
                      steps=model_steps(config))  # fmt: skip
 
 
+def scheme_parameters(scheme: str) -> set[str]:
+    """The parameters the position scheme adds to its case's model: the stack's (`model.positions.`) and the ones a
+    `per_layer` scheme adds to each attention layer (forgetting attention's gates)."""
+    from plugformer import PlugformerForCausalLM
+
+    names = {}
+    for name in (scheme, "none"):
+        config = PlugformerConfig.from_preset("tiny", position_scheme=name, **CASES[scheme][0])
+        names[name] = {parameter for parameter, _ in PlugformerForCausalLM(config).named_parameters()}
+    return names[scheme] - names["none"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     output = tmp_path_factory.mktemp("kernels") / "results.json"
@@ -81,7 +93,8 @@ def test_two_processes_train_to_the_one_process_weights(results, scheme, run):
     assert {name: d for name, d in gradients.items() if d > bound} == {}
     assert {name: d for name, d in weights.items() if d > WEIGHT_ATOL and name not in exempt} == {}
     # the position scheme's parameters got a gradient through the kernel's backward and moved (ALiBi has none)
-    moved = {name: d for name, d in case[run]["moved"].items() if ".positions." in name and name not in exempt}
+    owned = scheme_parameters(scheme)
+    moved = {name: d for name, d in case[run]["moved"].items() if name in owned and name not in exempt}
     assert (moved != {}) == (scheme != "alibi")
     assert {name: d for name, d in moved.items() if d < 1e-4} == {}, "a scheme parameter did not move"
 

@@ -13,6 +13,8 @@ from conftest import SCHEMES, SCORES, build, tiny_config
 from tolerances import model_tolerance
 from torch.export import Dim
 
+from plugformer import ATTENTION_SCORES
+
 
 class Logits(torch.nn.Module):
     """The exported function: ids and padding mask -> logits, no cache."""
@@ -47,7 +49,7 @@ def assert_equal_on_real_tokens(actual, expected, mask, config):
 
 
 def check_torch_export(score, scheme):
-    model = Logits(build(tiny_config(score, scheme), "sdpa" if score != "additive" else "eager"))
+    model = Logits(build(tiny_config(score, scheme), "sdpa" if ATTENTION_SCORES.get(score).dot_product else "eager"))
     program = torch.export.export(model, example_inputs(2, 8, 0), dynamic_shapes=DYNAMIC, strict=False)
     ids, mask = example_inputs(3, 13, 1, left_padding=4)  # another batch and length, left padding
     with torch.no_grad():
@@ -74,7 +76,7 @@ ONNX = all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "on
 def test_onnx_export_runs_at_another_shape(score, scheme, tmp_path):
     import onnxruntime
 
-    model = Logits(build(tiny_config(score, scheme), "sdpa" if score != "additive" else "eager"))
+    model = Logits(build(tiny_config(score, scheme), "sdpa" if ATTENTION_SCORES.get(score).dot_product else "eager"))
     program = torch.onnx.export(model, example_inputs(2, 8, 0), dynamo=True, dynamic_shapes=DYNAMIC,
                                 input_names=["input_ids", "attention_mask"], output_names=["logits"])  # fmt: skip
     program.save(str(tmp_path / "model.onnx"))

@@ -9,25 +9,27 @@ changes the outputs. The formula's entries themselves are checked in test_positi
 
 from __future__ import annotations
 
-import copy
 import math
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
-from conftest import build, tiny_config
+from bias_kind_checks import (
+    assert_built_in_kernels_take,
+    assert_encoder_step_on_sdpa_equals_eager,
+    assert_same_logits_on,
+    first_layer_attention,
+    recording_kernels,
+)
+from conftest import build, left_padded, on_kernel, random_ids, tiny_config, training_step
 from test_positions import fire_by_hand, fire_tolerance
 from tolerances import assert_same_step, model_tolerance, softmax_spread, tolerance
 from transformers import DynamicCache
 
-import plugformer.kernels as kernels
-from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM, register_attention_kernel
+from plugformer import PlugformerForCausalLM
 from plugformer.attention import PlugformerAttention
 from plugformer.biases import QueryPositionBias
-from plugformer.capabilities import KERNELS, unsupported_reason
+from plugformer.capabilities import unsupported_reason
 
 
 THRESHOLD, SCALE = 2.0, 0.5
@@ -46,38 +48,13 @@ def fire_model(kernel: str = "eager", score: str = "scaled_dot", **overrides) ->
     return with_small_threshold(build(tiny_config(score, "fire", **overrides), kernel))
 
 
-def on(model, kernel: str):
-    """The same weights on another kernel."""
-    other = copy.deepcopy(model)
-    other.set_attn_implementation(kernel)
-    return other
-
-
-def ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded(length: int = 12, pad: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = ids(2, length)
-    mask = torch.ones_like(tokens)
-    mask[1, :pad] = 0
-    return tokens, mask
-
-
 def test_eager_adds_the_papers_bias_of_each_rows_positions():
     """Layer 0's eager weights equal softmax(s·q·k + b(i, j) + mask) worked out here, b from the formula in Python
     floats at each row's positions: the left-padded row's query i sits at position i − 3."""
     model = fire_model()
     tokens, mask = left_padded(length=9, pad=3)
     attention = model.model.layers[0].self_attn
-    inputs = []
-    hook = attention.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-    with torch.no_grad():
-        weights = model(tokens, attention_mask=mask, output_attentions=True).attentions[0]  # (B, H, Q, K)
-        hidden = inputs[0]  # (B, T, hidden): what the attention projects
-        query = attention.split_heads(attention.q_proj(hidden))  # (B, H, T, D)
-        key = attention.split_heads(attention.k_proj(hidden)).repeat_interleave(2, dim=1)  # (B, H, T, D): GQA 2:1
-    hook.remove()
+    weights, _, query, key = first_layer_attention(model, tokens, mask)  # (B, H, Q, K), (B, H, T, D) twice: GQA 2:1
     fire = model.model.positions
     heads = model.config.num_attention_heads
     for row, pad in enumerate((0, 3)):
@@ -98,29 +75,14 @@ def test_eager_adds_the_papers_bias_of_each_rows_positions():
             torch.testing.assert_close(weights[row, :, i], expected, atol=softmax + 2 * (dot + fire_bias), rtol=0)
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(kernels, "BIAS_BLOCK_BYTES", 1)  # 16-row blocks: the multi-block sdpa path
-
-
-def step(model, tokens, mask):
-    """One training step's logits and every parameter's gradient."""
-    model.train().zero_grad()
-    labels = tokens.masked_fill(mask == 0, -100)
-    labels[1, : int((mask[1] == 0).sum()) + 1] = -100  # the first real token is predicted from a padding query
-    out = model(tokens, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    return out.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("score", ["scaled_dot", "multiplicative"])
 def test_sdpa_training_step_equals_eager_gradients_to_theta_c_and_l_included(score, small_blocks):
     """sdpa computes each block's rows from the positions, in its backward again (`kernels_query_bias`), three 16-row
     blocks: logits and every gradient equal eager's, and c, L and θ get theirs."""
     eager = fire_model(score=score)
     tokens, mask = left_padded(length=40, pad=7)
-    logits_eager, grads_eager = step(eager, tokens, mask)
-    logits_sdpa, grads_sdpa = step(on(eager, "sdpa"), tokens, mask)
+    logits_eager, grads_eager = training_step(eager, tokens, mask)
+    logits_sdpa, grads_sdpa = training_step(on_kernel(eager, "sdpa"), tokens, mask)
     real = mask.bool()
     # fp32's rounding through the model's layers and longest reduction, times max|logits| and the largest gradient
     # (`tolerances.assert_same_step`)
@@ -132,22 +94,7 @@ def test_sdpa_training_step_equals_eager_gradients_to_theta_c_and_l_included(sco
 
 def test_sdpa_encoder_training_step_equals_eager(small_blocks):
     """Bidirectional FIRE (keys after the query: the signed input, our choice) with padding, 16-row blocks."""
-    config = tiny_config("scaled_dot", "fire", is_causal=False)
-    torch.manual_seed(0)
-    eager = with_small_threshold(PlugformerForMaskedLM(copy.deepcopy(config)))
-    eager.set_attn_implementation("eager")
-    tokens, mask = left_padded(length=40, pad=5)
-    results = {}
-    for kernel in ("eager", "sdpa"):
-        model = on(eager, kernel).train()
-        labels = tokens.masked_fill((mask == 0) | (torch.arange(40) % 3 == 0), -100)
-        out = model(tokens, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        results[kernel] = out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    real = mask.bool()
-    # as above: `assert_same_step`
-    (logits, grads), (reference_logits, reference_grads) = results["sdpa"], results["eager"]
-    assert_same_step(config, logits[real], grads, reference_logits[real], reference_grads, msg="sdpa", tokens=40)
+    assert_encoder_step_on_sdpa_equals_eager(tiny_config("scaled_dot", "fire", is_causal=False), with_small_threshold)
 
 
 # flex compiles a kernel per shape on the CPU (~20 s for these three); (flex on this CPU returns wrong logits for
@@ -157,7 +104,7 @@ FLEX_SLOW = pytest.param("flex_attention", marks=pytest.mark.slow)
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa", FLEX_SLOW])
 def test_a_left_padded_row_equals_the_text_alone(kernel):
-    model = on(fire_model(), kernel)
+    model = on_kernel(fire_model(), kernel)
     tokens, mask = left_padded(length=12, pad=3)
     with torch.no_grad():
         batched = model(tokens, attention_mask=mask).logits
@@ -171,7 +118,7 @@ def test_a_left_padded_row_equals_the_text_alone(kernel):
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_cached_chunks_equal_the_full_forward_with_left_padding(kernel):
     """A prefill, a chunk and single steps, the mask growing with the cache: each query keeps its row's position."""
-    model = on(fire_model(), kernel).eval()
+    model = on_kernel(fire_model(), kernel).eval()
     tokens, mask = left_padded(length=14, pad=4)
     with torch.no_grad():
         full = model(tokens, attention_mask=mask).logits
@@ -189,7 +136,7 @@ def test_cached_chunks_equal_the_full_forward_with_left_padding(kernel):
 
 def test_batched_greedy_generation_equals_each_prompt_alone():
     model = fire_model("sdpa", pad_token_id=0)
-    prompts = [ids(1, 7, seed=1)[0], ids(1, 4, seed=2)[0]]
+    prompts = [random_ids(1, 7, seed=1)[0], random_ids(1, 4, seed=2)[0]]
     batch = torch.zeros(2, 7, dtype=torch.long)
     mask = torch.zeros(2, 7, dtype=torch.long)
     for row, prompt in enumerate(prompts):  # left padding
@@ -205,54 +152,32 @@ def test_batched_greedy_generation_equals_each_prompt_alone():
 def test_runs_past_the_threshold_and_the_training_length(kernel):
     """300 tokens (max_position_embeddings 64, L = 2): finite, and equal to eager."""
     model = fire_model()
-    tokens = ids(1, 300)
+    tokens = random_ids(1, 300)
     with torch.no_grad():
         expected = model(tokens).logits
         assert torch.isfinite(expected).all()
         # fp32's rounding through the model over 300 keys times max|logits| (`model_tolerance`)
         atol = model_tolerance(model.config, expected)
-        torch.testing.assert_close(on(model, kernel)(tokens).logits, expected, atol=atol, rtol=0)
+        torch.testing.assert_close(on_kernel(model, kernel)(tokens).logits, expected, atol=atol, rtol=0)
 
 
 def test_the_kernel_table_gives_fire_to_the_kernels_that_take_its_kind(tmp_path):
     """eager, sdpa and flex list `query_position`; flash and a kernel registered without it refuse FIRE naming
     the kind; one registered with it gets the `QueryPositionBias`, one taking a dense bias the (B, H, Q, K) rows."""
     config = tiny_config("scaled_dot", "fire")
-    for name in ("eager", "sdpa", "flex_attention"):
-        assert "query_position" in KERNELS.get(name).bias_kinds and unsupported_reason(config, name) is None
-    assert "takes no additive score bias" in unsupported_reason(config, "flash_attention_2")
+    assert_built_in_kernels_take(config, "query_position")
     reference = fire_model()
-    tokens, mask = left_padded()
-    with torch.no_grad():
-        expected = reference(tokens, attention_mask=mask).logits
-    received = []
-
-    def bias_sdpa(module, query, key, value, attention_mask, position_bias=None, **kwargs):
-        received.append(position_bias)
-        dense = position_bias if torch.is_tensor(position_bias) else position_bias.dense()
-        return kernels.sdpa_attention_forward(module, query, key, value, attention_mask,
-                                              position_bias=QueryPositionBias(dense, *dense.shape[-2:]), **kwargs)  # fmt: skip
-
-    specs = {"relative": {}, "both": {"bias_kinds": ("relative", "query_position")}, "dense": {"bias": "dense"}}
-    try:
-        for label, record in specs.items():
-            register_attention_kernel(f"fire_test_{label}", bias_sdpa, **{"bias": "relative", **record})
+    records = {"relative": {"bias": "relative"}, "dense": {"bias": "dense"},
+               "both": {"bias": "relative", "bias_kinds": ("relative", "query_position")}}  # fmt: skip
+    with recording_kernels("fire_test", **records) as received:
         reason = unsupported_reason(config, "fire_test_relative")
         assert "kinds ['relative']" in reason and "'query_position'" in reason and "position_scheme='fire'" in reason
-        real = mask.bool()
         for label, kind in (("both", QueryPositionBias), ("dense", torch.Tensor)):
             received.clear()
-            with torch.no_grad():
-                got = on(reference, f"fire_test_{label}")(tokens, attention_mask=mask).logits
-            # fp32's rounding through the model, the real tokens' max|logits|
-            atol = model_tolerance(reference.config, expected, magnitude=max(expected[real].abs().max().item(), 1.0))
-            torch.testing.assert_close(got[real], expected[real], atol=atol, rtol=0)
+            assert_same_logits_on(reference, f"fire_test_{label}")
             assert received and all(isinstance(bias, kind) for bias in received)
             if label == "dense":
                 assert all(bias.shape == (2, 4, 12, 12) for bias in received)
-    finally:
-        for label in specs:
-            KERNELS._table.pop(f"fire_test_{label}", None)
 
 
 def test_tensor_parallelism_is_refused():
@@ -267,25 +192,12 @@ def test_tensor_parallelism_is_refused():
 def test_saved_model_loads_with_trust_remote_code_without_the_package(tmp_path):
     """The checkpoint's copied code (biases.py with the new bias kind, positions_bias.py with FIRE) computes the same
     logits and greedy tokens in a process where plugformer cannot be imported."""
-    from test_hf_integration import HIDDEN_PACKAGE_SCRIPT
+    from test_hf_integration import assert_same_without_the_package
 
     model = fire_model("sdpa")
     model.save_pretrained(tmp_path / "model")
     assert {"biases.py", "positions_bias.py"} <= {path.name for path in (tmp_path / "model").iterdir()}
-    tokens = ids(2, 10)
-    (tmp_path / "load.py").write_text(HIDDEN_PACKAGE_SCRIPT)
-    torch.save(tokens, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    arguments = [str(tmp_path / name) for name in ("model", "ids.pt", "out.pt")]
-    subprocess.run([sys.executable, str(tmp_path / "load.py"), *arguments], check=True, env=env, cwd=tmp_path,
-                   timeout=300)  # fmt: skip
-    result = torch.load(tmp_path / "out.pt")
-    assert result["module"].startswith("transformers_modules.")
-    with torch.no_grad():
-        # the same code in another process (its own kernel choice and threads): `model_tolerance`
-        expected = model(tokens).logits
-        torch.testing.assert_close(result["logits"], expected, atol=model_tolerance(model.config, expected), rtol=0)
-        assert torch.equal(result["generated"], model.generate(tokens[:, :4], max_new_tokens=4, do_sample=False))
+    assert_same_without_the_package(model, tmp_path / "model", random_ids(2, 10), tmp_path)
 
 
 def test_a_checkpoint_saved_with_0d_scales_loads_into_the_vectors(tmp_path):
@@ -307,7 +219,7 @@ def test_a_checkpoint_saved_with_0d_scales_loads_into_the_vectors(tmp_path):
     fire = loaded.model.positions
     assert fire.distance_scale.shape == fire.threshold_scale.shape == (1,)
     assert (fire.distance_scale.item(), fire.threshold().item()) == (SCALE, THRESHOLD)
-    tokens = ids(2, 10)
+    tokens = random_ids(2, 10)
     with torch.no_grad():
         assert torch.equal(loaded.eval()(tokens).logits, model(tokens).logits)
     loaded.save_pretrained(tmp_path / "again")
@@ -323,6 +235,6 @@ def test_the_bias_is_computed_once_per_forward_and_shared_by_the_layers(monkeypa
     monkeypatch.setattr(type(model.model.positions), "fire_bias",
                         lambda self, *args: calls.append(1) or original(self, *args))  # fmt: skip
     with torch.no_grad():
-        model(ids(2, 8))
+        model(random_ids(2, 8))
     assert len(calls) == 1 and model.config.num_hidden_layers == 2
     assert math.isclose(model.model.positions.threshold().item(), THRESHOLD)

@@ -93,7 +93,7 @@ RANGES = {
     "initializer_range": (1e-12, 1.0, True),
 }
 BOOLS = ["is_causal", "is_encoder_decoder", "attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache",
-         "use_gated_attention"]  # fmt: skip
+         "use_gated_attention", "exclusive_self_attention"]  # fmt: skip
 TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"]
 ROPE_TYPES = ["default", *ROPE_INIT_FUNCTIONS]
 # keys transformers requires for each rope type it ships (its `_validate_<type>_rope_parameters`)
@@ -203,8 +203,13 @@ def violations(fields: dict, kernel: str | None) -> tuple[list[set[str]], list[s
             must.append({"rope_parameters", "position_scheme"})
     if values["is_encoder_decoder"] is True and values["pad_token_id"] is None:
         must.append({"pad_token_id", "is_encoder_decoder"})
-    if kernel not in (None, "eager") and values["attention_score"] == "additive":
+    if kernel not in (None, "eager") and values["attention_score"] in ("additive", "stick_breaking"):  # no softmax
         must.append({"attn_implementation", "attention_score"})
+    if values["attention_score"] == "stick_breaking":  # the stick is broken backwards: causal self-attention only
+        if values["is_encoder_decoder"] is True:
+            must.append({"is_encoder_decoder", "attention_score"})
+        if values["is_causal"] is False:
+            must.append({"is_causal", "attention_score"})
     if values["attention_score"] == "differential":  # pairs of key/value heads; no dropout of a difference of maps
         if fine("num_attention_heads", "num_key_value_heads") and (heads if kv_heads is None else kv_heads) % 2:
             must.append({"num_key_value_heads", "attention_score"})

@@ -113,23 +113,29 @@ HIDDEN_PACKAGE_SCRIPT = HIDE_PLUGFORMER + textwrap.dedent(
 )
 
 
-def test_trust_remote_code_loads_without_the_package(saved_model, tmp_path, tokens):
-    directory, model = saved_model
+def assert_same_without_the_package(model, directory, tokens: torch.Tensor, tmp_path) -> dict:
+    """Loads the checkpoint `model` was saved to in `directory` with `trust_remote_code` in a second process where
+    plugformer cannot be imported (`HIDDEN_PACKAGE_SCRIPT`), from the code the checkpoint carries: its logits of
+    `tokens` and its greedy tokens after their first 4 equal `model`'s. Returns what that process recorded."""
     (tmp_path / "load.py").write_text(HIDDEN_PACKAGE_SCRIPT)
     torch.save(tokens, tmp_path / "ids.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    subprocess.run(
-        [sys.executable, str(tmp_path / "load.py"), str(directory), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    arguments = [str(directory), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")]
+    subprocess.run([sys.executable, str(tmp_path / "load.py"), *arguments], check=True, env=env, cwd=tmp_path,
+                   timeout=300)  # fmt: skip
     result = torch.load(tmp_path / "out.pt")
     assert result["module"].startswith("transformers_modules.")
-    assert result["base"] == "PlugformerModel"
     with torch.no_grad():
         # same weights and code; only the thread count of the other process changes the float summation order
         expected = model(tokens).logits  # the other process's threads: `model_tolerance`
         torch.testing.assert_close(result["logits"], expected, atol=model_tolerance(model.config, expected), rtol=0)
         assert torch.equal(result["generated"], model.generate(tokens[:, :4], max_new_tokens=4, do_sample=False))
+    return result
+
+
+def test_trust_remote_code_loads_without_the_package(saved_model, tmp_path, tokens):
+    directory, model = saved_model
+    assert assert_same_without_the_package(model, directory, tokens, tmp_path)["base"] == "PlugformerModel"
 
 
 def llama_twin():

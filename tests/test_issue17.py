@@ -126,7 +126,7 @@ def test_capability_flags_follow_the_config(score, scheme):
     """`_supports_sdpa` / `_supports_flex_attn` / `_supports_flash_attn` answer for the model's config (the kernel
     table), so transformers and its tests skip what the config cannot run; an explicit request of such a kernel
     raises, the default resolves to eager; a supported sdpa can be set at run time."""
-    from plugformer import KERNELS, PlugformerForCausalLM
+    from plugformer import ATTENTION_SCORES, KERNELS, PlugformerForCausalLM
 
     torch.manual_seed(0)
     model = PlugformerForCausalLM(tiny_config(score, scheme))
@@ -134,14 +134,14 @@ def test_capability_flags_follow_the_config(score, scheme):
     for flag, kernel in (("_supports_sdpa", "sdpa"), ("_supports_flex_attn", "flex_attention"),
                          ("_supports_flash_attn", "flash_attention_2")):  # fmt: skip
         assert getattr(model, flag) is (KERNELS.get(kernel).unsupported_reason(config) is None), flag
-    dot_product = score != "additive"
+    dot_product = ATTENTION_SCORES.get(score).dot_product
     assert model.config._attn_implementation == ("sdpa" if dot_product else "eager")
     if dot_product:
         model.set_attn_implementation("eager")
         model.set_attn_implementation("sdpa")
         assert model.config._attn_implementation == "sdpa"
     else:
-        with pytest.raises(ValueError, match="attention_score='additive'"):
+        with pytest.raises(ValueError, match=f"attention_score={score!r}"):
             model.set_attn_implementation("sdpa")
         assert model.config._attn_implementation == "eager"
 

@@ -52,6 +52,8 @@ SCHEME_PARAMETERS = {
     "kerple_log": lambda config: 2 * config.num_attention_heads,  # r1, r2 per head
     # c and L; the MLP 1 -> width -> H with biases (Li et al. 2024, FIRE)
     "fire": lambda config: 2 + 2 * FireBias.mlp_width + (FireBias.mlp_width + 1) * config.num_attention_heads,
+    # each layer's forget gate: hidden -> H with biases (Lin et al. 2025)
+    "forgetting": lambda config: config.num_hidden_layers * (config.hidden_size + 1) * config.num_attention_heads,
 }
 
 

@@ -14,8 +14,14 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from plugformer import POSITION_SCHEMES
-from plugformer.biases import RelativeBias
-from plugformer.positions import alibi_slopes, apply_rotary, sinusoidal_table, t5_relative_position_bucket
+from plugformer.biases import DecayBias, RelativeBias
+from plugformer.positions import (
+    ForgettingAttention,
+    alibi_slopes,
+    apply_rotary,
+    sinusoidal_table,
+    t5_relative_position_bucket,
+)
 
 
 def scheme(name, **overrides):
@@ -276,6 +282,30 @@ def fire_tolerance(fire, query_position: int, key_position: int) -> float:
     hidden = (fire.mlp_in.weight[:, 0] * x).abs() + fire.mlp_in.bias.abs()  # (width,)
     terms = fire.mlp_out.weight.abs() @ hidden + fire.mlp_out.bias.abs()  # (H,)
     return tolerance(torch.float32, magnitude=terms.max().item(), length=hidden.numel(), steps=6)
+
+
+def test_forgetting_decay_matches_the_papers_formula_on_both_sides_of_the_query():
+    """Forgetting attention (Lin et al. 2025, §2): from gate logits x_l (float64), the `DecayBias` of the layer's values
+    gives query i on key j ≤ i D_ij = Σ_{j < l ≤ i} log σ(x_l) (summed here with `math.log`), and a later key (an
+    encoder's, our choice) Σ_{i < l ≤ j} log σ(x_l); the queries at key slots 3..5 of 8 (a cache's offset). Its rows,
+    dense tensor and single scores (flex's reads) agree."""
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 3, 8, generator=generator, dtype=torch.float64) * 2  # (B, H, K) gate logits
+    values = ForgettingAttention.layer_bias(states, 3, 3)  # (B, H, K + Q)
+    bias = DecayBias(values, 3, 8)
+    dense = bias.dense()  # (B, H, Q, K)
+    assert dense.shape == bias.shape == (2, 3, 3, 8)
+    torch.testing.assert_close(torch.cat([bias.rows(0, 1), bias.rows(1, 3)], dim=2), dense, atol=0, rtol=0)
+    torch.testing.assert_close(bias.rows(1, 3, keys=5), dense[:, :, 1:, :5], atol=0, rtol=0)
+    for b in range(2):
+        for h in range(3):
+            for i in range(3):
+                slot = 3 + i
+                for j in range(8):
+                    between = range(j + 1, slot + 1) if j <= slot else range(slot + 1, j + 1)
+                    expected = sum(math.log(1 / (1 + math.exp(-float(states[b, h, t])))) for t in between)
+                    assert math.isclose(float(dense[b, h, i, j]), expected, abs_tol=1e-12)
+                    assert float(bias[b, h, i, j]) == float(dense[b, h, i, j])
 
 
 def test_fire_matches_the_papers_formula():

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
-from test_fire import left_padded, with_small_threshold
+from conftest import left_padded, tiny_config
+from test_fire import with_small_threshold
 from tolerances import assert_same_step, attention_tolerances
 
 import plugformer.kernels as kernels

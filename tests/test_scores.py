@@ -174,8 +174,35 @@ def test_differential_matches_formula(kernel):
     torch.testing.assert_close(run_differential(kernel), differential_reference(), atol=atol, rtol=0)
 
 
+def stick_breaking_reference():
+    """o_i = Σ_{j<i} A_ij v_j, A_ij = β_ij ∏_{j<k<i} (1 − β_ik), β_ij = σ(q_i·k_j / √2), row by row in Python floats
+    (Tan et al. 2024, §2), causal: the query's own key and the later ones take no share, and nothing normalises."""
+    out = []
+    for i, q in enumerate(Q):
+        beta = [1 / (1 + math.exp(-dot(q, k) / math.sqrt(2))) for k in K]
+        row = [0.0] * len(V[0])
+        for j in range(i):
+            weight = beta[j]
+            for k in range(j + 1, i):
+                weight *= 1 - beta[k]
+            row = [r + weight * v for r, v in zip(row, V[j], strict=True)]
+        out.append(row)
+    return torch.tensor([out], dtype=torch.float64)  # (1, Q, D_v) for one head
+
+
+def test_stick_breaking_matches_formula_in_float64():
+    """The kernel in float64 (its log-space sums) against the loops: exact up to fp64 rounding."""
+    config = tiny_config("stick_breaking", "none", num_attention_heads=1, num_key_value_heads=1, hidden_size=2)
+    score = ATTENTION_SCORES.get("stick_breaking")(config)
+    module = SimpleNamespace(num_key_value_groups=1, training=False, is_causal=True, config=config)
+    query, key, value = (torch.tensor(x, dtype=torch.float64)[None, None] for x in (Q, K, V))  # (1, 1, 3, ·)
+    out, weights = score.eager_kernel(module, query, key, value, None, scaling=score.scaling)
+    torch.testing.assert_close(out[:, :, 0], stick_breaking_reference(), atol=1e-14, rtol=0)
+    assert weights[0, 0].triu().abs().max() == 0 and weights.sum(-1).max() < 1  # strictly causal, not normalised
+
+
 # scores whose reference is not one e(q, k) per pair of a query and a key
-OUTPUT_REFERENCES = {"differential": differential_reference}
+OUTPUT_REFERENCES = {"differential": differential_reference, "stick_breaking": stick_breaking_reference}
 
 
 def score_with_weights(name):

@@ -34,7 +34,10 @@ def decoder_logits(model, source, target, **kwargs):
         return model(source, decoder_input_ids=target, use_cache=False, **kwargs).logits
 
 
-@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa")))
+SEQ2SEQ = dict(is_encoder_decoder=True, pad_token_id=PAD)  # rows only for the scores that take a seq2seq model
+
+
+@pytest.mark.parametrize("score,scheme,kernel", combinations(kernels=("eager", "sdpa"), **SEQ2SEQ))
 def test_cached_decoding_equals_uncached(score, scheme, kernel, source, tokens):
     """Token by token with an EncoderDecoderCache: self-attention keys grow, cross-attention keys are reused."""
     model = seq2seq(score, scheme, kernel)
@@ -55,7 +58,9 @@ def test_cached_decoding_equals_uncached(score, scheme, kernel, source, tokens):
     assert cache.cross_attention_cache.get_seq_length() == 9  # the encoder's keys, stored once
 
 
-@pytest.mark.parametrize("score,scheme,kernel", [p for p in combinations(all_flex=False) if p.values[2] != "eager"])
+@pytest.mark.parametrize(
+    "score,scheme,kernel", [p for p in combinations(all_flex=False, **SEQ2SEQ) if p.values[2] != "eager"]
+)
 def test_fused_kernels_match_eager(score, scheme, kernel, source, tokens):
     mask = torch.ones_like(source)
     mask[1, 6:] = 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import takes
 from transformers.distributed import DistributedConfig
 
 import plugformer
@@ -46,8 +47,16 @@ pytestmark = [
 
 TP_SIZE = 2
 SCORES, SCHEMES = ATTENTION_SCORES.names(), POSITION_SCHEMES.names()
-# Every score and every position scheme at least once, for the head classes that do not run the full product
-PAIRS = [(SCORES[i % len(SCORES)], SCHEMES[i % len(SCHEMES)]) for i in range(max(len(SCORES), len(SCHEMES)))]
+
+
+def pairs(**overrides) -> list[tuple[str, str]]:
+    """Every score that takes the config fields `overrides` (`conftest.takes`: a `causal_only` score has no encoder)
+    and every position scheme, each at least once: for the head classes that do not run the full product."""
+    scores = [score for score in SCORES if takes(score, **overrides)]
+    return [(scores[i % len(scores)], SCHEMES[i % len(SCHEMES)]) for i in range(max(len(scores), len(SCHEMES)))]
+
+
+PAIRS = pairs()
 EAGER_PAIRS = [(score, scheme) for score, scheme in PAIRS if POSITION_SCHEMES.get(scheme).has_bias]
 SEQ2SEQ = {"is_encoder_decoder": True, "pad_token_id": 0, "eos_token_id": 1}
 HEAD_CONFIGS = {  # head class -> config overrides
@@ -57,6 +66,7 @@ HEAD_CONFIGS = {  # head class -> config overrides
     "PlugformerForTokenClassification": {"is_causal": False},
     "PlugformerForConditionalGeneration": SEQ2SEQ,
 }
+HEAD_PAIRS = {head: pairs(**overrides) for head, overrides in HEAD_CONFIGS.items()}
 GENERATES = {"PlugformerForCausalLM", "PlugformerForConditionalGeneration"}
 
 
@@ -85,7 +95,7 @@ def cases() -> list[dict]:
         case(f"{head}-{s}-{p}", head, tiny(s, p, **overrides), generate=head in GENERATES, train=head in GENERATES)
         for head, overrides in HEAD_CONFIGS.items()
         if head != causal
-        for s, p in PAIRS
+        for s, p in HEAD_PAIRS[head]
     ]
     # The default kernel is sdpa for the dot-product scores; plugformer's eager kernel adds a bias its own way
     eager = [case(f"eager-{s}-{p}", causal, tiny(s, p), kernel="eager") for s, p in EAGER_PAIRS]
@@ -139,6 +149,8 @@ def sharded_dim(name: str) -> int | None:
         return 0
     if "positions.relative_attention_bias" in name:  # (distances or buckets, H)
         return 1
+    if ".forget_proj." in name:  # forgetting attention's gates: (H, hidden) and (H,), split as q_proj's rows
+        return 0
     if ".cross_attn." in name:
         return 1 if ".o_proj." in name else 0
     return None
@@ -186,11 +198,12 @@ def test_every_score_and_position_scheme_matches_one_process(measured):
 
 def test_every_head_class_matches_one_process(measured):
     """Masked LM, sequence and token classification, seq2seq (cross-attention sharded too; greedy tokens equal):
-    each score and each scheme at least once."""
+    each score the head takes and each scheme at least once."""
     for head in HEAD_CONFIGS:
-        for score, scheme in PAIRS:
+        for score, scheme in HEAD_PAIRS[head]:
             assert_equal_to_one_process(*measured[f"{head}-{score}-{scheme}"])
-    seq2seq = measured[f"PlugformerForConditionalGeneration-{PAIRS[0][0]}-{PAIRS[0][1]}"][1][0]["sharded"]
+    score, scheme = HEAD_PAIRS["PlugformerForConditionalGeneration"][0]
+    seq2seq = measured[f"PlugformerForConditionalGeneration-{score}-{scheme}"][1][0]["sharded"]
     assert seq2seq["decoder.layers.0.cross_attn.k_proj.weight"] == [[8, 32], [16, 32]]
 
 
@@ -239,7 +252,7 @@ def unmatched_rules(model) -> set[str]:
 
 @pytest.mark.parametrize("head", list(HEAD_CONFIGS))
 def test_every_plan_rule_names_a_module_or_parameter(head):
-    for score, scheme in PAIRS:
+    for score, scheme in HEAD_PAIRS[head]:
         model = getattr(plugformer, head)(tiny(score, scheme, **HEAD_CONFIGS[head]))
         assert not unmatched_rules(model), (score, scheme, sorted(unmatched_rules(model)))
 

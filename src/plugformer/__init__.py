@@ -3,6 +3,12 @@
 `import plugformer` registers the config, models and tokenizer with transformers' Auto classes.
 """
 
+# ruff: noqa: E402 (the imports follow `quiet_start`: Ctrl-C while they run is answered by it)
+from .runtime.interrupts import quiet_start as _quiet_start
+
+
+_quiet_start()  # the `plugformer` command only: Ctrl-C during the imports below is one line, not a traceback
+
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -1,8 +1,8 @@
 """Self- and cross-attention of a plugformer block: the projections, then the plugged-in parts in a fixed order.
 
     project (-> QK-norm) -> rotate (the position scheme's `rotary`) -> score `prepare_query`/`prepare_key` -> cache
-    update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` -> merge heads (-> output
-    gate) -> o_proj
+    update -> score `prepare_value` -> kernel (+ the position bias) -> score `prepare_output` (-> exclusive
+    self-attention) -> merge heads (-> output gate) -> o_proj
 
 The projections are the `attention_projection`'s (`projections`): it builds them, rotates, and orders the cache
 update around `prepare_key` (a latent cache is updated before the keys are expanded from it).
@@ -22,10 +22,32 @@ from transformers.cache_utils import Cache, EncoderDecoderCache
 from .capabilities import ALL_ATTENTION_FUNCTIONS, KERNELS, KernelSpec
 from .compat import TENSOR_PARALLEL_VERIFIED, renamed_cache_kwarg
 from .configuration import VARIANT_REGISTRIES, PlugformerConfig, layer_type
+from .kernels import repeat_kv
 from .layers import VALUE_RESIDUALS, RMSNorm
-from .positions import POSITION_SCHEMES
+from .positions import POSITION_SCHEMES, TokenStates
 from .projections import ATTENTION_PROJECTIONS
 from .scores import ATTENTION_SCORES
+
+
+def exclude_own_values(
+    output: torch.Tensor, own_values: torch.Tensor, groups: int, batch: int, length: int
+) -> torch.Tensor:
+    """Exclusive self-attention (Zhai 2026, "Exclusive Self Attention"): z_i = y_i − (y_i·v̂_i) v̂_i with v̂_i =
+    v_i / ‖v_i‖, each head's output less its component along the token's own value, which equals
+    y_i − (y_i·v_i / ‖v_i‖²) v_i; a zero v_i leaves y_i as it is (`F.normalize`'s eps), and the projection is computed
+    in fp32 at least.
+
+    `output`: the heads after the score's `prepare_output`, `(B, Q, H_out, D)` (vLLM's kernel: `(B·Q, H·D)`);
+    `own_values`: the queries' own values as the kernel read them, `(B, H_kv, Q, D)`, query head h reading key/value
+    head h // `groups` (`kernels.repeat_kv`'s order). Output head j is taken to hold query head j's output: all of
+    them where `prepare_output` is the identity; differential attention's head j pairs query heads j and j + H/2, which
+    read the same value. Returns `(B, Q, H_out, D)`.
+    """
+    dtype = torch.promote_types(output.dtype, torch.float32)
+    heads = output.reshape(batch, length, -1, own_values.shape[-1]).to(dtype)  # (B, Q, H_out, D)
+    per_query_head = repeat_kv(own_values, groups)[:, : heads.shape[2]]  # (B, H_out, Q, D): each head's own value
+    unit = nn.functional.normalize(per_query_head.transpose(1, 2).to(dtype), dim=-1)  # (B, Q, H_out, D)
+    return (heads - (heads * unit).sum(-1, keepdim=True) * unit).to(output.dtype)
 
 
 def check_tensor_parallel(config: PlugformerConfig) -> None:
@@ -77,8 +99,10 @@ class PlugformerAttention(nn.Module):
     """Multi-head self-attention with GQA/MQA; the score function and the kernel are plugged in.
 
     Order (fixed): project -> rotate (RoPE) -> score `prepare_query`/`prepare_key` -> cache update -> score
-    `prepare_value` -> kernel (+ position bias) -> score `prepare_output` -> o_proj.
+    `prepare_value` -> kernel (+ position bias) -> score `prepare_output` (-> exclusive self-attention) -> o_proj.
     """
+
+    takes_positions = True  # whether a `per_layer` position scheme computes its bias here (not in cross-attention)
 
     def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True):
         super().__init__()
@@ -94,6 +118,9 @@ class PlugformerAttention(nn.Module):
         check_tensor_parallel(config)
         # gated attention (`use_gated_attention`, Qwen3-Next): the standard q_proj also yields each head's output gate
         self.gated = config.use_gated_attention
+        # exclusive self-attention (`exclusive_self_attention`): each output less its own value's component (`forward`;
+        # cross-attention's keys are other tokens', and its own forward has no such step)
+        self.exclusive = config.exclusive_self_attention
         # q_proj, k_proj, v_proj, o_proj, or multi-head latent attention's modules (`attention_projection`)
         self.projection = ATTENTION_PROJECTIONS.get(config.attention_projection)
         self.projection.build(self, config)
@@ -124,6 +151,10 @@ class PlugformerAttention(nn.Module):
         self.bias_options = {} if distance is None else {"constant_beyond": distance}
         if scheme.linear_bias_slopes(config) is not None:
             self.bias_options["linear"] = True
+        # a scheme each layer computes from its own input (`per_layer`: forgetting attention) adds its modules here
+        self.layer_positions = scheme if scheme.per_layer and self.takes_positions else None
+        if self.layer_positions is not None:
+            scheme.build_layer(self, config)
         # `no_rope_layers` (SmolLM3's field): 0 makes this a NoPE layer, which skips the rotation
         self.use_rope = bool(config.no_rope_layers[layer_idx]) if config.no_rope_layers is not None else True
         self._kernel, self._checked_implementation = None, None  # the record of the kernel last checked
@@ -159,13 +190,23 @@ class PlugformerAttention(nn.Module):
         return norm(heads) if self.uses_qk_norm else heads
 
     def output(
-        self, attn_output: torch.Tensor, query: torch.Tensor, gate: torch.Tensor | None, score: nn.Module | None = None
+        self,
+        attn_output: torch.Tensor,
+        query: torch.Tensor,
+        gate: torch.Tensor | None,
+        score: nn.Module | None = None,
+        own_values: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernel's output through the score's `prepare_output` (`score`: `self.score`, looked up by the caller),
-        merged to `(B, Q, H·D)`, gated (Qwen3-Next's `output · sigmoid(gate)`), then `o_proj`."""
+        less each head's component along the queries' `own_values` (B, H_kv, Q, D) with exclusive self-attention
+        (`exclude_own_values`), merged to `(B, Q, H·D)`, gated (Qwen3-Next's `output · sigmoid(gate)`), then
+        `o_proj`."""
         score = self.score if score is None else score
         if "prepare_output" in self.score_hooks:
             attn_output = score.prepare_output(attn_output)
+        if own_values is not None:  # after a normalising `prepare_output` (differential's): no rounding amplified
+            groups = self.num_key_value_groups
+            attn_output = exclude_own_values(attn_output, own_values, groups, query.shape[0], query.shape[2])
         # transformers' kernels return (B, Q, H, D), vLLM's (B·Q tokens, H·D)
         merged = attn_output.reshape(query.shape[0], query.shape[2], -1).contiguous()  # (B, Q, H·D)
         if gate is not None:
@@ -226,9 +267,17 @@ class PlugformerAttention(nn.Module):
         hooks = self.score_hooks  # the score's hooks that are not the identity
         if "prepare_query" in hooks:
             query = score.prepare_query(query)
-        key, value = self.projection.keys_and_values(self, key, value, cache)  # (B, H_kv, K, D), cache updated
-        if "prepare_value" in hooks:
+        # the current tokens' own values (B, H_kv, Q, D), from this forward's states: the cache's layout plays no part
+        own_values = self.projection.token_values(self, key, value) if self.exclusive else None
+        states = None
+        if self.layer_positions is not None:  # its per-token states, from this layer's input, cached beside the values
+            states = TokenStates(self.layer_positions.token_states(self, hidden_states), cache, self.layer_idx)
+        key, value = self.projection.keys_and_values(self, key, value, cache if states is None else states)
+        if states is not None:  # (B, H_kv, K, D) and the states (B, H, K) of every key slot: this layer's bias values
+            position_bias = self.layer_positions.layer_bias(states.states, states.query_start, query.shape[2])
+        if "prepare_value" in hooks:  # a function of each slot's own values: the same for the current tokens'
             value = score.prepare_value(value)  # (B, H_kv, K, value_width·D)
+            own_values = None if own_values is None else score.prepare_value(own_values)
         head_axis = self.bias_type.head_axis
         if position_bias is not None and position_bias.shape[head_axis] != query.shape[1]:
             # Tensor parallelism, a bias computed for all H heads (ALiBi's slopes are a buffer no plan splits): this
@@ -244,7 +293,7 @@ class PlugformerAttention(nn.Module):
             self, query, key, value, attention_mask, scaling=self.scaling,
             **self.kernel_kwargs(kernel, score, query, key, position_bias, kwargs),
         )  # fmt: skip
-        return self.output(attn_output, query, gate, score), attn_weights
+        return self.output(attn_output, query, gate, score, own_values), attn_weights
 
 
 class PlugformerCrossAttention(PlugformerAttention):
@@ -252,6 +301,8 @@ class PlugformerCrossAttention(PlugformerAttention):
     configured score function (additive = Bahdanau's setup). No position scheme applies (as in T5 and Bart). The
     encoder's keys and values are computed once and kept in the cross-attention half of an `EncoderDecoderCache`.
     """
+
+    takes_positions = False
 
     def __init__(self, config: PlugformerConfig, layer_idx: int):
         super().__init__(config, layer_idx, is_causal=False)

@@ -2,7 +2,7 @@
 that add it, below both.
 
 A position scheme with a bias names the kind it makes (`PositionScheme.bias_type`), and the model hands the kernels
-an object of that kind. Both kinds answer the same questions: the rows of the query block a kernel works on
+an object of that kind. Every kind answers the same questions: the rows of the query block a kernel works on
 (`rows`), one score at a time (`bias[b, h, i, j]`, as transformers' flex `score_mod` reads it), or, for a kernel
 whose record says it takes only a dense bias, the whole tensor (`dense`).
 
@@ -10,6 +10,7 @@ whose record says it takes only a dense bias, the whole tensor (`dense`).
 |---|---|---|---|
 | `relative` | `RelativeBias` | key slot − query slot only (ALiBi, T5, clamped, KERPLE) | `(H, Q + K − 1)`, shared by the batch |
 | `query_position` | `QueryPositionBias` | also the query's position (FIRE) | `(B or 1, H, Q, K)`, per batch row |
+| `decay` | `DecayBias` | each row's tokens between key and query (forgetting attention's gates) | `(B, H, K + Q)`, per batch row |
 
 A kernel record (`capabilities.KernelSpec.bias_kinds`) lists the kinds it takes; the others are refused for it.
 """
@@ -216,5 +217,81 @@ class QueryBiasRecipe:
         return self.function(positions, behind, parameters).to(self.dtype)
 
 
+class DecayBias:
+    """A score bias accumulated between key and query from a number per token: with F the running sum of each row's
+    per-token log decays along its slots (forgetting attention's F_t = Σ_{l ≤ t} log f_l, Lin et al. 2025), the bias
+    of query i on key j is −|F_i − F_j|. F never increases (log f ≤ 0, and a float sum of non-positive terms never
+    increases either), so for a key at or before the query this is F_i − F_j = Σ_{j < l ≤ i} log f_l exactly, the
+    paper's D_ij; for a later key (an encoder's) the decay of the tokens between them the other way.
+
+    Stored as the (B, H, K + Q) numbers F of the K key slots then of the Q queries, for the (B, H, Q, K) bias: the
+    queries' own F is kept beside the keys' although the softmax ignores a constant per row, because F grows without
+    bound along a sequence, and a key-only bias −F_j (the ALiBi kernel's split, `kernels_alibi`) would carry numbers
+    as large as the sequence is long into every score; each block of rows here takes the difference, whose size is the
+    decay between the two tokens, in the values' dtype (fp32 at least) before a kernel casts it. A kernel computes any
+    block of rows from the values (`rows`), so the sdpa kernel does in training (`kernels_query_bias`, where this
+    object is its own recipe: the gradient of a block's rows reaches `values` by autograd), and flex reads one score at
+    a time (`__getitem__`).
+
+    Args:
+        values (`torch.Tensor` of shape `(B, H, K + Q)`): F at the K key slots, then at the Q query slots.
+        query_length (`int`): Q.
+        key_length (`int`): K.
+    """
+
+    kind = "decay"
+    head_axis = 1
+    folds_gradient = False
+    ndim = 4  # as a `QueryBiasRecipe`: the (B, H, Q, K) bias it stands for
+    width = 1  # numbers held per score besides the bias, for sizing the sdpa kernel's blocks
+
+    def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
+        if values.ndim != 3 or values.shape[-1] != key_length + query_length:
+            raise ValueError(f"values of shape {tuple(values.shape)} are not (B, H, {key_length} keys + "
+                             f"{query_length} queries)")  # fmt: skip
+        self.values = values
+        self.query_length = query_length
+        self.key_length = key_length
+        self.num_heads = values.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        """`(B, H, Q, K)`, the shape of the bias."""
+        return torch.Size((self.values.shape[0], self.num_heads, self.query_length, self.key_length))
+
+    @property
+    def recipe(self) -> DecayBias:
+        """Itself: it computes any block of rows from `parameters` (the values), as a `QueryBiasRecipe` does."""
+        return self
+
+    @property
+    def parameters(self) -> tuple[torch.Tensor]:
+        """The tensors the rows are a function of: the values."""
+        return (self.values,)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the rows would require grad (autograd on and the values requiring it)."""
+        return torch.is_grad_enabled() and self.values.requires_grad
+
+    def rows(self, start: int, stop: int, keys: int | None = None, parameters: tuple[torch.Tensor] | None = None):
+        """The bias `(B, H, stop − start, keys)` of queries `start..stop-1` over the first `keys` keys (all by default),
+        in the values' dtype, from `parameters` (by default the values; the sdpa kernel's detached copy in its
+        backward)."""
+        keys = self.key_length if keys is None else keys
+        values = self.values if parameters is None else parameters[0]
+        queries = values[:, :, self.key_length + start : self.key_length + stop]  # (B, H, r)
+        return -(queries[..., None] - values[:, :, None, :keys]).abs()  # (B, H, r, keys)
+
+    def dense(self) -> torch.Tensor:
+        """The whole `(B, H, Q, K)` bias."""
+        return self.rows(0, self.query_length)
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        """`bias[b, h, i, j]` (flex attention's `score_mod`), from the row's F at the query and at the key."""
+        batch, head, query, key = index
+        return -(self.values[batch, head, self.key_length + query] - self.values[batch, head, key]).abs()
+
+
 # The bias kinds by the name kernel records list (`capabilities.KernelSpec.bias_kinds`).
-BIAS_KINDS = {bias.kind: bias for bias in (RelativeBias, QueryPositionBias)}
+BIAS_KINDS = {bias.kind: bias for bias in (RelativeBias, QueryPositionBias, DecayBias)}

@@ -10,9 +10,9 @@ ask the table (`KERNELS.of(config)`, the one reader of `config._attn_implementat
 
 | `attn_implementation` | scores | bias (kinds) | function |
 |---|---|---|---|
-| `eager` | any | relative, query_position | the score's own kernel (`AttentionScore.eager_kernel`) |
-| `sdpa` | dot product | relative, query_position | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
-| `flex_attention` | dot product | relative, query_position | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
+| `eager` | any | relative, query_position, decay | the score's own kernel (`AttentionScore.eager_kernel`) |
+| `sdpa` | dot product | relative, query_position, decay | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
+| `flex_attention` | dot product | relative, query_position, decay | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
@@ -197,7 +197,7 @@ class KernelSpec:
         score = ATTENTION_SCORES.get(config.attention_score)
         if self.scores == "dot_product" and not score.dot_product:
             return (
-                f"attention_score={config.attention_score!r} is not a dot product of query and key, so "
+                f"attention_score={config.attention_score!r} is not a dot product of query and key in a softmax, so "
                 f"attn_implementation={self.name!r} cannot compute it; use attn_implementation='eager' (chosen "
                 "automatically when no implementation is requested)"
             )
@@ -334,8 +334,8 @@ class KernelTable:
 KERNELS = KernelTable()
 ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 
-# eager, sdpa and flex take FIRE's per-row bias too: eager and sdpa add its rows (sdpa in training computes them per
-# block from the positions, `kernels_query_bias`), flex's `score_mod` reads it per score
+# eager, sdpa and flex take FIRE's per-row bias and forgetting attention's decay too: eager and sdpa add their rows
+# (sdpa in training computes them per block, `kernels_query_bias`), flex's `score_mod` reads them per score
 EVERY_BIAS_KIND = tuple(BIAS_KINDS)
 KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=EVERY_BIAS_KIND, softcap=True,
                             sinks=True, wide_values=True, attention_weights=True))  # fmt: skip

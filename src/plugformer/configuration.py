@@ -132,6 +132,10 @@ class PlugformerConfig(PreTrainedConfig):
             sigmoid gate computed from the hidden state, before `o_proj` (Qwen3-Next; Qiu et al. 2025, "Gated
             Attention for Large Language Models"): `q_proj` is twice as wide, each head's query followed by its gate
             (transformers' `qwen3_next` layout); composes with every score, scheme and kernel.
+        exclusive_self_attention (`bool`, *optional*, defaults to `False`): Removes from each head's self-attention
+            output its component along the token's own value, z_i = y_i − (y_i·v_i / ‖v_i‖²) v_i (Zhai 2026, "Exclusive
+            Self Attention"; with GQA the value its query head reads), after the kernel (and differential attention's
+            norm), before the output gate and `o_proj`; composes with every score, scheme, projection and kernel.
         value_residual (`str`, *optional*): Every layer after the first attends with its values mixed with the first
             layer's, V_n' = λ1·V_n + λ2·V_1 (Zhou et al. 2024, ResFormer): `"fixed"` (λ1 = λ2 = 0.5) or `"learned"`
             (λ1, λ2 learned per layer; no tensor parallelism); `None`: off. Each stack of a seq2seq model mixes with
@@ -175,11 +179,11 @@ class PlugformerConfig(PreTrainedConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """transformers' tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`) of one stack
         ([`PlugformerModel`]): the entries of the modules this config builds, each declared by its variant (the
-        attention projection's `tp_plan(config)`, the feed-forward's and the position scheme's `tp_plan`), and
-        `STACK_TP_PLAN`. A property: the variants are fields."""
+        attention projection's `tp_plan(config)`, the feed-forward's `tp_plan`, the position scheme's
+        `stack_tp_plan()`), and `STACK_TP_PLAN`. A property: the variants are fields."""
         parts = ((ATTENTION_PROJECTIONS.get(self.attention_projection).tp_plan(self), "layers.*.self_attn."),
                  (STACK_TP_PLAN, ""), (FEED_FORWARDS.get(self.ffn_type).tp_plan, "layers.*.mlp."),
-                 (POSITION_SCHEMES.get(self.position_scheme).tp_plan, "positions."))  # fmt: skip
+                 (POSITION_SCHEMES.get(self.position_scheme).stack_tp_plan(), ""))  # fmt: skip
         return {f"{prefix}{name}": style for plan, prefix in parts for name, style in plan.items()}
 
     @base_model_tp_plan.setter
@@ -222,6 +226,7 @@ class PlugformerConfig(PreTrainedConfig):
     attn_logit_softcapping: float | int | None = None
     use_attention_sinks: bool = False
     use_gated_attention: bool = False
+    exclusive_self_attention: bool = False
     value_residual: str | None = None
     additive_chunk_size: int | None = None
     sliding_window: int | None = None

@@ -155,6 +155,18 @@ def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
     return bool(kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)))
 
 
+def dense_products(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The start of a kernel that materialises its weights: the dot products Q Kᵀ `(B, H, Q, K)` in `dtype` (the
+    query's by default), unscaled, and the values `(B, H, K, D_v)`, the key/value heads repeated for their groups of
+    query heads (`repeat_kv`)."""
+    dtype = query.dtype if dtype is None else dtype
+    key = repeat_kv(key, module.num_key_value_groups)  # (B, H_kv, K, D) -> (B, H, K, D)
+    value = repeat_kv(value, module.num_key_value_groups)  # (B, H_kv, K, D_v) -> (B, H, K, D_v)
+    return torch.matmul(query.to(dtype), key.to(dtype).transpose(2, 3)), value
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -175,11 +187,9 @@ def eager_attention_forward(
     attention sinks (gpt-oss's `eager_attention_forward`): s_h joins each row of head h as one more logit in the
     softmax, and its weight is dropped.
     """
-    key = repeat_kv(key, module.num_key_value_groups)  # (B, H, K, D)
-    value = repeat_kv(value, module.num_key_value_groups)
     # fp16 dot products of long unscaled vectors overflow (65504): score in fp32 there; bf16/fp32 keep their dtype.
-    compute_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
-    scores = torch.matmul(query.to(compute_dtype), key.to(compute_dtype).transpose(2, 3)).float() * scaling
+    products, value = dense_products(module, query, key, value, torch.float32 if query.dtype == torch.float16 else None)
+    scores = products.float() * scaling
     scores = _add_bias_and_mask(scores, attention_mask, bias_rows(position_bias, slice(None)), softcap)  # (B, H, Q, K)
     output, weights = _softmax_dropout_values(module, scores, value, dropout, s_aux)
     return output.transpose(1, 2).contiguous(), weights  # (B, Q, H, D)

@@ -1,5 +1,6 @@
 """The blockwise sdpa kernel for a bias computed from the queries' positions (FIRE's `QueryPositionBias`, handed over
-as a `biases.QueryBiasRecipe`) in training: no `(B, H, Q, K)` bias is kept.
+as a `biases.QueryBiasRecipe`) in training: no `(B, H, Q, K)` bias is kept. Forgetting attention's `DecayBias` is
+its own recipe (its rows are differences of its values, the gradient of a block's rows reaches them by autograd).
 
 With the bias values computed once per forward under autograd, autograd keeps them (B', H, Q, K), and SDPA, handed
 rows that require grad as its mask, takes its math path (scores and weights kept per layer): FIRE measured 1.24–1.33×
@@ -38,11 +39,11 @@ PROFILER_NAME = "plugformer::query_bias"
 
 
 def query_bias_applies(query: torch.Tensor, key: torch.Tensor, position_bias) -> bool:
-    """Whether `query_bias_attention_forward` computes this call: a `QueryPositionBias` given as a recipe whose
-    parameters need a gradient, autograd on, outside torch.compile / export tracing (the backward calls autograd) and
-    at concrete sizes. Otherwise `kernels.sdpa_attention_forward` asks the bias for its rows, which the recipe computes
-    under autograd: the same numbers, with the rows kept."""
-    if not isinstance(position_bias, QueryPositionBias) or position_bias.recipe is None:
+    """Whether `query_bias_attention_forward` computes this call: a bias with a recipe (a `QueryPositionBias` given as
+    one, a `DecayBias`) whose parameters need a gradient, autograd on, outside torch.compile / export tracing (the
+    backward calls autograd) and at concrete sizes. Otherwise `kernels.sdpa_attention_forward` asks the bias for its
+    rows, which the recipe computes under autograd: the same numbers, with the rows kept."""
+    if getattr(position_bias, "recipe", None) is None:  # (a `RelativeBias` has none)
         return False
     if torch.compiler.is_compiling() or symbolic_sizes(query, key):
         return False

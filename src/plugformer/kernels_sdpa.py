@@ -3,8 +3,8 @@ table's `sdpa` record, `capabilities`): with attention sinks `kernels_sinks.sdpa
 `kernels.sdpa_attention_forward` (transformers' SDPA without a bias, the blockwise kernel with one); a bias constant
 beyond a distance (T5 buckets, clamped distances) in causal training or prefill takes `kernels_relative_native` (in C)
 or else `kernels_banded`, any other relative bias `kernels_relative_native` or else `kernels_alibi` (ALiBi) and
-`kernels_relative` (KERPLE), where they apply, and a bias computed from the queries' positions (FIRE) in training
-`kernels_query_bias`."""
+`kernels_relative` (KERPLE), where they apply, and a bias computed from the queries' positions (FIRE) or from each
+row's tokens (forgetting attention's `DecayBias`) in training `kernels_query_bias`."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def sdpa_forward(
     """plugformer's `sdpa` (`capabilities`): `sdpa_sinks_forward` with attention sinks (`s_aux`); the C kernel for a
     relative bias where `native_relative_applies`, else the banded kernel for a bias constant beyond a distance where
     `banded_bias_applies`, the linear-bias kernel for ALiBi where `linear_bias_applies`, the Toeplitz-view kernel for
-    any other relative bias where `relative_bias_applies`, `query_bias_attention_forward` for a bias recipe where
-    `query_bias_applies`; else `kernels.sdpa_attention_forward`."""
+    any other relative bias where `relative_bias_applies`, `query_bias_attention_forward` for a bias recipe (FIRE's,
+    forgetting attention's) where `query_bias_applies`; else `kernels.sdpa_attention_forward`."""
     if s_aux is not None:
         return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
                                   **kwargs)  # fmt: skip

@@ -37,6 +37,11 @@ class PositionScheme(ConfigHooks, nn.Module):
         tensor_parallel (`bool`): whether tensor parallelism computes this scheme exactly. A scheme whose per-head
             parameters no plan shards (each rank would hold every head's copy and train only its own heads' entries,
             so the copies drift apart) says `False` and is refused under `tp_plan`.
+        per_layer (`bool`): whether each attention layer computes this scheme's bias from its own input (forgetting
+            attention's gates), through `build_layer`, `token_states` and `layer_bias`, instead of the stack once per
+            forward through `bias_values`.
+        layer_tp_plan (`dict[str, str]`): tensor-parallel styles of the modules `build_layer` adds, keyed relative to
+            the attention (the config's `base_model_tp_plan` adds them under `layers.*.self_attn.`: `stack_tp_plan`).
 
     The config hooks (`config_fields`, `validate_config`, ...) are those of every variant (`registry.ConfigHooks`).
 
@@ -49,6 +54,8 @@ class PositionScheme(ConfigHooks, nn.Module):
     bias_type = RelativeBias
     tp_plan: dict[str, str] = {}
     tensor_parallel = True
+    per_layer = False
+    layer_tp_plan: dict[str, str] = {}
     token_scale = 1.0
 
     def __init__(self, config: PlugformerConfig, bidirectional: bool | None = None):
@@ -56,6 +63,12 @@ class PositionScheme(ConfigHooks, nn.Module):
         self.num_heads = config.num_attention_heads
         # Encoders see keys on both sides of the query; by default the config says which this stack is.
         self.bidirectional = not config.is_causal if bidirectional is None else bidirectional
+
+    @classmethod
+    def stack_tp_plan(cls) -> dict[str, str]:
+        """`tp_plan` and `layer_tp_plan` keyed relative to the stack, under `positions.` and `layers.*.self_attn.`."""
+        plans = ((cls.tp_plan, "positions."), (cls.layer_tp_plan, "layers.*.self_attn."))
+        return {f"{prefix}{name}": style for plan, prefix in plans for name, style in plan.items()}
 
     @classmethod
     def max_length(cls, config: PlugformerConfig) -> int | None:
@@ -130,6 +143,72 @@ class PositionScheme(ConfigHooks, nn.Module):
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses
         `transformers.initialization`, which leaves weights loaded from a checkpoint untouched."""
+
+    # The hooks of a `per_layer` scheme, called by each attention layer (with itself as `attention`) in its forward:
+    # `token_states` after the projections, the cache update through `TokenStates`, `layer_bias` before the kernel.
+
+    @classmethod
+    def build_layer(cls, attention: nn.Module, config: PlugformerConfig) -> None:
+        """Adds the modules a `per_layer` scheme needs in every attention layer to `attention` (saved with it, as
+        `layers.N.self_attn.<name>`)."""
+
+    @classmethod
+    def token_states(cls, attention: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A `per_layer` scheme's numbers per token and query head, `(B, T, H)`, from the layer's input
+        `hidden_states` `(B, T, hidden)`: the KV cache keeps them beside the token's values (`TokenStates`)."""
+        raise NotImplementedError(f"position_scheme={cls.name!r} computes no bias per layer")
+
+    @classmethod
+    def layer_bias(cls, states: torch.Tensor, query_start: int | torch.Tensor, query_length: int) -> torch.Tensor:
+        """A `per_layer` scheme's bias values (of its `bias_type`) from the `token_states` `(B, H, K)` of every key
+        slot the kernel sees, in slot order, the queries at key slots `query_start + i` (i < `query_length`)."""
+        raise NotImplementedError(f"position_scheme={cls.name!r} computes no bias per layer")
+
+
+class TokenStates:
+    """Carries a `per_layer` scheme's `token_states` through the KV cache beside the values, standing in for the cache
+    in the attention projection's `keys_and_values` for one forward of one layer.
+
+    Its `update` appends each token's states to its value state as more channels, per key/value head (query head h
+    with the value head it reads: with GQA each value head carries its group's), updates the cache, and splits them
+    off again: the values the cache returns are the projection's, `states` then covers every key slot the kernel sees,
+    and every cache (dynamic, static, sliding-window, beam reordering, cropping, a latent cache's rotated key part)
+    keeps them exactly as it keeps the values. Without a cache, `states` are the current tokens'.
+
+    Args:
+        states (`torch.Tensor` of shape `(B, T, H)`): the current tokens' states.
+        cache (`Cache`, *optional*): the layer's cache.
+        layer_idx (`int`): the layer.
+
+    Attributes:
+        states (`torch.Tensor` of shape `(B, H, K)`): the states of every key slot, after `update`.
+        query_start (`int` or 0-d `torch.Tensor`): the key slot of the first query among them (the cached tokens'
+            count, less those a sliding window dropped), read before the update as the mask reads it.
+    """
+
+    def __init__(self, states: torch.Tensor, cache, layer_idx: int):
+        self.cache, self.layer_idx = cache, layer_idx
+        self.states = states.transpose(1, 2)  # (B, T, H) -> (B, H, T)
+        query_length = states.shape[1]
+        self.query_start = 0
+        if cache is not None:
+            self.query_start = cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The cache's `update` with the states as extra value channels; returns the keys and the values alone."""
+        if self.cache is None:  # in the values' dtype, as a cache would keep them: one path, cached or not
+            self.states = self.states.to(value_states.dtype)
+            return key_states, value_states
+        batch, heads, length = self.states.shape
+        groups = value_states.shape[1]  # value heads (1 for a latent cache): each carries heads / groups states
+        carried = self.states.reshape(batch, groups, heads // groups, length).transpose(2, 3)  # (B, H_v, T, H / H_v)
+        width = value_states.shape[-1]
+        key_states, value_states = self.cache.update(
+            key_states, torch.cat([value_states, carried.to(value_states.dtype)], dim=-1), layer_idx, *args, **kwargs
+        )  # (B, H_v, K, width + H / H_v)
+        carried = value_states[..., width:]
+        self.states = carried.transpose(2, 3).reshape(batch, heads, -1)  # (B, H_v, K, H / H_v) -> (B, H, K)
+        return key_states, value_states[..., :width]
 
 
 @POSITION_SCHEMES.register("none")

@@ -89,6 +89,12 @@ class AttentionProjection(ConfigHooks):
         raise NotImplementedError
 
     @staticmethod
+    def token_values(attention: nn.Module, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The states of `project` -> the current tokens' own projected values `(B, H_kv, T, d_v)`, those
+        `keys_and_values` puts in the cache for them (`exclusive_self_attention` reads them): the value states."""
+        return value
+
+    @staticmethod
     def keys_and_values(attention: nn.Module, key: torch.Tensor, value: torch.Tensor, cache: Cache | None):
         """The states of `project` -> the keys the kernel consumes (score `prepare_key` applied) and the projected
         values, `(B, H_kv, K, d_k)` and `(B, H_kv, K, d_v)` over every cached slot; the cache updated."""
@@ -317,6 +323,10 @@ class LatentProjection(AttentionProjection):
             else:
                 query_rope, key_rope = apply_rotary(query_rope, key_rope, *rotary)
         return torch.cat((query_nope, query_rope), dim=-1), latent, key_rope, None
+
+    @staticmethod
+    def token_values(attention, key, value):
+        return LatentProjection.expand(attention, key, value)[1]  # (B, H, T, d_v) from the current latents
 
     @staticmethod
     def keys_and_values(attention, key, value, cache):

@@ -17,7 +17,9 @@ output (the identity unless a score changes the output side).
   plugformer's chunked eager kernel only;
 - `differential`: (softmax(Q1 K1ᵀ / sqrt(d_k)) − λ softmax(Q2 K2ᵀ / sqrt(d_k))) V per pair of heads, normed per head
   and scaled by 1 − λ_init (Ye et al. 2024, Differential Transformer); the values are 2·d_k wide, so it runs on the
-  kernels that take wide values (eager, sdpa, flex).
+  kernels that take wide values (eager, sdpa, flex);
+- `stick_breaking`: A_ij = σ(z_ij) ∏_{j<k<i} (1 − σ(z_ik)), z = q·k / sqrt(d_k), over the keys before the query,
+  without normalisation (Tan et al. 2024); no softmax, so it runs on its own eager kernel only.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers import initialization as init
 
 from .kernels import eager_attention_forward
 from .kernels_additive import additive_attention_forward
+from .kernels_stick_breaking import stick_breaking_attention_forward
 from .projections import ATTENTION_PROJECTIONS
 from .registry import ConfigHooks, Registry
 
@@ -64,6 +67,11 @@ class AttentionScore(ConfigHooks, nn.Module):
         tensor_parallel (`bool`, defaults to `True`): whether tensor parallelism computes this score exactly; a score
             whose parameters are not per head, or that combines heads another rank may hold, says `False` and is
             refused under `tp_plan`.
+        weights_sum_to_one (`bool`, defaults to `True`): whether each row of the attention weights its kernel returns
+            sums to 1 (a softmax); `False` for a score that leaves part of each row unassigned (stick-breaking).
+        causal_only (`bool`, defaults to `False`): whether the score is defined only over the keys before each query
+            (stick-breaking), so that only a causal decoder-only model can use it: `validate_config` refuses it with
+            `is_causal=False` (an encoder) or `is_encoder_decoder=True` (a bidirectional encoder, cross-attention).
         eager_kernel (`Callable`): the attention function used when `attn_implementation="eager"`.
 
     The output side has hooks too: `prepare_value` (after the cache update: the cache holds the projected values)
@@ -75,7 +83,23 @@ class AttentionScore(ConfigHooks, nn.Module):
     dot_product = True
     value_width = 1
     tensor_parallel = True
+    weights_sum_to_one = True
+    causal_only = False
     eager_kernel: Callable = staticmethod(eager_attention_forward)
+
+    @classmethod
+    def validate_config(cls, config: PlugformerConfig) -> None:
+        """Refuses a `causal_only` score in a model that is not causal and decoder-only; a score's own checks extend
+        it (`super().validate_config(config)` first)."""
+        if not cls.causal_only:
+            return
+        for field, value in (("is_encoder_decoder", True), ("is_causal", False)):
+            if getattr(config, field) is value:
+                raise ValueError(
+                    f"{field}={value} is not supported with attention_score={config.attention_score!r} (allowed: "
+                    f"{field}={not value}): its weights are defined over the keys before each query only "
+                    "(`causal_only`), which a bidirectional encoder and a cross-attention over the source do not have"
+                )
 
     def __init__(self, config: PlugformerConfig, layer_idx: int = 0):
         super().__init__()
@@ -284,6 +308,7 @@ class DifferentialScore(AttentionScore):
 
     @classmethod
     def validate_config(cls, config):
+        super().validate_config(config)
         if config.num_key_value_heads % 2:
             raise ValueError(
                 f"attention_score='differential' pairs key/value heads m and m + H_kv/2 into one differential head: "
@@ -309,3 +334,38 @@ class DifferentialScore(AttentionScore):
     def reset_parameters(self, config):
         for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             init.normal_(parameter, mean=0.0, std=self.lambda_std)
+
+
+@ATTENTION_SCORES.register("stick_breaking")
+class StickBreakingScore(AttentionScore):
+    """Stick-breaking attention (Tan et al. 2024, "Scaling Stick-Breaking Attention", §2): each key before the query
+    takes β_ij = σ(q_i·k_j / √d_k) of what is left of a unit stick broken from the nearest key backwards, A_ij = β_ij ·
+    ∏_{j<k<i} (1 − β_ik), and o_i = Σ_{j<i} A_ij v_j without normalisation; its own eager kernel only.
+
+    The query's own key is left out (the paper's "for each token before the current"; the official code's default
+    `attend_current=False`), so the first token's output is zero. What the stick keeps, 1 − Σ_j A_ij, is assigned to
+    nothing, as the formula says; differs from the official code's tests, which add it times the current token's
+    value, and from dolomite-engine's models, which add it times a bias per head (neither is done here). The
+    kernel (`kernels_stick_breaking`) works in log space and lets only the keys the mask leaves visible break the stick:
+    padding and other packed documents' keys take no share and break nothing, so padded rows and packed documents
+    attend as they do alone, and cached decoding equals the full forward.
+
+    Position schemes: the stick's order is itself positional, and the paper needs none (`position_scheme="none"`), but
+    every scheme composes: a rotary scheme rotates q and k, an absolute one adds to the embeddings, and a
+    score-bias scheme (ALiBi, T5 buckets, ...) adds its bias to z_ij before the sigmoid, shifting each break point.
+
+    Refused: `is_causal=False` and `is_encoder_decoder=True` (`causal_only`: the stick is broken backwards from the
+    query, which a bidirectional encoder's keys and a cross-attention's source have no place for). No softmax of a dot
+    product (`dot_product` false): sdpa, flex, flash and engines' kernels refuse it by their records; so do logit
+    soft-capping and attention sinks. The weights `output_attentions` returns sum to at most 1 per row
+    (`weights_sum_to_one`).
+    """
+
+    dot_product = False
+    weights_sum_to_one = False
+    causal_only = True
+    eager_kernel: Callable = staticmethod(stick_breaking_attention_forward)
+
+    @property
+    def scaling(self) -> float:
+        return self.head_dim**-0.5

@@ -327,8 +327,9 @@ class PlugformerModel(PlugformerPreTrainedModel):
             else self._encoder_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
         )
         positions = self.positions
+        shared = positions.has_bias and not positions.per_layer  # (a `per_layer` scheme's bias is each layer's own)
         biases = {kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
-                  for kind, i in first_layers.items()} if positions.has_bias else None  # fmt: skip
+                  for kind, i in first_layers.items()} if shared else None  # fmt: skip
         hidden_states = inputs_embeds
         if self.adds_position_embeddings or (self.hidden_dropout and self.training):  # (else nothing to add or drop)
             hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)

@@ -40,7 +40,7 @@ SDPA_OPS = {
     "plugformer::relative_native": "relative-native",  # kernels_relative_native: any relative bias wholly in C
     "plugformer::relative_bias": "relative-bias",  # kernels_relative: fused forward, bias as a view; hand backward
     "plugformer::linear_bias": "linear-bias",  # kernels_alibi: ALiBi as a key-side row per query block
-    "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's bias per block, recomputed in the backward
+    "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's / forgetting's bias per block, recomputed
     "plugformer::additive_native": "additive-native",  # kernels_additive_native: tanh pair by pair in C
 }
 

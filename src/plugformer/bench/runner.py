@@ -148,7 +148,8 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
     if unsupported_reason(config, "sdpa") is not None:
         return "capabilities: no sdpa" + ("; tanh pair by pair in C" if "additive-native" in sdpa_backends else "")
     scheme = POSITION_SCHEMES.get(config.position_scheme)
-    learned = scheme.has_bias and any(p.requires_grad for p in model.model.positions.parameters())
+    # a bias with parameters: the stack's scheme's, or a `per_layer` scheme's in each attention (forgetting's gates)
+    learned = scheme.has_bias and (scheme.per_layer or any(p.requires_grad for p in model.model.positions.parameters()))
     if "math" in sdpa_backends:
         return "learned bias requires grad -> math" if learned else "sdpa fell back to math"
     if "relative-native" in sdpa_backends:

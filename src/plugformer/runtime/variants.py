@@ -38,6 +38,7 @@ ATTENTION_MODIFIERS: dict[str, tuple[Any, ...]] = {
     "sliding_window": (256,),  # every layer sliding
     "layer_types": (["sliding_attention", "full_attention"],),  # alternating, as Gemma 2's (a pattern: PER_LAYER)
     "use_gated_attention": (True,),
+    "exclusive_self_attention": (True,),
     "value_residual": ("fixed", "learned"),
     "attention_projection": ("latent",),  # multi-head latent attention (DeepSeek-V2/V3)
 }
