@@ -10,14 +10,16 @@ import torch
 
 import plugformer
 from plugformer import PlugformerConfig, PlugformerForCausalLM, supported_kernels
+from plugformer.runtime.offline import apply_offline_defaults
 
 
 # run beside transformers' own test files only (tests/run_transformers_common_tests.py copies it there)
 collect_ignore = ["transformers_common_suite.py"]
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# no network, as the CLI runs: `import plugformer` above has imported huggingface_hub, which read HF_HUB_OFFLINE at
+# import, so the variable alone would leave its switch off (a Hub id then waited on a connection)
+apply_offline_defaults()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("USE_HUB_KERNELS", "NO")  # transformers 5.25 fetches Hub kernels in from_pretrained otherwise
 
 # Compiled flex_attention on CPU: torch 2.13's inductor emits C++ that does not compile once it switches to dynamic
 # shapes for a score_mod that reads a captured bias; static shapes compile (one kernel per shape, cached).

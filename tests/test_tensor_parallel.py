@@ -1,5 +1,6 @@
 """Tensor parallelism: `from_pretrained(..., tp_plan="auto")` across 2 CPU processes equals the one-process model, for
-every attention score, every position scheme and every head class.
+every attention score, every position scheme and every head class (the whole causal score x scheme product with
+`-m slow`).
 
 One `torchrun --nproc_per_node 2` launch (gloo, one thread per rank) runs every case in `tests/tp_worker.py`, which
 loads each checkpoint saved here both ways and records logits, greedy tokens, losses, gradients and the shapes of the
@@ -86,11 +87,24 @@ def case(name, head, config, kernel=None, generate=False, train=False) -> dict:
     return {"name": name, "head": head, "config": config, "kernel": kernel, "generate": generate, "train": train}
 
 
-def cases() -> list[dict]:
+# the causal cases run by default: each score and scheme at least once (`PAIRS`), and a per-head score weight beside
+# a bias table (the sharded shapes `test_every_score_and_position_scheme_matches_one_process` reads); `-m slow` runs the
+# rest of the score x scheme product
+CAUSAL_DEFAULT = {*PAIRS, ("multiplicative", "t5_bias")}
+
+
+def causal_cases(product: bool) -> list[dict]:
+    """The causal LM over the score x scheme pairs: `CAUSAL_DEFAULT`'s, or (`product`) the rest of the product; each
+    generates, and trains where it is one of `PAIRS` (each score and scheme's gradients once)."""
     causal = "PlugformerForCausalLM"
-    every = [case(f"{causal}-{s}-{p}", causal, tiny(s, p), generate=True) for s in SCORES for p in SCHEMES]
-    for entry in every:  # gradients too, where each score and scheme appears once
-        entry["train"] = (entry["config"].attention_score, entry["config"].position_scheme) in PAIRS
+    chosen = [(s, p) for s in SCORES for p in SCHEMES if ((s, p) in CAUSAL_DEFAULT) != product]
+    return [case(f"{causal}-{s}-{p}", causal, tiny(s, p), generate=True, train=(s, p) in PAIRS) for s, p in chosen]
+
+
+def cases() -> list[dict]:
+    """The default tier's cases: `causal_cases`' default pairs, every head class, the eager kernel, multi-head
+    additive attention, the modifiers and the refusals."""
+    causal = "PlugformerForCausalLM"
     heads = [  # (their own layers are replicated: only the seq2seq one adds sharded layers to train through)
         case(f"{head}-{s}-{p}", head, tiny(s, p, **overrides), generate=head in GENERATES, train=head in GENERATES)
         for head, overrides in HEAD_CONFIGS.items()
@@ -107,7 +121,7 @@ def cases() -> list[dict]:
     # per-layer sliding windows; the learned value-residual lambdas are refused
     modifiers = [case(name, causal, tiny(**fields), generate=True, train=True) for name, fields in MODIFIERS.items()]
     refused.append(case("value-residual-learned", causal, tiny(value_residual="learned")))
-    return every + heads + eager + multi_head + modifiers + refused
+    return causal_cases(product=False) + heads + eager + multi_head + modifiers + refused
 
 
 def free_port() -> int:
@@ -116,12 +130,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
-    """`name -> (case, [rank 0 record, rank 1 record])`, from one torchrun launch over every case."""
-    root = tmp_path_factory.mktemp("tensor_parallel")
+def launch(entries: list[dict], root: Path) -> dict[str, tuple[dict, list[dict]]]:
+    """`name -> (case, [rank 0 record, rank 1 record])`, from one torchrun launch over `entries`, saved under `root`."""
     manifest = []
-    for entry in cases():
+    for entry in entries:
         torch.manual_seed(0)
         model = getattr(plugformer, entry["head"])(copy.deepcopy(entry["config"]))
         path = root / entry["name"]
@@ -136,11 +148,23 @@ def measured(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
         str(root),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         pytest.fail(f"torchrun exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     ranks = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(TP_SIZE)]
     return {entry["name"]: (entry, [records[entry["name"]] for records in ranks]) for entry in manifest}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
+    """The records of the default tier's `cases()`."""
+    return launch(cases(), tmp_path_factory.mktemp("tensor_parallel"))
+
+
+@pytest.fixture(scope="module")
+def measured_product(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
+    """The records of the rest of the causal score x scheme product (`-m slow`)."""
+    return launch(causal_cases(product=True), tmp_path_factory.mktemp("tensor_parallel_product"))
 
 
 def sharded_dim(name: str) -> int | None:
@@ -186,14 +210,21 @@ def assert_equal_to_one_process(entry: dict, records: list[dict]) -> None:
 
 
 def test_every_score_and_position_scheme_matches_one_process(measured):
-    """Causal LM, every score × scheme: logits and greedy tokens equal the one-process model's; the per-head score
-    parameters and bias tables hold this rank's heads only."""
-    names = [f"PlugformerForCausalLM-{score}-{scheme}" for score in SCORES for scheme in SCHEMES]
-    for name in names:
-        assert_equal_to_one_process(*measured[name])
+    """Causal LM, each score and each scheme at least once (`CAUSAL_DEFAULT`): logits and greedy tokens equal the
+    one-process model's; the per-head score parameters and bias tables hold this rank's heads only."""
+    for score, scheme in sorted(CAUSAL_DEFAULT):
+        assert_equal_to_one_process(*measured[f"PlugformerForCausalLM-{score}-{scheme}"])
     sharded = measured["PlugformerForCausalLM-multiplicative-t5_bias"][1][0]["sharded"]
     assert sharded["model.layers.0.self_attn.score.weight"] == [[2, 8, 8], [4, 8, 8]]
     assert sharded["model.positions.relative_attention_bias.weight"] == [[8, 2], [8, 4]]
+
+
+@pytest.mark.slow
+def test_the_whole_score_and_scheme_product_matches_one_process(measured_product):
+    """The causal LM's score x scheme pairs outside `CAUSAL_DEFAULT`, as above."""
+    for entry, records in measured_product.values():
+        assert_equal_to_one_process(entry, records)
+    assert len(measured_product) == len(SCORES) * len(SCHEMES) - len(CAUSAL_DEFAULT)
 
 
 def test_every_head_class_matches_one_process(measured):

@@ -12,7 +12,7 @@ ask the table (`KERNELS.of(config)`, the one reader of `config._attn_implementat
 |---|---|---|---|
 | `eager` | any | relative, query_position, decay | the score's own kernel (`AttentionScore.eager_kernel`) |
 | `sdpa` | dot product | relative, query_position, decay | `kernels_sdpa.sdpa_forward` (blockwise with a bias; sinks as a key column) |
-| `flex_attention` | dot product | relative, query_position, decay | transformers' flex (`score_mod` reads `bias[b, h, i, j]`) |
+| `flex_attention` | dot product | relative, query_position, decay | transformers' flex (`score_mod` reads `bias[b, h, i, j]`); uncompiled on the CPU (`kernels_flex`) |
 | `flash_attention_{2,3,4}` | dot product | none | transformers' flash functions |
 | `vllm_alibi` (registered by `plugformer.integrations.vllm_plugin`) | dot product | alibi | vLLM's attention built with ALiBi slopes |
 
@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_flash_attn_4_available
 
 from .biases import BIAS_KINDS
 from .compat import FLEX_PADDING_VERIFIED
+from .kernels_flex import flex_forward
 from .kernels_sdpa import sdpa_forward
 from .positions import POSITION_SCHEMES
 from .projections import ATTENTION_PROJECTIONS
@@ -342,7 +342,7 @@ KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=E
 KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
                             function=sdpa_forward, sinks=True, wide_values=True, bias_recipe=True))  # fmt: skip
 KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
-                            function=flex_attention_forward, softcap=True, wide_values=True,
+                            function=flex_forward, softcap=True, wide_values=True,
                             static_cache=False, padding=FLEX_PADDING_VERIFIED))  # fmt: skip
 for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
                              (4, is_flash_attn_4_available)):  # fmt: skip
@@ -351,6 +351,7 @@ for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3
         available=lambda check=_available: torch.cuda.is_available() and check(),
     ))  # fmt: skip
 ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_forward
+ALL_ATTENTION_FUNCTIONS["flex_attention"] = flex_forward  # uncompiled on the CPU (`kernels_flex`)
 
 
 def register_attention_kernel(
