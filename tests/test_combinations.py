@@ -202,14 +202,13 @@ def test_residual_dropout_acts_in_training_only():
     torch.testing.assert_close(model(ids).logits, without(ids).logits, rtol=0, atol=0)
 
 
-def run_checks_with_fields(fields, score, scheme, kernel, tokens, monkeypatch, request, tmp_path, backward=True):
+def run_checks_with_fields(fields, score, scheme, kernel, tokens, monkeypatch, tmp_path, backward=True):
     """This suite's checks on one (score, scheme, kernel) of the standard projection with `fields` set on every config
     they build: how a config modifier's own tests (test_score_modifiers, test_gated_attention, ...) rerun it."""
     monkeypatch.setattr(sys.modules[__name__], "tiny_config", functools.partial(tiny_config, **fields))
     arguments = {"score": score, "scheme": scheme, "kernel": kernel, "projection": None, "tokens": tokens}
     test_causality(**arguments)
-    if kernel != "flex_attention":  # the known flex + padding-mask NaN (an xfail in this suite)
-        test_left_padding_matches_unpadded(**arguments, request=request)
+    test_left_padding_matches_unpadded(**arguments)
     test_cached_decoding_equals_full_forward(**arguments)
     if kernel != "eager":
         test_fused_kernels_match_eager(**arguments)

@@ -132,7 +132,7 @@ def test_exclusive_self_attention_is_off_by_default_and_type_checked():
 
 
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(exclusive_self_attention=True))
-def test_shared_checks_with_exclusive_self_attention(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
+def test_shared_checks_with_exclusive_self_attention(score, scheme, kernel, tokens, monkeypatch, tmp_path):
     shared.run_checks_with_fields(
-        dict(exclusive_self_attention=True), score, scheme, kernel, tokens, monkeypatch, request, tmp_path
+        dict(exclusive_self_attention=True), score, scheme, kernel, tokens, monkeypatch, tmp_path
     )

@@ -93,10 +93,8 @@ def test_gated_attention_is_off_by_default_and_type_checked():
 @pytest.mark.parametrize(
     "score,scheme,kernel", modifier_combinations(use_gated_attention=True)
 )  # fmt: skip
-def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    shared.run_checks_with_fields(
-        dict(use_gated_attention=True), score, scheme, kernel, tokens, monkeypatch, request, tmp_path
-    )
+def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, tmp_path):
+    shared.run_checks_with_fields(dict(use_gated_attention=True), score, scheme, kernel, tokens, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("head", ["masked_lm", "seq2seq"])

@@ -107,10 +107,8 @@ MIXED_FIELDS = {"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types":
 
 
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(**MIXED_FIELDS))
-def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    shared.run_checks_with_fields(
-        MIXED_FIELDS, score, scheme, kernel, tokens, monkeypatch, request, tmp_path, backward=False
-    )
+def test_shared_checks_with_mixed_layer_types(score, scheme, kernel, tokens, monkeypatch, tmp_path):
+    shared.run_checks_with_fields(MIXED_FIELDS, score, scheme, kernel, tokens, monkeypatch, tmp_path, backward=False)
 
 
 def test_layer_types_default_from_sliding_window():

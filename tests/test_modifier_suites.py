@@ -77,10 +77,10 @@ def test_the_suites_rerun_every_third_wave_modifier():
 
 
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified(is_causal=False))
-def test_encoder_suite_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, request):
+def test_encoder_suite_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch):
     monkeypatch.setattr(encoder_suite, "tiny_config", functools.partial(tiny_config, **MODIFIERS[modifier]))
     encoder_suite.test_every_token_sees_later_tokens(score, scheme, kernel, None, tokens)
-    encoder_suite.test_padding_does_not_change_real_tokens(score, scheme, kernel, None, tokens, request)
+    encoder_suite.test_padding_does_not_change_real_tokens(score, scheme, kernel, None, tokens)
     if kernel != "eager":
         encoder_suite.test_fused_kernels_match_eager_bidirectionally(score, scheme, kernel, None, tokens)
     encoder_suite.test_masked_lm_backward_reaches_every_parameter(score, scheme, kernel, None, tokens)

@@ -83,8 +83,8 @@ def modified_combinations():
 
 
 @pytest.mark.parametrize("modifier,score,scheme,kernel", modified_combinations())
-def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    shared.run_checks_with_fields(MODIFIERS[modifier], score, scheme, kernel, tokens, monkeypatch, request, tmp_path)
+def test_shared_checks_with_modifier(modifier, score, scheme, kernel, tokens, monkeypatch, tmp_path):
+    shared.run_checks_with_fields(MODIFIERS[modifier], score, scheme, kernel, tokens, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("head", ["causal_lm", "seq2seq"])

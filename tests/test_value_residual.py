@@ -108,10 +108,8 @@ def test_value_residual_survives_reentrant_gradient_checkpointing(mode, tokens):
 
 
 @pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(value_residual="learned"))
-def test_shared_checks_with_value_residual(score, scheme, kernel, tokens, monkeypatch, request, tmp_path):
-    shared.run_checks_with_fields(
-        dict(value_residual="learned"), score, scheme, kernel, tokens, monkeypatch, request, tmp_path
-    )
+def test_shared_checks_with_value_residual(score, scheme, kernel, tokens, monkeypatch, tmp_path):
+    shared.run_checks_with_fields(dict(value_residual="learned"), score, scheme, kernel, tokens, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["fixed", "learned"])
