@@ -20,6 +20,10 @@ collect_ignore = ["transformers_common_suite.py"]
 # import, so the variable alone would leave its switch off (a Hub id then waited on a connection)
 apply_offline_defaults()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest-xdist workers (`-n 2`, pyproject's addopts) share the cores: each takes its part for torch's own threads, so
+# two workers on 2 cores do not run 4 threads (a thread count the user set with OMP_NUM_THREADS is kept)
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS", "").strip():
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Compiled flex_attention on CPU: torch 2.13's inductor emits C++ that does not compile once it switches to dynamic
 # shapes for a score_mod that reads a captured bias; static shapes compile (one kernel per shape, cached).
@@ -98,7 +102,8 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "BIAS_BLOCK_BYTES", 1)
 
 
-# Each compiled flex kernel costs seconds on a cold CPU cache. The causal suite runs flex on every combination (by
+# Each new shape costs flex seconds on a cold CPU cache (transformers compiles its block mask; the attention itself
+# runs uncompiled on the CPU, `kernels_flex`). The causal suite runs flex on every combination (by
 # default on `FLEX_DEFAULT_SCORES`' pairs); the encoder and seq2seq suites on these: every position scheme once, the dot-product scores taken in turn (each of them
 # too while there are at least as many schemes), read from the registries.
 DOT_PRODUCT_SCORES = [name for name in SCORES if plugformer.ATTENTION_SCORES.get(name).dot_product]
@@ -125,10 +130,9 @@ def default_pairs() -> set[tuple[str, str]]:
 DEFAULT_PAIRS = default_pairs()
 # the scores whose flex rows the causal suite runs by default: `scaled_dot` with every scheme (each scheme's own
 # `score_mod`), and `differential`, which calls the kernel twice on split heads. The other dot-product scores only
-# prepare q and k before the kernel (kernel-agnostic, checked on eager and sdpa); each of their flex rows costs a
-# cold compile of 4-13 s on 2 cores, so they run with -m slow
+# prepare q and k before the kernel (kernel-agnostic, checked on eager and sdpa), so their flex rows run with -m slow
 FLEX_DEFAULT_SCORES = ("scaled_dot", "differential")
-# the one flex row of a representative suite run by default: a cold compile costs 10-75 s on the CPU, and a score-bias
+# the one flex row of a representative suite run by default (its other rows cost block-mask builds), and a score-bias
 # scheme is the one that goes through plugformer's own score_mod
 DEFAULT_FLEX = next(pair for pair in sorted(FLEX_REPRESENTATIVES) if pair[1] in BIAS_SCHEMES)
 
