@@ -21,23 +21,11 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from .biases import RelativeBias
 
 
-def flex_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | BlockMask | None,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    position_bias: RelativeBias | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """plugformer's `flex_attention` entry: `uncompiled_flex_forward` for CPU tensors, else transformers' kernel."""
-    if query.device.type == "cpu":
-        return uncompiled_flex_forward(module, query, key, value, attention_mask, scaling, softcap, position_bias,
-                                       **kwargs)  # fmt: skip
-    return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
-                                  position_bias=position_bias, **kwargs)  # fmt: skip
+def flex_forward(module: nn.Module, query: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """plugformer's `flex_attention` entry, with transformers' attention-function arguments: `uncompiled_flex_forward`
+    for CPU tensors, else transformers' `flex_attention_forward`."""
+    forward = uncompiled_flex_forward if query.device.type == "cpu" else flex_attention_forward
+    return forward(module, query, *args, **kwargs)
 
 
 @torch.compiler.disable  # never traced: inductor would build the CPU kernel this function exists to avoid
