@@ -53,8 +53,6 @@ def command_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 COMMANDS, STAGE_COMMANDS = command_names()
 DEFAULT_SAMPLE = 6  # options per command in the default tier (all of them under -m slow)
-# what the suite found that needs a change in a file this suite's author could not edit: (command, option) -> why
-KNOWN: dict[tuple[str, str], str] = {}
 TIME_BOUND = 30.0  # seconds one refusal or acceptance may take
 
 
@@ -276,8 +274,6 @@ def check_command(command: str, count: int | None, model: Path, tmp_path: Path, 
         pytest.skip(f"{command} refuses its base arguments: {base}")
     problems = []
     for option, action in sample(options_of(command), count, command):
-        if (command, option) in KNOWN:
-            continue
         for value in boundary_values(action, tmp_path):
             problems.append(run_one(command, option, value, tmp_path, model, monkeypatch, capsys))
     problems = [problem for problem in problems if problem is not None]
