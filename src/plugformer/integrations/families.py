@@ -1,0 +1,206 @@
+"""transformers model families `plugformer convert` imports: per `model_type`, the plugformer config of a source
+config and the renaming of its weights (`CONVERTERS`). A family plugformer cannot reproduce exactly is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+
+from ..configuration import PlugformerConfig
+
+
+logger = logging.getLogger(__name__)
+StateDict = dict[str, torch.Tensor]
+
+
+def _special_tokens(source: PreTrainedConfig) -> dict[str, Any]:
+    """The special ids; ones outside the vocabulary (transformers only warns about those) are dropped, logged."""
+    tokens = {}
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(source, name, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(i is not None and not 0 <= i < source.vocab_size for i in ids):
+            logger.warning(
+                "%s=%s is outside the vocabulary of %d tokens; not carried over", name, value, source.vocab_size
+            )
+            value = None
+        tokens[name] = value
+    return tokens
+
+
+def llama_config(source: PreTrainedConfig, rope_parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Llama is plugformer's default architecture: scaled dot product, RoPE, RMSNorm before each block, SwiGLU.
+    `rope_parameters`: the source's as its model applies them (by default Llama's reading, `llama_rope_parameters`)."""
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_hidden_layers,
+        num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads,
+        head_dim=source.head_dim,
+        hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings,
+        rope_parameters=llama_rope_parameters(source) if rope_parameters is None else rope_parameters,
+        rms_norm_eps=source.rms_norm_eps,
+        attention_bias=source.attention_bias,
+        mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
+        attention_dropout=source.attention_dropout,
+        tie_word_embeddings=source.tie_word_embeddings,
+        initializer_range=source.initializer_range,
+        attention_score="scaled_dot",
+        position_scheme="rope",
+        norm_type="rmsnorm",
+        norm_placement="pre",
+        ffn_type="glu",
+        **_special_tokens(source),
+    )
+
+
+def qwen3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Qwen3 is Llama with QK-norm, an MLP without biases and, with `use_sliding_window`, sliding layers where its
+    `layer_types` says (transformers derives them from `max_window_layers`)."""
+    return {
+        **llama_config(source),
+        "use_qk_norm": True,
+        "sliding_window": source.sliding_window,
+        "layer_types": list(source.layer_types),
+    }
+
+
+def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Qwen3-Next where every layer is plugformer's: full attention (its gated, QK-normed attention) and a dense MLP.
+    Its linear-attention (Gated DeltaNet) and mixture-of-experts layers have no plugformer equivalent: refused."""
+    linear = [i for i, kind in enumerate(source.layer_types) if kind != "full_attention"]
+    if linear:
+        raise ValueError(f"layer_types of Qwen3-Next has {source.layer_types[linear[0]]!r} layers {linear}; "
+                         "plugformer converts it only with every layer 'full_attention'")  # fmt: skip
+    sparse = [i for i in range(source.num_hidden_layers) if i not in source.mlp_only_layers]
+    if sparse and source.num_experts > 0:
+        raise ValueError(f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
+                         "plugformer converts Qwen3-Next only with a dense MLP in every layer")  # fmt: skip
+    # unlike Llama's, Qwen3-Next's RoPE honours `partial_rotary_factor` (a quarter of each head by default): kept whole
+    config = llama_config(source, rope_parameters=dict(source.rope_parameters))
+    return {**config, "use_qk_norm": True, "use_gated_attention": True}
+
+
+def qwen3_next_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """The same module names; Qwen3-Next's RMSNorms scale by (1 + w) where plugformer's scale by w."""
+    return {name: tensor + 1 if name.endswith("norm.weight") else tensor for name, tensor in state.items()}
+
+
+def llama_rope_parameters(source: PreTrainedConfig) -> dict[str, Any]:
+    """The source's `rope_parameters` as transformers' Llama applies them. Its default RoPE ignores
+    `partial_rotary_factor` (`LlamaRotaryEmbedding.compute_default_rope_parameters` rotates all of `head_dim`), so the
+    field is not carried over (plugformer would rotate that share only: logits 1.25e-3 off). The other rope types'
+    init functions shorten the frequencies by it while Llama's attention still rotates the whole head: refused."""
+    rope = dict(source.rope_parameters)
+    factor = rope.pop("partial_rotary_factor", None)
+    if factor is None or factor == 1.0:
+        return rope
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters partial_rotary_factor={factor} with rope_type={rope_type!r}: transformers' "
+                         "Llama computes that share of the frequencies but rotates the whole head, which convert "
+                         "cannot reproduce; remove the field from the source's config.json")  # fmt: skip
+    logger.warning("partial_rotary_factor=%s not carried over: transformers' Llama ignores it with rope_type 'default' "
+                   "(it rotates all of head_dim), and so does the converted model", factor)  # fmt: skip
+    return rope
+
+
+def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """Module names are the same (`model.layers.N.self_attn.q_proj`, ...): nothing to rename."""
+    return dict(state)
+
+
+def deepseek_v3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3 with dense layers only: Llama's blocks with multi-head latent attention (`attention_projection=
+    "latent"`, its latent cache as the source's); mixture-of-experts layers have no plugformer equivalent."""
+    if source.first_k_dense_replace < source.num_hidden_layers:
+        raise ValueError(
+            f"first_k_dense_replace={source.first_k_dense_replace} < num_hidden_layers={source.num_hidden_layers}: "
+            "the layers after the first k are mixture-of-experts, which plugformer has not; only all-dense DeepSeek-V3 "
+            "checkpoints convert"
+        )
+    # DeepseekV3's RoPE rotates the whole `qk_rope_head_dim` (its `head_dim`): its rope_parameters as they are
+    return {
+        **llama_config(source, rope_parameters=dict(source.rope_parameters)),
+        "attention_projection": "latent",
+        "q_lora_rank": source.q_lora_rank,
+        "kv_lora_rank": source.kv_lora_rank,
+        "qk_rope_head_dim": source.qk_rope_head_dim,
+        "qk_nope_head_dim": source.qk_nope_head_dim,
+        "v_head_dim": source.v_head_dim,
+        "rope_interleave": bool(source.rope_interleave),
+        "use_latent_cache": True,
+    }
+
+
+def gpt2_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """GPT-2: learned absolute positions, LayerNorm before each block, GELU MLP, biases everywhere, tied head."""
+    if source.scale_attn_by_inverse_layer_idx:
+        raise ValueError("scale_attn_by_inverse_layer_idx=True (a per-layer score scale) has no plugformer equivalent")
+    return dict(
+        vocab_size=source.vocab_size,
+        hidden_size=source.n_embd,
+        intermediate_size=source.n_inner or 4 * source.n_embd,
+        num_hidden_layers=source.n_layer,
+        num_attention_heads=source.n_head,
+        hidden_act=source.activation_function,
+        max_position_embeddings=source.n_positions,
+        layer_norm_eps=source.layer_norm_epsilon,
+        attention_bias=True,
+        mlp_bias=True,
+        attention_dropout=source.attn_pdrop,
+        hidden_dropout=source.resid_pdrop,
+        tie_word_embeddings=source.tie_word_embeddings,
+        initializer_range=source.initializer_range,
+        attention_score="scaled_dot" if source.scale_attn_weights else "dot",
+        position_scheme="learned",
+        norm_type="layernorm",
+        norm_placement="pre",
+        ffn_type="mlp",
+        **_special_tokens(source),
+    )
+
+
+def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """GPT-2's Conv1D layers store (in, out) matrices and fuse q, k, v: split and transpose into nn.Linear layout."""
+    renamed = {
+        "model.embed_tokens.weight": state["transformer.wte.weight"],
+        "model.positions.embed_positions.weight": state["transformer.wpe.weight"],
+        "model.norm.weight": state["transformer.ln_f.weight"],
+        "model.norm.bias": state["transformer.ln_f.bias"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        old, new = f"transformer.h.{i}.", f"model.layers.{i}."
+        for norm_old, norm_new in (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm")):
+            for kind in ("weight", "bias"):
+                renamed[f"{new}{norm_new}.{kind}"] = state[f"{old}{norm_old}.{kind}"]
+        qkv_weight = state[f"{old}attn.c_attn.weight"].t().chunk(3, dim=0)  # (3·d, d) -> q, k, v each (d, d)
+        qkv_bias = state[f"{old}attn.c_attn.bias"].chunk(3, dim=0)
+        for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), qkv_weight, qkv_bias, strict=True):
+            renamed[f"{new}self_attn.{name}.weight"], renamed[f"{new}self_attn.{name}.bias"] = weight, bias
+        for conv, linear in (
+            ("attn.c_proj", "self_attn.o_proj"),
+            ("mlp.c_fc", "mlp.up_proj"),
+            ("mlp.c_proj", "mlp.down_proj"),
+        ):
+            renamed[f"{new}{linear}.weight"] = state[f"{old}{conv}.weight"].t()
+            renamed[f"{new}{linear}.bias"] = state[f"{old}{conv}.bias"]
+    return {name: tensor.contiguous() for name, tensor in renamed.items()}
+
+
+CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
+    "llama": (llama_config, llama_weights),
+    "qwen3": (qwen3_config, llama_weights),
+    "qwen3_next": (qwen3_next_config, qwen3_next_weights),
+    "gpt2": (gpt2_config, gpt2_weights),
+    "deepseek_v3": (deepseek_v3_config, llama_weights),  # the same module names (`self_attn.kv_b_proj`, ...)
+}
