@@ -43,13 +43,13 @@ def llama_config(source: PreTrainedConfig, rope_parameters: dict[str, Any] | Non
         num_hidden_layers=source.num_hidden_layers,
         num_attention_heads=source.num_attention_heads,
         num_key_value_heads=source.num_key_value_heads,
-        head_dim=source.head_dim,
+        head_dim=getattr(source, "head_dim", None),  # SmolLM3's and Phi-3's: hidden_size / num_attention_heads
         hidden_act=source.hidden_act,
         max_position_embeddings=source.max_position_embeddings,
         rope_parameters=llama_rope_parameters(source) if rope_parameters is None else rope_parameters,
         rms_norm_eps=source.rms_norm_eps,
-        attention_bias=source.attention_bias,
-        mlp_bias=getattr(source, "mlp_bias", False),  # Qwen3 has no such field (and no MLP biases)
+        attention_bias=getattr(source, "attention_bias", False),  # Mistral and Phi-3 have no such field (nor biases)
+        mlp_bias=getattr(source, "mlp_bias", False),  # nor do Qwen3 and Mistral
         attention_dropout=source.attention_dropout,
         tie_word_embeddings=source.tie_word_embeddings,
         initializer_range=source.initializer_range,
@@ -71,6 +71,72 @@ def qwen3_config(source: PreTrainedConfig) -> dict[str, Any]:
         "sliding_window": source.sliding_window,
         "layer_types": list(source.layer_types),
     }
+
+
+def sliding_layers(source: PreTrainedConfig) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as the source's attention applies them: its window on the layers its
+    `layer_types` marks sliding (every layer where it has no such field, as Mistral and Phi-3), none without one."""
+    window = getattr(source, "sliding_window", None)
+    kinds = getattr(source, "layer_types", None)
+    if kinds is not None and "sliding_attention" not in kinds:
+        window = None  # SmolLM3 keeps a window its full-attention layers ignore
+    return {"sliding_window": window, "layer_types": None if kinds is None else list(kinds)}
+
+
+def mistral_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Mistral is Llama with a sliding window in every layer (`sliding_window`, none when it is null)."""
+    return {**llama_config(source), **sliding_layers(source)}
+
+
+def smollm3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """SmolLM3 is Llama with NoPE layers: `no_rope_layers` (1 rotates, 0 does not; plugformer's field of the same
+    meaning) and, with `use_sliding_window`, sliding layers where its `layer_types` says."""
+    return {**llama_config(source), "no_rope_layers": list(source.no_rope_layers), **sliding_layers(source)}
+
+
+def phi3_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Phi-3 (and Phi-4-mini) is Llama with fused projections (`phi3_weights` splits them), a sliding window in every
+    layer when set, and a RoPE that rotates `partial_rotary_factor` of each head (its leading dimensions), which
+    plugformer's RoPE does the same way: its `rope_parameters` are kept whole."""
+    return {
+        **llama_config(source, rope_parameters=dict(source.rope_parameters)),
+        "hidden_dropout": source.resid_pdrop,
+        **sliding_layers(source),
+    }
+
+
+def phi3_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+    """Phi-3 fuses q, k, v into `self_attn.qkv_proj` and gate, up into `mlp.gate_up_proj` (gate first): split."""
+    head_dim = config.head_dim
+    sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
+    renamed = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes, dim=0), strict=True):
+                renamed[f"{prefix}{part}.weight"] = piece  # (H·D, d), (H_kv·D, d), (H_kv·D, d)
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            renamed[f"{prefix}gate_proj.weight"], renamed[f"{prefix}up_proj.weight"] = tensor.chunk(2, dim=0)
+        else:
+            renamed[name] = tensor
+    return {name: tensor.contiguous() for name, tensor in renamed.items()}
+
+
+def phi_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Phi-1 and Phi-2 run attention and the MLP in parallel on one LayerNorm's output and add both to the residual;
+    plugformer's blocks are sequential: refused (Phi-3 and Phi-4-mini, `model_type` phi3, convert)."""
+    raise ValueError("model_type='phi' (Phi-1, Phi-2): its blocks add attention and the MLP computed in parallel from "
+                     "one LayerNorm, which plugformer's sequential blocks cannot reproduce; Phi-3 and later "
+                     "(model_type 'phi3') convert")  # fmt: skip
+
+
+def gpt_oss_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """gpt-oss: attention sinks and alternating sliding layers plugformer has, but every layer's MLP is a
+    mixture of experts (with a clamped SwiGLU), which it has not: refused."""
+    raise ValueError(f"model_type='gpt_oss': every layer's MLP is a mixture of {source.num_local_experts} experts, "
+                     "which plugformer has not (its MLPs are dense); its attention (sinks, sliding layers) is "
+                     "available as use_attention_sinks and sliding_window/layer_types on a new model")  # fmt: skip
 
 
 def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
@@ -201,6 +267,11 @@ CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateD
     "llama": (llama_config, llama_weights),
     "qwen3": (qwen3_config, llama_weights),
     "qwen3_next": (qwen3_next_config, qwen3_next_weights),
+    "mistral": (mistral_config, llama_weights),
+    "smollm3": (smollm3_config, llama_weights),
+    "phi3": (phi3_config, phi3_weights),
+    "phi": (phi_config, llama_weights),
+    "gpt_oss": (gpt_oss_config, llama_weights),
     "gpt2": (gpt2_config, gpt2_weights),
     "deepseek_v3": (deepseek_v3_config, llama_weights),  # the same module names (`self_attn.kv_b_proj`, ...)
 }
