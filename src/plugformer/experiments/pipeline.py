@@ -399,7 +399,9 @@ def stage_result(args: PipelineArguments, stage: str, results: dict, held: dict,
     if "dev_pass_at_k" in info:
         result["dev_pass_at_k"] = info["dev_pass_at_k"]
     if "selection" in info:
-        result["selection"] = {key: info["selection"][key] for key in ("selected", "last")}
+        selection = info["selection"]  # its signal: exact match on answers, else the stage's own (DPO's accuracy, ...)
+        result["selection"] = {"signal": selection.get("signal", "dev_exact_match"), "selected": selection["selected"],
+                               "last": selection["last"]}  # fmt: skip
     if processes > 1:
         result["processes"] = processes
     return result
@@ -449,9 +451,11 @@ def other_text(result: dict) -> str:
     if result.get("processes"):
         parts.append(f"trained on {result['processes']} processes (data parallel, same effective batch)")
     if result.get("selection"):
-        chosen, last = result["selection"]["selected"], result["selection"]["last"]
-        parts.append(f"dev: step {chosen['step']} selected ({chosen['dev_exact_match']:.1%}), "
-                     f"last step {last['step']} {last['dev_exact_match']:.1%}")  # fmt: skip
+        selection = result["selection"]
+        chosen, last, signal = selection["selected"], selection["last"], selection["signal"]
+        value = "{:.1%}" if signal.endswith(("exact_match", "accuracy")) else "{:.3f}"
+        parts.append(f"dev ({signal}): step {chosen['step']} selected ({value.format(chosen[signal])}), "
+                     f"last step {last['step']} {value.format(last[signal])}")  # fmt: skip
     return "; ".join(parts)
 
 

@@ -292,7 +292,7 @@ class PolicyArguments(StageArguments):
         default=0,
         metadata={"help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
                           "the last): exact match against an answer or solution column, else the stage's own signal "
-                          "(dpo: implicit-reward accuracy; grpo, rlhf: mean reward)"},
+                          "(sft: completion log-likelihood; dpo: implicit-reward accuracy; grpo, rlhf: mean reward)"},
     )  # fmt: skip
     selection_examples: int = field(default=200, metadata={"help": "dev problems scored for selection"})
     pass_at_k_samples: int = field(

@@ -390,19 +390,20 @@ VERIFIABLE = ("answer", "solution")
 def dev_selection(
     script_args, tokenizer, model, keep_last: bool = False, data=None, signal: Callable | None = None
 ) -> DevSelection | None:  # fmt: skip
-    """The dev-selection callback asked for by `--selection_steps` (policy stages), on the first
-    `--selection_examples` dev rows; None when off. Its signal is chosen by the data's columns: exact match where
-    they hold a verifiable answer (`VERIFIABLE`, or the embedded task), else the stage's own, `signal(script_args,
-    tokenizer, dev rows)` (`selection_signals`), refused when the stage has none."""
+    """The dev-selection callback asked for by `--selection_steps`, on the first `--selection_examples` dev rows;
+    None when off. Its signal is chosen by the data's columns: exact match where they hold a verifiable answer
+    (`VERIFIABLE`, or the embedded task) and the model generates, else the stage's own, `signal(script_args,
+    tokenizer, dev rows)` (`selection_signals`: the reward stage's whatever the data); refused when the stage has
+    none."""
     steps = getattr(script_args, "selection_steps", 0)
     if not steps:
         return None
-    if not model.can_generate():
-        raise ValueError(
-            f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
-        )
     columns = data["train"].column_names if data is not None else []
-    if script_args.dataset_name is None or any(c in columns for c in VERIFIABLE) or signal is None:
+    verifiable = script_args.dataset_name is None or any(c in columns for c in VERIFIABLE)
+    if signal is None or (verifiable and model.can_generate()):
+        if not model.can_generate():
+            raise ValueError(f"--selection_steps {steps}: dev selection scores generated answers; this model cannot "
+                             "generate")  # fmt: skip
         rows = verifiable_dev_rows(script_args, steps)
         chosen = ExactMatchSignal(rows, tokenizer, script_args.max_new_tokens)
     else:

@@ -32,7 +32,21 @@ def train(script_args, model_args, training_args) -> dict:
 
     refuse_liger_kernel(training_args)
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
-    return run_trainer("sft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args)
+    return run_trainer("sft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
+                       selection_signal=completion_likelihood_signal(training_args))  # fmt: skip
+
+
+def completion_likelihood_signal(training_args):
+    """SFT's dev signal on data without a verifiable answer (`messages`, `prompt`/`completion`, `text`):
+    `(script_args, tokenizer, dev rows) ->` the mean log-likelihood per completion token (`CompletionLikelihood`),
+    each sequence cut to the trainer's `--max_length`."""
+
+    def signal(script_args, tokenizer, rows):
+        from .selection_signals import CompletionLikelihood
+
+        return CompletionLikelihood(rows, tokenizer, max_length=training_args.max_length)
+
+    return signal
 
 
 STAGE = register_stage(

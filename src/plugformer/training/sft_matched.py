@@ -94,7 +94,7 @@ def train(script_args, model_args, training_args) -> dict:
     from trl import SFTTrainer
 
     from .common import require_model_path, run_trainer
-    from .sft import unfused_trainer
+    from .sft import completion_likelihood_signal, unfused_trainer
 
     refuse_liger_kernel(training_args)
     if not script_args.match_compute_of:
@@ -107,7 +107,8 @@ def train(script_args, model_args, training_args) -> dict:
     compute_chain(script_args.match_compute_of, require_model_path(model_args, "sft_matched"))  # before any work
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
     return run_trainer("sft_matched", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
-                       prepare=match_steps(script_args, model_args))  # fmt: skip
+                       prepare=match_steps(script_args, model_args),
+                       selection_signal=completion_likelihood_signal(training_args))  # fmt: skip
 
 
 # the stage whose compute (with its ancestors' down to this stage's parent) sets the steps
