@@ -3,6 +3,7 @@ kernels' C sources), and a built wheel, installed in a fresh virtual environment
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -152,3 +153,13 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
     trained = run("train", "pretrain", "--config", "configs/pretrain/tiny.yaml", *micro)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (work / "pretrain" / "model.safetensors").is_file()
+    # the README's accelerate form: the YAML the installed package prints, from a folder without any configs/
+    accelerate_yaml = Path(run("accelerate-config", "cpu_2proc").stdout.strip())
+    assert accelerate_yaml.is_relative_to(venv) and accelerate_yaml.is_file()
+    launched = subprocess.run(
+        [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_yaml), "-m", "plugformer",
+         "train", "pretrain", "--config", "configs/pretrain/tiny.yaml", *micro[:-1], "pretrain_2proc"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert json.loads((work / "pretrain_2proc" / "run_info.json").read_text())["world_size"] == 2
