@@ -137,7 +137,9 @@ def options_of(command: str) -> list[tuple[str, argparse.Action]]:
 
 
 def boundary_values(action: argparse.Action, folder: Path) -> list[str]:
-    """Values at the edges of what `action` takes, by its type."""
+    """Values at the edges of what `action` takes, by its type: numbers at and past their ends and of the wrong type;
+    for a path, empty, missing, a file where a folder may be expected and the reverse, a file this user may not read
+    and a folder it may not write (`denied_paths` makes them so, as for any user but root)."""
     afile, missing = str(folder / "afile"), str(folder / "missing" / "x")
     if action.nargs == 0:
         return []  # a switch: nothing to feed
@@ -145,15 +147,73 @@ def boundary_values(action: argparse.Action, folder: Path) -> list[str]:
         return ["not-a-choice"]
     kind = getattr(action.type, "__name__", str(action.type))
     if kind == "int":
-        return ["0", "-1", str(2**63)]
+        return ["0", "-1", str(2**63), "1.5", "abc"]
     if kind == "float":
-        return ["0", "-1", "nan", "inf", "1e308"]
+        return ["0", "-1", "nan", "inf", "1e308", "abc"]
     if "bool" in kind:
         return ["maybe"]
     values = ["", missing]
-    if any(word in action.dest for word in ("dir", "model", "path", "output")):
-        values.append(afile)  # a file where a folder may be expected
+    if any(word in action.dest for word in PATH_WORDS):
+        # a file where a folder may be expected, a folder where a file may, unreadable, in a folder it cannot write
+        values += [afile, str(folder / "afolder"), str(folder / UNREADABLE), str(folder / READ_ONLY / "x")]
     return values
+
+
+PATH_WORDS = ("dir", "model", "path", "output", "file", "config", "cache", "data")
+UNREADABLE, READ_ONLY = "unreadable.txt", "read-only"
+
+
+@contextlib.contextmanager
+def denied_paths(folder: Path):
+    """Makes `folder/unreadable.txt` unreadable and `folder/read-only` unwritable as they are for a user other than
+    root (which the suite may run as, and which the modes do not stop): `os.access` answers no, and opening the
+    file, or creating anything in the folder, raises `PermissionError` (errno 13) with the path."""
+    import builtins
+    import errno
+    import io
+    import os
+
+    unreadable, read_only = str(folder / UNREADABLE), str(folder / READ_ONLY)
+    original_open, original_os_open, original_access = builtins.open, os.open, os.access
+    original_mkdir = os.mkdir
+
+    def denied(path, writing: bool) -> bool:
+        path = os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else ""
+        inside = path == read_only or path.startswith(read_only + os.sep)
+        return path == unreadable or (writing and inside)
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if denied(file, any(flag in mode for flag in "wax+")):
+            refuse(file)
+        return original_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if denied(path, bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))):
+            refuse(path)
+        return original_os_open(path, flags, *args, **kwargs)
+
+    def guarded_access(path, mode, *args, **kwargs):
+        if denied(path, bool(mode & os.W_OK)) or (os.path.abspath(os.fspath(path)) == unreadable and mode & os.R_OK):
+            return False
+        return original_access(path, mode, *args, **kwargs)
+
+    def guarded_mkdir(path, *args, **kwargs):
+        if denied(path, True):
+            refuse(path)
+        return original_mkdir(path, *args, **kwargs)
+
+    (folder / READ_ONLY).mkdir(exist_ok=True)
+    (folder / UNREADABLE).write_text("secret\n")
+    builtins.open = io.open = guarded_open
+    os.open, os.access, os.mkdir = guarded_os_open, guarded_access, guarded_mkdir
+    try:
+        yield
+    finally:
+        builtins.open = io.open = original_open
+        os.open, os.access, os.mkdir = original_os_open, original_access, original_mkdir
 
 
 def base_argv(command: str, folder: Path, model: Path) -> list[str]:
@@ -192,19 +252,29 @@ def named(option: str, line: str) -> bool:
 
 
 def run_one(
-    command: str, option: str, value: str, folder: Path, model: Path, monkeypatch, capsys, base_only: bool = False
+    command: str,
+    option: str,
+    value: str,
+    folder: Path,
+    model: Path,
+    monkeypatch,
+    capsys,
+    base_only: bool = False,
+    joined: bool = False,
 ) -> str | None:
-    """`plugformer COMMAND OPTION VALUE`: None when it reached its work (stubbed) or refused in one line naming the
-    option; else what went wrong. `base_only`: the command with its base arguments alone must reach its work."""
+    """`plugformer COMMAND OPTION VALUE` (`OPTION=VALUE` when `joined`: a value may start with "-"): None when it
+    reached its work (stubbed) or refused in one line naming the option; else what went wrong. `base_only`: the
+    command with its base arguments alone must reach its work."""
     from plugformer.cli import main
 
     stub_work(monkeypatch, command)
     started = time.perf_counter()
-    argv = [*base_argv(command, folder, model), *(() if base_only else (option, value))]
+    given = (f"{option}={value}",) if joined else (option, value)
+    argv = [*base_argv(command, folder, model), *(() if base_only else given)]
     shown = f"{command} {option} {value!r}"
     problem = None
     try:
-        with bounded(TIME_BOUND):
+        with bounded(TIME_BOUND), denied_paths(folder):
             main(argv)  # finished without work to do
     except WorkReached:
         pass
@@ -264,6 +334,7 @@ def model(tmp_path_factory) -> Path:
 
 def check_command(command: str, count: int | None, model: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "afile").write_text("a file\n")
+    (tmp_path / "afolder").mkdir()
     (tmp_path / "run").mkdir()  # a training log, what `plot curves` reads
     (tmp_path / "run" / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 1.0}]}))
     for seed in range(2):  # what `plugformer seeds` reads
@@ -292,3 +363,61 @@ def test_a_sample_of_each_commands_options_is_refused_in_one_line_or_accepted(co
 def test_every_option_of_every_command_is_refused_in_one_line_or_accepted(command, model, tmp_path, monkeypatch,
                                                                           capsys):  # fmt: skip
     check_command(command, None, model, tmp_path, monkeypatch, capsys)
+
+
+def typed_options() -> list[tuple[str, str, str]]:
+    """(command, option, its type's name) of every int, float or text option of every command, in a fixed order."""
+    found = []
+    for command in COMMANDS + STAGE_COMMANDS:
+        for option, action in options_of(command):
+            kind = getattr(action.type, "__name__", str(action.type))
+            if action.nargs != 0 and action.choices is None and kind in ("int", "float", "str", "None"):
+                found.append((command, option, kind))
+    return found
+
+
+def drawn_value(draw, kind: str) -> str:
+    """A value of any size, sign or spelling for an option of `kind`: integers past 64 bits, floats with nan, inf and
+    subnormals, numbers in another notation, and any text (control characters, non-ASCII, YAML-looking)."""
+    from hypothesis import strategies as st
+
+    numbers = st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats().map(repr), st.floats().map("{:e}".format))
+    if kind in ("int", "float"):
+        return draw(st.one_of(numbers, st.text(max_size=12)))
+    return draw(st.one_of(st.text(max_size=40), numbers, st.sampled_from(["{a: [1, *x]}", "- - -", "~", "null"])))
+
+
+def check_drawn_options(count: int, model: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Property: for any value hypothesis draws for any typed option, the command reaches its work or refuses in one
+    line naming the option, in time (the run's problems are collected, so one failure shows them all)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    (tmp_path / "afile").write_text("a file\n")
+    options = typed_options()
+    problems = []
+
+    @settings(max_examples=count, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+    @given(st.data())
+    def one(data):
+        command, option, kind = data.draw(st.sampled_from(options))
+        value = drawn_value(data.draw, kind)
+        if "\x00" in value:  # no argv can hold a NUL
+            return
+        problem = run_one(command, option, value, tmp_path, model, monkeypatch, capsys, joined=True)
+        if problem is not None:
+            problems.append(problem)
+
+    one()
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+def test_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(model, tmp_path, monkeypatch, capsys):
+    check_drawn_options(60, model, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+def test_many_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(model, tmp_path, monkeypatch,
+                                                                                 capsys):  # fmt: skip
+    check_drawn_options(600, model, tmp_path, monkeypatch, capsys)

@@ -32,16 +32,25 @@ ALL_OR_NONE = {"classification": ("text_pair",)}
 
 def check_dataset_name(dataset_name: str) -> None:
     """Raises `ValueError` for a `--dataset_name` that can name nothing: empty (read as the current folder, whose
-    every file was digested as data) or a local path that does not exist (`datasets`' `FileNotFoundError` named no
-    option)."""
+    every file was digested as data), a local path that does not exist (`datasets`' `FileNotFoundError` named no
+    option), a file (`datasets` takes files as `--data_files`) or a folder without files."""
     from ..runtime.files import looks_local
 
     if not str(dataset_name).strip():
         raise ValueError(f"--dataset_name {dataset_name!r}: expected a builder ({', '.join(BUILDERS)}) with "
                          "--data_files, a local folder, or a Hub id")  # fmt: skip
-    if dataset_name not in BUILDERS and looks_local(dataset_name) and not Path(dataset_name).expanduser().exists():
+    if dataset_name in BUILDERS:
+        return
+    path = Path(dataset_name).expanduser()
+    if looks_local(dataset_name) and not path.exists():
         raise ValueError(f"--dataset_name {dataset_name}: no such folder or file; give a folder of data files, or a "
                          f"builder ({', '.join(BUILDERS)}) with --data_files")  # fmt: skip
+    if path.is_file():  # `datasets` reads a folder or a Hub id here: "Couldn't find any data file", naming no option
+        builder = next((name for name, ends in BUILDER_EXTENSIONS.items() if path.name.endswith(ends)), "json")
+        raise ValueError(f"--dataset_name {dataset_name} is a file; give it as --dataset_name {builder} --data_files "
+                         f"{dataset_name} (or its folder as --dataset_name)")  # fmt: skip
+    if path.is_dir() and not any(item.is_file() for item in path.rglob("*")):
+        raise ValueError(f"--dataset_name {dataset_name}: the folder holds no files; give a folder of data files")
 
 
 def folder_given_as_file(name: str, dataset_name: str | None) -> str:

@@ -156,13 +156,10 @@ def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dic
         add_corpus_options(args, settings, options)
     configs = {}
     for stage in args.stages:
-        path = stage_config(args.stage_configs, stage)
-        try:
-            configs[stage] = config_path(path)  # the shipped YAMLs are found from any folder
-        except FileNotFoundError:
-            raise ValueError(
-                f"stage_configs={args.stage_configs!r}: {path} does not exist for stage {stage!r}"
-            ) from None
+        # the shipped YAMLs are found from any folder; a missing, unreadable or folder path names the flag
+        configs[stage] = config_path(
+            stage_config(args.stage_configs, stage), flag=f"--stage_configs {args.stage_configs}"
+        )
     fingerprint = {
         "stages": args.stages,
         "options": options,

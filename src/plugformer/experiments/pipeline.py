@@ -251,9 +251,11 @@ def validate_stages(args: PipelineArguments) -> None:
         try:
             parse_stage_arguments(stage, stage_argv(args, stage))
         except ValueError as error:
-            raise ValueError(f"stage {stage!r} ({stage_config(args.stage_configs, stage)}): {error}") from error
+            raise ValueError(f"--stage_configs {args.stage_configs}: stage {stage!r} "
+                             f"({stage_config(args.stage_configs, stage)}): {error}") from error  # fmt: skip
         except SystemExit as error:  # argparse has printed what it refused; name the stage and its YAML
-            raise ValueError(f"stage {stage!r} ({stage_config(args.stage_configs, stage)}): its arguments do not "
+            raise ValueError(f"--stage_configs {args.stage_configs}: stage {stage!r} "
+                             f"({stage_config(args.stage_configs, stage)}): its arguments do not "
                              "parse (argparse's message above says which)") from error  # fmt: skip
 
 

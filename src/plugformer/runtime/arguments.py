@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import enum
 import math
+import os
 import re
 import types
 import typing
@@ -31,12 +32,17 @@ def config_path(path: str | Path, flag: str = "--config") -> str:
     """`path` if it exists; else a relative `configs/...` path is looked up among the shipped YAMLs, which travel
     inside the package (so `--config configs/demo.yaml` works from any directory, in a clone or after a wheel
     install); else a FileNotFoundError naming `flag` (the option that gave the path: `--stage_configs` for a
-    template filled in) and saying where it looked.
+    template filled in) and saying where it looked; a `ValueError` naming `flag` for a folder or a file this user
+    cannot read.
 
     >>> config_path("configs/demo.yaml").endswith("demo.yaml")
     True
     """
     given = Path(path)
+    if given.is_dir():
+        raise ValueError(f"{flag} {path}: a folder, not a YAML file")
+    if given.is_file() and not os.access(given, os.R_OK):
+        raise ValueError(f"{flag} {path}: not readable by this user; give a readable YAML file")
     if given.is_file():
         return str(path)
     parts = given.parts

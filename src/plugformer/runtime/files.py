@@ -98,6 +98,32 @@ def looks_local(source: str | Path) -> bool:
     return Path(text).is_absolute() or text.startswith((".", "~")) or "\\" in text or text.count("/") > 1
 
 
+def model_source_problem(source: str) -> str | None:
+    """Why `source` names no model (or tokenizer) that can be loaded here, or None: a local path that is a file or
+    does not exist, or, read as a Hub id, an invalid one or (offline) one without a copy in the local cache. What a
+    model option says in one line before any work, instead of transformers' `OSError` traceback."""
+    path = Path(source).expanduser()
+    if path.is_dir():  # a saved model, or a PEFT adapter over one
+        if any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+            return None
+        return f"{source} holds no config.json, so it is no saved model (the folder save_pretrained writes)"
+    if path.exists():
+        return f"{source} is a file, not a model folder"
+    if looks_local(source):
+        return f"{source} does not exist (no such folder)"
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return f"{source!r} is neither a local folder nor a Hub id (org/name: letters, digits, '-', '_', '.')"
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return (f"{source} is no local folder, and as a Hub id it is not in the local cache while the Hub is offline "
+                "(plugformer sets HF_HUB_OFFLINE=1 unless you set it; HF_HUB_OFFLINE=0 downloads)")  # fmt: skip
+    return None
+
+
 def nearest_existing(path: str | Path) -> Path:
     """`path` made absolute, or its nearest parent that exists."""
     path = Path(path).expanduser().absolute()

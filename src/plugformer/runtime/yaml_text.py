@@ -98,12 +98,16 @@ def load_yaml_text(text: str, source: str) -> Any:
 
 
 def read_yaml(path: str | Path) -> Any:
-    """The document in the YAML file `path` (`load_yaml_text`), or a `ValueError` naming the file: larger than
-    `MAX_YAML_BYTES` (checked before it is read), not UTF-8 (with the byte's offset), or refused by `load_yaml_text`."""
-    size = Path(path).stat().st_size
-    if size > MAX_YAML_BYTES:
-        raise ValueError(f"--config {path}: {size} bytes; a config file is at most {MAX_YAML_BYTES} bytes")
-    raw = Path(path).read_bytes()
+    """The document in the YAML file `path` (`load_yaml_text`), or a `ValueError` naming the file: unreadable (no
+    permission, a folder), larger than `MAX_YAML_BYTES` (checked before it is read), not UTF-8 (with the byte's
+    offset), or refused by `load_yaml_text`."""
+    try:
+        size = Path(path).stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ValueError(f"--config {path}: {size} bytes; a config file is at most {MAX_YAML_BYTES} bytes")
+        raw = Path(path).read_bytes()
+    except (PermissionError, IsADirectoryError) as error:  # a missing file: FileNotFoundError, named by callers
+        raise ValueError(f"--config {path}: cannot be read ({error.strerror}); give a readable YAML file") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

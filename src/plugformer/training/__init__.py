@@ -80,6 +80,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
             argv[index + 1] = config_path(argv[index + 1])
             check_stage_yaml(argv[index + 1], parser.dataclass_types)
     check_config_files(argv)
+    check_mapping_options(argv, parser.dataclass_types)
     try:
         parsed = parser.parse_args_and_config(argv)
     except ZeroDivisionError as error:  # TRL's GRPO/RLOO configs divide batch sizes by num_generations unchecked
@@ -102,10 +103,31 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
 CONFIG_FILE_OPTIONS = ("--accelerator_config", "--fsdp_config", "--deepspeed")
 
 
+def check_mapping_options(argv: list[str], classes) -> None:
+    """Raises `ValueError` naming an option whose field takes a mapping (`--lr_scheduler_kwargs`, TRL's
+    `--model_init_kwargs`, ...) given text that starts like a JSON object but is none: the libraries parse it in their
+    `__post_init__` with a bare `JSONDecodeError` that names no option."""
+    import json
+    import typing
+
+    # the annotations, not `dataclasses.fields(cls)[...].type`: building the parser rewrote those unions to `str`
+    mappings = {
+        f"--{name}" for cls in classes for name, kind in typing.get_type_hints(cls).items() if "dict" in str(kind)
+    }
+    for name, value in option_values(argv):
+        if name not in mappings or not value.lstrip().startswith("{"):
+            continue
+        try:
+            json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"{name} {value!r}: not a JSON object ({error}); e.g. {name} '{{\"key\": 1}}'") from None
+
+
 def check_config_files(argv: list[str]) -> None:
-    """Raises `ValueError` naming a `CONFIG_FILE_OPTIONS` option whose value is neither a JSON object nor an existing
-    file, or `--deepspeed` without the deepspeed package."""
+    """Raises `ValueError` naming a `CONFIG_FILE_OPTIONS` option whose value is neither a JSON object nor a readable
+    file holding one, or `--deepspeed` without the deepspeed package."""
     import importlib.util
+    import json
     from pathlib import Path
 
     for name, value in option_values(argv):
@@ -113,6 +135,13 @@ def check_config_files(argv: list[str]) -> None:
             continue
         if not Path(value).is_file():
             raise ValueError(f"{name} {value!r}: no such file; give a JSON file or a JSON object")
+        try:
+            with open(value, encoding="utf-8") as handle:
+                loaded = json.load(handle)
+        except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
+            raise ValueError(f"{name} {value!r}: not a readable JSON file ({error}); give a JSON object") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{name} {value!r}: holds a JSON {type(loaded).__name__}; give a JSON object")
         if name == "--deepspeed" and importlib.util.find_spec("deepspeed") is None:
             raise ValueError(f"--deepspeed {value}: the deepspeed package is not installed (pip install deepspeed)")
 

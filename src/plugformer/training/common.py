@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from ..data.tokenization import generation_eos_token_ids, load_tokenizer
 from ..evaluation.held_out import data_record
 from ..runtime.environment import environment_record
-from ..runtime.files import naming_a_full_disk, weights_with_umask_mode, write_json_atomic
+from ..runtime.files import model_source_problem, naming_a_full_disk, weights_with_umask_mode, write_json_atomic
 from ..runtime.loading import load_checked
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
@@ -42,10 +42,9 @@ def require_model_path(model_args, stage: str) -> str:
             f"stage {stage!r} needs --model_name_or_path: the output directory of the previous stage "
             "(pretrain -> sft -> reward -> rlhf; sft -> dpo; sft -> grpo)"
         )
-    local = Path(path).is_absolute() or str(path).startswith((".", "~"))  # else it may be a Hub id
-    if local and not Path(path).expanduser().is_dir():
-        what = "is a file, not a folder" if Path(path).expanduser().exists() else "does not exist"
-        raise ValueError(f"--model_name_or_path {path} {what}; give the output directory of the previous stage")
+    problem = model_source_problem(str(path))  # a missing folder, a bad Hub id, one not cached while offline
+    if problem is not None:
+        raise ValueError(f"--model_name_or_path {path}: {problem}; give the output directory of the previous stage")
     return path
 
 
