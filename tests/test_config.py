@@ -18,7 +18,7 @@ from plugformer.configuration import VARIANT_REGISTRIES
         (dict(attention_score="no_such_score"), r"attention_score='no_such_score' is not one of \['dot', 'scaled_dot'"),
         (dict(position_scheme="xpos"), r"position_scheme='xpos' is not one of \['none', 'sinusoidal'"),
         (dict(norm_type="batchnorm"), r"norm_type='batchnorm' is not one of"),
-        (dict(norm_placement="sandwich"), r"norm_placement='sandwich' is not one of \['pre', 'post'\]"),
+        (dict(norm_placement="peri"), r"norm_placement='peri' is not one of \['pre', 'post', 'sandwich'\]"),
         (dict(ffn_type="moe"), r"ffn_type='moe' is not one of \['mlp', 'glu'\]"),
         (dict(hidden_act="swish2"), r"hidden_act='swish2' is not one of"),
         (dict(hidden_size=30, num_attention_heads=4), r"hidden_size=30 is not divisible by num_attention_heads=4"),

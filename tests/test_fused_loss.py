@@ -41,14 +41,16 @@ def cross_entropy_tolerances(h, w, count) -> tuple[float, float, float]:
     return loss, dh, dw
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])  # 2: below most of the logits (Gemma 2's 30 at its sizes)
 @pytest.mark.parametrize("num_items", [None, 50, "tensor"])
 @pytest.mark.parametrize("chunk_elements", [1, 7 * 50, 1 << 23])  # one row a chunk, a ragged last chunk, one chunk
-def test_linear_cross_entropy_equals_the_full_logits_loss_and_gradients(num_items, chunk_elements):
+def test_linear_cross_entropy_equals_the_full_logits_loss_and_gradients(num_items, chunk_elements, softcap):
     h, w, y = random_case()
     num_items = torch.tensor(50) if num_items == "tensor" else num_items
-    reference = fixed_cross_entropy(h @ w.T, y, num_items)
+    logits = h @ w.T if softcap is None else softcap * torch.tanh(h @ w.T / softcap)  # autograd's own derivative
+    reference = fixed_cross_entropy(logits, y, num_items)
     expected = torch.autograd.grad(reference, (h, w))
-    loss = linear_cross_entropy(h, w, y, num_items, chunk_elements=chunk_elements)
+    loss = linear_cross_entropy(h, w, y, num_items, chunk_elements=chunk_elements, softcap=softcap)
     got = torch.autograd.grad(loss, (h, w))
     atol, *gradients = cross_entropy_tolerances(h, w, int(num_items) if num_items is not None else (y != -100).sum())
     torch.testing.assert_close(loss, reference, rtol=0, atol=atol)
@@ -80,8 +82,9 @@ def test_causal_targets_shift_as_transformers_does():
     assert causal_targets(labels, shift_labels=shifted) is shifted
 
 
-def tiny(is_causal=True, tie=True):
-    config = PlugformerConfig.from_preset("tiny", is_causal=is_causal, tie_word_embeddings=tie)
+def tiny(is_causal=True, tie=True, cap=None):
+    config = PlugformerConfig.from_preset("tiny", is_causal=is_causal, tie_word_embeddings=tie,
+                                          final_logit_softcapping=cap)  # fmt: skip
     config._attn_implementation = "sdpa"
     return config
 
@@ -103,9 +106,10 @@ def loss_and_grads(model, fused: bool, **inputs):
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("num_items", [None, 11])
-def test_causal_lm_fused_loss_equals_the_unfused_head(tie, num_items):
+@pytest.mark.parametrize("cap", [None, 0.3])  # final_logit_softcapping: the tiny model's logits reach ~0.6
+def test_causal_lm_fused_loss_equals_the_unfused_head(tie, num_items, cap):
     torch.manual_seed(0)
-    model = PlugformerForCausalLM(tiny(tie=tie)).double().train()
+    model = PlugformerForCausalLM(tiny(tie=tie, cap=cap)).double().train()
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     labels = ids.clone()
     labels[0, :4] = -100  # a prompt
@@ -168,9 +172,10 @@ def test_a_lora_adapter_on_the_head_keeps_the_unfused_loss():
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_masked_lm_fused_loss_equals_the_unfused_head(tie):
+@pytest.mark.parametrize("cap", [None, 0.3])
+def test_masked_lm_fused_loss_equals_the_unfused_head(tie, cap):
     torch.manual_seed(0)
-    model = PlugformerForMaskedLM(tiny(is_causal=False, tie=tie)).double().train()
+    model = PlugformerForMaskedLM(tiny(is_causal=False, tie=tie, cap=cap)).double().train()
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     labels = torch.full_like(ids, -100)
     labels[0, 2], labels[1, 5], labels[1, 6] = ids[0, 2], ids[1, 5], ids[1, 6]

@@ -140,11 +140,12 @@ def test_gated_attention_converts_from_qwen3_next(tmp_path, tokens):
 
 @pytest.mark.parametrize(
     "fields,message",
-    [({"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0, 1]},
-      r"layer_types of Qwen3-Next has 'linear_attention' layers \[0\]"),
+    [({"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0]},
+      r"mlp_only_layers=\[0\] leaves layers \[1\]"),
      ({"layer_types": ["full_attention"] * 2, "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] leaves layers \[0\]")],
 )  # fmt: skip
 def test_qwen3_next_layers_plugformer_has_not_are_refused(fields, message, tmp_path):
+    """Mixture-of-experts layers, beside linear-attention layers too (which convert: test_linear_attention)."""
     from plugformer.integrations.convert import convert
 
     Qwen3NextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

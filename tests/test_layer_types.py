@@ -121,7 +121,7 @@ def test_layer_types_default_from_sliding_window():
     [
         ({"sliding_window": 4, "layer_types": ["sliding_attention"]}, r"layer_types has 1 entries.*num_hidden_layers=2"),
         ({"sliding_window": 4, "layer_types": ["sliding_attention", "chunked_attention"]},
-         r"layer_types=.*'chunked_attention'.*\['full_attention', 'sliding_attention'\]"),
+         r"layer_types=.*'chunked_attention'.*\['full_attention', 'sliding_attention', 'linear_attention'\]"),
         ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer_types=.*sliding_window=None"),
     ],
 )  # fmt: skip

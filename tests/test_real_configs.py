@@ -13,6 +13,8 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GptOssConfig,
@@ -81,6 +83,16 @@ def mistral():
     return MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4, rope_parameters=rope, tie_word_embeddings=False))
 
 
+def gemma2(query_pre_attn_scalar: int = 16):
+    """Gemma 2 (2B's fields): sandwich norms, embeddings times sqrt(hidden_size), attention logits capped at 50 and
+    head logits at 30, GeGLU, every other layer sliding (window 4 here); `query_pre_attn_scalar` = head_dim (2B, 9B)
+    or hidden_size / heads (27B: another than head_dim)."""
+    config = Gemma2Config(**{**SIZES, "num_hidden_layers": 3}, head_dim=16, sliding_window=4,
+                          query_pre_attn_scalar=query_pre_attn_scalar)  # fmt: skip
+    assert config.layer_types[:2] == ["sliding_attention", "full_attention"] and config.final_logit_softcapping == 30
+    return Gemma2ForCausalLM(config)
+
+
 def phi3():
     """Phi-4-mini: Phi-3's fused projections, a quarter of each head left unrotated, tied head."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -127,6 +139,8 @@ FAMILIES = {
     "qwen3_yarn": lambda: qwen3(QWEN3_YARN),
     "deepseek_v3_yarn_mla": deepseek_v3,
     "mistral_sliding": mistral,
+    "gemma2_softcaps_sandwich": gemma2,
+    "gemma2_27b_query_scale": lambda: gemma2(query_pre_attn_scalar=24),
     "phi3_partial_rotary": phi3,
     "phi3_longrope": phi3_longrope,
     "smollm3_nope": smollm3,

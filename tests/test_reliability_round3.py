@@ -588,7 +588,10 @@ def cli_error(capsys, argv) -> str:
 @pytest.mark.parametrize(
     ("flags", "pattern"),
     [
-        (["--model_name_or_path", "/nonexistent/model"], r"--model_name_or_path /nonexistent/model: /nonexistent/model does not exist"),
+        (
+            ["--model_name_or_path", "/nonexistent/model"],
+            r"--model_name_or_path /nonexistent/model: /nonexistent/model does not exist",
+        ),
         (["--output_dir", ""], r"--output_dir '': expected a folder path"),
         (["--output_dir", "{file}/sub"], r"--output_dir .*/afile/sub is under .*/afile, which is a file"),
         (["--push_to_hub", "true"], r"--push_to_hub true needs the Hub, but this run is offline"),

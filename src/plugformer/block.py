@@ -10,8 +10,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import PlugformerAttention, PlugformerCrossAttention
 from .compat import renamed_cache_kwarg
-from .configuration import PlugformerConfig
+from .configuration import PlugformerConfig, layer_type
 from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS
+from .linear_attention import LINEAR_ATTENTION, PlugformerGatedDeltaNet
 
 
 def dropout_if_active(hidden_states: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -28,8 +29,12 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: PlugformerConfig, layer_idx: int, is_causal: bool = True, cross_attention: bool = False):
         super().__init__()
-        self.self_attn = PlugformerAttention(config, layer_idx, is_causal)
-        self.attention_type = self.self_attn.layer_type  # transformers' attribute: which mask and bias it takes
+        # the token mixer: softmax attention (`self_attn`), or a Gated DeltaNet (`linear_attn`, Qwen3-Next's name)
+        if layer_type(config, layer_idx) == LINEAR_ATTENTION:
+            self.linear_attn = PlugformerGatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = PlugformerAttention(config, layer_idx, is_causal)
+        self.attention_type = self.mixer.layer_type  # transformers' attribute: which mask and bias it takes
         self.mlp = FEED_FORWARDS.get(config.ffn_type)(config)
         norm = NORMS.get(config.norm_type)
         self.input_layernorm = norm(config)  # around attention (before it when pre, after the add when post)
@@ -38,7 +43,18 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
             self.cross_attn = PlugformerCrossAttention(config, layer_idx)
             self.cross_attn_layernorm = norm(config)
         self.placement = NORM_PLACEMENTS.get(config.norm_placement)
+        # a second norm on each sublayer's output (sandwich): Gemma 2's post_attention_layernorm and
+        # post_feedforward_layernorm (plugformer's `post_attention_layernorm` is the one before the feed-forward block)
+        outputs = self.placement.output_norm
+        self.post_self_attn_layernorm = norm(config) if outputs else None
+        self.post_cross_attn_layernorm = norm(config) if outputs and cross_attention else None
+        self.post_feedforward_layernorm = norm(config) if outputs else None
         self.hidden_dropout = config.hidden_dropout
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: `self_attn` or, in a `"linear_attention"` layer, `linear_attn`."""
+        return self._modules.get("self_attn") or self._modules["linear_attn"]
 
     def attention_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The values `(B, H_kv, T, D)` this block's self-attention projects from the block input `hidden_states`
@@ -66,7 +82,7 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         dropout = self.hidden_dropout if self.training else 0.0  # 0: no dropout call per sublayer (`dropout_if_active`)
 
         def attend(x: torch.Tensor) -> torch.Tensor:
-            out, _ = self.self_attn(
+            out, _ = self.mixer(
                 x,
                 position_embeddings=position_embeddings,
                 position_bias=position_bias,
@@ -86,9 +102,11 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
             return dropout_if_active(out, dropout, True) if dropout else out
 
         placement = self.placement
-        hidden_states = placement.residual(hidden_states, attend, self.input_layernorm)
+        hidden_states = placement.residual(hidden_states, attend, self.input_layernorm, self.post_self_attn_layernorm)
         if encoder_hidden_states is not None:
-            hidden_states = placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm)
+            hidden_states = placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm,
+                                               self.post_cross_attn_layernorm)  # fmt: skip
         mlp = self.mlp
         feed_forward = (lambda x: dropout_if_active(mlp(x), dropout, True)) if dropout else mlp
-        return placement.residual(hidden_states, feed_forward, self.post_attention_layernorm)
+        return placement.residual(hidden_states, feed_forward, self.post_attention_layernorm,
+                                  self.post_feedforward_layernorm)  # fmt: skip

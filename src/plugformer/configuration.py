@@ -12,14 +12,15 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig, PreTrainedConfig
-from transformers.activations import ACT2FN
 
 from .compat import ASSIGNS_TP_PLAN
-from .layers import FEED_FORWARDS, NORM_PLACEMENTS, NORMS, VALUE_RESIDUALS
+from .config_checks import check_choices, check_layer_types, check_sizes
+from .layers import FEED_FORWARDS
+from .linear_attention import complete_linear_attention
 from .positions import POSITION_SCHEMES
 from .presets import PRESETS
 from .projections import ATTENTION_PROJECTIONS
-from .registry import choice, in_range, positive, unused_fields
+from .registry import choice, unused_fields
 from .scores import ATTENTION_SCORES
 
 
@@ -52,17 +53,14 @@ DEFAULT_AUTO_MAP = {
 }
 
 
-# transformers' names of the attention kinds a layer can be (`layer_types`): plugformer computes these two.
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
 def layer_type(config: "PlugformerConfig", layer_idx: int) -> str:
     """The attention kind of self-attention layer `layer_idx` (`config.layer_types`). In a seq2seq model, whose
     decoder layers `layer_types` does not count, every self-attention layer of both stacks is of the one kind
     `layer_types` may hold there."""
-    if config.sliding_window is None:
+    kind = config.layer_types[0 if config.is_encoder_decoder else layer_idx]
+    if config.sliding_window is None and kind != "linear_attention":
         return "full_attention"
-    return config.layer_types[0 if config.is_encoder_decoder else layer_idx]
+    return kind
 
 
 @strict
@@ -108,7 +106,8 @@ class PlugformerConfig(PreTrainedConfig):
             holds each token's compressed latent and rotated key part (`kv_lora_rank + qk_rope_head_dim` numbers per
             layer, as transformers' DeepseekV3) instead of every head's keys and values; same outputs.
         norm_type (`str`, *optional*, defaults to `"rmsnorm"`): `"rmsnorm"` or `"layernorm"`.
-        norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)) or `"post"` (norm(x + F x)).
+        norm_placement (`str`, *optional*, defaults to `"pre"`): `"pre"` (x + F(norm x)), `"post"` (norm(x + F x)) or
+            `"sandwich"` (x + norm'(F(norm x)), Gemma 2's: a second norm on each sublayer's output).
         ffn_type (`str`, *optional*, defaults to `"glu"`): `"glu"` (SwiGLU with silu) or `"mlp"` (e.g. GELU MLP).
         is_causal (`bool`, *optional*, defaults to `True`): `True` for a GPT-style decoder (masked self-attention),
             `False` for a BERT-style bidirectional encoder (masked LM, classification heads).
@@ -124,6 +123,10 @@ class PlugformerConfig(PreTrainedConfig):
         attn_logit_softcapping (`float`, *optional*): Caps the attention logits as c·tanh(logits / c) before the mask
             and any position bias (Gemma 2); dot-product scores only, on the kernels whose record declares
             `softcap` (`plugformer info --markdown`; the others are refused).
+        final_logit_softcapping (`float`, *optional*): Caps the head's logits as c·tanh(logits / c) (Gemma 2's field;
+            the fused loss applies it too).
+        embedding_multiplier (`float`, *optional*, defaults to 1.0): Scales the token embeddings, in their dtype
+            (Gemma's sqrt(hidden_size); Granite's field), before any position is added; the head is not scaled.
         use_attention_sinks (`bool`, *optional*, defaults to `False`): A learned logit per head joins each softmax as
             one more key column and absorbs weight (gpt-oss's `sinks`, which it always has; transformers has no
             field for them); dot-product scores only, on the kernels whose record declares `sinks`
@@ -149,7 +152,11 @@ class PlugformerConfig(PreTrainedConfig):
             window; a seq2seq model's keeps every key (its cross-attention sees the whole source). `None`: no window.
         layer_types (`list[str]`, *optional*): Each layer's attention kind, `"sliding_attention"` or `"full_attention"`
             (transformers' field, as Gemma 2 and Qwen3; vLLM reads it); by default every layer sliding when
-            `sliding_window` is set, else full. A seq2seq model takes one kind for all its layers.
+            `sliding_window` is set, else full. A seq2seq model takes one kind for all its layers. `"linear_attention"`:
+            a Gated DeltaNet (`linear_attention`, Qwen3-Next's `linear_attn`) in a causal single-stack model.
+        linear_conv_kernel_dim, linear_key_head_dim, linear_value_head_dim, linear_num_key_heads,
+            linear_num_value_heads (`int`, *optional*): The `"linear_attention"` layers' sizes (Qwen3-Next's fields);
+            default to 4, `head_dim`, `head_dim`, `num_key_value_heads`, `num_attention_heads`.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6), layer_norm_eps (`float`, *optional*, defaults to 1e-5):
             Norm epsilons.
         attention_dropout (`float`, *optional*, defaults to 0.0): Dropout on attention weights.
@@ -224,6 +231,8 @@ class PlugformerConfig(PreTrainedConfig):
     max_relative_distance: int = 128
     use_qk_norm: bool = False
     attn_logit_softcapping: float | int | None = None
+    final_logit_softcapping: float | int | None = None
+    embedding_multiplier: float | int = 1.0
     use_attention_sinks: bool = False
     use_gated_attention: bool = False
     exclusive_self_attention: bool = False
@@ -231,6 +240,11 @@ class PlugformerConfig(PreTrainedConfig):
     additive_chunk_size: int | None = None
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    linear_conv_kernel_dim: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
     rms_norm_eps: float | int = 1e-6
     layer_norm_eps: float | int = 1e-5
     attention_dropout: float | int = 0.0
@@ -249,9 +263,9 @@ class PlugformerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self._validate_variants()
-        self._validate_sizes()
-        self._validate_layer_types()
+        check_choices(self)
+        check_sizes(self)
+        check_layer_types(self)
         ATTENTION_PROJECTIONS.get(self.attention_projection).complete_config(self)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
@@ -259,6 +273,7 @@ class PlugformerConfig(PreTrainedConfig):
             self.num_decoder_layers = self.num_hidden_layers
         if self.intermediate_size is None:
             self.intermediate_size = self._default_intermediate_size()
+        complete_linear_attention(self)
         super().__post_init__(**kwargs)
         if getattr(self, "auto_map", None) is None:
             self.auto_map = dict(DEFAULT_AUTO_MAP)  # an instance dict: TRL reads and transformers extends it
@@ -300,80 +315,6 @@ class PlugformerConfig(PreTrainedConfig):
         if self.ffn_type == "glu":  # 3 matrices of 8/3·d ≈ the parameters of 2 of 4·d
             return -(-(8 * self.hidden_size // 3) // 64) * 64
         return 4 * self.hidden_size
-
-    def _validate_variants(self) -> None:
-        choice("attention_score", self.attention_score, ATTENTION_SCORES.names())
-        choice("position_scheme", self.position_scheme, POSITION_SCHEMES.names())
-        choice("attention_projection", self.attention_projection, ATTENTION_PROJECTIONS.names())
-        choice("norm_type", self.norm_type, NORMS.names())
-        choice("norm_placement", self.norm_placement, NORM_PLACEMENTS.names())
-        choice("ffn_type", self.ffn_type, FEED_FORWARDS.names())
-        choice("hidden_act", self.hidden_act, sorted(ACT2FN))
-        if self.value_residual is not None:
-            choice("value_residual", self.value_residual, [None, *VALUE_RESIDUALS.names()])
-
-    def _validate_sizes(self) -> None:
-        positive(
-            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
-            "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
-            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-        )  # fmt: skip
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
-                "choose a divisor or set head_dim explicitly"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
-                f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)"
-            )
-        for field in ("attention_dropout", "hidden_dropout"):
-            in_range(self, field, 0.0, 1.0)
-        for field in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
-            in_range(self, field, 1e-12, 1.0, closed_high=True)
-        self._validate_softcapping()
-
-    def _validate_layer_types(self) -> None:
-        """Derives `layer_types` from `sliding_window` when absent (transformers' Mistral-style every-layer window),
-        then checks it: one of `LAYER_TYPES` per layer, and sliding layers only with a window to slide."""
-        if self.layer_types is None:
-            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
-            self.layer_types = [kind] * self.num_hidden_layers
-            return
-        if not isinstance(self.layer_types, list) or any(kind not in LAYER_TYPES for kind in self.layer_types):
-            raise ValueError(f"layer_types={self.layer_types!r} must be a list of {list(LAYER_TYPES)}, one per layer")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries; it needs one per layer (num_hidden_layers="
-                f"{self.num_hidden_layers})"
-            )
-        if self.is_encoder_decoder and len(set(self.layer_types)) > 1:
-            raise ValueError(
-                f"layer_types={self.layer_types!r} mixes kinds, which is_encoder_decoder=True does not support (its "
-                "decoder layers have no entries): make every layer the same kind"
-            )
-        if self.sliding_window is None and "sliding_attention" in self.layer_types:
-            raise ValueError(
-                f"layer_types={self.layer_types!r} has sliding layers but sliding_window=None; set the window size "
-                "or make every layer 'full_attention'"
-            )
-
-    def _validate_softcapping(self) -> None:
-        cap = self.attn_logit_softcapping
-        if cap is not None and not 0 < cap < float("inf"):
-            raise ValueError(f"attn_logit_softcapping={cap!r} must be a finite positive number or None (no capping)")
-        if cap is not None and not ATTENTION_SCORES.get(self.attention_score).dot_product:
-            raise ValueError(
-                f"attn_logit_softcapping={cap!r} caps dot-product logits, which attention_score="
-                f"{self.attention_score!r} has not; use a score whose `dot_product` is true, or None"
-            )
-        if self.use_attention_sinks and not ATTENTION_SCORES.get(self.attention_score).dot_product:
-            raise ValueError(
-                f"use_attention_sinks=True is applied by the dot-product kernels, not by attention_score="
-                f"{self.attention_score!r}'s own; use a score whose `dot_product` is true, or False"
-            )
 
     def _variants(self) -> tuple[type, ...]:
         """The classes of the chosen variants: score function, position scheme, attention projection."""

@@ -52,12 +52,17 @@ class NormPlacement:
 
     Class attributes:
         final_norm (`bool`): whether the stack ends with a norm before the head.
+        output_norm (`bool`): whether each sublayer's output has a norm of its own (the block builds it and passes
+            it to `residual` as `output_norm`; `None` otherwise).
     """
 
     final_norm = True
+    output_norm = False
 
     @staticmethod
-    def residual(hidden_states: torch.Tensor, sublayer: Callable, norm: nn.Module) -> torch.Tensor:
+    def residual(
+        hidden_states: torch.Tensor, sublayer: Callable, norm: nn.Module, output_norm: nn.Module | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod
@@ -73,7 +78,7 @@ class PreNorm(NormPlacement):
     final_norm = True
 
     @staticmethod
-    def residual(hidden_states, sublayer, norm):
+    def residual(hidden_states, sublayer, norm, output_norm=None):
         return hidden_states + sublayer(norm(hidden_states))
 
     @staticmethod
@@ -88,12 +93,25 @@ class PostNorm(NormPlacement):
     final_norm = False
 
     @staticmethod
-    def residual(hidden_states, sublayer, norm):
+    def residual(hidden_states, sublayer, norm, output_norm=None):
         return norm(hidden_states + sublayer(hidden_states))
 
     @staticmethod
     def sublayer_input(hidden_states, norm):
         return hidden_states
+
+
+@NORM_PLACEMENTS.register("sandwich")
+class SandwichNorm(PreNorm):
+    """x + norm'(F(norm(x))): a pre-norm block whose sublayer outputs are normed again before the residual add
+    (Gemma 2's `post_attention_layernorm` and `post_feedforward_layernorm`; Ding et al. 2021, CogView's "sandwich
+    LayerNorm"); a final norm closes the stack."""
+
+    output_norm = True
+
+    @staticmethod
+    def residual(hidden_states, sublayer, norm, output_norm=None):
+        return hidden_states + output_norm(sublayer(norm(hidden_states)))
 
 
 @FEED_FORWARDS.register("mlp")

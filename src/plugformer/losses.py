@@ -23,14 +23,15 @@ CHUNK_ELEMENTS = 1 << 23
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Sum over rows of `cross_entropy(hidden @ weight.T, labels)`; every label must be a class (no ignored rows).
+    """Sum over rows of `cross_entropy(cap(hidden @ weight.T), labels)`; every label must be a class (no ignored rows).
 
     Args of `forward`: `hidden` `(N, H)`, `weight` `(V, H)`, `labels` `(N,)`, `rows` per chunk, `compute_dtype` of
-    the products (the autocast dtype, else the inputs'), `grad_hidden`/`grad_weight` whether to compute them.
+    the products (the autocast dtype, else the inputs'), `grad_hidden`/`grad_weight` whether to compute them,
+    `softcap` c: the logits z are capped as c·tanh(z / c) (`final_logit_softcapping`), or not for `None`.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, rows, compute_dtype, need_hidden, need_weight):
+    def forward(ctx, hidden, weight, labels, rows, compute_dtype, need_hidden, need_weight, softcap=None):
         exact = torch.promote_types(compute_dtype, torch.float32)  # softmax and sums: float32 at least
         total = torch.zeros((), dtype=exact, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -41,12 +42,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 h = hidden[start : start + rows].to(compute_dtype)  # (n, H)
                 y = labels[start : start + rows]
                 logits = (h @ w.T).to(exact)  # (n, V)
+                if softcap is not None:
+                    tanh = torch.tanh(logits / softcap)  # (n, V)
+                    logits = tanh * softcap
                 lse = torch.logsumexp(logits, dim=-1)  # (n,)
                 total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
                 if not (need_hidden or need_weight):
                     continue
                 grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place: (n, V)
                 grad[torch.arange(len(y), device=y.device), y] -= 1.0  # d(lse - z_y)/dz
+                if softcap is not None:
+                    grad.mul_(1.0 - tanh.square_())  # d(c·tanh(z / c))/dz = 1 - tanh²
                 grad = grad.to(compute_dtype)
                 if need_hidden:
                     grad_hidden[start : start + rows] = grad @ w
@@ -65,7 +71,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -75,6 +81,7 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_elements: int = CHUNK_ELEMENTS,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden_states @ weight.T` against `labels`, never holding the logits of more than one chunk.
 
@@ -91,6 +98,7 @@ def linear_cross_entropy(
         ignore_index (`int`, *optional*, defaults to -100): The label of rows without a target.
         chunk_elements (`int`, *optional*, defaults to `CHUNK_ELEMENTS`): Logit elements computed at a time (by
             default, at least `hidden_size` rows' worth).
+        softcap (`float`, *optional*): Caps the logits as c·tanh(logits / c) first (`final_logit_softcapping`).
     """
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements={chunk_elements!r}: expected a positive number of logits per chunk")
@@ -111,12 +119,21 @@ def linear_cross_entropy(
         compute_dtype,
         grad and hidden.requires_grad,
         grad and weight.requires_grad,
+        softcap,
     )
     if num_items_in_batch is None:
         return total / keep.sum().clamp(min=1)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def head_logits(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`module.lm_head(hidden_states)`, capped as c·tanh(logits / c) by the config's `final_logit_softcapping` c
+    (Gemma 2's; TRL's fused head reads the same field)."""
+    logits = module.lm_head(hidden_states)
+    cap = module.config.final_logit_softcapping
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def token_cross_entropy(
@@ -180,8 +197,10 @@ def fused_head_loss(
     ):
         return None
     check_labels(labels, module.config.vocab_size)
+    cap = module.config.final_logit_softcapping
     if not shift:
-        return linear_cross_entropy(hidden_states, head.weight, labels, kwargs.get("num_items_in_batch"))
+        return linear_cross_entropy(hidden_states, head.weight, labels, kwargs.get("num_items_in_batch"), softcap=cap)
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     targets = causal_targets(labels, kwargs.get("shift_labels"), ignore_index)
-    return linear_cross_entropy(hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index)
+    return linear_cross_entropy(hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index,
+                                softcap=cap)  # fmt: skip

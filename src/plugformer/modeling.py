@@ -37,7 +37,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .generation import PlugformerGenerationMixin
 from .inputs import check_labels
-from .losses import fused_head_loss, token_cross_entropy
+from .losses import fused_head_loss, head_logits, token_cross_entropy
 from .pretrained import PlugformerPreTrainedModel
 from .stack import (
     PlugformerModel,
@@ -137,7 +137,7 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
         hidden_states = outputs.last_hidden_state
         loss = None if labels is None else fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True,
                                                            **kwargs)  # None: unfused  # fmt: skip
-        logits = None if loss is not None else self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        logits = None if loss is not None else head_logits(self, slice_logits_to_keep(hidden_states, logits_to_keep))
         if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
@@ -207,7 +207,7 @@ class PlugformerForMaskedLM(PlugformerTokenHead):
         self.post_init()
 
     def head(self, hidden_states):
-        return self.lm_head(hidden_states)
+        return head_logits(self, hidden_states)
 
 
 def last_token_indices(
@@ -478,7 +478,7 @@ class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGener
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
             inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs,
         )  # fmt: skip
-        logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
+        logits = head_logits(self, slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = token_cross_entropy(logits, labels, num_items)

@@ -22,6 +22,7 @@ from .compat import ActivationCheckpointingNames
 from .configuration import PlugformerConfig
 from .layers import LearnedValueResidual
 from .legacy_weights import register_legacy_conversions
+from .linear_attention import PlugformerGatedDeltaNet
 from .positions import PositionScheme
 from .scores import AttentionScore
 
@@ -122,6 +123,8 @@ class PlugformerPreTrainedModel(PreTrainedModel, ActivationCheckpointingNames):
         super()._init_weights(module)  # Linear / Embedding: normal(initializer_range); norms: ones, zeros
         if isinstance(module, (AttentionScore, PositionScheme)):
             module.reset_parameters(self.config)
+        if isinstance(module, PlugformerGatedDeltaNet):
+            module.reset_parameters()  # A_log, dt_bias (its Linear, Conv1d and norm: transformers' defaults above)
         if isinstance(module, LearnedValueResidual):
             init.constant_(module.value_lambdas, 0.5)  # the paper's λ1 = λ2 = 0.5
         if isinstance(module, PlugformerAttention) and module.sinks is not None:

@@ -30,6 +30,7 @@ from .compat import (
 from .configuration import PlugformerConfig
 from .inputs import check_inputs, embed_ids
 from .layers import NORM_PLACEMENTS, NORMS
+from .linear_attention import LINEAR_ATTENTION, padding_mask
 from .positions import POSITION_SCHEMES, PositionScheme
 from .pretrained import PlugformerPreTrainedModel
 
@@ -182,7 +183,7 @@ class PlugformerModel(PlugformerPreTrainedModel):
 
     def _token_embeddings(self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """The token embeddings `(B, T, hidden)`, looked up from `input_ids` unless given, times the scheme's
-        `token_scale`."""
+        `token_scale` and the config's `embedding_multiplier`."""
         if inputs_embeds is None:
             inputs_embeds = embed_ids(
                 self.embed_tokens, input_ids, "decoder_input_ids" if self.cross_attention else "input_ids"
@@ -192,6 +193,8 @@ class PlugformerModel(PlugformerPreTrainedModel):
             # `get_input_embeddings()(ids)` give the same output as the ids, and generate() continued from
             # `inputs_embeds` (embeddings first, then ids) sees one scale throughout
             inputs_embeds = inputs_embeds * self.positions.token_scale
+        if self.config.embedding_multiplier != 1.0:  # in the embeddings' dtype, as Gemma rounds its sqrt(hidden_size)
+            inputs_embeds = inputs_embeds * torch.tensor(self.config.embedding_multiplier, dtype=inputs_embeds.dtype)
         return inputs_embeds
 
     def _checked_cache(self, cache: Cache | None, use_cache: bool, attention_mask: torch.Tensor | None) -> Cache | None:
@@ -313,8 +316,10 @@ class PlugformerModel(PlugformerPreTrainedModel):
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         # from the caller's position_ids (the packing), before they are derived from the mask
         masks = prepared_masks or self._self_attention_masks(
-            inputs_embeds, attention_mask, self_cache, position_ids, first_layers.keys()
+            inputs_embeds, attention_mask, self_cache, position_ids, first_layers.keys() - {LINEAR_ATTENTION}
         )
+        if LINEAR_ATTENTION in first_layers and prepared_masks is None:  # the current tokens' padding, or None
+            masks[LINEAR_ATTENTION] = padding_mask(attention_mask, inputs_embeds.shape[1])
         query_length = inputs_embeds.shape[1]
         if position_ids is None:
             # the cached length counts only without a 2-D mask (`position_ids_from_mask`)

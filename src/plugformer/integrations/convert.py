@@ -1,5 +1,5 @@
-"""Import transformers' Llama, Qwen3, Qwen3-Next (its full-attention, dense form), GPT-2 and (all-dense) DeepSeek-V3
-causal LM checkpoints into plugformer with identical logits.
+"""Import transformers' causal LM checkpoints of the families in `families.CONVERTERS` (Llama, Qwen3, Qwen3-Next,
+Mistral, Gemma 2, Phi-3, SmolLM3, GPT-2, dense DeepSeek-V3) into plugformer with identical logits.
 
 That is the path from a pretrained public checkpoint to a variant study: convert, then switch `position_scheme` or
 `attention_score` (the weights that still fit are kept, new variant parameters start fresh) and fine-tune.
@@ -45,8 +45,8 @@ def convert(
     """Builds the plugformer model equivalent to the causal LM checkpoint in `source` and copies its weights.
 
     Args:
-        source (`str` or `Path`): A local transformers checkpoint directory (`model_type` llama, qwen3, qwen3_next,
-            gpt2 or deepseek_v3).
+        source (`str` or `Path`): A local transformers checkpoint directory (a `model_type` of
+            `families.CONVERTERS`).
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
             source or a folder inside it, nor an existing file; a folder that holds another run or model only with
             `overwrite`, and never one a live run holds (the rule of every command that writes a model:
@@ -116,7 +116,7 @@ def converted_config(source: str | Path, overrides: dict[str, Any]) -> tuple[Plu
 def build_converted(source, config: PlugformerConfig, to_weights: Callable, overrides: dict) -> PlugformerForCausalLM:
     """The plugformer model of `convert` with the source's weights (in eval mode), not saved."""
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    weights = to_weights(reference.state_dict(), config)
+    weights = to_weights(reference.state_dict(), config, reference.config)
     model = PlugformerForCausalLM(config)
     # an override that changes a tensor's shape (num_key_value_heads, head_dim, ...): that tensor starts fresh, as a
     # new parameter does; load_state_dict(strict=False) raised a size-mismatch traceback for it

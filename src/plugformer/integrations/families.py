@@ -44,7 +44,7 @@ def llama_config(source: PreTrainedConfig, rope_parameters: dict[str, Any] | Non
         num_attention_heads=source.num_attention_heads,
         num_key_value_heads=source.num_key_value_heads,
         head_dim=getattr(source, "head_dim", None),  # SmolLM3's and Phi-3's: hidden_size / num_attention_heads
-        hidden_act=source.hidden_act,
+        hidden_act=getattr(source, "hidden_act", None) or source.hidden_activation,  # Gemma's name
         max_position_embeddings=source.max_position_embeddings,
         rope_parameters=llama_rope_parameters(source) if rope_parameters is None else rope_parameters,
         rms_norm_eps=source.rms_norm_eps,
@@ -105,7 +105,7 @@ def phi3_config(source: PreTrainedConfig) -> dict[str, Any]:
     }
 
 
-def phi3_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+def phi3_weights(state: StateDict, config: PlugformerConfig, source: PreTrainedConfig) -> StateDict:
     """Phi-3 fuses q, k, v into `self_attn.qkv_proj` and gate, up into `mlp.gate_up_proj` (gate first): split."""
     head_dim = config.head_dim
     sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
@@ -121,6 +121,46 @@ def phi3_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
         else:
             renamed[name] = tensor
     return {name: tensor.contiguous() for name, tensor in renamed.items()}
+
+
+def gemma2_config(source: PreTrainedConfig) -> dict[str, Any]:
+    """Gemma 2: Llama's blocks with a norm on each sublayer's output too (`norm_placement="sandwich"`), embeddings
+    times sqrt(hidden_size), capped attention and head logits, GeGLU (`hidden_activation`), sliding layers where its
+    `layer_types` says; its query scale `query_pre_attn_scalar`^-1/2 is folded into `q_proj` (`gemma2_weights`)."""
+    if getattr(source, "use_bidirectional_attention", None):
+        raise ValueError("model_type='gemma2' with use_bidirectional_attention=True (an embedding model): plugformer "
+                         "converts Gemma 2's causal language models")  # fmt: skip
+    return {
+        **llama_config(source, rope_parameters=dict(source.rope_parameters)),
+        "norm_placement": "sandwich",
+        "embedding_multiplier": source.hidden_size**0.5,
+        "attn_logit_softcapping": source.attn_logit_softcapping,
+        "final_logit_softcapping": source.final_logit_softcapping,
+        **sliding_layers(source),
+    }
+
+
+GEMMA2_NORMS = {  # Gemma 2's name -> plugformer's (whose `post_attention_layernorm` sits before the MLP, as Llama's)
+    "post_attention_layernorm": "post_self_attn_layernorm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+}
+
+
+def gemma2_weights(state: StateDict, config: PlugformerConfig, source: PreTrainedConfig) -> StateDict:
+    """Gemma 2's RMSNorms scale by (1 + w) where plugformer's scale by w; its scores by `query_pre_attn_scalar`^-1/2
+    where plugformer's scaled dot product uses head_dim^-1/2: the queries take the ratio (no QK-norm comes between)."""
+    query_scale = (config.head_dim / source.query_pre_attn_scalar) ** 0.5
+    renamed = {}
+    for name, tensor in state.items():
+        module, _, kind = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        if leaf.endswith("norm"):
+            tensor = tensor + 1
+            name = f"{prefix}.{GEMMA2_NORMS.get(leaf, leaf)}.{kind}".lstrip(".")
+        elif leaf == "q_proj":
+            tensor = tensor * query_scale
+        renamed[name] = tensor
+    return renamed
 
 
 def phi_config(source: PreTrainedConfig) -> dict[str, Any]:
@@ -140,24 +180,40 @@ def gpt_oss_config(source: PreTrainedConfig) -> dict[str, Any]:
 
 
 def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
-    """Qwen3-Next where every layer is plugformer's: full attention (its gated, QK-normed attention) and a dense MLP.
-    Its linear-attention (Gated DeltaNet) and mixture-of-experts layers have no plugformer equivalent: refused."""
-    linear = [i for i, kind in enumerate(source.layer_types) if kind != "full_attention"]
-    if linear:
-        raise ValueError(f"layer_types of Qwen3-Next has {source.layer_types[linear[0]]!r} layers {linear}; "
-                         "plugformer converts it only with every layer 'full_attention'")  # fmt: skip
+    """Qwen3-Next with a dense MLP in every layer: its full-attention layers (gated, QK-normed attention) and its
+    linear-attention layers (Gated DeltaNet, `linear_attn`) as its `layer_types` places them. Mixture-of-experts
+    layers have no plugformer equivalent: refused."""
+    other = [i for i, kind in enumerate(source.layer_types) if kind not in ("full_attention", "linear_attention")]
+    if other:
+        raise ValueError(f"layer_types of Qwen3-Next has {source.layer_types[other[0]]!r} layers {other}; plugformer "
+                         "converts only 'full_attention' and 'linear_attention' layers")  # fmt: skip
     sparse = [i for i in range(source.num_hidden_layers) if i not in source.mlp_only_layers]
     if sparse and source.num_experts > 0:
         raise ValueError(f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
                          "plugformer converts Qwen3-Next only with a dense MLP in every layer")  # fmt: skip
     # unlike Llama's, Qwen3-Next's RoPE honours `partial_rotary_factor` (a quarter of each head by default): kept whole
     config = llama_config(source, rope_parameters=dict(source.rope_parameters))
-    return {**config, "use_qk_norm": True, "use_gated_attention": True}
+    return {**config, "use_qk_norm": True, "use_gated_attention": True, **_qwen3_next_linear_fields(source)}
 
 
-def qwen3_next_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
-    """The same module names; Qwen3-Next's RMSNorms scale by (1 + w) where plugformer's scale by w."""
-    return {name: tensor + 1 if name.endswith("norm.weight") else tensor for name, tensor in state.items()}
+def _qwen3_next_linear_fields(source: PreTrainedConfig) -> dict[str, Any]:
+    """`layer_types` and the Gated DeltaNet's fields (same names in both configs), where linear layers exist."""
+    if "linear_attention" not in source.layer_types:
+        return {}
+    fields = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+              "linear_num_value_heads")  # fmt: skip
+    return {"layer_types": list(source.layer_types), **{name: getattr(source, name) for name in fields}}
+
+
+def qwen3_next_weights(state: StateDict, config: PlugformerConfig, source: PreTrainedConfig) -> StateDict:
+    """The same module names; Qwen3-Next's RMSNorms scale by (1 + w) where plugformer's scale by w, except the
+    Gated DeltaNet's gated norm (`linear_attn.norm`), which scales by w in both."""
+    return {name: tensor + 1 if _qwen3_next_zero_centred(name) else tensor for name, tensor in state.items()}
+
+
+def _qwen3_next_zero_centred(name: str) -> bool:
+    """Whether Qwen3-Next's parameter `name` is the gain of a (1 + w) RMSNorm."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
 
 def llama_rope_parameters(source: PreTrainedConfig) -> dict[str, Any]:
@@ -179,7 +235,7 @@ def llama_rope_parameters(source: PreTrainedConfig) -> dict[str, Any]:
     return rope
 
 
-def llama_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+def llama_weights(state: StateDict, config: PlugformerConfig, source: PreTrainedConfig) -> StateDict:
     """Module names are the same (`model.layers.N.self_attn.q_proj`, ...): nothing to rename."""
     return dict(state)
 
@@ -235,7 +291,7 @@ def gpt2_config(source: PreTrainedConfig) -> dict[str, Any]:
     )
 
 
-def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
+def gpt2_weights(state: StateDict, config: PlugformerConfig, source: PreTrainedConfig) -> StateDict:
     """GPT-2's Conv1D layers store (in, out) matrices and fuse q, k, v: split and transpose into nn.Linear layout."""
     renamed = {
         "model.embed_tokens.weight": state["transformer.wte.weight"],
@@ -263,13 +319,16 @@ def gpt2_weights(state: StateDict, config: PlugformerConfig) -> StateDict:
     return {name: tensor.contiguous() for name, tensor in renamed.items()}
 
 
-CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], Callable[[StateDict, PlugformerConfig], StateDict]]] = {
+# model_type -> (the plugformer config fields of a source config, the source's weights renamed for that config)
+WeightConverter = Callable[[StateDict, PlugformerConfig, PreTrainedConfig], StateDict]
+CONVERTERS: dict[str, tuple[Callable[[PreTrainedConfig], dict], WeightConverter]] = {
     "llama": (llama_config, llama_weights),
     "qwen3": (qwen3_config, llama_weights),
     "qwen3_next": (qwen3_next_config, qwen3_next_weights),
     "mistral": (mistral_config, llama_weights),
     "smollm3": (smollm3_config, llama_weights),
     "phi3": (phi3_config, phi3_weights),
+    "gemma2": (gemma2_config, gemma2_weights),
     "phi": (phi_config, llama_weights),
     "gpt_oss": (gpt_oss_config, llama_weights),
     "gpt2": (gpt2_config, gpt2_weights),

@@ -25,7 +25,8 @@ kernel table when the model is built (`ValueError` naming the variant): T5 and c
 no bias), additive scoring (not a dot product) and `attention_projection="latent"` (vLLM sizes its KV cache for
 `num_key_value_heads` heads of `head_dim`). Gated attention and value residuals run in plugformer's own modules
 around vLLM's attention: greedy tokens equal transformers' (`tests/test_vllm.py`). Tensor parallelism with ALiBi is refused (each rank would need
-its heads' slopes; not verified here).
+its heads' slopes; not verified here). `"linear_attention"` layers (Gated DeltaNet) are refused: vLLM's Transformers
+backend keeps no recurrent state for them (`refuse_unsupported_layers`).
 
 Without the plugin installed (`pip install -e .` declares the entry point), `register()` can be called by hand in
 the process that builds vLLM's engine.
@@ -89,6 +90,20 @@ def vllm_alibi_attention_forward(module, query, key, value, attention_mask, **kw
     return vllm_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def refuse_unsupported_layers(config: PlugformerConfig) -> None:
+    """Raises a `ValueError` for what vLLM's Transformers backend is not known to serve exactly: `"linear_attention"`
+    layers (its cache holds keys and values per attention layer, no recurrent or convolution state) and
+    `final_logit_softcapping` (vLLM computes the logits with its own head, outside plugformer's; neither verified
+    here)."""
+    linear = [i for i, kind in enumerate(config.layer_types or ()) if kind == "linear_attention"]
+    if linear:
+        raise ValueError(f"layer_types has 'linear_attention' layers {linear}, whose recurrent state vLLM's "
+                         "Transformers backend does not keep: serve this model with transformers' generate()")  # fmt: skip
+    if config.final_logit_softcapping is not None:
+        raise ValueError(f"final_logit_softcapping={config.final_logit_softcapping}: vLLM computes the logits with its "
+                         "own head, whose cap is not verified for plugformer: serve with transformers' generate()")  # fmt: skip
+
+
 _PRIVATE_DECODER: type | None = None
 
 
@@ -127,6 +142,7 @@ def _vllm_model_class() -> type:
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             config = vllm_config.model_config.hf_config
+            refuse_unsupported_layers(config)
             # the per-head slopes of a scheme whose bias is ALiBi's linear one, which vLLM's attention adds itself
             # (kept as floats: vLLM may build the model under a device context)
             slopes = POSITION_SCHEMES.get(config.position_scheme).linear_bias_slopes(config)
