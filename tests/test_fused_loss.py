@@ -161,6 +161,23 @@ def test_the_fused_loss_runs_only_in_training_with_labels():
     assert fresh(input_ids=ids, labels=ids).logits is not None  # off by default
 
 
+def test_a_head_swapped_by_fsdp2_keeps_the_fused_loss():
+    """accelerate's FSDP2 shards the head with the final norm (and the tied embeddings): `fully_shard` swaps its class
+    for `FSDPLinear` (bases `(FSDPModule, nn.Linear)`), whose weight the model's forward sees gathered. The fused loss
+    stayed off there before (tests/test_fused_loss_distributed.py's FSDP2 runs count the calls)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(tiny()).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    model.fused_loss = False
+    expected = model(input_ids=ids, labels=ids).loss
+    model.fused_loss = True
+    model.lm_head.__class__ = type("FSDPLinear", (fsdp.FSDPModule, nn.Linear), {})  # as `fully_shard` names it
+    fused = model(input_ids=ids, labels=ids)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, expected)
+
+
 def test_a_lora_adapter_on_the_head_keeps_the_unfused_loss():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)

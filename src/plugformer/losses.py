@@ -165,6 +165,14 @@ def causal_targets(
     return nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
+def unsharded_class(module: nn.Module | None) -> type:
+    """The class of `module`, or the class FSDP2's `fully_shard` swapped for `FSDP<class>` (bases `(FSDPModule,
+    class)`): accelerate's FSDP2 shards the head with the final norm (and the tied embeddings), so in the model's
+    forward the head is an `FSDPLinear` whose weight is already gathered (a still sharded one is refused below)."""
+    bases = type(module).__bases__
+    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else type(module)
+
+
 def fused_head_loss(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -177,9 +185,10 @@ def fused_head_loss(
 
     Fused when `labels` are given, `module.fused_loss` is set (`plugformer train pretrain` sets it; off by default),
     the module is training, every logit is asked for (`logits_to_keep=0`) and `module.lm_head` is a plain bias-free
-    `nn.Linear` with a plain weight (not a PEFT adapter, whose update the weight alone would miss; nor a weight
-    sharded by tensor parallelism or DeepSpeed ZeRO-3, which only the head's own call gathers). The forward then returns
-    `logits=None`, as Liger's and TRL's fused heads do; evaluation and generation keep the logits.
+    `nn.Linear` (or FSDP2's `FSDPLinear` of one: `unsharded_class`) with a plain weight (not a PEFT adapter, whose
+    update the weight alone would miss; nor a weight sharded by tensor parallelism, FSDP2 or DeepSpeed ZeRO-3, which
+    only the head's own call gathers). The forward then returns `logits=None`, as Liger's and TRL's fused heads do;
+    evaluation and generation keep the logits.
 
     `shift=True` (causal LM): next-token targets as `ForCausalLMLoss` (`shift_labels`, `num_items_in_batch` and
     `ignore_index` from `kwargs`). `shift=False` (masked LM): as its unfused loss (`token_cross_entropy`, with
@@ -189,10 +198,10 @@ def fused_head_loss(
         return None
     head = getattr(module, "lm_head", None)
     if (
-        type(head) is not nn.Linear
+        unsharded_class(head) is not nn.Linear
         or head.bias is not None
         or not (isinstance(logits_to_keep, int) and not logits_to_keep)
-        or hasattr(head.weight, "placements")  # a DTensor (tensor parallel)
+        or hasattr(head.weight, "placements")  # a DTensor (tensor parallel, or an FSDP2 shard not gathered)
         or hasattr(head.weight, "ds_id")  # a DeepSpeed ZeRO-3 partition
     ):
         return None
