@@ -27,7 +27,6 @@ from plugformer.bench.models import (
     check_parity,
     gqa_key_value_heads,
     logit_difference,
-    matmul_parameters,
 )
 from plugformer.bench.readme import (
     check_markers,
@@ -38,7 +37,7 @@ from plugformer.bench.readme import (
     variants_tables,
 )
 from plugformer.bench.readme import main as readme_main
-from plugformer.bench.report import compare, ratio_cell, throughput, train_flops, utilisation
+from plugformer.bench.report import compare, matmul_parameters, ratio_cell, throughput, train_flops, utilisation
 from plugformer.bench.runner import BASELINE, requested_variants
 from plugformer.cli import main as cli_main
 from plugformer.kernels_additive_native import native_additive

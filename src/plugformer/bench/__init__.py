@@ -26,19 +26,32 @@ ratios), then absolute medians, then the machine.
 How each number is measured is in `bench.md`'s Method section and in `measure.py`. The performance blocks of
 `model_cards/BENCHMARKS.md` are generated from `bench.json` by `readme.py` (`python -m plugformer.bench.readme
 BENCH_JSON ... --readme model_cards/BENCHMARKS.md`).
+
+The prepared GPU check (every kernel against eager on CUDA, bf16 steps, the fused loss, cached decoding, MFU) is
+`python -m plugformer.bench.gpu` (`gpu.py`).
 """
 
 from .arguments import BenchArguments
-from .runner import run
 
 
 __all__ = ["BenchArguments", "main", "run"]
+
+
+def __getattr__(name: str):
+    # the runner imports the converters, and they `datasets`: loaded on first use, so `plugformer.bench.gpu` runs
+    # where only torch and transformers are installed (a GPU machine's image)
+    if name == "run":
+        from .runner import run
+
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     import sys
 
     from ..runtime.arguments import parse_arguments
+    from . import run  # through the module's attribute: a test may have replaced it
 
     argv = sys.argv[1:] if argv is None else argv
     return run(parse_arguments(BenchArguments, argv, prog="plugformer bench"))

@@ -112,15 +112,3 @@ def build_variant(config: PlugformerConfig, seed: int, device: str, kernel: str 
         config._attn_implementation = kernel
     check_model_fits(config, training=True, device=device, what="plugformer bench")
     return PlugformerForCausalLM(config).to(device)
-
-
-def matmul_parameters(model: nn.Module) -> int:
-    """N of the 6·N FLOPs rule: parameters of weight matrices (≥ 2-D, outside embedding lookups), the LM head
-    counted even when tied to the embedding (the head is a matmul, the lookup is not). Biases and norms are left out.
-    """
-    total = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            continue
-        total += sum(p.numel() for p in module.parameters(recurse=False) if p.ndim >= 2)
-    return total

@@ -10,9 +10,22 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 
 from ..runtime.files import write_json_atomic
 from .measure import median
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """N of the 6·N FLOPs rule: parameters of weight matrices (≥ 2-D, outside embedding lookups), the LM head
+    counted even when tied to the embedding (the head is a matmul, the lookup is not). Biases and norms are left out.
+    """
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        total += sum(p.numel() for p in module.parameters(recurse=False) if p.ndim >= 2)
+    return total
 
 
 def train_flops(

@@ -12,8 +12,8 @@ from ..projections import ATTENTION_PROJECTIONS
 from ..runtime.variants import ATTENTION_MODIFIERS, modifier_fields, modifier_label
 from .arguments import BenchArguments
 from .measure import GenerateRun, Profile, TrainStep, matmul_peak, profile_call, random_tokens, run_interleaved
-from .models import build_pair, build_variant, matmul_parameters
-from .report import compare, machine, throughput, train_flops, utilisation, write
+from .models import build_pair, build_variant
+from .report import compare, machine, matmul_parameters, throughput, train_flops, utilisation, write
 
 
 # Every variant row is a ratio against this variant on sdpa; the attention-modifier rows are this variant plus one field.
