@@ -76,3 +76,15 @@ def test_full_pipeline_example(tmp_path):
     assert sorted(results) == sorted(["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"])
     for name in ("results.md", "training_curves.png", "attention_final_model.png", "attention_final_model.safetensors"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_real_text_corpus_is_prose_each_document_once(tmp_path):
+    """The corpus the real-text extrapolation trains on: documents of this install's docstrings and package
+    descriptions, each at least 500 characters and none twice, written as the jsonl `--data_files` reads."""
+    import json
+
+    texts = load_example("real_text_corpus").main([str(tmp_path / "corpus.jsonl")])
+    rows = [json.loads(line) for line in (tmp_path / "corpus.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [row["text"] for row in rows] == texts and len(texts) > 100
+    assert min(map(len, texts)) >= 500 and len(set(texts)) == len(texts)
+    assert any("Return" in text for text in texts)  # docstrings: English prose about code
