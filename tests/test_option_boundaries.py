@@ -421,3 +421,28 @@ def test_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(mode
 def test_many_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(model, tmp_path, monkeypatch,
                                                                                  capsys):  # fmt: skip
     check_drawn_options(600, model, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("command", COMMANDS + STAGE_COMMANDS)
+def test_a_corpus_file_without_its_dataset_name_is_refused_not_ignored(command, model, tmp_path, monkeypatch, capsys):
+    """`--data_files` (and `--dataset_config`) describe your data only beside `--dataset_name`: alone, every command
+    that takes them refuses them by name instead of training on the embedded data (exit 0, the file unread)."""
+    from plugformer.cli import main
+
+    given = {option for option, _ in options_of(command)}
+    if "--data_files" not in given or "--dataset_name" not in given:
+        pytest.skip(f"{command} takes no corpus of yours")
+    (tmp_path / "afile").write_text("a file\n")
+    for option, value in (("--data_files", str(tmp_path / "afile")), ("--dataset_config", "default")):
+        if option not in given:
+            continue
+        stub_work(monkeypatch, command)
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main([*base_argv(command, tmp_path, model), option, value])
+        except WorkReached:
+            pytest.fail(f"{command} {option} {value}: reached its work without --dataset_name (the option ignored)")
+        finally:
+            monkeypatch.undo()
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and f"{option} " in line and "--dataset_name" in line, line

@@ -705,7 +705,8 @@ def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_pa
 
     config = tmp_path / "config.yaml"
     config.write_text("learning_rate: 1e-3\nnum_train_epochs: 2\nreport_to: none\n")  # PyYAML alone: '1e-3' a str
-    flags = ["--max_steps", "10", "--bf16", "false", "--data_files", "a.jsonl", "b.jsonl", "--num_generations", "4"]
+    flags = ["--max_steps", "10", "--bf16", "false", "--dataset_name", "json", "--data_files", "a.jsonl", "b.jsonl",
+             "--num_generations", "4"]  # fmt: skip
     script, _, training = parse_stage_arguments("grpo", ["--config", str(config), "--output_dir", "o", *flags])
     assert (training.learning_rate, training.num_train_epochs, training.max_steps) == (1e-3, 2, 10)
     assert (training.bf16, training.num_generations, script.data_files) == (False, 4, ["a.jsonl", "b.jsonl"])

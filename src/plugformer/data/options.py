@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .prepare import digest, file_signatures
+from .validation import refuse_source_options_without_a_source
 
 
 @dataclass
@@ -24,6 +25,11 @@ class CorpusArguments:
     rename_columns: str | None = field(
         default=None, metadata={"help": "your corpus's text column under the name pretraining reads: 'content=text'"}
     )
+
+    def __post_init__(self):
+        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
+                                               dataset_config=self.dataset_config, streaming=self.streaming,
+                                               rename_columns=self.rename_columns)  # fmt: skip
 
     def corpus_flags(self) -> list[str]:
         """The options that make a pretraining run read this corpus (none for the embedded data)."""

@@ -53,6 +53,20 @@ def check_dataset_name(dataset_name: str) -> None:
         raise ValueError(f"--dataset_name {dataset_name}: the folder holds no files; give a folder of data files")
 
 
+def refuse_source_options_without_a_source(dataset_name: str | None, **options) -> None:
+    """Raises `ValueError` naming the first of `options` (`data_files=[...]`, `dataset_config=...`, given by their
+    field names) that is set while `dataset_name` is not: alone it describes no source, and the command would read
+    the embedded data, the option unread (`--data_files corpus.jsonl` alone trained on arithmetic)."""
+    if dataset_name is not None:
+        return
+    for name, value in options.items():
+        if value:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise ValueError(f"--{name} {shown} describes your data, but --dataset_name is not given, so the embedded "
+                             "data would be read instead: add --dataset_name (json, csv, text or parquet with "
+                             "--data_files; a folder; a Hub id when online)")  # fmt: skip
+
+
 def folder_given_as_file(name: str, dataset_name: str | None) -> str:
     """The message for a folder given as `--data_files`: how to name its files (a pattern of the extension its files
     have, else the builder's) or the folder itself (`--dataset_name`)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..data.tokenization import load_tokenizer
+from ..data.validation import refuse_source_options_without_a_source
 from ..runtime.environment import environment_record
 from ..runtime.files import (
     MODEL_FILES,
@@ -191,6 +192,11 @@ class EvalArguments:
         metadata={"help": "replace --output even if it holds another model's results or a file that is no result of "
                           "plugformer eval (by default refused; an earlier result of the same model is replaced)"},
     )  # fmt: skip
+
+    def __post_init__(self):
+        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
+                                               dataset_config=self.dataset_config,
+                                               rename_columns=self.rename_columns)  # fmt: skip
 
 
 def check_model_dir(model: str) -> None:

@@ -106,6 +106,7 @@ class CompareArguments(CorpusArguments):
             raise ValueError(f"--rename_columns {self.rename_columns!r} renames your corpus's columns: give "
                              "--dataset_name (a classify, nli or seq2seq stage's own data: --set "
                              "<stage>.rename_columns)")  # fmt: skip
+        super().__post_init__()  # the other corpus options (`CorpusArguments`)
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
         if self.significance not in SIGNIFICANCE_TESTS:

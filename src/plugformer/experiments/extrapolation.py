@@ -66,6 +66,7 @@ class ExtrapolationArguments(CorpusArguments):
     rerun: bool = field(default=False, metadata={"help": "retrain schemes that already finished"})
 
     def __post_init__(self):
+        super().__post_init__()  # the corpus options (`CorpusArguments`)
         if self.train_length < 2:
             raise ValueError(f"train_length={self.train_length}: expected at least 2 tokens")
         if not self.factors or any(not math.isfinite(f) or f <= 0 for f in self.factors):

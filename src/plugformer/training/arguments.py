@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..data.identity import HELD_OUT_FRACTION
 from ..data.tokenization import CHAT_TEMPLATES
+from ..data.validation import refuse_source_options_without_a_source
 from ..positions import POSITION_SCHEMES
 from ..scores import ATTENTION_SCORES
 
@@ -74,6 +75,8 @@ class StageArguments:
         if self.rename_columns and self.dataset_name is None:
             raise ValueError(f"--rename_columns {self.rename_columns!r} renames your data's columns; the embedded data "
                              "has the names the stage reads: give --dataset_name (and --data_files), or drop it")  # fmt: skip
+        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
+                                               dataset_config=self.dataset_config)  # fmt: skip
 
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
