@@ -411,3 +411,31 @@ def test_other_kernels_match_eager(kernel, tokens):
     with torch.no_grad():
         expected = model(tokens).logits
         torch.testing.assert_close(on_kernel(model, kernel)(tokens).logits, expected, atol=ATOL, rtol=0)
+
+
+def test_a_hybrid_model_trains_under_fsdp2_to_the_single_process_weights(saved_hybrid, tmp_path):
+    """FSDP2 over 2 processes (each block, then the root, sharded: `tests/fsdp_worker.py`) trains the Gated DeltaNet
+    layers to the weights one process reaches on the whole batch, with the same weights on both ranks."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from test_fsdp import ENV, WORKER, free_port
+
+    directory, _ = saved_hybrid
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port())]  # fmt: skip
+    for command, output in (([*torchrun, str(WORKER)], "sharded"), ([sys.executable, str(WORKER), "--single"], "one")):
+        result = subprocess.run([*command, str(directory), str(tmp_path / output)], env=ENV, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    first, second = json.loads((tmp_path / "sharded" / "worker.json").read_text())["digests"]
+    assert first == second
+    start, one = load_file(directory / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    sharded = load_file(tmp_path / "sharded" / "model.safetensors")
+    linear = [name for name in one if ".linear_attn." in name]
+    assert len(linear) == 7 * HYBRID.count("linear_attention")
+    for name in one:
+        torch.testing.assert_close(sharded[name], one[name], atol=1e-5, rtol=0, msg=name)
+    assert all(not torch.equal(one[name], start[name]) for name in linear)  # every layer parameter trained
