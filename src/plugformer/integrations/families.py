@@ -65,12 +65,7 @@ def llama_config(source: PreTrainedConfig, rope_parameters: dict[str, Any] | Non
 def qwen3_config(source: PreTrainedConfig) -> dict[str, Any]:
     """Qwen3 is Llama with QK-norm, an MLP without biases and, with `use_sliding_window`, sliding layers where its
     `layer_types` says (transformers derives them from `max_window_layers`)."""
-    return {
-        **llama_config(source),
-        "use_qk_norm": True,
-        "sliding_window": source.sliding_window,
-        "layer_types": list(source.layer_types),
-    }
+    return {**llama_config(source), "use_qk_norm": True, **sliding_layers(source)}
 
 
 def sliding_layers(source: PreTrainedConfig) -> dict[str, Any]:

@@ -288,27 +288,34 @@ def parse_overrides(text: str | None, name: str) -> dict:
 
 
 @dataclass
-class PolicyArguments(StageArguments):
-    """Stages that train a policy (sft, dpo, rlhf, grpo): dev selection and the headroom of sampling over greedy."""
+class SelectionArguments(StageArguments):
+    """Stages that pick their best dev step (the policy stages and the reward model)."""
 
     selection_steps: int = field(
         default=0,
         metadata={"help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
                           "the last): exact match against an answer or solution column, else the stage's own signal "
-                          "(sft: completion log-likelihood; dpo: implicit-reward accuracy; grpo, rlhf: mean reward)"},
+                          "(sft: completion log-likelihood; reward: pairwise accuracy; dpo: implicit-reward accuracy; "
+                          "grpo, rlhf: mean reward)"},
     )  # fmt: skip
-    selection_examples: int = field(default=200, metadata={"help": "dev problems scored for selection"})
+    selection_examples: int = field(default=200, metadata={"help": "dev rows scored for selection"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"selection_steps": 0, "selection_examples": 0})
+
+
+@dataclass
+class PolicyArguments(SelectionArguments):
+    """Stages that train a policy (sft, dpo, rlhf, grpo): dev selection and the headroom of sampling over greedy."""
+
     pass_at_k_samples: int = field(
         default=0, metadata={"help": "after training, dev pass@1 and pass@N from N samples at temperature 1 (0: skip)"}
     )
 
     def __post_init__(self):
-        if hasattr(super(), "__post_init__"):
-            super().__post_init__()
-        for name in ("selection_steps", "selection_examples", "pass_at_k_samples"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"--{name} {value!r}: expected a non-negative integer")
+        super().__post_init__()
+        check_counts(self, {"pass_at_k_samples": 0})
 
 
 @dataclass

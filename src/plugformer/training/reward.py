@@ -3,27 +3,9 @@ trained on preference pairs (Bradley-Terry: the chosen answer should score highe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..evaluation.cards import StageCard
-from .arguments import StageArguments, check_counts
+from .arguments import SelectionArguments
 from .stages import Stage, register_stage
-
-
-@dataclass
-class RewardArguments(StageArguments):
-    """The reward stage: dev selection by pairwise accuracy (a reward model generates nothing to match)."""
-
-    selection_steps: int = field(
-        default=0,
-        metadata={"help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
-                          "the last): the pairwise accuracy of the reward (chosen above rejected) on the dev pairs"},
-    )  # fmt: skip
-    selection_examples: int = field(default=200, metadata={"help": "dev pairs scored for selection"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_counts(self, {"selection_steps": 0, "selection_examples": 0})
 
 
 def train(script_args, model_args, training_args) -> dict:
@@ -50,7 +32,7 @@ STAGE = register_stage(
     Stage(
         name="reward",
         parent="sft",
-        script_arguments=RewardArguments,
+        script_arguments=SelectionArguments,
         config_class="RewardConfig",
         description="reward model on preference pairs (TRL RewardTrainer)",
         data_format="preference",
