@@ -66,16 +66,25 @@ def train_model(args: argparse.Namespace, directory: Path):
     texts = corpus(args.sentences, args.seed)
     tokenizer = train_tokenizer(texts, vocab_size=args.vocab_size)
     config = PlugformerConfig.from_preset(
-        "tiny", position_scheme=args.position_scheme, hidden_size=args.hidden_size, intermediate_size=None,
-        num_hidden_layers=args.num_hidden_layers, vocab_size=len(tokenizer), max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        "tiny",
+        position_scheme=args.position_scheme,
+        hidden_size=args.hidden_size,
+        intermediate_size=None,
+        num_hidden_layers=args.num_hidden_layers,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = PlugformerForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(args.seed)
     for step in range(args.steps):
-        documents = [tokenizer.bos_token + texts[i] + tokenizer.eos_token
-                     for i in torch.randint(len(texts), (args.batch_size,), generator=generator)]  # fmt: skip
+        documents = [
+            tokenizer.bos_token + texts[i] + tokenizer.eos_token
+            for i in torch.randint(len(texts), (args.batch_size,), generator=generator)
+        ]
         batch = tokenizer(documents, padding=True, add_special_tokens=False, return_tensors="pt")
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # (B, T): no loss on padding
         loss = model(**batch, labels=labels).loss

@@ -30,8 +30,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     budget = [f"max_steps={args.max_steps}", "eval_strategy=no", "save_strategy=no"]
     if args.quick:
-        budget = ["max_steps=8", "train_examples=400", "dev_examples=40", "eval_strategy=no", "save_strategy=no",
-                  "report_to=none", "hidden_size=32", "num_hidden_layers=1", "vocab_size=300"]  # fmt: skip
+        budget = [
+            "max_steps=8",
+            "train_examples=400",
+            "dev_examples=40",
+            "eval_strategy=no",
+            "save_strategy=no",
+            "report_to=none",
+            "hidden_size=32",
+            "num_hidden_layers=1",
+            "vocab_size=300",
+        ]
     return run(
         CompareArguments(
             output_dir=args.output_dir,

@@ -53,9 +53,16 @@ def main(argv: list[str] | None = None) -> dict:
     output = Path(args.output_dir)
     with tempfile.TemporaryDirectory() as scratch:
         configs = quick_configs(Path(scratch)) if args.quick else str(ROOT / "configs" / "{stage}" / "tiny.yaml")
-        results = run(PipelineArguments(output_dir=str(output), stages=STAGES, stage_configs=configs, seed=args.seed,
-                                        test_examples=20 if args.quick else 200,
-                                        max_new_tokens=8 if args.quick else 32))  # fmt: skip
+        results = run(
+            PipelineArguments(
+                output_dir=str(output),
+                stages=STAGES,
+                stage_configs=configs,
+                seed=args.seed,
+                test_examples=20 if args.quick else 200,
+                max_new_tokens=8 if args.quick else 32,
+            )
+        )
 
     # training curves: every stage's loss on one plot (each stage writes its log history beside its model)
     stages = [output / stage for stage in results]

@@ -69,9 +69,11 @@ def main(steps: int = 150) -> dict:
             reloaded = AutoModelForCausalLM.from_pretrained(directory).eval()
         accuracy = continued_correctly(reloaded, torch.Generator().manual_seed(1))
         results[f"{score}/{scheme}"] = {"first_loss": losses[0], "last_loss": losses[-1], "accuracy": accuracy}
-        print(f"{score:15s}{scheme:9s} kernel={reloaded.config._attn_implementation:6s} "
-              f"(valid: {', '.join(plugformer.supported_kernels(config))})  loss {losses[0]:.2f} -> {losses[-1]:.2f}  "
-              f"pattern continued correctly: {accuracy:.0%}")  # fmt: skip
+        print(
+            f"{score:15s}{scheme:9s} kernel={reloaded.config._attn_implementation:6s} "
+            f"(valid: {', '.join(plugformer.supported_kernels(config))})  loss {losses[0]:.2f} -> {losses[-1]:.2f}  "
+            f"pattern continued correctly: {accuracy:.0%}"
+        )
     print(
         f"(chance: {1 / (VOCAB - 3):.0%}; the untrained models' loss ≈ ln({VOCAB}) = {torch.tensor(VOCAB).log():.2f})"
     )

@@ -42,8 +42,11 @@ def metadata_description(path: Path) -> str:
 
 def documents(stdlib: Path, site_packages: Path) -> list[str]:
     """The corpus's documents: long enough, each text once."""
-    texts = [module_docstrings(path) for path in sorted(stdlib.rglob("*.py"))
-             if not set(path.relative_to(stdlib).parts) & set(SKIPPED_PACKAGES)]  # fmt: skip
+    texts = [
+        module_docstrings(path)
+        for path in sorted(stdlib.rglob("*.py"))
+        if not set(path.relative_to(stdlib).parts) & set(SKIPPED_PACKAGES)
+    ]
     texts += [metadata_description(path) for path in sorted(site_packages.glob("*.dist-info/METADATA"))]
     seen, kept = set(), []
     for text in (text.strip() for text in texts):

@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
     splits = make_splits(args)
     tokenizer = train_tokenizer([text for text, _ in splits["train"]], vocab_size=300)
     model = build_model(args, tokenizer)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k parameters, "
-          f"attention_score={args.attention_score}, position_scheme={args.position_scheme}")  # fmt: skip
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k parameters, "
+        f"attention_score={args.attention_score}, position_scheme={args.position_scheme}"
+    )
 
     def dataset(rows: list[tuple[str, int]]) -> Dataset:
         texts, labels = zip(*rows, strict=True)
@@ -135,8 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     texts, labels = zip(*splits["test"], strict=True)
     scores = evaluate_classifier(model, tokenizer, texts, labels)
     low, high = scores["accuracy_ci95"]
-    print(f"test: accuracy {scores['accuracy']:.1%} (95% Wilson interval {low:.1%}-{high:.1%}), "
-          f"macro F1 {scores['macro_f1']:.3f} on {scores['examples']} held-out sentences")  # fmt: skip
+    print(
+        f"test: accuracy {scores['accuracy']:.1%} (95% Wilson interval {low:.1%}-{high:.1%}), "
+        f"macro F1 {scores['macro_f1']:.3f} on {scores['examples']} held-out sentences"
+    )
 
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)

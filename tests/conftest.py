@@ -177,8 +177,9 @@ def modifier_combinations(**overrides) -> list:
     chosen = []
     for p in params:
         score, scheme, kernel = p.values
-        default = (scheme == "rope" or score == "scaled_dot") and kernel == ("sdpa" if (score, scheme) in fused
-                                                                             else "eager")  # fmt: skip
+        default = (scheme == "rope" or score == "scaled_dot") and kernel == (
+            "sdpa" if (score, scheme) in fused else "eager"
+        )
         chosen.append(p if default else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow))
     return chosen
 
@@ -206,14 +207,26 @@ def variants(projections: bool = False, **overrides) -> list:
     every other registered attention projection, id `score-scheme-projection`, of which scaled_dot + rope runs by
     default."""
     scores = [score for score in SCORES if takes(score, **overrides)]
-    params = [pytest.param((score, scheme), id=f"{score}-{scheme}",
-                           marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,))
-              for score in scores for scheme in SCHEMES]  # fmt: skip
+    params = [
+        pytest.param(
+            (score, scheme),
+            id=f"{score}-{scheme}",
+            marks=() if (score, scheme) in DEFAULT_PAIRS else (pytest.mark.slow,),
+        )
+        for score in scores
+        for scheme in SCHEMES
+    ]
     for projection in PROJECTIONS if projections else ():
         if projection != DEFAULT_PROJECTION:
-            params += [pytest.param((score, scheme, projection), id=f"{score}-{scheme}-{projection}",
-                                    marks=() if (score, scheme) == ("scaled_dot", "rope") else (pytest.mark.slow,))
-                       for score in scores for scheme in SCHEMES]  # fmt: skip
+            params += [
+                pytest.param(
+                    (score, scheme, projection),
+                    id=f"{score}-{scheme}-{projection}",
+                    marks=() if (score, scheme) == ("scaled_dot", "rope") else (pytest.mark.slow,),
+                )
+                for score in scores
+                for scheme in SCHEMES
+            ]
     return params
 
 
@@ -337,9 +350,20 @@ def micro_stage_configs(folder) -> str:
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    micro = {"max_steps": 2, "train_examples": 48, "dev_examples": 8, "exact_match_examples": 4,
-             "report_to": "none", "disable_tqdm": True, "hidden_size": 32, "num_hidden_layers": 1,
-             "per_device_train_batch_size": 8, "vocab_size": 300, "num_samples": 2, "sampling_batch_size": 32}  # fmt: skip
+    micro = {
+        "max_steps": 2,
+        "train_examples": 48,
+        "dev_examples": 8,
+        "exact_match_examples": 4,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "per_device_train_batch_size": 8,
+        "vocab_size": 300,
+        "num_samples": 2,
+        "sampling_batch_size": 32,
+    }
     for stage in ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched"):
         values = yaml.safe_load((root / f"configs/{stage}/tiny.yaml").read_text())
         values.update({key: value for key, value in micro.items() if key in values or key == "disable_tqdm"})
@@ -370,9 +394,24 @@ def launch_on_two_processes(stage: str, argv: list[str], output_dir, timeout: in
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(root / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port",
-               str(port), "-m", "plugformer", "train", stage, *argv, "--output_dir", str(output_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(root / "configs/accelerate/cpu_2proc.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        "-m",
+        "plugformer",
+        "train",
+        stage,
+        *argv,
+        "--output_dir",
+        str(output_dir),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=root)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((Path(output_dir) / "run_info.json").read_text())
@@ -406,8 +445,11 @@ COMPILED_FLEX_BUILDS = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
 def pytest_collection_modifyitems(config, items):
     from torch._dynamo.exc import BackendCompilerFailed
 
-    no_flex = pytest.mark.xfail(raises=BackendCompilerFailed, strict=False,
-                                reason="torch's inductor builds no C++ with ATEN_CPU_CAPABILITY=default")  # fmt: skip
+    no_flex = pytest.mark.xfail(
+        raises=BackendCompilerFailed,
+        strict=False,
+        reason="torch's inductor builds no C++ with ATEN_CPU_CAPABILITY=default",
+    )
     for item in items:
         if smoke(item):
             item.add_marker(pytest.mark.smoke)
@@ -422,7 +464,14 @@ def llama_source(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
     return tmp_path / "source"

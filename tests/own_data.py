@@ -13,8 +13,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def train_on_file(name: str, output: Path, parent: Path, data: Path, *flags: str) -> None:
     """`plugformer train <name> --config configs/<name>/tiny.yaml` from `parent` on the JSON lines file `data`."""
-    cli_main(["train", name, "--config", str(ROOT / f"configs/{name}/tiny.yaml"), "--model_name_or_path", str(parent),
-              "--dataset_name", "json", "--data_files", str(data), "--output_dir", str(output), *flags])  # fmt: skip
+    cli_main(
+        [
+            "train",
+            name,
+            "--config",
+            str(ROOT / f"configs/{name}/tiny.yaml"),
+            "--model_name_or_path",
+            str(parent),
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--output_dir",
+            str(output),
+            *flags,
+        ]
+    )
 
 
 def pretrained_folder(tmp_path_factory, label: str) -> Path:

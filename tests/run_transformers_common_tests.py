@@ -59,8 +59,9 @@ def read_source(source: Path, name: str) -> str | None:
                     return archive.extractfile(member).read().decode()
         return None
     if (source / "HEAD").is_file() and (source / "objects").is_dir():  # a bare git directory
-        done = subprocess.run(["git", "--git-dir", str(source), "show", f"{_version_ref()}:{name}"],
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["git", "--git-dir", str(source), "show", f"{_version_ref()}:{name}"], capture_output=True, text=True
+        )
         return done.stdout if done.returncode == 0 else None
     path = source / name
     return path.read_text() if path.is_file() else None
@@ -117,13 +118,24 @@ def counts(junit: Path) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", default=os.environ.get("TRANSFORMERS_SOURCE"),
-                        help="a transformers git mirror, source tree or sdist")  # fmt: skip
+    parser.add_argument(
+        "--source",
+        default=os.environ.get("TRANSFORMERS_SOURCE"),
+        help="a transformers git mirror, source tree or sdist",
+    )
     parser.add_argument("--report", help="write the counts as JSON here")
-    parser.add_argument("--path", action="append", default=[],
-                        help="a folder with the tests' own requirements (`parameterized`), e.g. pip install --target")  # fmt: skip
-    parser.add_argument("--mixin", action="append", default=[],
-                        help="run only the tests this mixin class defines (e.g. GenerationTesterMixin)")  # fmt: skip
+    parser.add_argument(
+        "--path",
+        action="append",
+        default=[],
+        help="a folder with the tests' own requirements (`parameterized`), e.g. pip install --target",
+    )
+    parser.add_argument(
+        "--mixin",
+        action="append",
+        default=[],
+        help="run only the tests this mixin class defines (e.g. GenerationTesterMixin)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     if not args.source or not Path(args.source).exists():
@@ -136,8 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         junit = Path(folder) / "junit.xml"
         paths = [str(HERE.parent / "src"), folder, *args.path]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        command = [sys.executable, "-m", "pytest", "tests/test_plugformer_common.py", "-q", "-p", "no:cacheprovider",
-                   "-o", "addopts=", f"--junitxml={junit}", *args.pytest_args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_plugformer_common.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            f"--junitxml={junit}",
+            *args.pytest_args,
+        ]
         subprocess.run(command, cwd=folder, env=env)
         table = counts(junit)
     for name, row in sorted(table.items()):

@@ -27,8 +27,15 @@ def full(model) -> dict[str, torch.Tensor]:
 def main(output: str) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    config = PlugformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    config = PlugformerConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = PlugformerForCausalLM(config)
     for layer in model.model.layers:
         fully_shard(layer)

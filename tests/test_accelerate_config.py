@@ -67,12 +67,21 @@ def test_no_refusal_suggests_a_checkout_relative_accelerate_config():
     offenders = []
     for path in sorted((ROOT / "src" / "plugformer").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)}  # fmt: skip
-        offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(tree)
-                      if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                      and "configs/accelerate" in node.value and id(node) not in docstrings]  # fmt: skip
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        offenders += [
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "configs/accelerate" in node.value
+            and id(node) not in docstrings
+        ]
     assert offenders == []
 
 

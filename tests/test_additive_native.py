@@ -67,11 +67,14 @@ def score_gradient_tolerances(energy_size, upstream_size, dtype: torch.dtype) ->
     over keys (query) or queries (key), |upstream| over every pair (energy, |tanh| ≤ 1)."""
     largest = energy_size.max().item()
     return {
-        "query": tolerance(dtype, magnitude=largest * upstream_size.sum(-1).max().item(), length=7, steps=GRADIENT_STEPS),
+        "query": tolerance(
+            dtype, magnitude=largest * upstream_size.sum(-1).max().item(), length=7, steps=GRADIENT_STEPS
+        ),
         "key": tolerance(dtype, magnitude=largest * upstream_size.sum(-2).max().item(), length=5, steps=GRADIENT_STEPS),
-        "energy": tolerance(dtype, magnitude=upstream_size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7,
-                            steps=GRADIENT_STEPS),
-    }  # fmt: skip
+        "energy": tolerance(
+            dtype, magnitude=upstream_size.sum((0, 2, 3)).max().item(), length=2 * 5 * 7, steps=GRADIENT_STEPS
+        ),
+    }
 
 
 def chunk_tolerances(query, key, value, energy, bias, mask, upstream) -> dict[str, float]:
@@ -122,8 +125,9 @@ def test_native_scores_and_gradients_equal_the_formula_in_float64():
     upstream[:, :, :, 4:] = 0.0
     scores = native_kernels.NativeAdditiveScores.apply(query, key, energy)
     doubles = [tensor.detach().double().requires_grad_() for tensor in (query, key, energy)]
-    reference = torch.einsum("bhqka,ha->bhqk", torch.tanh(doubles[0][:, :, :, None] + doubles[1][:, :, None]),
-                             doubles[2])  # fmt: skip
+    reference = torch.einsum(
+        "bhqka,ha->bhqk", torch.tanh(doubles[0][:, :, :, None] + doubles[1][:, :, None]), doubles[2]
+    )
     # fp32 against fp64: a sum over the attention dim of terms of size |v_a|
     energy_size = energy.detach().abs()
     atol = tolerance(torch.float32, magnitude=energy_size.sum(-1).max().item(), length=4, steps=SCORE_STEPS)
@@ -146,8 +150,9 @@ def test_native_attention_chunk_equals_the_formula_with_bias_padding_and_causal_
     (uniform weights, as eager's softmax of a fully blocked row), a learned relative bias whose values get their
     gradient; it keeps no (c, K) tensor."""
     batch, heads, length, attn_dim, value_dim = 2, 3, 11, 4, 5
-    query, key, value = leaves((batch, heads, length, attn_dim), (batch, heads, length, attn_dim),
-                               (batch, heads, length, value_dim))  # fmt: skip
+    query, key, value = leaves(
+        (batch, heads, length, attn_dim), (batch, heads, length, attn_dim), (batch, heads, length, value_dim)
+    )
     energy, values = leaves((heads, attn_dim), (heads, 2 * length - 1), seed=1)
     real = torch.ones(batch, length, dtype=torch.bool)
     real[1, :5] = False  # the second row is left-padded by 5: its queries 3 and 4 see no key
@@ -159,8 +164,9 @@ def test_native_attention_chunk_equals_the_formula_with_bias_padding_and_causal_
     inputs = (query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop], energy)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor.shape) or tensor, lambda x: x):
-        output = native_kernels.NativeAdditiveAttention.apply(*inputs, values if with_bias else None, chunk_mask,
-                                                              (length, length), (start, stop), stop)  # fmt: skip
+        output = native_kernels.NativeAdditiveAttention.apply(
+            *inputs, values if with_bias else None, chunk_mask, (length, length), (start, stop), stop
+        )
     assert (batch, heads, stop - start, stop) not in saved
     doubles = [tensor.detach().double().requires_grad_() for tensor in (*inputs, values)]
     bias = RelativeBias(doubles[4], length, length).rows(start, stop, stop) if with_bias else 0.0
@@ -217,9 +223,12 @@ def test_a_chunk_reads_its_keys_in_place():
     rows, stride = native_kernels.key_rows(keys[:, :, :6])
     assert rows.data_ptr() == keys.data_ptr() and stride == 40
     query, energy = torch.randn(2, 3, 5, 4), torch.randn(3, 4)
-    torch.testing.assert_close(native_kernels.native_scores(query, keys[:, :, :6], energy),
-                               native_kernels.native_scores(query, keys[:, :, :6].contiguous(), energy), atol=0,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        native_kernels.native_scores(query, keys[:, :, :6], energy),
+        native_kernels.native_scores(query, keys[:, :, :6].contiguous(), energy),
+        atol=0,
+        rtol=0,
+    )
     rows, stride = native_kernels.key_rows(torch.randn(2, 10, 3, 4).transpose(1, 2))
     assert rows.is_contiguous() and stride == 40
 
@@ -265,8 +274,10 @@ def test_a_compiler_without_openmp_gets_the_build_with_posix_threads(tmp_path, m
     ]
 
 
-@pytest.mark.skipif(not Path(torch.__file__).with_name("lib").joinpath("libgomp.so.1").exists(),
-                    reason="this torch bundles no libgomp.so.1")  # fmt: skip
+@pytest.mark.skipif(
+    not Path(torch.__file__).with_name("lib").joinpath("libgomp.so.1").exists(),
+    reason="this torch bundles no libgomp.so.1",
+)
 def test_the_openmp_build_runs_on_torchs_own_runtime(fresh_load):
     """Where torch bundles libgomp.so.1 (its Linux wheels), the kernels' OpenMP build loads no second runtime: the
     process maps one libgomp, torch's."""

@@ -141,8 +141,9 @@ def test_dev_selection_hands_on_the_best_step_not_the_last(monkeypatch):
     """Scores are scripted per step; the weights left in the model at the end are those of the best step."""
     scores = {0: 0.20, 2: 0.35, 4: 0.50, 6: 0.50, 8: 0.40}  # a tie at 6 keeps the earlier step 4
     model = torch.nn.Linear(3, 2)
-    monkeypatch.setattr(selection, "exact_match", lambda m, t, rows, n, synced_gpus: {
-        "exact_match": scores[current[0]], "format": 1.0})  # fmt: skip
+    monkeypatch.setattr(
+        selection, "exact_match", lambda m, t, rows, n, synced_gpus: {"exact_match": scores[current[0]], "format": 1.0}
+    )
     current = [0]
     callback = selection.DevSelection(rows=None, tokenizer=None, every=2)
     snapshots = {}
@@ -261,8 +262,11 @@ def test_a_finished_stage_whose_weights_were_replaced_is_not_reused(tmp_path):
     assert plan_stage(args, "pretrain", record) is None
     trained = json.loads((tmp_path / "out/pretrain" / RECORD).read_text())["weights_sha256"]
     (tmp_path / "out/pretrain/model.safetensors").write_bytes(b"other weights")
-    with pytest.raises(ValueError, match=rf"stage 'pretrain': .*pretrain now holds weights sha256 \w{{12}}, but the "
-                                         rf"stage saved weights sha256 {trained[:12]}"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"stage 'pretrain': .*pretrain now holds weights sha256 \w{{12}}, but the "
+        rf"stage saved weights sha256 {trained[:12]}",
+    ):
         plan_stage(args, "pretrain", record)
     assert plan_stage(pipeline_args(tmp_path, rerun=True), "pretrain", record)[0] == "--rerun true"
     (tmp_path / "out/pretrain" / RECORD).write_text(json.dumps(record))  # a record without the weights' digest
@@ -350,16 +354,30 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     directories = []
     for index, (before, after) in enumerate(zip(sft, grpo, strict=True)):
         run = {
-            "pretrain": {"train_seconds": 100.0, "exact_match": 0.01, "gain": None,
-                         "pretraining_format": {"exact_match": 0.93 + index / 100}},
-            "sft": {"train_seconds": 50.0 + index, "exact_match": before, "gain": {"difference": before - 0.01,
-                                                                               "p_value": 1e-4}},
+            "pretrain": {
+                "train_seconds": 100.0,
+                "exact_match": 0.01,
+                "gain": None,
+                "pretraining_format": {"exact_match": 0.93 + index / 100},
+            },
+            "sft": {
+                "train_seconds": 50.0 + index,
+                "exact_match": before,
+                "gain": {"difference": before - 0.01, "p_value": 1e-4},
+            },
             "reward": {"train_seconds": 30.0, "pairwise_accuracy": 0.8 + index / 100, "gain": None},
-            "dpo": {"train_seconds": 40.0, "exact_match": after, "implicit_reward_pairwise_accuracy": 0.86 + index / 50,
-                    "gain": {"difference": after - before, "p_value": 1e-4}},
-            "grpo": {"train_seconds": 60.0, "exact_match": after, "gain": {"difference": after - before,
-                                                                          "p_value": 0.001 * (index + 1)}},
-        }  # fmt: skip
+            "dpo": {
+                "train_seconds": 40.0,
+                "exact_match": after,
+                "implicit_reward_pairwise_accuracy": 0.86 + index / 50,
+                "gain": {"difference": after - before, "p_value": 1e-4},
+            },
+            "grpo": {
+                "train_seconds": 60.0,
+                "exact_match": after,
+                "gain": {"difference": after - before, "p_value": 0.001 * (index + 1)},
+            },
+        }
         directory = tmp_path / f"seed{index}"
         directory.mkdir()
         (directory / "results.json").write_text(json.dumps(run))
@@ -387,8 +405,9 @@ def test_seed_table_over_pipeline_runs(tmp_path):
     asked_half = scipy_stats.t.ppf(0.975, 2) * 0.01 / 3**0.5
     assert f"| 1.0 (1.0, 1.0); asked as in pretraining 94.0 ({(0.94 - asked_half) * 100:.1f}, " in rows["pretrain"]
     assert "asked as in pretraining" not in rows["sft"]
-    assert table.endswith("wall time per run (torch.mm rate of the machine): seed0 300 s (150 GFLOP/s), "
-                          "seed1 301 s (151 GFLOP/s)")  # fmt: skip
+    assert table.endswith(
+        "wall time per run (torch.mm rate of the machine): seed0 300 s (150 GFLOP/s), seed1 301 s (151 GFLOP/s)"
+    )
     with pytest.raises(ValueError, match=r"no results\.json"):
         seeds.main([str(tmp_path)])
 
@@ -415,8 +434,14 @@ def test_dev_selection_keeps_the_last_step_for_a_dpo_reward(monkeypatch, tmp_pat
     callback.on_train_end(None, Step(4), None, model=model)
     assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # step 0 handed on
     model.save_pretrained(tmp_path)  # what the stage saves: the selected model
-    trainer = type("Trainer", (), {"is_world_process_zero": lambda self: True,
-                                   "accelerator": type("A", (), {"wait_for_everyone": lambda self: None})()})()  # fmt: skip
+    trainer = type(
+        "Trainer",
+        (),
+        {
+            "is_world_process_zero": lambda self: True,
+            "accelerator": type("A", (), {"wait_for_everyone": lambda self: None})(),
+        },
+    )()
     assert selection.save_last_step(trainer, tokenizer, callback, str(tmp_path)) == "last_step"
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "last_step")
     assert all(torch.equal(p, last[n]) for n, p in saved.named_parameters())

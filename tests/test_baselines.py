@@ -34,14 +34,31 @@ def prompt(question: str) -> list[dict]:
 
 def test_rft_keeps_only_verified_answers_each_distinct_one_once():
     prompts, answers = [prompt("What is 3 + 4?"), prompt("What is 4 + 5?")], ["7", "9"]
-    completions = ["3+4=7\n#### 7", "#### 7", "3+4=7\n#### 7 ",  # right, right (bare), a repeat of the first
-                   "#### 8", "4+5=9\n#### 9", "nine"]  # fmt: skip
+    completions = [
+        "3+4=7\n#### 7",
+        "#### 7",
+        "3+4=7\n#### 7 ",  # right, right (bare), a repeat of the first
+        "#### 8",
+        "4+5=9\n#### 9",
+        "nine",
+    ]
     rows, record = rft.verified_rows(prompts, answers, completions, samples=3)
     assert [(r["prompt"], r["completion"][0]["content"]) for r in rows] == [
-        (prompts[0], "3+4=7\n#### 7"), (prompts[0], "#### 7"), (prompts[1], "4+5=9\n#### 9")]  # fmt: skip
+        (prompts[0], "3+4=7\n#### 7"),
+        (prompts[0], "#### 7"),
+        (prompts[1], "4+5=9\n#### 9"),
+    ]
     assert all(r["completion"][0]["role"] == "assistant" for r in rows)  # conversational: loss on the completion
-    assert record == {"prompts": 2, "samples_per_prompt": 3, "sampled": 6, "verified": 4, "duplicates": 1,
-                      "over_cap": 0, "kept": 3, "prompts_kept": 2}  # fmt: skip
+    assert record == {
+        "prompts": 2,
+        "samples_per_prompt": 3,
+        "sampled": 6,
+        "verified": 4,
+        "duplicates": 1,
+        "over_cap": 0,
+        "kept": 3,
+        "prompts_kept": 2,
+    }
     best_of_k, record = rft.verified_rows(prompts, answers, completions, samples=3, max_kept=1)
     assert [r["completion"][0]["content"] for r in best_of_k] == ["3+4=7\n#### 7", "4+5=9\n#### 9"]
     assert (record["over_cap"], record["duplicates"], record["kept"]) == (1, 1, 2)
@@ -64,10 +81,12 @@ def write_stage(folder: Path, stage: str, compute: dict | None) -> str:
 
 def test_the_compute_budget_sums_the_matched_chain_down_to_the_parent(tmp_path):
     pretrain = write_stage(tmp_path / "pretrain", "pretrain", {"steps": 10, "train_tokens": None, "parent": None})
-    sft = write_stage(tmp_path / "sft", "sft", {"steps": 500, "train_tokens": 640_000, "sampling_tokens": 0,
-                                                "parent": pretrain})  # fmt: skip
-    grpo = write_stage(tmp_path / "grpo", "grpo", {"steps": 50, "train_tokens": 160_000, "sampling_tokens": 160_000,
-                                                   "parent": sft})  # fmt: skip
+    sft = write_stage(
+        tmp_path / "sft", "sft", {"steps": 500, "train_tokens": 640_000, "sampling_tokens": 0, "parent": pretrain}
+    )
+    grpo = write_stage(
+        tmp_path / "grpo", "grpo", {"steps": 50, "train_tokens": 160_000, "sampling_tokens": 160_000, "parent": sft}
+    )
     chain = sft_matched.compute_chain(grpo, pretrain)
     assert [record["stage"] for record in chain] == ["grpo", "sft"]
     assert sft_matched.token_budget(chain) == 640_000 + 160_000 + 160_000
@@ -116,11 +135,16 @@ def test_seed_table_reports_paired_t_tests_against_each_baseline(tmp_path):
     grpo, rft_scores, matched = [0.60, 0.70, 0.65], [0.55, 0.58, 0.61], [0.50, 0.66, 0.62]
     directories = []
     for index in range(3):
-        run = {"pretrain": {"train_seconds": 5.0, "exact_match": 0.0, "gain": None},
-               "sft": {"train_seconds": 5.0, "exact_match": 0.3, "gain": {"difference": 0.3, "p_value": 0.01}}}  # fmt: skip
+        run = {
+            "pretrain": {"train_seconds": 5.0, "exact_match": 0.0, "gain": None},
+            "sft": {"train_seconds": 5.0, "exact_match": 0.3, "gain": {"difference": 0.3, "p_value": 0.01}},
+        }
         for stage, scores, parent in (("grpo", grpo, 0.3), ("rft", rft_scores, 0.3), ("sft_matched", matched, 0.0)):
-            run[stage] = {"train_seconds": 5.0, "exact_match": scores[index],
-                          "gain": {"difference": scores[index] - parent, "p_value": 0.01}}  # fmt: skip
+            run[stage] = {
+                "train_seconds": 5.0,
+                "exact_match": scores[index],
+                "gain": {"difference": scores[index] - parent, "p_value": 0.01},
+            }
         run["grpo"]["baseline_gains"] = {
             "rft": {"difference": grpo[index] - rft_scores[index], "p_value": 0.01 * (index + 1)},
             "sft_matched": {"difference": grpo[index] - matched[index], "p_value": 0.5},
@@ -169,9 +193,28 @@ def test_a_micro_pipeline_trains_the_baselines_and_compares_the_rl_stage_with_th
     first_of_two = lambda completions, answer, **kwargs: [float(i % 2 == 0) for i in range(len(completions))]  # noqa: E731
     monkeypatch.setattr(rft, "verified_rows", functools.partial(rft.verified_rows, verify=first_of_two))
     out = tmp_path / "out"
-    results = pipeline_main(["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(out),
-                             "--stage_configs", micro_stage_configs(tmp_path), "--stages", "pretrain", "sft", "grpo",
-                             "rft", "sft_matched", "--test_examples", "6", "--max_new_tokens", "6", "--jobs", "1"])  # fmt: skip
+    results = pipeline_main(
+        [
+            "--config",
+            str(ROOT / "configs/pipeline/tiny.yaml"),
+            "--output_dir",
+            str(out),
+            "--stage_configs",
+            micro_stage_configs(tmp_path),
+            "--stages",
+            "pretrain",
+            "sft",
+            "grpo",
+            "rft",
+            "sft_matched",
+            "--test_examples",
+            "6",
+            "--max_new_tokens",
+            "6",
+            "--jobs",
+            "1",
+        ]
+    )
     info = {stage: json.loads((out / stage / "run_info.json").read_text()) for stage in results}
     assert info["rft"]["sampling"]["sampled"] == 48 * 2 and info["rft"]["sampling"]["verified"] == 48
     assert info["rft"]["sampling"]["kept"] + info["rft"]["sampling"]["duplicates"] == 48

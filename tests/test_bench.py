@@ -101,8 +101,10 @@ def test_interleaving_runs_both_models_every_repeat_in_alternating_order():
 
     samples = run_interleaved({"A": subject("A"), "B": subject("B")}, repeats=3, warmup=2)
     assert calls == ["A", "B", "B", "A", "A", "B", "B", "A", "A", "B"]  # 2 warm-up repeats, then 3 timed
-    assert samples == {"A": [{"seconds": 5.0}, {"seconds": 8.0}, {"seconds": 9.0}],
-                       "B": [{"seconds": 6.0}, {"seconds": 7.0}, {"seconds": 10.0}]}  # fmt: skip
+    assert samples == {
+        "A": [{"seconds": 5.0}, {"seconds": 8.0}, {"seconds": 9.0}],
+        "B": [{"seconds": 6.0}, {"seconds": 7.0}, {"seconds": 10.0}],
+    }
 
 
 def test_ratio_and_mfu_arithmetic_on_fake_timings():
@@ -208,8 +210,11 @@ def test_quick_run_writes_one_row_per_pair_variant_and_dtype(quick_run):
     assert all(row["same_tokens"] for row in results["decode"] if row["dtype"] == "fp32")
     # every registered score x scheme, then scaled_dot + none with each attention modifier, per dtype
     variants = [(s, p, "") for s in ATTENTION_SCORES.names() for p in POSITION_SCHEMES.names()]
-    variants += [("scaled_dot", "none", modifier_label(name, value))
-                 for name, values in ATTENTION_MODIFIERS.items() for value in values]  # fmt: skip
+    variants += [
+        ("scaled_dot", "none", modifier_label(name, value))
+        for name, values in ATTENTION_MODIFIERS.items()
+        for value in values
+    ]
     rows = [
         (r["dtype"], r["attention_score"], r["position_scheme"], r["attention_modifier"]) for r in results["variants"]
     ]
@@ -290,9 +295,15 @@ def test_readme_section_quotes_the_ratios_of_the_quick_run(quick_run):
             f"{mine['mfu']:.1%} |"
         ) in section
     for row in results["variants"]:
-        cells = [row["attention_score"], row["position_scheme"], row["attention_modifier"] or "-",
-                 ratio_cell(row["ratio_tokens_per_s"]), ratio_cell(row["ratio_peak_memory"]), row["kernel"],
-                 row["note"] or "-"]  # fmt: skip
+        cells = [
+            row["attention_score"],
+            row["position_scheme"],
+            row["attention_modifier"] or "-",
+            ratio_cell(row["ratio_tokens_per_s"]),
+            ratio_cell(row["ratio_peak_memory"]),
+            row["kernel"],
+            row["note"] or "-",
+        ]
         assert "| " + " | ".join(cells) + " |" in section
     for dtype in ("fp32", "bf16"):  # one variants table per dtype, its columns per length
         assert f"Variants, tiny, {dtype}:" in section
@@ -326,21 +337,38 @@ def test_variant_rows_come_from_the_registries_and_the_modifiers():
     ]
     modified = [BASELINE | {name: value} for name, values in ATTENTION_MODIFIERS.items() for value in values]
     assert every == pairs + modified
-    chosen = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
-                            attention_modifiers=["sliding_window", "value_residual"], device="cpu")  # fmt: skip
-    assert requested_variants(chosen)[2:] == [BASELINE | {"sliding_window": 256}, BASELINE | {"value_residual": "fixed"},
-                                              BASELINE | {"value_residual": "learned"}]  # fmt: skip
+    chosen = BenchArguments(
+        attention_scores=["scaled_dot"],
+        position_schemes=["none", "alibi"],
+        attention_modifiers=["sliding_window", "value_residual"],
+        device="cpu",
+    )
+    assert requested_variants(chosen)[2:] == [
+        BASELINE | {"sliding_window": 256},
+        BASELINE | {"value_residual": "fixed"},
+        BASELINE | {"value_residual": "learned"},
+    ]
     assert len(requested_variants(BenchArguments(attention_scores=["additive"], device="cpu"))) == len(
         POSITION_SCHEMES.names()
     )
-    unmodified = BenchArguments(attention_scores=["scaled_dot"], position_schemes=["none", "alibi"],
-                                attention_modifiers=[], device="cpu")  # fmt: skip
+    unmodified = BenchArguments(
+        attention_scores=["scaled_dot"], position_schemes=["none", "alibi"], attention_modifiers=[], device="cpu"
+    )
     assert requested_variants(unmodified) == [BASELINE, BASELINE | {"position_scheme": "alibi"}]
 
 
 def test_variants_table_has_a_modifier_column_only_when_a_row_has_one():
-    row = {"size": "tiny", "dtype": "fp32", "seq_len": 64, "attention_score": "scaled_dot", "position_scheme": "none",
-           "ratio_tokens_per_s": 1.0, "ratio_peak_memory": 1.0, "kernel": "sdpa:flash", "note": ""}  # fmt: skip
+    row = {
+        "size": "tiny",
+        "dtype": "fp32",
+        "seq_len": 64,
+        "attention_score": "scaled_dot",
+        "position_scheme": "none",
+        "ratio_tokens_per_s": 1.0,
+        "ratio_peak_memory": 1.0,
+        "kernel": "sdpa:flash",
+        "note": "",
+    }
     older = "\n".join(variants_tables({"variants": [row]}))  # a bench.json written before the modifier rows
     assert (
         "| attention_score | position_scheme | tokens/s, seq 64 |" in older and "| scaled_dot | none | 1.00 |" in older
@@ -438,9 +466,30 @@ def test_the_loss_section_times_the_fused_loss_against_llama_at_each_vocabulary(
     calls = []
     fused = plugformer.losses.linear_cross_entropy
     monkeypatch.setattr(plugformer.losses, "linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    argv = ["bench", "--sizes", "tiny", "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--dtypes", "fp32",
-            "--sections", "loss", "--loss_vocab_sizes", "64", "300", "--matmul_size", "64", "--device", "cpu",
-            "--output_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "bench",
+        "--sizes",
+        "tiny",
+        "--seq_lens",
+        "16",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--dtypes",
+        "fp32",
+        "--sections",
+        "loss",
+        "--loss_vocab_sizes",
+        "64",
+        "300",
+        "--matmul_size",
+        "64",
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(tmp_path),
+    ]
     cli_main(argv)
     results = json.loads((tmp_path / "bench.json").read_text())
     assert [row["vocab_size"] for row in results["loss"]] == [64, 300] and calls
@@ -456,8 +505,9 @@ def test_modifier_fields_repeat_a_per_layer_pattern_with_the_fields_it_needs():
     """The bench's layer_types row mixes sliding and full layers at any depth, with the window sliding layers need."""
     pattern = ["sliding_attention", "full_attention"]
     assert modifier_fields("layer_types", pattern, 3) == {
-        "sliding_window": 256, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
-    }  # fmt: skip
+        "sliding_window": 256,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    }
     assert modifier_fields("value_residual", "fixed", 3) == {"value_residual": "fixed"}
     config = BenchArguments(device="cpu").model_config("tiny", **modifier_fields("layer_types", pattern, 2))
     assert config.layer_types == pattern and config.sliding_window == 256
@@ -478,14 +528,38 @@ THIRD_WAVE = [  # issue 33's variants: per-layer attention types, gated attentio
 def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
     """One tiny run of `--sections variants` on the baseline pair: a row for each attention modifier's each value (the
     third-wave variants among them), each with a ratio against the baseline and its kernel; no timing asserted."""
-    argv = ["bench", "--sizes", "tiny", "--seq_lens", "16", "--repeats", "1", "--warmup", "0", "--dtypes", "fp32",
-            "--sections", "variants", "--attention_scores", "scaled_dot", "--position_schemes", "none",
-            "--matmul_size", "64", "--device", "cpu", "--output_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "bench",
+        "--sizes",
+        "tiny",
+        "--seq_lens",
+        "16",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--dtypes",
+        "fp32",
+        "--sections",
+        "variants",
+        "--attention_scores",
+        "scaled_dot",
+        "--position_schemes",
+        "none",
+        "--matmul_size",
+        "64",
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(tmp_path),
+    ]
     cli_main(argv)
     rows = json.loads((tmp_path / "bench.json").read_text())["variants"]
     labels = [row["attention_modifier"] for row in rows]
-    assert labels == ["", *(modifier_label(name, value) for name, values in ATTENTION_MODIFIERS.items()
-                            for value in values)]  # fmt: skip
+    assert labels == [
+        "",
+        *(modifier_label(name, value) for name, values in ATTENTION_MODIFIERS.items() for value in values),
+    ]
     assert set(THIRD_WAVE) <= set(labels)
     for row in rows:
         assert row["ratio_tokens_per_s"]["ratio"] > 0 and row["ratio_peak_memory"] > 0

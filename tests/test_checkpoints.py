@@ -108,8 +108,21 @@ def test_a_plain_trainer_checkpoint_is_checked_without_a_manifest(finished_run, 
 
 
 def test_best_checkpoint_points_at_the_published_directory(tmp_path):
-    pretrain(tmp_path, "--dev_examples", "8", "--eval_strategy", "steps", "--eval_steps", "2",
-             "--metric_for_best_model", "eval_loss", "--load_best_model_at_end", "true", "--save_total_limit", "1")  # fmt: skip
+    pretrain(
+        tmp_path,
+        "--dev_examples",
+        "8",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--metric_for_best_model",
+        "eval_loss",
+        "--load_best_model_at_end",
+        "true",
+        "--save_total_limit",
+        "1",
+    )
     state = json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())
     assert Path(state["best_model_checkpoint"]).parent == tmp_path and STAGING not in state["best_model_checkpoint"]
     assert Path(state["best_model_checkpoint"]).is_dir()  # rotation keeps the best one
@@ -118,18 +131,49 @@ def test_best_checkpoint_points_at_the_published_directory(tmp_path):
 def test_killed_at_random_moments_and_resumed_ends_bit_identical(tmp_path):
     """SIGKILL a real run at random moments (often mid-save or mid-rotation), resume with `last` each time: every
     checkpoint directory stays intact, and the final weights equal an uninterrupted run's."""
-    flags = override_flags([*TINY, *PRETRAIN], ["--max_steps", str(30 * KILLS), "--save_strategy", "steps", "--save_steps",
-                           "3", "--save_total_limit", "2", "--eval_strategy", "no", "--dev_examples", "0",
-                           "--exact_match_examples", "0"])  # fmt: skip
+    flags = override_flags(
+        [*TINY, *PRETRAIN],
+        [
+            "--max_steps",
+            str(30 * KILLS),
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "3",
+            "--save_total_limit",
+            "2",
+            "--eval_strategy",
+            "no",
+            "--dev_examples",
+            "0",
+            "--exact_match_examples",
+            "0",
+        ],
+    )
     run_stage("pretrain", ["--output_dir", str(tmp_path / "whole"), *flags])
     killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "plugformer", "train", "pretrain", "--output_dir", str(killed), *flags,
-               "--resume_from_checkpoint", "last"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "plugformer",
+        "train",
+        "pretrain",
+        "--output_dir",
+        str(killed),
+        *flags,
+        "--resume_from_checkpoint",
+        "last",
+    ]
     rng, kills = random.Random(0), 0
     while kills < KILLS:
         newest = max((int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*")), default=0)
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         deadline = time.time() + 120
         # wait for progress past the checkpoint it resumed from, then kill at a random moment (often mid-save)
         while not (killed / f"checkpoint-{newest + 3}").exists() and process.poll() is None and time.time() < deadline:

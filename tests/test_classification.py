@@ -124,8 +124,18 @@ def load_example():
 
 def test_sentiment_example_trains_scores_held_out_sentences_and_saves_a_pipeline(tmp_path):
     example = load_example()
-    argv = ["--max_steps", "80", "--train_examples", "1000", "--dev_examples", "100", "--test_examples", "200",
-            "--output_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--max_steps",
+        "80",
+        "--train_examples",
+        "1000",
+        "--dev_examples",
+        "100",
+        "--test_examples",
+        "200",
+        "--output_dir",
+        str(tmp_path),
+    ]
     splits = example.make_splits(example.parse_args(argv))
     train_texts = {text for text, _ in splits["train"]}
     assert not train_texts & {text for text, _ in splits["test"] + splits["dev"]}

@@ -31,16 +31,45 @@ FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1"
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pretrain")
-    run_stage("pretrain", ["--output_dir", str(folder), "--report_to", "none", "--disable_tqdm", "true",
-                           "--save_strategy", "no", "--max_steps", "2", "--train_examples", "48", "--dev_examples",
-                           "4", "--test_examples", "4", "--preset", "tiny", "--vocab_size", "300", "--block_size",
-                           "32", "--exact_match_examples", "0", "--dataloader_pin_memory", "false"])  # fmt: skip
+    run_stage(
+        "pretrain",
+        [
+            "--output_dir",
+            str(folder),
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--save_strategy",
+            "no",
+            "--max_steps",
+            "2",
+            "--train_examples",
+            "48",
+            "--dev_examples",
+            "4",
+            "--test_examples",
+            "4",
+            "--preset",
+            "tiny",
+            "--vocab_size",
+            "300",
+            "--block_size",
+            "32",
+            "--exact_match_examples",
+            "0",
+            "--dataloader_pin_memory",
+            "false",
+        ],
+    )
     return folder
 
 
 def classify(output_dir, parent, *extra: str) -> dict:
-    return run_stage("classify", override_flags(["--output_dir", str(output_dir), "--model_name_or_path", str(parent)],
-                                                FLAGS, list(extra)))  # fmt: skip
+    return run_stage(
+        "classify",
+        override_flags(["--output_dir", str(output_dir), "--model_name_or_path", str(parent)], FLAGS, list(extra)),
+    )
 
 
 def test_the_sentiment_grammar_is_split_by_sentence_and_labelled_by_its_rule():
@@ -96,8 +125,20 @@ def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp
         writer = csv.writer(file)
         writer.writerow(["text", "text_pair", "label"])
         writer.writerows((premise, hypothesis, names[label]) for premise, hypothesis, label in nli_examples(90))
-    info = classify(tmp_path / "nli", pretrained, "--dataset_name", "csv", "--data_files", str(path),
-                    "--dev_examples", "9", "--test_examples", "12", "--held_out_fraction", "1")  # fmt: skip
+    info = classify(
+        tmp_path / "nli",
+        pretrained,
+        "--dataset_name",
+        "csv",
+        "--data_files",
+        str(path),
+        "--dev_examples",
+        "9",
+        "--test_examples",
+        "12",
+        "--held_out_fraction",
+        "1",
+    )
     assert info["labels"] == ["contradiction", "entailment", "neutral"]  # sorted text labels
     record = json.loads((tmp_path / "nli/run_info.json").read_text())["data"]
     assert record["dataset_name"] == "csv" and record["test_examples"] == 12
@@ -109,8 +150,9 @@ def test_classify_on_your_csv_of_sentence_pairs_with_text_labels(pretrained, tmp
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "nli")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "nli")
     rows = held_out["test"]
-    expected = evaluate_classifier(model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]],
-                                   pairs=rows["text_pair"])  # fmt: skip
+    expected = evaluate_classifier(
+        model, tokenizer, rows["text"], [model.config.label2id[v] for v in rows["label"]], pairs=rows["text_pair"]
+    )
     assert results["correct"] == expected["correct"]
 
 
@@ -160,13 +202,25 @@ def test_compare_ranks_classifiers_on_the_split_held_out_of_your_labelled_data(t
         writer = csv.writer(file)
         writer.writerow(["text", "label"])
         writer.writerows((text, ("neg", "pos")[label]) for text, label in sentiment_sentences() if " not " not in text)
-    labelled = ["classify.dataset_name=csv", f"classify.data_files={path}", "classify.dev_examples=50",
-                "classify.test_examples=80"]  # fmt: skip
+    labelled = [
+        "classify.dataset_name=csv",
+        f"classify.data_files={path}",
+        "classify.dev_examples=50",
+        "classify.test_examples=80",
+    ]
     # learning rate 0 leaves the new head at its initialisation: a planted, clearly worse variant
-    args = CompareArguments(output_dir=str(tmp_path / "out"), grid=["classify.learning_rate=0.003,0.0"],
-                            seeds=[0, 1], set=BUDGET + labelled, stages=["pretrain", "classify"], metric="accuracy",
-                            dev_examples=40, test_examples=60, bootstrap_samples=2000,
-                            stage_configs=CONFIGS)  # fmt: skip
+    args = CompareArguments(
+        output_dir=str(tmp_path / "out"),
+        grid=["classify.learning_rate=0.003,0.0"],
+        seeds=[0, 1],
+        set=BUDGET + labelled,
+        stages=["pretrain", "classify"],
+        metric="accuracy",
+        dev_examples=40,
+        test_examples=60,
+        bootstrap_samples=2000,
+        stage_configs=CONFIGS,
+    )
     summary = run(args)
     assert summary["metric"] == "accuracy" and summary["best"] == "classify.learning_rate=0.003"
     worse = summary["variants"]["classify.learning_rate=0.0"]
@@ -179,17 +233,33 @@ def test_compare_ranks_classifiers_on_the_split_held_out_of_your_labelled_data(t
     assert source["data_files"] == [str(path)] and source["test_examples"] == 80
     scored_rows_agree(run_dir, held_out_rows(source, "test", 60))
     with pytest.raises(ValueError, match=r"variants scored on different data cannot be paired"):
-        run(CompareArguments(output_dir=str(tmp_path / "x"), grid=[f"classify.data_files={path},{path}"], seeds=[0],
-                             stages=["pretrain", "classify"], metric="accuracy", stage_configs=CONFIGS))  # fmt: skip
+        run(
+            CompareArguments(
+                output_dir=str(tmp_path / "x"),
+                grid=[f"classify.data_files={path},{path}"],
+                seeds=[0],
+                stages=["pretrain", "classify"],
+                metric="accuracy",
+                stage_configs=CONFIGS,
+            )
+        )
 
 
 def test_compare_scores_a_classifier_on_the_embedded_grammar_and_refuses_a_mismatched_metric(tmp_path):
     from plugformer.experiments.compare import CompareArguments, run
 
     budget = [*(b for b in BUDGET if not b.startswith("classify.max_steps")), "classify.max_steps=5"]
-    args = CompareArguments(output_dir=str(tmp_path), grid=["classify.learning_rate=0.003"], seeds=[0], set=budget,
-                            stages=["pretrain", "classify"], metric="accuracy", dev_examples=20, test_examples=30,
-                            stage_configs=CONFIGS)  # fmt: skip
+    args = CompareArguments(
+        output_dir=str(tmp_path),
+        grid=["classify.learning_rate=0.003"],
+        seeds=[0],
+        set=budget,
+        stages=["pretrain", "classify"],
+        metric="accuracy",
+        dev_examples=20,
+        test_examples=30,
+        stage_configs=CONFIGS,
+    )
     run(args)
     run_dir = next((tmp_path / "runs").glob("*")) / "seed0/classify"
     scored_rows_agree(run_dir, load_stage_dataset("classification", sizes={"test": 30})["test"])
@@ -208,12 +278,27 @@ def test_compare_scores_sentence_pairs_with_integer_labels_as_eval_does(tmp_path
         writer = csv.writer(file)
         writer.writerow(["text", "text_pair", "label"])
         writer.writerows(nli_examples(120))
-    budget = [*(b for b in BUDGET if not b.startswith("classify.max_steps")), "classify.max_steps=5",
-              "classify.dataset_name=csv", f"classify.data_files={path}", "classify.dev_examples=20",
-              "classify.test_examples=30"]  # fmt: skip
-    run(CompareArguments(output_dir=str(tmp_path / "out"), grid=["classify.learning_rate=0.003"], seeds=[0],
-                         set=budget, stages=["pretrain", "classify"], metric="accuracy", dev_examples=20,
-                         test_examples=30, stage_configs=CONFIGS))  # fmt: skip
+    budget = [
+        *(b for b in BUDGET if not b.startswith("classify.max_steps")),
+        "classify.max_steps=5",
+        "classify.dataset_name=csv",
+        f"classify.data_files={path}",
+        "classify.dev_examples=20",
+        "classify.test_examples=30",
+    ]
+    run(
+        CompareArguments(
+            output_dir=str(tmp_path / "out"),
+            grid=["classify.learning_rate=0.003"],
+            seeds=[0],
+            set=budget,
+            stages=["pretrain", "classify"],
+            metric="accuracy",
+            dev_examples=20,
+            test_examples=30,
+            stage_configs=CONFIGS,
+        )
+    )
     run_dir = next((tmp_path / "out/runs").glob("*")) / "seed0/classify"
     scored_rows_agree(run_dir, held_out_rows(recorded_source(str(run_dir)), "test", 30))  # each pair, both texts
 

@@ -67,9 +67,13 @@ def test_paired_bootstrap_interval_agrees_with_scipy():
     b = a + rng.normal(-0.3, 1.0, size=300)
     result = paired_bootstrap(a, b, samples=20_000)
     reference = stats.bootstrap(
-        (a, b), lambda x, y, axis: x.mean(axis) - y.mean(axis), paired=True, method="percentile",
-        n_resamples=20_000, random_state=0,
-    ).confidence_interval  # fmt: skip
+        (a, b),
+        lambda x, y, axis: x.mean(axis) - y.mean(axis),
+        paired=True,
+        method="percentile",
+        n_resamples=20_000,
+        random_state=0,
+    ).confidence_interval
     assert result.difference == pytest.approx(np.mean(a - b))
     # two Monte Carlo estimates of the same percentiles (standard error ≈ 0.06 / sqrt(300) ≈ 0.0035 of the spread)
     assert result.low == pytest.approx(reference.low, abs=0.01)
@@ -110,10 +114,18 @@ def test_grid_parsing_and_routing():
     grid = parse_grid(["attention_score=dot,additive", "learning_rate=1e-3,3e-3"])
     assert variants(grid)[1] == {"attention_score": "dot", "learning_rate": "3e-3"}
     assert len(variants(grid)) == 4
-    argv = route({"attention_score": "dot", "learning_rate": "1e-3", "norm_type": "layernorm",
-                  "sft.max_steps": "5"}, ["pretrain", "sft"])  # fmt: skip
-    assert argv["pretrain"] == ["--attention_score", "dot", "--learning_rate", "1e-3",
-                                "--config_overrides", "norm_type=layernorm"]  # fmt: skip
+    argv = route(
+        {"attention_score": "dot", "learning_rate": "1e-3", "norm_type": "layernorm", "sft.max_steps": "5"},
+        ["pretrain", "sft"],
+    )
+    assert argv["pretrain"] == [
+        "--attention_score",
+        "dot",
+        "--learning_rate",
+        "1e-3",
+        "--config_overrides",
+        "norm_type=layernorm",
+    ]
     assert argv["sft"] == ["--learning_rate", "1e-3", "--max_steps", "5"]
     with pytest.raises(ValueError, match="no stage in"):
         route({"hiden_size": "4"}, ["pretrain"])
@@ -134,8 +146,17 @@ TINY = ["max_steps=6", "train_examples=400", "dev_examples=40", "eval_strategy=n
 
 
 def tiny_compare(tmp_path, grid, **kwargs) -> CompareArguments:
-    return CompareArguments(output_dir=str(tmp_path), grid=grid, seeds=[0, 1], set=TINY, dev_examples=30,
-                            test_examples=60, bootstrap_samples=2000, stage_configs=CONFIGS, **kwargs)  # fmt: skip
+    return CompareArguments(
+        output_dir=str(tmp_path),
+        grid=grid,
+        seeds=[0, 1],
+        set=TINY,
+        dev_examples=30,
+        test_examples=60,
+        bootstrap_samples=2000,
+        stage_configs=CONFIGS,
+        **kwargs,
+    )
 
 
 def test_compare_end_to_end_reports_a_planted_difference_and_reuses_runs(tmp_path, monkeypatch):

@@ -126,15 +126,23 @@ class TestCausalLM:
         with torch.no_grad():
             embeds = causal.get_input_embeddings()(tokens)
             expected = causal(tokens).logits  # the same forward entered at the embeddings: `model_tolerance`
-            torch.testing.assert_close(causal(inputs_embeds=embeds).logits, expected,
-                                       atol=model_tolerance(causal.config, expected), rtol=0)  # fmt: skip
+            torch.testing.assert_close(
+                causal(inputs_embeds=embeds).logits, expected, atol=model_tolerance(causal.config, expected), rtol=0
+            )
 
     def test_attentions_hidden_states_and_their_gradients(self, causal):
         config = causal.config
         model = eager_copy(causal)
         output = model(ids(), output_attentions=True, output_hidden_states=True)
-        assert_attention_maps(output.attentions, config.num_hidden_layers, config.num_attention_heads, LENGTH,
-                              LENGTH, causal=True, score=config.attention_score)  # fmt: skip
+        assert_attention_maps(
+            output.attentions,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            LENGTH,
+            LENGTH,
+            causal=True,
+            score=config.attention_score,
+        )
         assert len(output.hidden_states) == config.num_hidden_layers + 1
         assert all(h.shape == (BATCH, LENGTH, config.hidden_size) for h in output.hidden_states)
         attentions, hidden = output.attentions[0], output.hidden_states[0]
@@ -226,8 +234,9 @@ class TestEncoderHeads:
         model = eager_copy(encoder["masked"])
         config = model.config
         output = model(ids(), output_attentions=True, output_hidden_states=True)
-        assert_attention_maps(output.attentions, config.num_hidden_layers, config.num_attention_heads, LENGTH,
-                              LENGTH, causal=False)  # fmt: skip
+        assert_attention_maps(
+            output.attentions, config.num_hidden_layers, config.num_attention_heads, LENGTH, LENGTH, causal=False
+        )
         assert output.attentions[0].triu(1).any()  # bidirectional: later keys weigh
         assert len(output.hidden_states) == config.num_hidden_layers + 1
         attentions = output.attentions[-1]
@@ -272,8 +281,9 @@ class TestSeq2Seq:
         inputs = seq2seq_inputs()
         embed = seq2seq.get_input_embeddings()
         with torch.no_grad():
-            embedded = seq2seq(inputs_embeds=embed(inputs["input_ids"]),
-                               decoder_inputs_embeds=embed(inputs["decoder_input_ids"])).logits  # fmt: skip
+            embedded = seq2seq(
+                inputs_embeds=embed(inputs["input_ids"]), decoder_inputs_embeds=embed(inputs["decoder_input_ids"])
+            ).logits
             expected = seq2seq(**inputs).logits  # the same forward entered at the embeddings: `model_tolerance`
             torch.testing.assert_close(embedded, expected, atol=model_tolerance(seq2seq.config, expected), rtol=0)
 
@@ -304,8 +314,12 @@ class TestSeq2Seq:
             assert isinstance(step.cache, EncoderDecoderCache)
             pieces = [step.logits]
             for position in range(2, TARGET):
-                step = seq2seq(encoder_outputs=encoder_outputs, decoder_input_ids=target[:, position : position + 1],
-                               cache=step.cache, use_cache=True)  # fmt: skip
+                step = seq2seq(
+                    encoder_outputs=encoder_outputs,
+                    decoder_input_ids=target[:, position : position + 1],
+                    cache=step.cache,
+                    use_cache=True,
+                )
                 pieces.append(step.logits)
         # cached against full: fp32's rounding through both stacks times max|logits| (`model_tolerance`)
         torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=model_tolerance(seq2seq.config, full), rtol=0)
@@ -361,8 +375,15 @@ def test_config_round_trips(score, scheme, tmp_path):
 
 def test_config_common_kwargs():
     """The keywords every transformers config takes are kept (ConfigTester's common kwargs)."""
-    common = dict(output_hidden_states=True, return_dict=False, chunk_size_feed_forward=4, problem_type="regression",
-                  architectures=["PlugformerForCausalLM"], id2label={0: "a", 1: "b"}, dtype="float32")  # fmt: skip
+    common = dict(
+        output_hidden_states=True,
+        return_dict=False,
+        chunk_size_feed_forward=4,
+        problem_type="regression",
+        architectures=["PlugformerForCausalLM"],
+        id2label={0: "a", 1: "b"},
+        dtype="float32",
+    )
     config = tiny_config(**common)
     for name, value in common.items():
         assert getattr(config, name) == (torch.float32 if name == "dtype" else value), name

@@ -27,10 +27,20 @@ from plugformer.integrations.convert import convert
 
 def llama(tie: bool):
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attention_bias=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -38,11 +48,22 @@ def qwen3_sliding():
     """A Qwen3 whose `use_sliding_window` makes its last two layers sliding (`max_window_layers=1`): a window of 3
     shorter than the prompts, so the layer kinds decide the logits."""
     config = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-        use_sliding_window=True, sliding_window=3, max_window_layers=1, pad_token_id=0, bos_token_id=1,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        pad_token_id=0,
+        bos_token_id=1,
         eos_token_id=2,
-    )  # fmt: skip
+    )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # Qwen3 starts its QK-norms at 1: move them, or a missed norm would go unseen
         for name, parameter in model.named_parameters():
@@ -59,12 +80,30 @@ def gpt2(tie: bool = True):
 def deepseek_v3(first_k_dense_replace: int = 2):
     """Multi-head latent attention with interleaved RoPE; every layer dense (no MoE) by default."""
     config = DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=12, first_k_dense_replace=first_k_dense_replace, n_routed_experts=4, n_group=1, topk_group=1,
-        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=first_k_dense_replace,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return DeepseekV3ForCausalLM(config)
 
 

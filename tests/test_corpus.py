@@ -48,9 +48,26 @@ def corpus_file(tmp_path) -> Path:
 
 
 def arguments(corpus_file: Path, cache: Path, *extra: str):
-    argv = ["--dataset_name", "json", "--data_files", str(corpus_file), "--data_cache_dir", str(cache),
-            "--vocab_size", "300", "--block_size", "32", "--dev_examples", "20", "--test_examples", "20",
-            "--output_dir", str(cache.parent / "unused"), "--report_to", "none"]  # fmt: skip
+    argv = [
+        "--dataset_name",
+        "json",
+        "--data_files",
+        str(corpus_file),
+        "--data_cache_dir",
+        str(cache),
+        "--vocab_size",
+        "300",
+        "--block_size",
+        "32",
+        "--dev_examples",
+        "20",
+        "--test_examples",
+        "20",
+        "--output_dir",
+        str(cache.parent / "unused"),
+        "--report_to",
+        "none",
+    ]
     script_args, model_args, _ = parse_stage_arguments("pretrain", override_flags(argv, list(extra)))
     return script_args, model_args
 
@@ -193,12 +210,49 @@ def run(output_dir: Path, corpus_file: Path, *extra: str) -> None:
 
 
 def training_flags(output_dir: Path, corpus_file: Path, *extra: str) -> list[str]:
-    return override_flags(["--dataset_name", "json", "--data_files", str(corpus_file), "--data_cache_dir",
-            str(output_dir.parent / "cache"), "--output_dir", str(output_dir), "--preset", "tiny", "--vocab_size",
-            "300", "--block_size", "32", "--dev_examples", "20", "--test_examples", "20", "--report_to", "none",
-            "--disable_tqdm", "true", "--per_device_train_batch_size", "4", "--eval_strategy", "no",
-            "--exact_match_examples", "0", "--dataloader_pin_memory", "false", "--learning_rate", "1e-3",
-            "--save_strategy", "steps", "--save_steps", "3", "--max_steps", "6"], list(extra))  # fmt: skip
+    return override_flags(
+        [
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(corpus_file),
+            "--data_cache_dir",
+            str(output_dir.parent / "cache"),
+            "--output_dir",
+            str(output_dir),
+            "--preset",
+            "tiny",
+            "--vocab_size",
+            "300",
+            "--block_size",
+            "32",
+            "--dev_examples",
+            "20",
+            "--test_examples",
+            "20",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--per_device_train_batch_size",
+            "4",
+            "--eval_strategy",
+            "no",
+            "--exact_match_examples",
+            "0",
+            "--dataloader_pin_memory",
+            "false",
+            "--learning_rate",
+            "1e-3",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "3",
+            "--max_steps",
+            "6",
+        ],
+        list(extra),
+    )
 
 
 def launch(record: Path, output_dir: Path, corpus_file: Path, processes: int, *extra: str) -> dict[int, list]:
@@ -207,9 +261,20 @@ def launch(record: Path, output_dir: Path, corpus_file: Path, processes: int, *e
     if processes == 1:
         command = [sys.executable, str(WORKER), str(record), *flags]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
-                   "--main_process_port", str(free_port()), str(WORKER), str(record), *flags]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(free_port()),
+            str(WORKER),
+            str(record),
+            *flags,
+        ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr[-4000:]
     return {rank: json.loads(Path(f"{record}.{rank}.json").read_text()) for rank in range(processes)}
@@ -230,8 +295,9 @@ def resumed_against_whole(tmp_path: Path, corpus_file: Path, processes: int, *ex
     resumed_dir = tmp_path / "resumed_run"
     resumed_dir.mkdir()
     shutil.copytree(tmp_path / "whole_run" / "checkpoint-3", resumed_dir / "checkpoint-3")
-    resumed = launch(tmp_path / "resumed", resumed_dir, corpus_file, processes, *extra,
-                     "--resume_from_checkpoint", "last")  # fmt: skip
+    resumed = launch(
+        tmp_path / "resumed", resumed_dir, corpus_file, processes, *extra, "--resume_from_checkpoint", "last"
+    )
     for rank in range(processes):
         assert len(whole[rank]) == 6 and len(resumed[rank]) == 3
         assert resumed[rank] == whole[rank][3:]
@@ -265,14 +331,49 @@ def test_the_shipped_own_text_recipe_trains_on_a_jsonl_file(tmp_path):
     from plugformer.training import run_stage
 
     corpus_file = write_corpus(tmp_path / "corpus.jsonl", 120)
-    info = run_stage("pretrain", [
-        "--config", str(ROOT / "configs/pretrain/own_text.yaml"), "--data_files", str(corpus_file),
-        "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "cache"), "--max_steps", "2",
-        "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "2",
-        "--vocab_size", "300", "--block_size", "32", "--dev_examples", "10", "--test_examples", "10",
-        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--eval_strategy", "no",
-        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-    ])  # fmt: skip
+    info = run_stage(
+        "pretrain",
+        [
+            "--config",
+            str(ROOT / "configs/pretrain/own_text.yaml"),
+            "--data_files",
+            str(corpus_file),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--data_cache_dir",
+            str(tmp_path / "cache"),
+            "--max_steps",
+            "2",
+            "--hidden_size",
+            "32",
+            "--num_hidden_layers",
+            "1",
+            "--num_attention_heads",
+            "2",
+            "--num_key_value_heads",
+            "2",
+            "--vocab_size",
+            "300",
+            "--block_size",
+            "32",
+            "--dev_examples",
+            "10",
+            "--test_examples",
+            "10",
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "1",
+            "--eval_strategy",
+            "no",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ],
+    )
     assert info["stage"] == "pretrain" and (tmp_path / "out" / "model.safetensors").exists()
     assert len(folders(tmp_path / "cache", "blocks")) == 1
 
@@ -304,12 +405,30 @@ def test_compare_on_your_corpus_trains_on_it_and_scores_the_documents_pretrainin
     from plugformer.experiments.compare import run as compare
 
     corpus_file = write_corpus(tmp_path / "corpus.jsonl", 200)
-    tiny = ["max_steps=2", "eval_strategy=no", "save_strategy=no", "report_to=none", "hidden_size=32",
-            "num_hidden_layers=1", "vocab_size=300", "block_size=32", "per_device_train_batch_size=4"]  # fmt: skip
-    args = CompareArguments(output_dir=str(tmp_path / "study"), grid=["position_scheme=rope,alibi"], seeds=[0, 1],
-                            set=tiny, dev_examples=10, test_examples=12, bootstrap_samples=1000,
-                            stage_configs=str(ROOT / "configs/{stage}/tiny.yaml"), dataset_name="json",
-                            data_files=[str(corpus_file)], data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    tiny = [
+        "max_steps=2",
+        "eval_strategy=no",
+        "save_strategy=no",
+        "report_to=none",
+        "hidden_size=32",
+        "num_hidden_layers=1",
+        "vocab_size=300",
+        "block_size=32",
+        "per_device_train_batch_size=4",
+    ]
+    args = CompareArguments(
+        output_dir=str(tmp_path / "study"),
+        grid=["position_scheme=rope,alibi"],
+        seeds=[0, 1],
+        set=tiny,
+        dev_examples=10,
+        test_examples=12,
+        bootstrap_samples=1000,
+        stage_configs=str(ROOT / "configs/{stage}/tiny.yaml"),
+        dataset_name="json",
+        data_files=[str(corpus_file)],
+        data_cache_dir=str(tmp_path / "cache"),
+    )
     summary = compare(args)
     assert set(summary["variants"]) == {"position_scheme=rope", "position_scheme=alibi"}
     # every run trained on the corpus: one tokenizer and one set of blocks, prepared once for the four runs
@@ -318,8 +437,9 @@ def test_compare_on_your_corpus_trains_on_it_and_scores_the_documents_pretrainin
     held_out = load_corpus(script_args).splits
     assert args.held_out_texts("test", 10, 12, 0) == list(held_out["test"]["text"])
     assert not set(held_out["test"]["text"]) & set(held_out["train"]["text"])
-    scored = json.loads(next((tmp_path / "study" / "runs").glob("*/seed0/pretrain/compare_perplexity_test.json"))
-                        .read_text())  # fmt: skip
+    scored = json.loads(
+        next((tmp_path / "study" / "runs").glob("*/seed0/pretrain/compare_perplexity_test.json")).read_text()
+    )
     assert len(scored["scores"]) == 12 and scored["corpus"] == args.corpus_key()
     with pytest.raises(ValueError, match="compare sets 'data_files' itself for every run"):
         compare(CompareArguments(**{**vars(args), "set": [*tiny, f"data_files={corpus_file}"]}))

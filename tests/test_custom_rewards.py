@@ -69,8 +69,17 @@ def test_bad_reward_funcs_are_refused_in_one_line_naming_the_flag_and_value(veri
 
 
 def test_bad_reward_funcs_are_refused_by_the_command_before_any_work(verifiers, tmp_path, capsys):
-    base = ["train", "grpo", "--config", str(ROOT / "configs/grpo/tiny.yaml"), "--model_name_or_path",
-            str(tmp_path / "no-model-here"), "--output_dir", str(tmp_path / "out"), *QUICK]  # fmt: skip
+    base = [
+        "train",
+        "grpo",
+        "--config",
+        str(ROOT / "configs/grpo/tiny.yaml"),
+        "--model_name_or_path",
+        str(tmp_path / "no-model-here"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        *QUICK,
+    ]
     for extra, message in (
         (["--reward_funcs", "my_verifiers:no_kwargs"], "--reward_funcs 'my_verifiers:no_kwargs': no_kwargs("),
         (["--reward_funcs", "my_verifiers:digits_reward"], "--reward_weights [1.0, 0.25]: 2 weights for 3 reward"),
@@ -88,9 +97,27 @@ def test_a_users_verifier_trains_grpo_and_reaches_trl(verifiers, tmp_path):
 
     train("pretrain", tmp_path / "pretrain")
     train("sft", tmp_path / "sft", "--model_name_or_path", str(tmp_path / "pretrain"))
-    cli_main(["train", "grpo", "--config", str(ROOT / "configs/grpo/tiny.yaml"), "--model_name_or_path",
-              str(tmp_path / "sft"), "--output_dir", str(tmp_path / "grpo"), *QUICK, "--train_examples", "16",
-              "--reward_funcs", f"{verifiers}:digits_reward", "--reward_weights", "1.0", "0.25", "0.5"])  # fmt: skip
+    cli_main(
+        [
+            "train",
+            "grpo",
+            "--config",
+            str(ROOT / "configs/grpo/tiny.yaml"),
+            "--model_name_or_path",
+            str(tmp_path / "sft"),
+            "--output_dir",
+            str(tmp_path / "grpo"),
+            *QUICK,
+            "--train_examples",
+            "16",
+            "--reward_funcs",
+            f"{verifiers}:digits_reward",
+            "--reward_weights",
+            "1.0",
+            "0.25",
+            "0.5",
+        ]
+    )
     assert sys.modules[verifiers].CALLS == [4, 4]  # one group of 4 completions per step, two steps
     logged = json.loads((tmp_path / "grpo/trainer_state.json").read_text())["log_history"]
     means = [entry["rewards/digits_reward/mean"] for entry in logged if "rewards/digits_reward/mean" in entry]

@@ -22,8 +22,13 @@ def documents(count: int, start: int = 0) -> list[dict]:
 
 
 def conversations(count: int, start: int = 0) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"Repeat {i}"}],
-             "completion": [{"role": "assistant", "content": f"{i} {i}"}]} for i in range(start, start + count)]  # fmt: skip
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"Repeat {i}"}],
+            "completion": [{"role": "assistant", "content": f"{i} {i}"}],
+        }
+        for i in range(start, start + count)
+    ]
 
 
 def carved(path, dev: int = 8, test: int = 8, **options):
@@ -68,9 +73,12 @@ def test_the_same_file_twice_is_refused_by_path_glob_link_or_content(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", documents(30))
     (tmp_path / "link.jsonl").symlink_to(path)
     shutil.copy(path, tmp_path / "copy.jsonl")
-    for files, message in (([path, path], "is named twice"), ([path, tmp_path / "*.jsonl"], "is named by both"),
-                           ([path, tmp_path / "link.jsonl"], "is named by both"),
-                           ([path, tmp_path / "copy.jsonl"], "hold the same bytes")):  # fmt: skip
+    for files, message in (
+        ([path, path], "is named twice"),
+        ([path, tmp_path / "*.jsonl"], "is named by both"),
+        ([path, tmp_path / "link.jsonl"], "is named by both"),
+        ([path, tmp_path / "copy.jsonl"], "hold the same bytes"),
+    ):
         with pytest.raises(ValueError, match=message):
             load_stage_dataset("text", "json", data_files=[str(f) for f in files], sizes={"dev": 2, "test": 2})
 
@@ -95,8 +103,11 @@ def test_the_identity_names_each_file_by_its_bytes_and_each_held_out_split_by_it
     path = write_jsonl(tmp_path / "c.jsonl", documents(30))
     data = carved(path, dev=3, test=4)
     (record,) = data.identity["files"]
-    assert record == {"path": str(path.resolve()), "bytes": path.stat().st_size,
-                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}  # fmt: skip
+    assert record == {
+        "path": str(path.resolve()),
+        "bytes": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
     test = data.identity["held_out"]["test"]
     keys = [hashlib.sha256(text.encode()).hexdigest() for text in data["test"]["text"]]
     assert test == {"rows": 4, "sha256": split_digest(keys), "row_keys": [key[:KEY_HEX] for key in keys]}
@@ -165,15 +176,34 @@ def test_eval_after_the_data_grew_scores_the_rows_the_run_held_out(pretrained, t
     assert "changed since the run" in caplog.text
     with pytest.raises(ValueError, match=r"--test_examples 12: the run held out 8 test rows"):
         eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json"), "--test_examples", "12"])
-    trained = [row for row in rows if row["prompt"][0]["content"] not in
-               {p[0]["content"] for split in ("dev", "test") for p in held_out[split]["prompt"]}]  # fmt: skip
+    trained = [
+        row
+        for row in rows
+        if row["prompt"][0]["content"]
+        not in {p[0]["content"] for split in ("dev", "test") for p in held_out[split]["prompt"]}
+    ]
     write_jsonl(data, trained)  # the held-out rows removed: no split of it can be scored honestly
-    with pytest.raises(ValueError, match=r"data changed since the run \(.*chat.jsonl: sha256 \w{12} then, \w{12} now"
-                                         r"\); 8 of the 8 test rows"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"data changed since the run \(.*chat.jsonl: sha256 \w{12} then, \w{12} now"
+        r"\); 8 of the 8 test rows",
+    ):
         eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "e.json")])
     other = write_jsonl(tmp_path / "other.jsonl", conversations(30, start=100))  # data given to eval: named by content
-    given = eval_main(["--model", str(tmp_path / "sft"), "--output", str(tmp_path / "o.json"), "--dataset_name",
-                       "json", "--data_files", str(other), "--test_examples", "4"])  # fmt: skip
+    given = eval_main(
+        [
+            "--model",
+            str(tmp_path / "sft"),
+            "--output",
+            str(tmp_path / "o.json"),
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(other),
+            "--test_examples",
+            "4",
+        ]
+    )
     assert given["data"]["files"] == files_record("json", [str(other)])
 
 
@@ -206,8 +236,20 @@ def test_sft_on_a_folder_of_chats_records_each_file(pretrained, tmp_path):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", conversations(20))
     write_jsonl(folder / "b.jsonl", conversations(20, start=20))
-    train("sft", tmp_path / "sft", "--model_name_or_path", str(pretrained), *TRL, *TINY[:0], "--dataset_name",
-          str(folder), "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    train(
+        "sft",
+        tmp_path / "sft",
+        "--model_name_or_path",
+        str(pretrained),
+        *TRL,
+        *TINY[:0],
+        "--dataset_name",
+        str(folder),
+        "--dev_examples",
+        "4",
+        "--test_examples",
+        "4",
+    )
     record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
     assert [f["path"] for f in record["files"]] == [str((folder / name).resolve()) for name in ("a.jsonl", "b.jsonl")]
 

@@ -59,7 +59,9 @@ def test_attend_compare_aggregate_match_hand_computation():
 
 
 def test_intra_sentence_attention_uses_distance_biases():
-    config = DecomposableAttentionConfig(vocab_size=16, embedding_size=4, hidden_size=4, sep_token_id=SEP, intra_attention=True, max_intra_distance=2)  # fmt: skip
+    config = DecomposableAttentionConfig(
+        vocab_size=16, embedding_size=4, hidden_size=4, sep_token_id=SEP, intra_attention=True, max_intra_distance=2
+    )
     model = DecomposableAttentionForSequenceClassification(config).eval()
     assert model.distance_bias.weight.shape == (5, 1)  # distances -2..2
     ids = torch.tensor([[4, 5, 6, 7, 8, SEP, 9, 10, 11]])
@@ -79,10 +81,16 @@ def trained_nli(tmp_path_factory):
     train, test = nli_examples(3000, seed=0), nli_examples(300, seed=1)
     tokenizer = train_tokenizer([p + " " + h for p, h, _ in train], vocab_size=300)
     config = DecomposableAttentionConfig(
-        vocab_size=len(tokenizer), embedding_size=64, hidden_size=64, intra_attention=True, hidden_dropout=0.1,
-        pad_token_id=tokenizer.pad_token_id, sep_token_id=tokenizer.sep_token_id, id2label=NLI_LABELS,
+        vocab_size=len(tokenizer),
+        embedding_size=64,
+        hidden_size=64,
+        intra_attention=True,
+        hidden_dropout=0.1,
+        pad_token_id=tokenizer.pad_token_id,
+        sep_token_id=tokenizer.sep_token_id,
+        id2label=NLI_LABELS,
         label2id={v: k for k, v in NLI_LABELS.items()},
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = DecomposableAttentionForSequenceClassification(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

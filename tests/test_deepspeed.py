@@ -58,10 +58,21 @@ ATOL = 1e-5
 def launch(topology: str, stage: str, output: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file configs/accelerate/<topology>` of `stage` for 3 steps; the timeout leaves room
     for DeepSpeed's one-time op compilation."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs/accelerate" / topology), "--main_process_port", str(free_port()), str(LAUNCHER),
-               stage, *override_flags(["--output_dir", str(output), *TINY, *FLAGS[stage], "--max_steps", "3",
-                                       "--save_strategy", "no"], list(extra))]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate" / topology),
+        "--main_process_port",
+        str(free_port()),
+        str(LAUNCHER),
+        stage,
+        *override_flags(
+            ["--output_dir", str(output), *TINY, *FLAGS[stage], "--max_steps", "3", "--save_strategy", "no"],
+            list(extra),
+        ),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
@@ -98,8 +109,9 @@ def assert_a_normal_deepspeed_run(directory: Path, reference: Path, generates: b
         assert info["dev_exact_match"]["examples"] == 4  # scored on rank 0 (ZeRO-3: from the saved weights), no hang
     config, expected = (json.loads((d / "config.json").read_text()) for d in (directory, reference))
     assert config["architectures"] == expected["architectures"]
-    assert config["auto_map"] == expected["auto_map"] and all(v.split(".")[0] in ("modeling", "configuration")
-                                                              for v in config["auto_map"].values())  # fmt: skip
+    assert config["auto_map"] == expected["auto_map"] and all(
+        v.split(".")[0] in ("modeling", "configuration") for v in config["auto_map"].values()
+    )
     assert sorted(p.name for p in directory.glob("*.py")) == sorted(p.name for p in reference.glob("*.py"))
 
 
@@ -172,9 +184,20 @@ def test_a_deepspeed_launch_without_cuda_gets_the_cpu_accelerator_defaults(tmp_p
     gloo, without which each process would count a world of one (accelerate's PartialState given no backend)."""
     (tmp_path / "parse.py").write_text(PARSE_SCRIPT)
     env = {key: value for key, value in ENV.items() if key != "DS_ACCELERATOR"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs/accelerate/cpu_zero2.yaml"), "--main_process_port", str(free_port()),
-               str(tmp_path / "parse.py"), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate/cpu_zero2.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(tmp_path / "parse.py"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     parsed = sorted(

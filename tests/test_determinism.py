@@ -87,10 +87,19 @@ def test_a_fresh_process_with_another_hash_seed_pretrains_the_same_tokenizer_and
     """Set and dict orders of strings follow PYTHONHASHSEED, which differs between processes: nothing on the way
     from text to weights (tokenizer training, packing, sampling) may depend on them."""
     train("pretrain", tmp_path / "here", *QUICK)
-    command = [sys.executable, "-m", "plugformer", "train", "pretrain", "--output_dir", str(tmp_path / "fresh"),
-               *override_flags(TINY, PRETRAIN, QUICK)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONHASHSEED": "12345"})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "plugformer",
+        "train",
+        "pretrain",
+        "--output_dir",
+        str(tmp_path / "fresh"),
+        *override_flags(TINY, PRETRAIN, QUICK),
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONHASHSEED": "12345"}
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert_identical_runs(tmp_path / "here", tmp_path / "fresh")
     assert (tmp_path / "here/tokenizer.json").read_bytes() == (tmp_path / "fresh/tokenizer.json").read_bytes()

@@ -27,8 +27,17 @@ from plugformer.positions import alibi_slopes
 
 
 # GQA: 4 query heads over 2 key/value heads (two differential heads, one key/value pair); 3 layers: 3 λ_init values
-SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -50,8 +59,10 @@ def diffllama_twin(kernel: str):
     config = PlugformerConfig(**SIZES, rope_parameters=ROPE, attention_score="differential", position_scheme="rope")
     config._attn_implementation = kernel
     model = PlugformerForCausalLM(config)
-    renamed = {name.replace("self_attn.lambda_", "self_attn.score.lambda_"): value
-               for name, value in reference.state_dict().items()}  # fmt: skip
+    renamed = {
+        name.replace("self_attn.lambda_", "self_attn.score.lambda_"): value
+        for name, value in reference.state_dict().items()
+    }
     model.load_state_dict(renamed, strict=True)
     return reference.eval(), model.eval()
 
@@ -71,12 +82,16 @@ def test_logits_and_cached_generation_equal_transformers_diffllama(kernel):
         expected, actual = reference(tokens, attention_mask=mask).logits, model(tokens, attention_mask=mask).logits
         # two fp32 forwards (ours, DiffLlama's): fp32's rounding through the model's layers and longest reduction
         # times max|logits| (`model_tolerance`)
-        atol = model_tolerance(model.config, expected[:1], magnitude=max(expected[0].abs().max().item(),
-                               expected[1, 3:].abs().max().item(), 1.0))  # fmt: skip
+        atol = model_tolerance(
+            model.config,
+            expected[:1],
+            magnitude=max(expected[0].abs().max().item(), expected[1, 3:].abs().max().item(), 1.0),
+        )
         torch.testing.assert_close(actual[0], expected[0], atol=atol, rtol=0)
         torch.testing.assert_close(actual[1, 3:], expected[1, 3:], atol=atol, rtol=0)
-        settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
-                        output_logits=True)  # fmt: skip
+        settings = dict(
+            attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
         want, got = reference.generate(tokens, **settings), model.generate(tokens, **settings)
     assert torch.equal(got.sequences, want.sequences)
     # cached steps' logits `(steps, B, V)`: the same bound from their max|logits|
@@ -92,8 +107,9 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def differential_layer_reference(attention, hidden: torch.Tensor, config, bias: torch.Tensor | None
-                                 ) -> tuple[torch.Tensor, float]:  # fmt: skip
+def differential_layer_reference(
+    attention, hidden: torch.Tensor, config, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, float]:
     """One differential self-attention layer in float64, written from the paper's formula and DiffLlama's head layout
     (query heads j and j + H/2 are the maps of head j, over key/value heads m and m + H_kv/2, m = j // groups, and
     its value is [v_m, v_{m + H_kv/2}]); each map is its query head's ordinary attention, soft-capped, biased
@@ -153,9 +169,13 @@ def differential_layer_reference(attention, hidden: torch.Tensor, config, bias: 
     # difference's error: (1 − λ_init) · amplification per unit of growth, summed by o_proj's rows (max_o Σ_k |W_ok|)
     dot = (query.abs() @ key.abs().repeat_interleave(groups, 1).transpose(2, 3)).max().item() / math.sqrt(dim)
     rows = attention.o_proj.weight.double().abs().sum(-1).max().item()
-    atol = tolerance(torch.float32, magnitude=(1 - lambda_init(attention.layer_idx)) * amplification * rows,
-                     length=max(config.hidden_size, length, heads * dim), spread=spread + dot,
-                     steps=STAGES_PER_LAYER)  # fmt: skip
+    atol = tolerance(
+        torch.float32,
+        magnitude=(1 - lambda_init(attention.layer_idx)) * amplification * rows,
+        length=max(config.hidden_size, length, heads * dim),
+        spread=spread + dot,
+        steps=STAGES_PER_LAYER,
+    )
     return output, atol
 
 

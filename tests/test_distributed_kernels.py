@@ -44,8 +44,9 @@ def gradient_bound(scheme: str, scales: dict[str, float]) -> float:
     """`atol` of the first step's gradients, 2 processes against 1: fp32 through the case's model over LENGTH tokens,
     the largest gradient's size (`tolerances.gradient_tolerance`'s figures)."""
     config = PlugformerConfig.from_preset("tiny", position_scheme=scheme, **CASES[scheme][0])
-    return tolerance(torch.float32, magnitude=max(scales.values()), length=model_length(config, LENGTH),
-                     steps=model_steps(config))  # fmt: skip
+    return tolerance(
+        torch.float32, magnitude=max(scales.values()), length=model_length(config, LENGTH), steps=model_steps(config)
+    )
 
 
 def scheme_parameters(scheme: str) -> set[str]:
@@ -63,8 +64,19 @@ def scheme_parameters(scheme: str) -> set[str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     output = tmp_path_factory.mktemp("kernels") / "results.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(WORKER), str(output)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(output),
+    ]
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(output.read_text())
@@ -124,6 +136,10 @@ def test_no_variant_has_a_0d_parameter(seq2seq):
 
     head = PlugformerForConditionalGeneration if seq2seq else PlugformerForCausalLM
     configs = every_variant_config(**({"is_encoder_decoder": True, "pad_token_id": 0} if seq2seq else {}))
-    scalars = {(config.position_scheme, name) for config in configs
-               for name, p in head(config).named_parameters() if p.ndim == 0}  # fmt: skip
+    scalars = {
+        (config.position_scheme, name)
+        for config in configs
+        for name, p in head(config).named_parameters()
+        if p.ndim == 0
+    }
     assert len(configs) > 30 and scalars == set()

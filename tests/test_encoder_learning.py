@@ -19,10 +19,18 @@ def sentiment_model(tmp_path_factory):
     train, test = sentiment_examples(2000, seed=0), sentiment_examples(300, seed=1)
     tokenizer = train_tokenizer([text for text, _ in train], vocab_size=300)
     config = PlugformerConfig.from_preset(
-        "tiny", is_causal=False, attention_score="additive", position_scheme="t5_bias", hidden_size=64,
-        intermediate_size=128, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=2,
-        id2label=SENTIMENT_LABELS, label2id={v: k for k, v in SENTIMENT_LABELS.items()},
-    )  # fmt: skip
+        "tiny",
+        is_causal=False,
+        attention_score="additive",
+        position_scheme="t5_bias",
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=2,
+        id2label=SENTIMENT_LABELS,
+        label2id={v: k for k, v in SENTIMENT_LABELS.items()},
+    )
     torch.manual_seed(0)
     model = PlugformerForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -73,9 +81,14 @@ def saved_encoder(tmp_path_factory):
     tokenizer = train_tokenizer([text for text, _ in sentiment_examples(500)], vocab_size=300)
     labels = {0: "O", 1: "ADJ", 2: "NEG"}
     config = PlugformerConfig.from_preset(
-        "tiny", is_causal=False, position_scheme="alibi", vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id, id2label=labels, label2id={v: k for k, v in labels.items()},
-    )  # fmt: skip
+        "tiny",
+        is_causal=False,
+        position_scheme="alibi",
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
     directories = {}
     for head in (PlugformerForMaskedLM, PlugformerForTokenClassification, PlugformerModel):
         torch.manual_seed(0)

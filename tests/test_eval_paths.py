@@ -93,9 +93,12 @@ def test_an_absolute_path_written_by_an_earlier_version_still_reads_back(home):
 
 @pytest.mark.parametrize(
     ("path", "folder", "expected"),
-    [("/srv/runs/sft", "/srv/runs/sft", "."), ("/srv/runs/sft", "/srv/runs", "sft"),
-     ("/srv/runs/sft", "/srv/results", "/srv/runs/sft")],
-)  # fmt: skip
+    [
+        ("/srv/runs/sft", "/srv/runs/sft", "."),
+        ("/srv/runs/sft", "/srv/runs", "sft"),
+        ("/srv/runs/sft", "/srv/results", "/srv/runs/sft"),
+    ],
+)
 def test_portable_path_outside_the_home_folder(path, folder, expected, monkeypatch):
     monkeypatch.setenv("HOME", "/home/nobody-here")
     assert portable_path(path, folder) == expected

@@ -24,8 +24,10 @@ def test_compare_attention_variants_example(tmp_path):
     summary = load_example("compare_attention_variants").main(
         ["--quick", "--output_dir", str(tmp_path), "--seeds", "0", "1", "--scores", "dot", "additive"]
     )
-    assert set(summary["variants"]) == {"attention_score=dot,position_scheme=rope",
-                                        "attention_score=additive,position_scheme=rope"}  # fmt: skip
+    assert set(summary["variants"]) == {
+        "attention_score=dot,position_scheme=rope",
+        "attention_score=additive,position_scheme=rope",
+    }
     assert summary["best"] in summary["variants"]
     assert {p.name for p in tmp_path.iterdir()} >= {"results.md", "results.json", "results.png", "runs"}
 

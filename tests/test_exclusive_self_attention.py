@@ -90,8 +90,11 @@ def test_self_attention_only_after_the_scores_output_step(tokens, monkeypatch):
     clean zero instead of normalised rounding noise, so cached decoding equals the full forward."""
     calls = []
     original = plugformer.attention.exclude_own_values
-    monkeypatch.setattr(plugformer.attention, "exclude_own_values",
-                        lambda output, *args: calls.append(output.shape) or original(output, *args))  # fmt: skip
+    monkeypatch.setattr(
+        plugformer.attention,
+        "exclude_own_values",
+        lambda output, *args: calls.append(output.shape) or original(output, *args),
+    )
     config = tiny_config(exclusive_self_attention=True, is_encoder_decoder=True, pad_token_id=0)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -118,8 +121,9 @@ def test_latent_attention_excludes_each_heads_expanded_value(latent_cache, token
         plain = build(tiny_config(**fields))(tokens, use_cache=False).logits
     assert (plain - full).abs().max() > 1e-3
     atol = model_tolerance(model.config, full)
-    torch.testing.assert_close(decode_in_chunks(model, tokens, [5, 1, 6], DynamicCache(config=model.config)), full,
-                               atol=atol, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        decode_in_chunks(model, tokens, [5, 1, 6], DynamicCache(config=model.config)), full, atol=atol, rtol=0
+    )
     static = StaticCache(config=model.config, max_cache_len=16)
     torch.testing.assert_close(decode_in_chunks(model, tokens, [5, 1, 1, 5], static), full, atol=atol, rtol=0)
 

@@ -77,8 +77,14 @@ def test_onnx_export_runs_at_another_shape(score, scheme, tmp_path):
     import onnxruntime
 
     model = Logits(build(tiny_config(score, scheme), "sdpa" if ATTENTION_SCORES.get(score).dot_product else "eager"))
-    program = torch.onnx.export(model, example_inputs(2, 8, 0), dynamo=True, dynamic_shapes=DYNAMIC,
-                                input_names=["input_ids", "attention_mask"], output_names=["logits"])  # fmt: skip
+    program = torch.onnx.export(
+        model,
+        example_inputs(2, 8, 0),
+        dynamo=True,
+        dynamic_shapes=DYNAMIC,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["logits"],
+    )
     program.save(str(tmp_path / "model.onnx"))
     session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"))
     ids, mask = example_inputs(3, 13, 1, left_padding=4)

@@ -53,11 +53,24 @@ def test_contiguous_packing_has_no_document_positions():
 
 def test_extrapolation_study_reports_learned_positions_cleanly(tmp_path):
     args = ExtrapolationArguments(
-        output_dir=str(tmp_path), position_schemes=["learned", "alibi"], train_length=16, factors=[0.5, 1, 4],
-        stage_configs=CONFIGS, test_examples=300, eval_windows=2,
-        set=["max_steps=4", "train_examples=300", "eval_strategy=no", "save_strategy=no", "report_to=none",
-             "hidden_size=32", "num_hidden_layers=1", "vocab_size=300"],
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        position_schemes=["learned", "alibi"],
+        train_length=16,
+        factors=[0.5, 1, 4],
+        stage_configs=CONFIGS,
+        test_examples=300,
+        eval_windows=2,
+        set=[
+            "max_steps=4",
+            "train_examples=300",
+            "eval_strategy=no",
+            "save_strategy=no",
+            "report_to=none",
+            "hidden_size=32",
+            "num_hidden_layers=1",
+            "vocab_size=300",
+        ],
+    )
     summary = run(args)
     assert summary["lengths"] == [8, 16, 64]
     learned, alibi = summary["schemes"]["learned"], summary["schemes"]["alibi"]

@@ -71,8 +71,15 @@ def assert_same_training_step(models, **inputs):
     real = inputs["attention_mask"].bool()
     if logits_eager.dim() == 3:
         logits_eager, logits_sdpa = logits_eager[real], logits_sdpa[real]
-    assert_same_step(models["eager"].config, logits_sdpa, grads_sdpa, logits_eager, grads_eager, msg="sdpa",
-                     tokens=inputs["input_ids"].shape[1])  # fmt: skip
+    assert_same_step(
+        models["eager"].config,
+        logits_sdpa,
+        grads_sdpa,
+        logits_eager,
+        grads_eager,
+        msg="sdpa",
+        tokens=inputs["input_ids"].shape[1],
+    )
 
 
 def batch(length: int = LENGTH, pad: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -131,8 +138,9 @@ def test_cached_chunks_equal_full_forward(scheme, chunks, small_blocks):
         for size in chunks:
             logits.append(models["sdpa"].eval()(ids[:, start : start + size], cache=cache, use_cache=True).logits)
             start += size
-    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=model_tolerance(models["eager"].config,
-                               reference), rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.cat(logits, dim=1), reference, atol=model_tolerance(models["eager"].config, reference), rtol=0
+    )
 
 
 def relative_errors(result, reference) -> tuple[float, float]:
@@ -215,8 +223,9 @@ def test_a_custom_mask_that_shows_later_keys_is_honoured(scheme, small_blocks):
     prefix-LM 4-D mask sdpa equals eager, outputs and gradients."""
     models = model_pair(PlugformerForCausalLM, tiny_config("scaled_dot", scheme))
     inputs = {"input_ids": batch()["input_ids"], "attention_mask": prefix_lm_mask(LENGTH, prefix=20)}
-    (logits_eager, grads_eager), (logits_sdpa, grads_sdpa) = (loss_and_grads(models[k], **inputs, labels=inputs[
-        "input_ids"]) for k in ("eager", "sdpa"))  # fmt: skip
+    (logits_eager, grads_eager), (logits_sdpa, grads_sdpa) = (
+        loss_and_grads(models[k], **inputs, labels=inputs["input_ids"]) for k in ("eager", "sdpa")
+    )
     assert_same_step(models["eager"].config, logits_sdpa, grads_sdpa, logits_eager, grads_eager, msg="sdpa")
 
 
@@ -236,8 +245,10 @@ def test_mask_blocks_the_future():
 def kernel_inputs(dtype=torch.float64, length: int = 20, padded: bool = False, seed: int = 0):
     """GQA query/key/value (2 query heads on 1 key/value head), bias values and a mask for one causal layer."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = [torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True)
-               for shape in [(2, 2, length, 4), (2, 1, length, 4), (2, 1, length, 4), (2, 2 * length - 1)]]  # fmt: skip
+    tensors = [
+        torch.randn(*shape, generator=generator, dtype=dtype, requires_grad=True)
+        for shape in [(2, 2, length, 4), (2, 1, length, 4), (2, 1, length, 4), (2, 2 * length - 1)]
+    ]
     mask = None
     if padded:  # left padding in the second row, causal
         allowed = torch.ones(length, length).tril().bool()[None, None].repeat(2, 1, 1, 1)
@@ -252,8 +263,9 @@ def relative_bias_attention(query, key, value, values, mask, dropout, seed=3):
     torch.manual_seed(seed)
     module = types.SimpleNamespace(is_causal=True)
     bias = RelativeBias(values, query.shape[2], key.shape[2])
-    output, _ = kernels.sdpa_relative_bias_forward(module, query, key, value, mask, scaling=0.5, dropout=dropout,
-                                                   position_bias=bias)  # fmt: skip
+    output, _ = kernels.sdpa_relative_bias_forward(
+        module, query, key, value, mask, scaling=0.5, dropout=dropout, position_bias=bias
+    )
     return output
 
 

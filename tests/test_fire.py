@@ -68,8 +68,11 @@ def test_eager_adds_the_papers_bias_of_each_rows_positions():
             # a weight p_j moves by p_j (δs_j − Σ_k p_k δs_k), at most 2·max|δs|, where the scores differ by the dot
             # product's rounding (terms scale·Σ_d |q_d k_d| over D) and FIRE's bias's against Python floats
             # (`fire_tolerance`); then each side's own softmax of weights at most 1 over the row's keys
-            dot = tolerance(torch.float32, magnitude=attention.scaling * products.abs().sum(-1).max().item(),
-                            length=products.shape[-1])  # fmt: skip
+            dot = tolerance(
+                torch.float32,
+                magnitude=attention.scaling * products.abs().sum(-1).max().item(),
+                length=products.shape[-1],
+            )
             fire_bias = max(fire_tolerance(fire, i - pad, j - pad) for j in keys)
             softmax = tolerance(torch.float32, length=len(keys), spread=softmax_spread(scores), steps=2)
             torch.testing.assert_close(weights[row, :, i], expected, atol=softmax + 2 * (dot + fire_bias), rtol=0)
@@ -167,8 +170,11 @@ def test_the_kernel_table_gives_fire_to_the_kernels_that_take_its_kind(tmp_path)
     config = tiny_config("scaled_dot", "fire")
     assert_built_in_kernels_take(config, "query_position")
     reference = fire_model()
-    records = {"relative": {"bias": "relative"}, "dense": {"bias": "dense"},
-               "both": {"bias": "relative", "bias_kinds": ("relative", "query_position")}}  # fmt: skip
+    records = {
+        "relative": {"bias": "relative"},
+        "dense": {"bias": "dense"},
+        "both": {"bias": "relative", "bias_kinds": ("relative", "query_position")},
+    }
     with recording_kernels("fire_test", **records) as received:
         reason = unsupported_reason(config, "fire_test_relative")
         assert "kinds ['relative']" in reason and "'query_position'" in reason and "position_scheme='fire'" in reason
@@ -232,8 +238,9 @@ def test_the_bias_is_computed_once_per_forward_and_shared_by_the_layers(monkeypa
     model = fire_model()
     calls = []
     original = type(model.model.positions).fire_bias
-    monkeypatch.setattr(type(model.model.positions), "fire_bias",
-                        lambda self, *args: calls.append(1) or original(self, *args))  # fmt: skip
+    monkeypatch.setattr(
+        type(model.model.positions), "fire_bias", lambda self, *args: calls.append(1) or original(self, *args)
+    )
     with torch.no_grad():
         model(random_ids(2, 8))
     assert len(calls) == 1 and model.config.num_hidden_layers == 2

@@ -178,8 +178,9 @@ def test_packed_documents_equal_separate_forwards(kernel):
         start = 0
         for n in lengths:
             alone = model(tokens[:, start : start + n]).logits
-            torch.testing.assert_close(packed[:, start : start + n], alone,
-                                       atol=model_tolerance(model.config, alone), rtol=0)  # fmt: skip
+            torch.testing.assert_close(
+                packed[:, start : start + n], alone, atol=model_tolerance(model.config, alone), rtol=0
+            )
             start += n
 
 

@@ -46,14 +46,31 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp")
     torch.manual_seed(0)
     # t5_bias: a learned table outside the blocks (sharded with the root), GQA, tied embeddings
-    config = PlugformerConfig.from_preset("tiny", vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, position_scheme="t5_bias")  # fmt: skip
+    config = PlugformerConfig.from_preset(
+        "tiny",
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        position_scheme="t5_bias",
+    )
     PlugformerForCausalLM(config).save_pretrained(root / "start")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port())]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     for command, output in (([*torchrun, str(WORKER)], "sharded"), ([sys.executable, str(WORKER), "--single"], "one")):
-        result = subprocess.run([*command, str(root / "start"), str(root / output)], env=ENV, capture_output=True,
-                                text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [*command, str(root / "start"), str(root / output)], env=ENV, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     return {name: root / name for name in ("start", "sharded", "one")}
 
@@ -106,14 +123,20 @@ with torch.no_grad():
 def test_a_sharded_save_loads_with_trust_remote_code_without_the_package(runs, tmp_path):
     (tmp_path / "load.py").write_text(LOAD_SCRIPT)
     env = {**ENV, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    subprocess.run([sys.executable, str(tmp_path / "load.py"), str(runs["sharded"]), str(tmp_path / "logits.pt")],
-                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(tmp_path / "load.py"), str(runs["sharded"]), str(tmp_path / "logits.pt")],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     model = PlugformerForCausalLM.from_pretrained(runs["sharded"]).eval()
     with torch.no_grad():
         expected = model(torch.arange(3, 19)[None]).logits
     # the other process's threads and kernel choice: `model_tolerance`
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=model_tolerance(model.config, expected),
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.load(tmp_path / "logits.pt"), expected, atol=model_tolerance(model.config, expected), rtol=0
+    )
 
 
 # a few steps of a 2-layer, 32-wide model (tests/test_training.py's flags)
@@ -124,16 +147,35 @@ TINY = ["--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1",
 STAGE_FLAGS = {
     "pretrain": ["--preset", "tiny", "--vocab_size", "300", "--block_size", "32", "--max_position_embeddings", "128"],
     "sft": ["--bf16", "false", "--activation_checkpointing", "false", "--max_length", "64"],
-    "grpo": ["--bf16", "false", "--activation_checkpointing", "false", "--num_generations", "4",
-             "--max_completion_length", "8", "--reward_functions", "length"],
-}  # fmt: skip
+    "grpo": [
+        "--bf16",
+        "false",
+        "--activation_checkpointing",
+        "false",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--reward_functions",
+        "length",
+    ],
+}
 PARENT = {"sft": "pretrain", "grpo": "sft"}
 
 
 def launch(topology: str, stage: str, output: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs/accelerate" / topology), "--main_process_port", str(free_port()), str(LAUNCHER),
-               stage, *override_flags(["--output_dir", str(output), *TINY, *STAGE_FLAGS[stage]], list(extra))]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate" / topology),
+        "--main_process_port",
+        str(free_port()),
+        str(LAUNCHER),
+        stage,
+        *override_flags(["--output_dir", str(output), *TINY, *STAGE_FLAGS[stage]], list(extra)),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
@@ -192,8 +234,18 @@ def test_each_stage_trains_sharded_to_the_ddp_weights(request, stage):
 
 @pytest.mark.slow  # ~40 s: two launches
 def test_a_sharded_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    flags = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--eval_strategy", "no",
-             "--exact_match_examples", "0"]  # fmt: skip
+    flags = [
+        "--max_steps",
+        "6",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "3",
+        "--eval_strategy",
+        "no",
+        "--exact_match_examples",
+        "0",
+    ]
     launch("cpu_fsdp2.yaml", "pretrain", tmp_path / "whole", *flags)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -210,9 +262,23 @@ def test_an_fsdp_request_that_would_become_ddp_is_refused(tmp_path):
     """FSDP1 has no CPU path: refused before a model is built, in one line."""
     config = (ROOT / "configs/accelerate/cpu_fsdp2.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1")
     (tmp_path / "fsdp1.yaml").write_text(config)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp1.yaml"),
-               "--main_process_port", str(free_port()), str(LAUNCHER), "pretrain", "--output_dir",
-               str(tmp_path / "out"), *TINY, *STAGE_FLAGS["pretrain"], "--max_steps", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tmp_path / "fsdp1.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(LAUNCHER),
+        "pretrain",
+        "--output_dir",
+        str(tmp_path / "out"),
+        *TINY,
+        *STAGE_FLAGS["pretrain"],
+        "--max_steps",
+        "1",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)
     assert result.returncode != 0
     assert "the launch asks for FSDP version 1 on CPU, which accelerate cannot run there" in result.stderr
@@ -226,8 +292,10 @@ def test_a_trainer_that_did_not_shard_as_asked_is_refused_before_training(monkey
 
     from plugformer.training.sharding import refuse_unsharded_fallback
 
-    trainer = SimpleNamespace(args=SimpleNamespace(fsdp="", deepspeed=None),
-                              accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))  # fmt: skip
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(fsdp="", deepspeed=None),
+        accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_CPU),
+    )
     refuse_unsharded_fallback(trainer)  # nothing asked, nothing refused
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match="asks for deepspeed but accelerate would run MULTI_CPU"):

@@ -36,8 +36,12 @@ def cross_entropy_tolerances(h, w, count) -> tuple[float, float, float]:
         growth = {"length": max(h.shape[-1], w.shape[0]), "steps": 4}
         loss = tolerance(torch.float64, magnitude=2 * size, **growth)
         dh = tolerance(torch.float64, magnitude=2 * w.abs().max().item() * size / count, **growth)
-        dw = tolerance(torch.float64, magnitude=2 * h.abs().sum(0).max().item() * size / count,
-                       length=max(h.shape[0], w.shape[0]), steps=4)  # fmt: skip
+        dw = tolerance(
+            torch.float64,
+            magnitude=2 * h.abs().sum(0).max().item() * size / count,
+            length=max(h.shape[0], w.shape[0]),
+            steps=4,
+        )
     return loss, dh, dw
 
 
@@ -83,8 +87,9 @@ def test_causal_targets_shift_as_transformers_does():
 
 
 def tiny(is_causal=True, tie=True, cap=None):
-    config = PlugformerConfig.from_preset("tiny", is_causal=is_causal, tie_word_embeddings=tie,
-                                          final_logit_softcapping=cap)  # fmt: skip
+    config = PlugformerConfig.from_preset(
+        "tiny", is_causal=is_causal, tie_word_embeddings=tie, final_logit_softcapping=cap
+    )
     config._attn_implementation = "sdpa"
     return config
 
@@ -254,8 +259,10 @@ def test_pretrain_and_sft_train_the_same_weights_fused_and_unfused(tmp_path, mon
     calls = count_fused_calls(monkeypatch)
     for fused in ("true", "false"):
         before = len(calls)
-        run_stage("pretrain", ["--output_dir", str(tmp_path / f"pretrain-{fused}"), *STAGE_FLAGS, *PRETRAIN,
-                               "--fused_loss", fused])  # fmt: skip
+        run_stage(
+            "pretrain",
+            ["--output_dir", str(tmp_path / f"pretrain-{fused}"), *STAGE_FLAGS, *PRETRAIN, "--fused_loss", fused],
+        )
         assert (len(calls) > before) == (fused == "true")  # the default stage's model computes the fused loss
     unfused = trained_weights(tmp_path / "pretrain-false")
     for name, tensor in trained_weights(tmp_path / "pretrain-true").items():
@@ -263,8 +270,19 @@ def test_pretrain_and_sft_train_the_same_weights_fused_and_unfused(tmp_path, mon
     # SFT: TRL's own chunked head (the default) against the model's unfused loss
     parent = str(tmp_path / "pretrain-true")
     for fused in ("true", "false"):
-        run_stage("sft", ["--output_dir", str(tmp_path / f"sft-{fused}"), *STAGE_FLAGS, *SFT,
-                          "--model_name_or_path", parent, "--fused_loss", fused])  # fmt: skip
+        run_stage(
+            "sft",
+            [
+                "--output_dir",
+                str(tmp_path / f"sft-{fused}"),
+                *STAGE_FLAGS,
+                *SFT,
+                "--model_name_or_path",
+                parent,
+                "--fused_loss",
+                fused,
+            ],
+        )
     unfused = trained_weights(tmp_path / "sft-false")
     for name, tensor in trained_weights(tmp_path / "sft-true").items():
         torch.testing.assert_close(tensor, unfused[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -57,9 +57,21 @@ def stage_flags(stage: str, start: Path) -> list[str]:
 def launch(topology: str, stage: str, output: Path, *extra: str) -> tuple[dict, list[dict]]:
     """`plugformer train <stage>` on 2 processes of `topology`; its `run_info.json` and each rank's fused calls."""
     calls = output.with_name(output.name + "-calls")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs/accelerate" / topology), "--main_process_port", str(free_port()), str(WORKER),
-               str(calls), stage, "--output_dir", str(output), *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate" / topology),
+        "--main_process_port",
+        str(free_port()),
+        str(WORKER),
+        str(calls),
+        stage,
+        "--output_dir",
+        str(output),
+        *extra,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr[-4000:]
     info = json.loads((output / "run_info.json").read_text())

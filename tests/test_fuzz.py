@@ -228,16 +228,28 @@ HOSTILE_NAMES = st.sampled_from(["", "ROPE", "Scaled_Dot", "cosine_sim", None, 3
 HOSTILE_FLOATS = st.sampled_from([-0.1, 1.0, 1.5, math.nan, math.inf, -math.inf, 0.0, 1e-13, "0.1", None, True])
 HOSTILE_BOOLS = st.sampled_from(["yes", "False", 1, 0, 0.0, None, [True]])
 HOSTILE_IDS = st.sampled_from([-1, 256, 10**9, "1", 1.5, True, [0, -3], [0, 10**6], ["1"]])
-HOSTILE_ROPE = st.sampled_from([
-    "default", [1, 2], {"rope_type": "magic"}, {"rope_type": "linear"}, {"rope_type": "llama3", "factor": 8.0},
-    {"rope_type": "default", "rope_theta": 0.0}, {"rope_type": "default", "rope_theta": -10.0},
-    {"rope_type": "default", "rope_theta": "big"}, {"rope_type": "default", "rope_theta": math.inf},
-    {"rope_type": "default", "partial_rotary_factor": 0.0}, {"rope_type": "default", "partial_rotary_factor": 1.5},
-    {"rope_type": "default", "partial_rotary_factor": -0.5}, {"rope_type": "default", "partial_rotary_factor": "a"},
-    {"rope_type": "default", "partial_rotary_factor": 0.01}, {"rope_type": "linear", "factor": 0.5},
-    {"rope_type": "dynamic", "factor": -2.0}, {"rope_type": "yarn", "factor": "x"},
-    {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
-])  # fmt: skip
+HOSTILE_ROPE = st.sampled_from(
+    [
+        "default",
+        [1, 2],
+        {"rope_type": "magic"},
+        {"rope_type": "linear"},
+        {"rope_type": "llama3", "factor": 8.0},
+        {"rope_type": "default", "rope_theta": 0.0},
+        {"rope_type": "default", "rope_theta": -10.0},
+        {"rope_type": "default", "rope_theta": "big"},
+        {"rope_type": "default", "rope_theta": math.inf},
+        {"rope_type": "default", "partial_rotary_factor": 0.0},
+        {"rope_type": "default", "partial_rotary_factor": 1.5},
+        {"rope_type": "default", "partial_rotary_factor": -0.5},
+        {"rope_type": "default", "partial_rotary_factor": "a"},
+        {"rope_type": "default", "partial_rotary_factor": 0.01},
+        {"rope_type": "linear", "factor": 0.5},
+        {"rope_type": "dynamic", "factor": -2.0},
+        {"rope_type": "yarn", "factor": "x"},
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+    ]
+)
 
 
 def hostile(name: str) -> st.SearchStrategy:
@@ -439,10 +451,11 @@ def check_cached_decoding(model, source, target) -> None:
             decoder_config = model.config.get_text_config(decoder=True)
             cache = EncoderDecoderCache(DynamicCache(config=decoder_config), DynamicCache(config=decoder_config))
             steps = [
-                model(encoder_outputs=encoder_outputs, decoder_input_ids=target[:, i : i + 1], cache=cache,
-                      use_cache=True).logits
+                model(
+                    encoder_outputs=encoder_outputs, decoder_input_ids=target[:, i : i + 1], cache=cache, use_cache=True
+                ).logits
                 for i in range(target.shape[1])
-            ]  # fmt: skip
+            ]
         else:
             reference = model(source, use_cache=False).logits
             cache = DynamicCache(config=model.config)
@@ -508,10 +521,12 @@ def regression(**fields) -> dict:
 @example(case=regression(hidden_size=2, num_attention_heads=1, rope_parameters={"rope_type": "dynamic", "factor": 1.0}))
 @example(
     case=regression(
-        hidden_size=2, num_attention_heads=1, max_position_embeddings=1,
+        hidden_size=2,
+        num_attention_heads=1,
+        max_position_embeddings=1,
         rope_parameters={"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0], "long_factor": [1.0]},
     )
-)  # fmt: skip
+)
 @given(case=cases())
 @FUZZ_SETTINGS
 def test_fuzzed_configs_build_and_run_or_fail_naming_the_field(case):

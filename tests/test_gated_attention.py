@@ -27,18 +27,35 @@ def plugformer_weights(state: dict) -> dict:
 
 def qwen3_next_twin(kernel: str = "eager"):
     fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters=ROPE, layer_types=["full_attention"] * 2, mlp_only_layers=[0, 1],
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters=ROPE,
+        layer_types=["full_attention"] * 2,
+        mlp_only_layers=[0, 1],
+    )
     torch.manual_seed(0)
     reference = Qwen3NextForCausalLM(Qwen3NextConfig(**fields, attn_implementation=kernel)).eval()
     with torch.no_grad():  # Qwen3-Next starts its norm gains at 0 (a scale of 1): move them, so a missed one shows
         for name, parameter in reference.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(-0.5, 0.5)
-    config = tiny_config("scaled_dot", "rope", use_qk_norm=True, use_gated_attention=True, rope_parameters=ROPE,
-                         head_dim=8, tie_word_embeddings=False)  # fmt: skip
+    config = tiny_config(
+        "scaled_dot",
+        "rope",
+        use_qk_norm=True,
+        use_gated_attention=True,
+        rope_parameters=ROPE,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     model = build(config, kernel)
     model.load_state_dict(plugformer_weights(reference.state_dict()), strict=True)
     return reference, model
@@ -90,9 +107,7 @@ def test_gated_attention_is_off_by_default_and_type_checked():
         tiny_config(use_gated_attention="yes")
 
 
-@pytest.mark.parametrize(
-    "score,scheme,kernel", modifier_combinations(use_gated_attention=True)
-)  # fmt: skip
+@pytest.mark.parametrize("score,scheme,kernel", modifier_combinations(use_gated_attention=True))
 def test_shared_checks_with_gated_attention(score, scheme, kernel, tokens, monkeypatch, tmp_path):
     shared.run_checks_with_fields(dict(use_gated_attention=True), score, scheme, kernel, tokens, monkeypatch, tmp_path)
 
@@ -140,15 +155,28 @@ def test_gated_attention_converts_from_qwen3_next(tmp_path, tokens):
 
 @pytest.mark.parametrize(
     "fields,message",
-    [({"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0]},
-      r"mlp_only_layers=\[0\] leaves layers \[1\]"),
-     ({"layer_types": ["full_attention"] * 2, "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] leaves layers \[0\]")],
-)  # fmt: skip
+    [
+        (
+            {"layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0]},
+            r"mlp_only_layers=\[0\] leaves layers \[1\]",
+        ),
+        ({"layer_types": ["full_attention"] * 2, "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] leaves layers \[0\]"),
+    ],
+)
 def test_qwen3_next_layers_plugformer_has_not_are_refused(fields, message, tmp_path):
     """Mixture-of-experts layers, beside linear-attention layers too (which convert: test_linear_attention)."""
     from plugformer.integrations.convert import convert
 
-    Qwen3NextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, num_experts=4, **fields).save_pretrained(tmp_path)  # fmt: skip
+    Qwen3NextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        **fields,
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         convert(tmp_path)

@@ -72,9 +72,15 @@ def test_beam_search_scores_equal_recomputed_log_probabilities(score, scheme, ke
     model = build(tiny_config(score, scheme), kernel)
     prompt = tokens[:1, :5]
     out = model.generate(
-        prompt, max_new_tokens=6, num_beams=4, num_return_sequences=4, do_sample=False, length_penalty=0.0,
-        output_scores=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        prompt,
+        max_new_tokens=6,
+        num_beams=4,
+        num_return_sequences=4,
+        do_sample=False,
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         log_probs = model(out.sequences, use_cache=False).logits.log_softmax(-1)
     generated = out.sequences[:, 5:]

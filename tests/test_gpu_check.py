@@ -41,8 +41,9 @@ def test_dry_run_lists_every_kernel_cell_as_the_capabilities_decide(dry_run):
     cells = {c["case"]: c for c in report["checks"] if c["section"] == "kernels"}
     expected = {}
     for score, scheme, kernels in combination_matrix():
-        here = plugformer.supported_kernels(PlugformerConfig.from_preset("tiny", attention_score=score,
-                                                                         position_scheme=scheme))  # fmt: skip
+        here = plugformer.supported_kernels(
+            PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme)
+        )
         for kernel in KERNELS.names():
             status = "passed" if kernel in here else "unavailable" if kernel in kernels else "refused"
             expected[f"{score}+{scheme} {kernel} fp64"] = status
@@ -63,7 +64,10 @@ def test_dry_run_trains_decodes_and_fuses_each_stage_critical_variant(dry_run):
             assert ("training", f"{score}+{scheme} {kernel} bf16") in passed
             assert ("decode", f"{score}+{scheme} {kernel} fp64") in passed
     assert {case for section, case in passed if section == "fused_loss"} == {
-        "linear_cross_entropy fp64", "linear_cross_entropy bf16", "model.fused_loss fp64"}  # fmt: skip
+        "linear_cross_entropy fp64",
+        "linear_cross_entropy bf16",
+        "model.fused_loss fp64",
+    }
     (mfu,) = [c for c in report["checks"] if c["section"] == "mfu"]
     assert mfu["status"] == "passed" and mfu["tokens_per_s"] > 0
     assert mfu["mfu"] is None and "unknown peak" in mfu["note"]  # a CPU has no entry in the peak table
@@ -101,16 +105,29 @@ def test_bound_is_the_tests_model_tolerance():
 
 
 def test_budget_skips_the_remaining_checks(tmp_path):
-    status = gpu.main(["--device", "cpu", "--tiny", "--sections", "fused_loss", "--max_minutes", "1e-9",
-                       "--output_dir", str(tmp_path)])  # fmt: skip
+    status = gpu.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--sections",
+            "fused_loss",
+            "--max_minutes",
+            "1e-9",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert status == 0 and report["checks"]
     assert {c["status"] for c in report["checks"]} == {"skipped"}
     assert "skipped" in (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.parametrize("argv,match", [(["--dtypes", "bf16"], "dtypes"), (["--sections", "speed"], "sections"),
-                                        (["--max_minutes", "0"], "max_minutes")])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,match",
+    [(["--dtypes", "bf16"], "dtypes"), (["--sections", "speed"], "sections"), (["--max_minutes", "0"], "max_minutes")],
+)
 def test_refuses_bad_options(argv, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         gpu.main(["--device", "cpu", "--output_dir", str(tmp_path), *argv])

@@ -42,9 +42,13 @@ def token_rows(label_every: int) -> list[dict]:
 
 
 def seq2seq_rows() -> list[dict]:
-    return [{"input_ids": [1 + (i * 7 + j) % (VOCAB - 2) for j in range(8)],
-             "labels": [1 + (i * 3 + j) % (VOCAB - 2) for j in range(2 + 2 * (i // 4))] + [-100] * (6 - 2 * (i // 4))}
-            for i in range(8)]  # fmt: skip
+    return [
+        {
+            "input_ids": [1 + (i * 7 + j) % (VOCAB - 2) for j in range(8)],
+            "labels": [1 + (i * 3 + j) % (VOCAB - 2) for j in range(2 + 2 * (i // 4))] + [-100] * (6 - 2 * (i // 4)),
+        }
+        for i in range(8)
+    ]
 
 
 def class_rows() -> list[dict]:
@@ -56,8 +60,9 @@ def plug(**fields) -> PlugformerConfig:
 
 
 def decomposable() -> DecomposableAttentionConfig:
-    return DecomposableAttentionConfig(vocab_size=VOCAB, pad_token_id=0, sep_token_id=VOCAB - 1, num_labels=3,
-                                       hidden_dropout=0.0)  # fmt: skip
+    return DecomposableAttentionConfig(
+        vocab_size=VOCAB, pad_token_id=0, sep_token_id=VOCAB - 1, num_labels=3, hidden_dropout=0.0
+    )
 
 
 def pair_rows() -> list[dict]:
@@ -86,9 +91,19 @@ def one_step(head: str, fused: bool, batch: int, accumulation: int, tmp_path) ->
     torch.manual_seed(0)
     model = build()
     model.fused_loss = fused
-    args = TrainingArguments(str(tmp_path / f"{batch}x{accumulation}"), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.5, optim="sgd",
-                             lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True, save_strategy="no")  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path / f"{batch}x{accumulation}"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
     trainer.train()
     loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)

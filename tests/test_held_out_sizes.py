@@ -25,14 +25,22 @@ QUICK = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--per_device
 
 
 def chats(count: int) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                          {"role": "assistant", "content": f"{i} + 1 = {i + 1}\n#### {i + 1}"}]}
-            for i in range(count)]  # fmt: skip
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 1?"},
+                {"role": "assistant", "content": f"{i} + 1 = {i + 1}\n#### {i + 1}"},
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 def pairs(count: int) -> list[dict]:
-    return [{"prompt": f"What is {i} + 2?", "chosen": f"{i} + 2 = {i + 2}\n#### {i + 2}",
-             "rejected": f"#### {i + 3}"} for i in range(count)]  # fmt: skip
+    return [
+        {"prompt": f"What is {i} + 2?", "chosen": f"{i} + 2 = {i + 2}\n#### {i + 2}", "rejected": f"#### {i + 3}"}
+        for i in range(count)
+    ]
 
 
 def test_held_out_sizes_are_a_tenth_of_the_distinct_rows_capped_by_the_flags():
@@ -45,18 +53,29 @@ def test_held_out_sizes_are_a_tenth_of_the_distinct_rows_capped_by_the_flags():
 
 def test_scaled_sizes_count_distinct_rows_and_refuse_only_what_cannot_be_carved(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", chats(100) + chats(100))  # 100 distinct rows, each twice
-    splits = load_stage_dataset("conversation", "json", data_files=[str(data)], sizes={"dev": 200, "test": 200},
-                                held_out_fraction=0.1)  # fmt: skip
+    splits = load_stage_dataset(
+        "conversation", "json", data_files=[str(data)], sizes={"dev": 200, "test": 200}, held_out_fraction=0.1
+    )
     assert (len(splits["test"]), len(splits["dev"])) == (10, 10)
-    assert splits.identity["held_out_sizes"] == {"test": 10, "dev": 10, "caps": {"test": 200, "dev": 200},
-                                                 "fraction": 0.1, "distinct_rows": 100}  # fmt: skip
+    assert splits.identity["held_out_sizes"] == {
+        "test": 10,
+        "dev": 10,
+        "caps": {"test": 200, "dev": 200},
+        "fraction": 0.1,
+        "distinct_rows": 100,
+    }
     small = write_jsonl(tmp_path / "small.jsonl", chats(9))
-    with pytest.raises(ValueError, match=r"9 rows left in train cannot give --test_examples 200 .* at least 10 "
-                                         r"distinct rows, or --test_examples 0$"):  # fmt: skip
-        load_stage_dataset("conversation", "json", data_files=[str(small)], sizes={"dev": 200, "test": 200},
-                           held_out_fraction=0.1)  # fmt: skip
-    splits = load_stage_dataset("conversation", "json", data_files=[str(small)], sizes={"dev": 0, "test": 0},
-                                held_out_fraction=0.1)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"9 rows left in train cannot give --test_examples 200 .* at least 10 "
+        r"distinct rows, or --test_examples 0$",
+    ):
+        load_stage_dataset(
+            "conversation", "json", data_files=[str(small)], sizes={"dev": 200, "test": 200}, held_out_fraction=0.1
+        )
+    splits = load_stage_dataset(
+        "conversation", "json", data_files=[str(small)], sizes={"dev": 0, "test": 0}, held_out_fraction=0.1
+    )
     assert set(splits) == {"train"}
 
 

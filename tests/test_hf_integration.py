@@ -40,9 +40,13 @@ def saved_model(tokenizer, tmp_path_factory):
     """A tiny t5_bias + multiplicative model with its tokenizer, saved as a user would."""
     directory = tmp_path_factory.mktemp("saved")
     config = tiny_config(
-        "multiplicative", "t5_bias", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        "multiplicative",
+        "t5_bias",
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = build(config)
     model.generation_config.eos_token_id = generation_eos_token_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -121,8 +125,9 @@ def assert_same_without_the_package(model, directory, tokens: torch.Tensor, tmp_
     torch.save(tokens, tmp_path / "ids.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     arguments = [str(directory), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")]
-    subprocess.run([sys.executable, str(tmp_path / "load.py"), *arguments], check=True, env=env, cwd=tmp_path,
-                   timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(tmp_path / "load.py"), *arguments], check=True, env=env, cwd=tmp_path, timeout=300
+    )
     result = torch.load(tmp_path / "out.pt")
     assert result["module"].startswith("transformers_modules.")
     with torch.no_grad():
@@ -141,15 +146,30 @@ def test_trust_remote_code_loads_without_the_package(saved_model, tmp_path, toke
 def llama_twin():
     """A random Llama and the plugformer config with the same architecture (the defaults are Llama-like)."""
     llama_config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    )
     config = PlugformerConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        attention_score="scaled_dot", position_scheme="rope",
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_score="scaled_dot",
+        position_scheme="rope",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(llama_config).eval(), config
 
@@ -177,9 +197,17 @@ def test_trainer_trains_and_checkpoints_safetensors(tokenizer, tmp_path):
     texts = arithmetic_sentences(64, seed=1)
     dataset = [tokenizer(text) for text in texts]
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=8, learning_rate=5e-3,
-        logging_steps=5, save_steps=30, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=30,
+        per_device_train_batch_size=8,
+        learning_rate=5e-3,
+        logging_steps=5,
+        save_steps=30,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
     trainer.train()
@@ -253,12 +281,24 @@ def test_every_head_loads_with_trust_remote_code_without_the_package(tmp_path, t
     heads = [
         ("AutoModelForMaskedLM", PlugformerForMaskedLM(encoder), {"input_ids": tokens}),
         ("AutoModelForTokenClassification", PlugformerForTokenClassification(encoder), {"input_ids": tokens}),
-        ("AutoModelForSequenceClassification", PlugformerForSequenceClassification(tiny_config(pad_token_id=0)), {"input_ids": tokens}),
-        ("AutoModelForSeq2SeqLM", PlugformerForConditionalGeneration(tiny_config("multiplicative", "alibi", is_encoder_decoder=True, pad_token_id=0)),
-         {"input_ids": tokens, "decoder_input_ids": tokens[:, :4]}),
-        ("AutoModelForSequenceClassification", DecomposableAttentionForSequenceClassification(DecomposableAttentionConfig(vocab_size=128, sep_token_id=2)),
-         {"input_ids": torch.cat([tokens[:, :5], torch.full((2, 1), 2), tokens[:, 5:]], dim=1)}),
-    ]  # fmt: skip
+        (
+            "AutoModelForSequenceClassification",
+            PlugformerForSequenceClassification(tiny_config(pad_token_id=0)),
+            {"input_ids": tokens},
+        ),
+        (
+            "AutoModelForSeq2SeqLM",
+            PlugformerForConditionalGeneration(
+                tiny_config("multiplicative", "alibi", is_encoder_decoder=True, pad_token_id=0)
+            ),
+            {"input_ids": tokens, "decoder_input_ids": tokens[:, :4]},
+        ),
+        (
+            "AutoModelForSequenceClassification",
+            DecomposableAttentionForSequenceClassification(DecomposableAttentionConfig(vocab_size=128, sep_token_id=2)),
+            {"input_ids": torch.cat([tokens[:, :5], torch.full((2, 1), 2), tokens[:, 5:]], dim=1)},
+        ),
+    ]
     jobs, expected = [], {}
     for index, (auto_name, model, inputs) in enumerate(heads):
         directory = str(tmp_path / f"head{index}")
@@ -271,8 +311,11 @@ def test_every_head_loads_with_trust_remote_code_without_the_package(tmp_path, t
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     subprocess.run(
         [sys.executable, str(tmp_path / "load.py"), str(tmp_path / "jobs.pt"), str(tmp_path / "out.pt")],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     results = torch.load(tmp_path / "out.pt")
     for directory, (name, logits, config) in expected.items():
         assert results[directory][0] == name
@@ -305,7 +348,12 @@ def test_a_bare_stack_checkpoint_carries_the_code_of_every_auto_map_entry(tmp_pa
     assert {f"{entry.split('.')[0]}.py" for entry in auto_map.values()} <= {p.name for p in directory.glob("*.py")}
     (tmp_path / "load.py").write_text(BARE_STACK_SCRIPT)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    subprocess.run([sys.executable, str(tmp_path / "load.py"), str(directory), str(tmp_path / "out.pt")],
-                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(tmp_path / "load.py"), str(directory), str(tmp_path / "out.pt")],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     loaded = torch.load(tmp_path / "out.pt")
     assert loaded == {"AutoModel": "PlugformerModel", "AutoModelForCausalLM": "PlugformerForCausalLM"}

@@ -300,9 +300,12 @@ def test_checks_compile_whole_with_a_static_cache():
         for position in range(8, 10):
             mask = torch.ones(1, position + 1, dtype=torch.long)
             logits = step(
-                input_ids=token, attention_mask=mask, cache=cache, use_cache=True,
+                input_ids=token,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
                 position_ids=torch.tensor([[position]]),
-            ).logits  # fmt: skip
+            ).logits
             token = logits[:, -1:].argmax(-1)
             generated.append(token)
     assert torch.equal(torch.cat(generated, dim=1), expected)

@@ -131,10 +131,15 @@ def test_a_dpo_reference_is_read_by_its_absolute_path_and_checked_by_its_weights
     info = json.loads((paths["policy"] / "run_info.json").read_text())
     recorded = info["reference_weights_sha256"]
     shutil.copy(paths["policy"] / "model.safetensors", paths["reference"] / "model.safetensors")
-    for consume in (lambda: evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8)),
-                    lambda: load_reward_model(str(paths["policy"]))):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"{paths['reference']} holds weights sha256 \w{{12}}, but the dpo stage "
-                                             rf"trained against weights sha256 {recorded[:12]}"):  # fmt: skip
+    for consume in (
+        lambda: evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8)),
+        lambda: load_reward_model(str(paths["policy"])),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"{paths['reference']} holds weights sha256 \w{{12}}, but the dpo stage "
+            rf"trained against weights sha256 {recorded[:12]}",
+        ):
             consume()
     # a relative reference with no digest (a record from before): which model it is cannot be checked
     info.update(reference="reference", reference_weights_sha256=None)
@@ -150,8 +155,10 @@ def test_dpo_stage_records_its_reference_by_absolute_path_and_weights_digest(tmp
     paths, _, _ = save_dpo_like(tmp_path)
     monkeypatch.chdir(tmp_path)
     record = reference_record("reference")
-    assert record == {"reference": str(paths["reference"]),
-                      "reference_weights_sha256": weights_sha256(paths["reference"])}  # fmt: skip
+    assert record == {
+        "reference": str(paths["reference"]),
+        "reference_weights_sha256": weights_sha256(paths["reference"]),
+    }
     assert len(record["reference_weights_sha256"]) == 64
 
 
@@ -162,8 +169,11 @@ def test_rlhf_refuses_a_reward_source_without_a_trained_reward_head(tmp_path):
 
     paths, tokenizer, _ = save_dpo_like(tmp_path)
     # a language model's folder (an sft stage) with no dpo record: its reward head would be freshly initialised
-    with pytest.raises(ValueError, match=r"--reward_model_path .*reference: a PlugformerForCausalLM with "
-                                         r"num_labels=2, no trained reward head"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"--reward_model_path .*reference: a PlugformerForCausalLM with "
+        r"num_labels=2, no trained reward head",
+    ):
         load_reward_model(str(paths["reference"]))
     classifier = tmp_path / "reward"
     AutoModelForSequenceClassification.from_pretrained(paths["reference"], num_labels=1).save_pretrained(classifier)
@@ -208,9 +218,12 @@ def test_the_implicit_reward_reads_the_last_step_a_dpo_stage_kept(tmp_path):
     (paths["policy"] / "run_info.json").write_text(json.dumps({**info, "last_step_model": "last_step"}))
     reward = ImplicitReward.from_dpo_stage(str(paths["policy"]))
     prompts, completions = list(rows["prompt"])[:3], list(rows["chosen"])[:3]
-    last, reference = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (paths["policy"] / "last_step",
-                                                                                  paths["reference"]))  # fmt: skip
-    expected = [0.5 * (sequence_log_prob(last, tokenizer, p, c) - sequence_log_prob(reference, tokenizer, p, c))
-                for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
+    last, reference = (
+        AutoModelForCausalLM.from_pretrained(p).eval() for p in (paths["policy"] / "last_step", paths["reference"])
+    )
+    expected = [
+        0.5 * (sequence_log_prob(last, tokenizer, p, c) - sequence_log_prob(reference, tokenizer, p, c))
+        for p, c in zip(prompts, completions, strict=True)
+    ]
     assert reward(prompts, completions) == pytest.approx(expected, rel=1e-4, abs=1e-4)
     assert any(abs(value) > 1e-2 for value in expected)

@@ -62,8 +62,9 @@ def deny_writes_under(monkeypatch, folder: Path) -> None:
     from plugformer.runtime import files
 
     real = os.access
-    monkeypatch.setattr(files.os, "access", lambda path, mode, **kw: (not Path(path).is_relative_to(folder)
-                                                                       and real(path, mode, **kw)))  # fmt: skip
+    monkeypatch.setattr(
+        files.os, "access", lambda path, mode, **kw: not Path(path).is_relative_to(folder) and real(path, mode, **kw)
+    )
 
 
 PRETRAIN = ["--preset", "tiny", "--vocab_size", "300", "--block_size", "32", "--max_position_embeddings", "128",
@@ -91,17 +92,24 @@ def models(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("models")
     tokenizer = train_tokenizer([sentence(index, 12) for index in range(200)], vocab_size=300)
-    special = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    special = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     sizes = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
     labels = {"id2label": {0: "a", 1: "b", 2: "c"}, "label2id": {"a": 0, "b": 1, "c": 2}}
     torch.manual_seed(0)
     built = {
         "lm": PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **sizes, **special)),
         "clf3": PlugformerForSequenceClassification(PlugformerConfig.from_preset("tiny", **sizes, **special, **labels)),
-        "nli": DecomposableAttentionForSequenceClassification(DecomposableAttentionConfig(
-            embedding_size=8, hidden_size=8, sep_token_id=tokenizer.sep_token_id, **special, **labels)),
-    }  # fmt: skip
+        "nli": DecomposableAttentionForSequenceClassification(
+            DecomposableAttentionConfig(
+                embedding_size=8, hidden_size=8, sep_token_id=tokenizer.sep_token_id, **special, **labels
+            )
+        ),
+    }
     for name, model in built.items():
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
@@ -119,11 +127,27 @@ def test_a_cache_dir_that_is_a_file_is_refused_naming_it_before_the_data_loads(t
     afile.write_text("not a folder\n")
     data = write_jsonl(tmp_path / "docs.jsonl", documents())
     monkeypatch.setattr("plugformer.data.user_data.load_dataset", refuse_work)
-    cache = {"flag": ["--data_cache_dir", str(afile)], "variable": [], "under a file": ["--data_cache_dir",
-             str(afile / "cache")]}[given]  # fmt: skip
+    cache = {
+        "flag": ["--data_cache_dir", str(afile)],
+        "variable": [],
+        "under a file": ["--data_cache_dir", str(afile / "cache")],
+    }[given]
     monkeypatch.setenv("PLUGFORMER_CACHE", str(afile))
-    line = cli_error(capsys, ["train", "pretrain", *PRETRAIN, "--dataset_name", "json", "--data_files", str(data),
-                              "--output_dir", str(tmp_path / "out"), *cache])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "pretrain",
+            *PRETRAIN,
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+            *cache,
+        ],
+    )
     named = f"PLUGFORMER_CACHE={afile}" if given == "variable" else f"--data_cache_dir {cache[1]}"
     assert line.startswith(f"ValueError: {named}: ") and "is a file" in line, line
     assert "the corpus cache must be a folder" in line
@@ -135,8 +159,22 @@ def test_a_read_only_cache_is_refused_before_the_tokenizer_trains(tmp_path, caps
     deny_writes_under(monkeypatch, cache)
     monkeypatch.setattr("plugformer.data.tokenization.train_tokenizer", refuse_work)
     data = write_jsonl(tmp_path / "docs.jsonl", documents())
-    line = cli_error(capsys, ["train", "pretrain", *PRETRAIN, "--dataset_name", "json", "--data_files", str(data),
-                              "--data_cache_dir", str(cache), "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "pretrain",
+            *PRETRAIN,
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--data_cache_dir",
+            str(cache),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+    )
     assert line.startswith("ValueError: the corpus cache has no tokenizers entry ")
     assert f"{cache} is not writable by this user" in line and "--data_cache_dir" in line
 
@@ -172,8 +210,21 @@ def test_classify_from_a_classifier_of_other_labels_keeps_all_but_a_new_head(mod
 
     data = write_csv(tmp_path / "two.csv", ["text", "label"], [[sentence(i), "xy"[i % 2]] for i in range(40)])
     with caplog.at_level("WARNING", logger="plugformer.training.classify"):
-        main(["train", "classify", *CLASSIFY, "--model_name_or_path", str(models / "clf3"), "--dataset_name", "csv",
-              "--data_files", str(data), "--output_dir", str(tmp_path / "clf2")])  # fmt: skip
+        main(
+            [
+                "train",
+                "classify",
+                *CLASSIFY,
+                "--model_name_or_path",
+                str(models / "clf3"),
+                "--dataset_name",
+                "csv",
+                "--data_files",
+                str(data),
+                "--output_dir",
+                str(tmp_path / "clf2"),
+            ]
+        )
     assert "is a classifier of 3 labels ['a', 'b', 'c']; your data has 2: ['x', 'y']" in caplog.text
     assert "replaced by a new 2-way head" in caplog.text
     parent, child = load_file(models / "clf3/model.safetensors"), load_file(tmp_path / "clf2/model.safetensors")
@@ -187,15 +238,44 @@ def test_classify_from_the_nli_model_takes_a_new_head_or_refuses_data_without_pa
 
     from plugformer.cli import main
 
-    pairs = write_csv(tmp_path / "pairs.csv", ["text", "text_pair", "label"],
-                      [[sentence(i), sentence(i + 1), "xy"[i % 2]] for i in range(40)])  # fmt: skip
-    main(["train", "classify", *CLASSIFY, "--model_name_or_path", str(models / "nli"), "--dataset_name", "csv",
-          "--data_files", str(pairs), "--output_dir", str(tmp_path / "from_nli")])  # fmt: skip
+    pairs = write_csv(
+        tmp_path / "pairs.csv",
+        ["text", "text_pair", "label"],
+        [[sentence(i), sentence(i + 1), "xy"[i % 2]] for i in range(40)],
+    )
+    main(
+        [
+            "train",
+            "classify",
+            *CLASSIFY,
+            "--model_name_or_path",
+            str(models / "nli"),
+            "--dataset_name",
+            "csv",
+            "--data_files",
+            str(pairs),
+            "--output_dir",
+            str(tmp_path / "from_nli"),
+        ]
+    )
     assert load_file(tmp_path / "from_nli/model.safetensors")["classifier.weight"].shape == (2, 8)
     single = write_csv(tmp_path / "single.csv", ["text", "label"], [[sentence(i), "xyz"[i % 3]] for i in range(40)])
-    line = cli_error(capsys, ["train", "classify", *CLASSIFY, "--model_name_or_path", str(models / "nli"),
-                              "--dataset_name", "csv", "--data_files", str(single), "--output_dir",
-                              str(tmp_path / "refused")])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "classify",
+            *CLASSIFY,
+            "--model_name_or_path",
+            str(models / "nli"),
+            "--dataset_name",
+            "csv",
+            "--data_files",
+            str(single),
+            "--output_dir",
+            str(tmp_path / "refused"),
+        ],
+    )
     assert line.startswith(f"ValueError: --model_name_or_path {models / 'nli'} is the nli stage's decomposable")
     assert "no text_pair column" in line
 
@@ -207,9 +287,22 @@ def test_a_csv_row_with_an_extra_field_is_named_by_file_and_line(models, tmp_pat
     rows = [[sentence(i), "ab"[i % 2]] for i in range(40)]
     rows[17].append("oops")  # the file's line 19 (the header is line 1)
     data = write_csv(tmp_path / "extra.csv", ["text", "label"], rows)
-    line = cli_error(capsys, ["train", "classify", *CLASSIFY, "--model_name_or_path", str(models / "lm"),
-                              "--dataset_name", "csv", "--data_files", str(data), "--output_dir",
-                              str(tmp_path / "out")])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "classify",
+            *CLASSIFY,
+            "--model_name_or_path",
+            str(models / "lm"),
+            "--dataset_name",
+            "csv",
+            "--data_files",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+    )
     assert f"{data} line 19: 3 fields where its header has 2 (text, label)" in line, line
 
 
@@ -259,9 +352,13 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130():
     def default_sigint():  # a shell's background job ignores SIGINT; a terminal's Ctrl-C does not
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    process = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "plugformer", "--version"],
-                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                               preexec_fn=default_sigint)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "plugformer", "--version"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     seen = False
     for line in process.stderr:  # one line per import as it ends: interrupt once the imports after quiet_start run
         if seen:
@@ -294,8 +391,9 @@ def test_a_gzipped_jsonl_is_checked_inside_and_read(tmp_path):
     with gzip.open(packed, "wt", encoding="utf-8") as handle:
         handle.write("".join(json.dumps(row) + "\n" for row in documents()))
     check_data_files("json", [str(packed)])
-    splits = load_user_splits("text", "json", None, [str(packed)], {"dev": 2, "test": 2}, 0,
-                              data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    splits = load_user_splits(
+        "text", "json", None, [str(packed)], {"dev": 2, "test": 2}, 0, data_cache_dir=str(tmp_path / "cache")
+    )
     assert sum(len(split) for split in splits.values()) == 40
     latin = tmp_path / "latin.jsonl.gz"
     with gzip.open(latin, "wb") as handle:
@@ -313,8 +411,20 @@ def test_a_folder_given_as_data_files_is_refused_naming_the_fix(tmp_path, capsys
     folder.mkdir()
     for part in range(2):
         write_jsonl(folder / f"part{part}.jsonl", documents()[part * 20 : (part + 1) * 20])
-    line = cli_error(capsys, ["train", "pretrain", *PRETRAIN, "--dataset_name", "json", "--data_files", str(folder),
-                              "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "pretrain",
+            *PRETRAIN,
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(folder),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+    )
     assert line.startswith(f"ValueError: --data_files {folder} is a folder") and f"'{folder}/*.jsonl'" in line
     assert f"--dataset_name {folder} (without --data_files)" in line
     from plugformer.data.identity import files_record
@@ -381,9 +491,22 @@ def test_classify_names_a_row_without_its_text_pair(models, tmp_path, capsys, ki
     else:
         del rows[5]["text_pair"]
         data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    line = cli_error(capsys, ["train", "classify", *CLASSIFY, "--model_name_or_path", str(models / "lm"),
-                              "--dataset_name", kind, "--data_files", str(data), "--output_dir",
-                              str(tmp_path / "out")])  # fmt: skip
+    line = cli_error(
+        capsys,
+        [
+            "train",
+            "classify",
+            *CLASSIFY,
+            "--model_name_or_path",
+            str(models / "lm"),
+            "--dataset_name",
+            kind,
+            "--data_files",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+    )
     assert re.search(r"column 'text_pair' is null in row \d+ of the (train|dev|test) split", line), line
 
 
@@ -396,10 +519,12 @@ def test_csv_labels_are_read_as_written_unless_all_are_integers(tmp_path, labels
     from plugformer.data.user_data import load_user_splits
     from plugformer.training.classify import label_names
 
-    data = write_csv(tmp_path / "labels.csv", ["text", "label"],
-                     [[sentence(i), labels[i % len(labels)]] for i in range(30)])  # fmt: skip
-    splits = load_user_splits("classification", "csv", None, [str(data)], {"dev": 3, "test": 3}, 0,
-                              data_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    data = write_csv(
+        tmp_path / "labels.csv", ["text", "label"], [[sentence(i), labels[i % len(labels)]] for i in range(30)]
+    )
+    splits = load_user_splits(
+        "classification", "csv", None, [str(data)], {"dev": 3, "test": 3}, 0, data_cache_dir=str(tmp_path / "cache")
+    )
     found = {value for split in splits.values() for value in split["label"]}
     assert found == expected
     assert len(label_names(list(found))) == len(expected)
@@ -410,8 +535,9 @@ def test_csv_labels_are_read_as_written_unless_all_are_integers(tmp_path, labels
 
 @pytest.mark.parametrize("dpi", ["0", "-3"])
 def test_a_dpi_that_is_not_positive_is_named(models, tmp_path, capsys, dpi):
-    line = cli_error(capsys, ["attention-map", "--model", str(models / "lm"), "--dpi", dpi, "--output",
-                              str(tmp_path / "map.png")])  # fmt: skip
+    line = cli_error(
+        capsys, ["attention-map", "--model", str(models / "lm"), "--dpi", dpi, "--output", str(tmp_path / "map.png")]
+    )
     assert line.startswith(f"ValueError: --dpi {dpi}: expected a value > 0"), line
     line = cli_error(capsys, ["plot", "sinusoidal", "--dpi", dpi, "--output", str(tmp_path / "s.png")])
     assert line.startswith(f"ValueError: --dpi {dpi}: expected a value > 0"), line
@@ -464,8 +590,12 @@ def test_a_value_a_library_refuses_is_named_by_its_option(models, tmp_path, caps
             monkeypatch.setattr(claim, refuse_work)
     monkeypatch.setattr(scoring, "language_model_scores", refuse_work)
     argv = [value.replace("{tmp}", str(tmp_path)) for value in argv]
-    where = {"train": ["--output_dir", str(tmp_path / "out")], "eval": ["--model", str(models / "lm")],
-             "compare": ["--output_dir", str(tmp_path / "out")], "extrapolate": ["--output_dir", str(tmp_path)]}  # fmt: skip
+    where = {
+        "train": ["--output_dir", str(tmp_path / "out")],
+        "eval": ["--model", str(models / "lm")],
+        "compare": ["--output_dir", str(tmp_path / "out")],
+        "extrapolate": ["--output_dir", str(tmp_path)],
+    }
     parent = ["--model_name_or_path", str(models / "lm")] if argv[1] in ("grpo", "sft") else []
     line = cli_error(capsys, [*argv, *where[argv[0]], *parent])
     assert re.search(pattern, line), line

@@ -35,8 +35,10 @@ def test_the_package_data_holds_the_native_kernels_sources():
     """Every C source and header `plugformer.native` builds at first use is package data (a wheel without them would
     quietly keep the torch path)."""
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["plugformer"]
-    sources = [path.relative_to(ROOT / "src" / "plugformer").as_posix() for path in
-               (ROOT / "src" / "plugformer" / "csrc").glob("*.[ch]")]  # fmt: skip
+    sources = [
+        path.relative_to(ROOT / "src" / "plugformer").as_posix()
+        for path in (ROOT / "src" / "plugformer" / "csrc").glob("*.[ch]")
+    ]
     assert sources and all(any(fnmatch(source, pattern) for pattern in patterns) for source in sources)
 
 
@@ -82,8 +84,9 @@ def build_wheel(folder: Path) -> Path:
 def copy_source(folder: Path) -> Path:
     """A copy of the source tree to build from (a build writes build/ and *.egg-info beside the sources)."""
     source = folder / "source"
-    ignore = shutil.ignore_patterns(".git", ".venv", "outputs", "runs", "build", "dist", "*.egg-info", "__pycache__",
-                                    ".pytest_cache", ".ruff_cache")  # fmt: skip
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "outputs", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache"
+    )
     shutil.copytree(ROOT, source, symlinks=True, ignore=ignore)
     return source
 
@@ -104,9 +107,12 @@ def test_the_sdist_holds_everything_the_tests_read(tmp_path):
         os.chdir(previous)
     with tarfile.open(tmp_path / "dist" / name) as archive:
         packed = {member.split("/", 1)[1] for member in archive.getnames() if "/" in member}
-    wanted = {path.relative_to(source).as_posix() for folder in ("configs", "examples", "model_cards", "tests")
-              for path in (source / folder).rglob("*")
-              if path.is_file() and ".hypothesis" not in path.parts} | {".ci/run", ".ci/matrix.py", "README.md"}  # fmt: skip
+    wanted = {
+        path.relative_to(source).as_posix()
+        for folder in ("configs", "examples", "model_cards", "tests")
+        for path in (source / folder).rglob("*")
+        if path.is_file() and ".hypothesis" not in path.parts
+    } | {".ci/run", ".ci/matrix.py", "README.md"}
     # (tests/.hypothesis is hypothesis' local example database, made by a test run: a cache, not a source)
     assert wanted - packed == set()
     assert not [name for name in packed if ".hypothesis/" in name or "__pycache__" in name]  # caches, not sources
@@ -128,28 +134,56 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        text=True).strip())  # fmt: skip
+    site = Path(
+        subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # a path, not a site dir
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
 
     def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(venv / "bin" / "plugformer"), *argv], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+        return subprocess.run(
+            [str(venv / "bin" / "plugformer"), *argv], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
 
-    where = subprocess.check_output([python, "-c", "import plugformer; print(plugformer.__file__)"], cwd=work, env=env,
-                                    text=True)  # fmt: skip
+    where = subprocess.check_output(
+        [python, "-c", "import plugformer; print(plugformer.__file__)"], cwd=work, env=env, text=True
+    )
     assert Path(where.strip()).is_relative_to(venv)
     version = run("--version")
     assert version.returncode == 0 and version.stdout.startswith("plugformer ")
     assert "commands:" in run("--help").stdout
-    micro = ["--max_steps", "2", "--train_examples", "48", "--dev_examples", "8", "--hidden_size", "32",
-             "--num_hidden_layers", "1", "--per_device_train_batch_size", "8", "--vocab_size", "300",
-             "--report_to", "none", "--disable_tqdm", "true", "--output_dir", "pretrain"]  # fmt: skip
+    micro = [
+        "--max_steps",
+        "2",
+        "--train_examples",
+        "48",
+        "--dev_examples",
+        "8",
+        "--hidden_size",
+        "32",
+        "--num_hidden_layers",
+        "1",
+        "--per_device_train_batch_size",
+        "8",
+        "--vocab_size",
+        "300",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--output_dir",
+        "pretrain",
+    ]
     trained = run("train", "pretrain", "--config", "configs/pretrain/tiny.yaml", *micro)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (work / "pretrain" / "model.safetensors").is_file()
@@ -157,9 +191,26 @@ def test_a_wheel_installed_in_a_fresh_environment_runs_a_stage_from_another_fold
     accelerate_yaml = Path(run("accelerate-config", "cpu_2proc").stdout.strip())
     assert accelerate_yaml.is_relative_to(venv) and accelerate_yaml.is_file()
     launched = subprocess.run(
-        [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_yaml), "-m", "plugformer",
-         "train", "pretrain", "--config", "configs/pretrain/tiny.yaml", *micro[:-1], "pretrain_2proc"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            python,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(accelerate_yaml),
+            "-m",
+            "plugformer",
+            "train",
+            "pretrain",
+            "--config",
+            "configs/pretrain/tiny.yaml",
+            *micro[:-1],
+            "pretrain_2proc",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert json.loads((work / "pretrain_2proc" / "run_info.json").read_text())["world_size"] == 2

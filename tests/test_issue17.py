@@ -71,8 +71,10 @@ def test_config_signature_shows_the_fields():
     assert parameters["attention_score"].default == "scaled_dot"
 
 
-@pytest.mark.parametrize(("key", "meant"), [("attention_scor", "attention_score"), ("positon_scheme", "position_scheme"),
-                                             ("hiden_size", "hidden_size")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [("attention_scor", "attention_score"), ("positon_scheme", "position_scheme"), ("hiden_size", "hidden_size")],
+)
 def test_config_refuses_a_near_miss_of_a_field(key, meant, tmp_path):
     import json
 
@@ -93,8 +95,14 @@ def test_config_keeps_transformers_bookkeeping_kwargs(tmp_path):
     still loads."""
     from plugformer import PlugformerConfig
 
-    config = tiny_config(num_labels=3, problem_type="single_label_classification", torch_dtype="float32",
-                         output_attentions=True, name_or_path="x", my_own_note="kept")  # fmt: skip
+    config = tiny_config(
+        num_labels=3,
+        problem_type="single_label_classification",
+        torch_dtype="float32",
+        output_attentions=True,
+        name_or_path="x",
+        my_own_note="kept",
+    )
     config.save_pretrained(tmp_path)
     loaded = PlugformerConfig.from_pretrained(tmp_path, attn_implementation="eager")
     assert loaded.num_labels == 3 and loaded.my_own_note == "kept"
@@ -131,8 +139,11 @@ def test_capability_flags_follow_the_config(score, scheme):
     torch.manual_seed(0)
     model = PlugformerForCausalLM(tiny_config(score, scheme))
     config = model.config
-    for flag, kernel in (("_supports_sdpa", "sdpa"), ("_supports_flex_attn", "flex_attention"),
-                         ("_supports_flash_attn", "flash_attention_2")):  # fmt: skip
+    for flag, kernel in (
+        ("_supports_sdpa", "sdpa"),
+        ("_supports_flex_attn", "flex_attention"),
+        ("_supports_flash_attn", "flash_attention_2"),
+    ):
         assert getattr(model, flag) is (KERNELS.get(kernel).unsupported_reason(config) is None), flag
     dot_product = ATTENTION_SCORES.get(score).dot_product
     assert model.config._attn_implementation == ("sdpa" if dot_product else "eager")
@@ -220,8 +231,14 @@ def test_peft_default_targets_with_remote_code_alone(tmp_path):
     build(tiny_config("multiplicative", "alibi")).save_pretrained(tmp_path / "model")
     (tmp_path / "lora_defaults.py").write_text(HIDE_PLUGFORMER + PEFT_WITHOUT_THE_PACKAGE)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, str(tmp_path / "lora_defaults.py"), str(tmp_path / "model")], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "lora_defaults.py"), str(tmp_path / "model")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     targets = next(line for line in result.stdout.splitlines() if line.startswith("TARGETS ")).split()[1]
     assert sorted(targets.split(",")) == sorted(LORA_TARGET_MODULES)

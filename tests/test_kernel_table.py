@@ -74,14 +74,20 @@ def test_the_combination_matrix_is_read_from_the_records():
     for (score, scheme), kernels in rows.items():
         kind = POSITION_SCHEMES.get(scheme).bias_type.kind  # a scheme's bias object: per distance, per query position
         expected = [
-            name for name in KERNELS
+            name
+            for name in KERNELS
             if (KERNELS.get(name).scores == "any" or dot_product(score))
             and (KERNELS.get(name).wide_values or ATTENTION_SCORES.get(score).value_width == 1)
-            and (KERNELS.get(name).bias == "dense"
-                 or (KERNELS.get(name).bias == "relative" and (not biased(scheme) or kind in KERNELS.get(name).bias_kinds))
-                 or (KERNELS.get(name).bias == "none" and not biased(scheme))
-                 or (KERNELS.get(name).bias == "alibi" and scheme == "alibi"))
-        ]  # fmt: skip
+            and (
+                KERNELS.get(name).bias == "dense"
+                or (
+                    KERNELS.get(name).bias == "relative"
+                    and (not biased(scheme) or kind in KERNELS.get(name).bias_kinds)
+                )
+                or (KERNELS.get(name).bias == "none" and not biased(scheme))
+                or (KERNELS.get(name).bias == "alibi" and scheme == "alibi")
+            )
+        ]
         assert kernels == expected, (score, scheme)
     # on this machine (no CUDA) no flash kernel runs: the suite's kernels are the available ones
     if not torch.cuda.is_available():
@@ -146,8 +152,7 @@ def test_a_registered_kernel_declaring_a_dense_bias_gets_one_and_matches_eager(k
 
     def dense_bias_sdpa(module, query, key, value, attention_mask, position_bias=None, **kwargs):
         shapes.append(tuple(position_bias.shape))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, position_bias=position_bias,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(module, query, key, value, attention_mask, position_bias=position_bias, **kwargs)
 
     register_attention_kernel(kernel_name, dense_bias_sdpa, bias="dense")
     reference = saved(tmp_path, "multiplicative", "t5_bias")
@@ -196,8 +201,15 @@ def test_a_kernel_adding_alibi_itself_computes_alibi_only_and_gets_no_bias(kerne
         distance = torch.arange(key.shape[2])[None, :] - torch.arange(query.shape[2])[:, None]  # j - i (causal)
         bias = slopes[:, None, None] * distance  # (H, Q, K): -slope * |i - j| where j <= i
         causal = distance <= 0
-        return sdpa_attention_forward(module, query, key, value, (bias + torch.where(causal, 0.0, -torch.inf))[None],
-                                      is_causal=False, **{k: v for k, v in kwargs.items() if k != "is_causal"})  # fmt: skip
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            (bias + torch.where(causal, 0.0, -torch.inf))[None],
+            is_causal=False,
+            **{k: v for k, v in kwargs.items() if k != "is_causal"},
+        )
 
     register_attention_kernel(kernel_name, alibi_sdpa, bias="alibi", mask=None)
     assert kernel_name not in KERNELS.taking_a_bias()  # never suggested for T5 or clamped biases
@@ -333,8 +345,12 @@ def name_comparisons(source: str, names: set[str]) -> list[tuple[int, str, str]]
             operands = [node.value]
         else:
             continue
-        found += [(node.lineno, value, ast.unparse(node)) for operand in operands for value in constant_strings(operand)
-                  if value in names]  # fmt: skip
+        found += [
+            (node.lineno, value, ast.unparse(node))
+            for operand in operands
+            for value in constant_strings(operand)
+            if value in names
+        ]
     return found
 
 
@@ -351,8 +367,11 @@ def test_no_module_outside_the_kernel_table_compares_kernel_or_scheme_names():
         module = path.relative_to(PACKAGE).as_posix()
         if module in KERNEL_TABLE_MODULES:
             continue
-        found += [f"{module}:{line}: {code}" for line, name, code in name_comparisons(path.read_text("utf-8"), names)
-                  if (module, name) not in COINCIDENCES]  # fmt: skip
+        found += [
+            f"{module}:{line}: {code}"
+            for line, name, code in name_comparisons(path.read_text("utf-8"), names)
+            if (module, name) not in COINCIDENCES
+        ]
     assert not found, "compare a record's or a scheme class's property instead:\n" + "\n".join(found)
 
 
@@ -374,8 +393,11 @@ def test_a_kernel_declaring_cache_and_padding_limits_is_refused_them(kernel_name
     register_attention_kernel(kernel_name, sdpa_attention_forward, static_cache=False, padding=False)
     model = build(tiny_config("scaled_dot", "rope"), kernel_name)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
-    with pytest.raises(ValueError, match=rf"attn_implementation='{kernel_name}' cannot decode with a StaticCache "
-                                         r"\(its record says static_cache=False"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"attn_implementation='{kernel_name}' cannot decode with a StaticCache "
+        r"\(its record says static_cache=False",
+    ):
         model(ids, cache=StaticCache(config=model.config, max_cache_len=8), use_cache=True)
     with pytest.raises(ValueError, match=rf"'{kernel_name}' with padding .* padding=False\); use one of \['eager'"):
         model(ids, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))

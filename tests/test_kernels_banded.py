@@ -28,8 +28,9 @@ CONSTANT_BIAS_SCHEMES = ["t5_bias", "clamped_bias"]
     [(37, 5, 8, 3, 16), (64, 16, 8, 1, 7), (50, 1, 16, 3, 64), (70, 13, 64, 1, 32), (33, 32, 4, 3, 8)],
     ids=["blocks", "gqa-short-forward-blocks", "width-1", "one-short-band-block", "far-part-of-one-row"],
 )
-def test_output_and_every_gradient_equal_the_materialised_softmax(length, far, rows, kv_heads, forward_rows,
-                                                                  monkeypatch):  # fmt: skip
+def test_output_and_every_gradient_equal_the_materialised_softmax(
+    length, far, rows, kv_heads, forward_rows, monkeypatch
+):
     """fp64: output and the gradients of Q, K, V and the bias table (distances clamped at `far`, as clamped_bias's)
     equal autograd through the materialised computation, with band blocks of several sizes, forward and backward."""
     monkeypatch.setattr(banded, "BAND_ROWS", rows)
@@ -71,8 +72,9 @@ def test_a_frozen_bias_skips_its_gradient_and_keeps_the_others_exact(monkeypatch
 
     monkeypatch.setattr(banded, "banded_backward", recording)
     generator = torch.Generator().manual_seed(1)
-    query, key, value = (torch.randn(2, 2, 40, 4, dtype=torch.float64, generator=generator).requires_grad_()
-                         for _ in range(3))  # fmt: skip
+    query, key, value = (
+        torch.randn(2, 2, 40, 4, dtype=torch.float64, generator=generator).requires_grad_() for _ in range(3)
+    )
     values = torch.randn(2, 7, dtype=torch.float64, generator=generator)[:, (torch.arange(79) - 39).neg().clamp(0, 6)]
     grad_output = torch.randn(2, 2, 40, 4, dtype=torch.float64, generator=generator)
     results = []
@@ -154,9 +156,11 @@ def test_t5_buckets_are_constant_beyond_the_declared_distance(bidirectional):
     distances = torch.arange(far, 4 * far)
     for sign in (-1, 1) if bidirectional else (-1,):
         buckets = T5Attention._relative_position_bucket(
-            sign * distances, bidirectional, config.relative_attention_num_buckets,
+            sign * distances,
+            bidirectional,
+            config.relative_attention_num_buckets,
             config.relative_attention_max_distance,
-        )  # fmt: skip
+        )
         assert (buckets == buckets[0]).all()
     scheme = POSITION_SCHEMES.get("t5_bias")(config, bidirectional=bidirectional)
     bias = scheme.distance_bias(torch.cat([-distances, distances]))  # (H, 2M)
@@ -175,8 +179,9 @@ def test_t5_buckets_are_constant_beyond_the_declared_distance(bidirectional):
 def test_t5_constant_distance_is_the_first_in_the_last_bucket(buckets, max_distance, expected):
     """By hand for T5's default (32 buckets, 128): the band stops at 113, not at the max distance. Small configs
     against transformers' bucketing: the distance before the declared one still has a bucket of its own."""
-    config = tiny_config("scaled_dot", "t5_bias", relative_attention_num_buckets=buckets,
-                         relative_attention_max_distance=max_distance)  # fmt: skip
+    config = tiny_config(
+        "scaled_dot", "t5_bias", relative_attention_num_buckets=buckets, relative_attention_max_distance=max_distance
+    )
     far = POSITION_SCHEMES.get("t5_bias").constant_bias_distance(config)
     assert far == expected
     before = [

@@ -21,8 +21,9 @@ from plugformer.kernels_relative import RelativeBiasAttention, relative_bias_app
     [(37, 16, 8, 3), (64, 7, 64, 1), (50, 64, 5, 3), (1, 4, 4, 3)],
     ids=["blocks", "gqa-short-fused-blocks", "one-fused-block", "one-token"],
 )
-def test_output_and_every_gradient_equal_the_materialised_softmax(length, rows, hand_rows, kv_heads, learned, layout,
-                                                                  monkeypatch):  # fmt: skip
+def test_output_and_every_gradient_equal_the_materialised_softmax(
+    length, rows, hand_rows, kv_heads, learned, layout, monkeypatch
+):
     """fp64: output and the gradients of Q, K, V and of every bias value (future distances: none) equal autograd
     through the materialised computation, by the hand backward (learned) or the fused one (fixed); also with the
     values laid out distances-first, as T5's bucket lookup hands them over (a transposed (2N − 1, H) tensor: the
@@ -110,11 +111,16 @@ def test_the_raw_flash_kernels_take_any_layout(kernel):
     assert all(tensor.stride(-1) != 1 for tensor in strided)
     distances = torch.arange(2 * length - 1, dtype=torch.float64) - (length - 1)  # key − query
     table = torch.randn(2, far + 1, dtype=torch.float64, generator=generator)  # constant from `far` slots behind
-    values = {"linear": -0.25 * distances.abs().expand(2, -1), "banded": table[:, distances.neg().clamp(0, far).long()],
-              "relative": torch.randn(2, 2 * length - 1, dtype=torch.float64, generator=generator)}[kernel]  # fmt: skip
-    function = {"linear": lambda *args: LinearBiasAttention.apply(*args, 0.3),
-                "banded": lambda *args: BandedBiasAttention.apply(*args, far, 0.3),
-                "relative": lambda *args: RelativeBiasAttention.apply(*args, 0.3)}[kernel]  # fmt: skip
+    values = {
+        "linear": -0.25 * distances.abs().expand(2, -1),
+        "banded": table[:, distances.neg().clamp(0, far).long()],
+        "relative": torch.randn(2, 2 * length - 1, dtype=torch.float64, generator=generator),
+    }[kernel]
+    function = {
+        "linear": lambda *args: LinearBiasAttention.apply(*args, 0.3),
+        "banded": lambda *args: BandedBiasAttention.apply(*args, far, 0.3),
+        "relative": lambda *args: RelativeBiasAttention.apply(*args, 0.3),
+    }[kernel]
     output = function(*strided, values.contiguous())
     exact = [tensor.detach().clone().requires_grad_() for tensor in contiguous]
     expected = materialised(*exact, values, 0.3)

@@ -22,12 +22,29 @@ def deepseek(rope_interleave=True, rope_parameters=None, **overrides) -> Deepsee
     so a wrong rotation, scale or norm moves the logits by far more than the tolerance."""
     sizes = {**LATENT, **overrides}
     config = DeepseekV3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1,
-        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64, tie_word_embeddings=False,
-        rope_interleave=rope_interleave, attention_bias=True, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 1000.0}, **sizes,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_interleave=rope_interleave,
+        attention_bias=True,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 1000.0},
+        **sizes,
+    )
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():  # the norms start at 1: random gains show a norm applied in the wrong place
@@ -41,14 +58,28 @@ def plugformer_twin(source: DeepseekV3ForCausalLM, kernel: str, **overrides) -> 
     """The same model in plugformer, weights loaded by their DeepseekV3 names."""
     s = source.config
     config = PlugformerConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-        max_position_embeddings=s.max_position_embeddings, rope_parameters=dict(s.rope_parameters),
-        rms_norm_eps=s.rms_norm_eps, attention_bias=s.attention_bias, tie_word_embeddings=False,
-        attention_projection="latent", q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
-        qk_rope_head_dim=s.qk_rope_head_dim, qk_nope_head_dim=s.qk_nope_head_dim, v_head_dim=s.v_head_dim,
-        rope_interleave=s.rope_interleave, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides,
-    )  # fmt: skip
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        max_position_embeddings=s.max_position_embeddings,
+        rope_parameters=dict(s.rope_parameters),
+        rms_norm_eps=s.rms_norm_eps,
+        attention_bias=s.attention_bias,
+        tie_word_embeddings=False,
+        attention_projection="latent",
+        q_lora_rank=s.q_lora_rank,
+        kv_lora_rank=s.kv_lora_rank,
+        qk_rope_head_dim=s.qk_rope_head_dim,
+        qk_nope_head_dim=s.qk_nope_head_dim,
+        v_head_dim=s.v_head_dim,
+        rope_interleave=s.rope_interleave,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **overrides,
+    )
     config._attn_implementation = kernel
     model = PlugformerForCausalLM(config).eval()
     model.load_state_dict(source.state_dict(), strict=True)
@@ -104,8 +135,10 @@ def test_cached_greedy_generation_equals_deepseek_v3(kernel, use_latent_cache, t
     assert torch.equal(model.generate(ids, **arguments), expected)
     for row in range(2):  # a left-padded row decodes as the same text alone
         alone = ids[row : row + 1, 4 if row else 0 :]
-        assert torch.equal(model.generate(alone, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0],
-                           expected[row, 4 if row else 0 :])  # fmt: skip
+        assert torch.equal(
+            model.generate(alone, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0],
+            expected[row, 4 if row else 0 :],
+        )
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -133,8 +166,11 @@ def test_latent_cache_bytes_per_token_match_deepseek_v3s():
     transformers' DeepseekV3 cache, against every head's keys and values in the full cache."""
     source = deepseek()
     measured = {}
-    for name, model in (("deepseek", source), ("full", plugformer_twin(source, "eager")),
-                        ("latent", plugformer_twin(source, "eager", use_latent_cache=True))):  # fmt: skip
+    for name, model in (
+        ("deepseek", source),
+        ("full", plugformer_twin(source, "eager")),
+        ("latent", plugformer_twin(source, "eager", use_latent_cache=True)),
+    ):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             # transformers' DeepseekV3 takes the cache by its name of the installed release (5.24: `cache`)

@@ -24,17 +24,32 @@ MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
 def qwen3_twin(kernel: str = "eager", **window):
     """A tiny Qwen3 with sliding layers and the plugformer model with its weights (the module names are the same)."""
     fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=True,
-        sliding_window=WINDOW, **window,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        **window,
+    )
     torch.manual_seed(0)
     reference = Qwen3ForCausalLM(Qwen3Config(**fields, attn_implementation=kernel)).eval()
     config = tiny_config(
-        "scaled_dot", "rope", use_qk_norm=True, num_hidden_layers=3, rope_parameters=fields["rope_parameters"],
-        sliding_window=reference.config.sliding_window, layer_types=reference.config.layer_types,
-    )  # fmt: skip
+        "scaled_dot",
+        "rope",
+        use_qk_norm=True,
+        num_hidden_layers=3,
+        rope_parameters=fields["rope_parameters"],
+        sliding_window=reference.config.sliding_window,
+        layer_types=reference.config.layer_types,
+    )
     model = build(config, kernel)
     model.load_state_dict(reference.state_dict(), strict=True)
     return reference, model
@@ -119,12 +134,17 @@ def test_layer_types_default_from_sliding_window():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"sliding_window": 4, "layer_types": ["sliding_attention"]}, r"layer_types has 1 entries.*num_hidden_layers=2"),
-        ({"sliding_window": 4, "layer_types": ["sliding_attention", "chunked_attention"]},
-         r"layer_types=.*'chunked_attention'.*\['full_attention', 'sliding_attention', 'linear_attention'\]"),
+        (
+            {"sliding_window": 4, "layer_types": ["sliding_attention"]},
+            r"layer_types has 1 entries.*num_hidden_layers=2",
+        ),
+        (
+            {"sliding_window": 4, "layer_types": ["sliding_attention", "chunked_attention"]},
+            r"layer_types=.*'chunked_attention'.*\['full_attention', 'sliding_attention', 'linear_attention'\]",
+        ),
         ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer_types=.*sliding_window=None"),
     ],
-)  # fmt: skip
+)
 def test_layer_types_are_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(**overrides)
@@ -136,25 +156,39 @@ def test_layer_types_save_load_round_trip(tokens, tmp_path):
     loaded = PlugformerForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.layer_types == MIXED
     assert [layer.attention_type for layer in loaded.model.layers] == MIXED
-    assert [layer.self_attn.window_kwargs for layer in loaded.model.layers] == [{"sliding_window": WINDOW}, {},
-                                                                                {"sliding_window": WINDOW}]  # fmt: skip
+    assert [layer.self_attn.window_kwargs for layer in loaded.model.layers] == [
+        {"sliding_window": WINDOW},
+        {},
+        {"sliding_window": WINDOW},
+    ]
 
 
 def test_a_seq2seq_decoder_deeper_than_its_encoder_slides_every_layer(tokens):
     """`layer_types` counts the encoder's layers; the decoder's self-attention layers (here more of them) take the one
     kind a seq2seq model allows, and its cached decoding equals the full forward."""
-    config = tiny_config(is_encoder_decoder=True, sliding_window=3, num_hidden_layers=1, num_decoder_layers=2,
-                         pad_token_id=0, decoder_start_token_id=0)  # fmt: skip
+    config = tiny_config(
+        is_encoder_decoder=True,
+        sliding_window=3,
+        num_hidden_layers=1,
+        num_decoder_layers=2,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+    )
     model = PlugformerForConditionalGeneration(config).eval()
     with torch.no_grad():
         full = model(tokens, decoder_input_ids=tokens[:, :6]).logits
         out = model(tokens, decoder_input_ids=tokens[:, :3], use_cache=True)
         steps = [out.logits]
         for t in range(3, 6):
-            out = model(tokens, decoder_input_ids=tokens[:, t : t + 1], past_key_values=out.past_key_values,
-                        use_cache=True)  # fmt: skip
+            out = model(
+                tokens, decoder_input_ids=tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True
+            )
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=model_tolerance(model.config, full), rtol=0)
     with pytest.raises(ValueError, match=r"mixes kinds, which is_encoder_decoder=True does not support"):
-        tiny_config(is_encoder_decoder=True, sliding_window=3, layer_types=["full_attention", "sliding_attention"],
-                    pad_token_id=0)  # fmt: skip
+        tiny_config(
+            is_encoder_decoder=True,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+            pad_token_id=0,
+        )

@@ -30,8 +30,13 @@ ATOL = 1e-5  # logits of two float32 models of the same weights (issue 61's boun
 HYBRID = ["linear_attention", "full_attention", "linear_attention"]
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # widths that differ from each other, so a swapped reshape or split fails: 2 key heads serving 4 value heads
-LINEAR = dict(linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
-              linear_num_value_heads=4)  # fmt: skip
+LINEAR = dict(
+    linear_conv_kernel_dim=3,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, state):
@@ -76,11 +81,24 @@ def test_chunked_rule_equals_the_paper_recurrence_in_float64(length):
 
 def qwen3_next_fields(**overrides) -> dict:
     fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters=ROPE, layer_types=HYBRID, mlp_only_layers=[0, 1, 2], pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, **LINEAR,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters=ROPE,
+        layer_types=HYBRID,
+        mlp_only_layers=[0, 1, 2],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **LINEAR,
+    )
     return fields | overrides
 
 
@@ -130,8 +148,16 @@ def test_hybrid_model_matches_qwen3_next(kernel):
 
 
 def greedy(model, prompt, mask=None, use_cache=True):
-    out = model.generate(prompt, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                         use_cache=use_cache, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        prompt,
+        attention_mask=mask,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        use_cache=use_cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -156,8 +182,9 @@ def test_static_cache_and_beam_search_generate_as_qwen3_next():
     dynamic = model.generate(prompts, **settings)
     assert torch.equal(model.generate(prompts, cache_implementation="static", **settings), dynamic)
     assert torch.equal(dynamic, reference.generate(prompts, **settings))
-    assert torch.equal(model.generate(prompts, num_beams=3, **settings),
-                       reference.generate(prompts, num_beams=3, **settings))  # fmt: skip
+    assert torch.equal(
+        model.generate(prompts, num_beams=3, **settings), reference.generate(prompts, num_beams=3, **settings)
+    )
 
 
 def test_chunked_prefill_and_decoding_steps_equal_the_full_forward():
@@ -203,9 +230,7 @@ def test_eager_and_sdpa_give_the_same_hybrid_model():
     _, model = qwen3_next_twin("eager")
     ids = long_tokens(20)
     with torch.no_grad():
-        torch.testing.assert_close(
-            on_kernel(model, "sdpa")(ids).logits, model(ids).logits, atol=ATOL, rtol=0
-        )  # fmt: skip
+        torch.testing.assert_close(on_kernel(model, "sdpa")(ids).logits, model(ids).logits, atol=ATOL, rtol=0)
 
 
 def test_training_step_reaches_every_parameter_of_the_layer():
@@ -215,8 +240,15 @@ def test_training_step_reaches_every_parameter_of_the_layer():
     model(ids, labels=ids).loss.backward()
     layer = model.model.layers[0].linear_attn
     names = {name for name, _ in layer.named_parameters()}
-    assert names == {"in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
-                     "norm.weight", "out_proj.weight"}  # fmt: skip
+    assert names == {
+        "in_proj_qkvz.weight",
+        "in_proj_ba.weight",
+        "conv1d.weight",
+        "dt_bias",
+        "A_log",
+        "norm.weight",
+        "out_proj.weight",
+    }
     for name, parameter in layer.named_parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
 
@@ -278,13 +310,21 @@ def test_convert_imports_a_hybrid_qwen3_next(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, source(ids).logits, atol=ATOL, rtol=0)
     prompt = ids[:1, :5]
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
-                       source.generate(prompt, max_new_tokens=8, do_sample=False))  # fmt: skip
+    assert torch.equal(
+        loaded.generate(prompt, max_new_tokens=8, do_sample=False),
+        source.generate(prompt, max_new_tokens=8, do_sample=False),
+    )
 
 
 def test_convert_keeps_refusing_expert_layers(tmp_path):
-    save_qwen3_next(tmp_path, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    shared_expert_intermediate_size=16)  # fmt: skip
+    save_qwen3_next(
+        tmp_path,
+        mlp_only_layers=[0],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\] leaves layers \[1, 2\] mixture-of-experts"):
         convert(tmp_path)
 
@@ -313,8 +353,10 @@ def test_what_the_layer_cannot_compute_is_refused_by_name(fields, match):
 
 def test_the_fields_default_from_the_attention_sizes_and_stay_unset_without_linear_layers():
     config = tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (config.num_key_value_heads,
-                                                                            config.num_attention_heads)  # fmt: skip
+    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (
+        config.num_key_value_heads,
+        config.num_attention_heads,
+    )
     assert config.linear_key_head_dim == config.linear_value_head_dim == config.head_dim
     assert config.linear_conv_kernel_dim == 4
     assert tiny_config().linear_conv_kernel_dim is None and "linear_attention" not in tiny_config().layer_types
@@ -370,8 +412,15 @@ def suite_combinations() -> list:
             for kernel in ("eager", "sdpa"):
                 if kernel in supported_kernels(tiny_config(score, scheme, **SUITE_FIELDS)):
                     slow = (score, scheme) != ("scaled_dot", "rope")
-                    params.append(pytest.param(score, scheme, kernel, id=f"{score}-{scheme}-{kernel}",
-                                               marks=(pytest.mark.slow,) if slow else ()))  # fmt: skip
+                    params.append(
+                        pytest.param(
+                            score,
+                            scheme,
+                            kernel,
+                            id=f"{score}-{scheme}-{kernel}",
+                            marks=(pytest.mark.slow,) if slow else (),
+                        )
+                    )
     return params
 
 
@@ -394,8 +443,14 @@ class TestCausalLMConformanceWithLinearAttention(conformance.TestCausalLM):
         config = causal.config
         output = conformance.eager_copy(causal)(conformance.ids(), output_attentions=True, output_hidden_states=True)
         attention_layers = config.layer_types.count("full_attention")
-        conformance.assert_attention_maps(output.attentions, attention_layers, config.num_attention_heads,
-                                          conformance.LENGTH, conformance.LENGTH, causal=True)  # fmt: skip
+        conformance.assert_attention_maps(
+            output.attentions,
+            attention_layers,
+            config.num_attention_heads,
+            conformance.LENGTH,
+            conformance.LENGTH,
+            causal=True,
+        )
         assert len(output.hidden_states) == config.num_hidden_layers + 1
         output.hidden_states[0].retain_grad()
         output.logits.sum().backward()
@@ -424,11 +479,21 @@ def test_a_hybrid_model_trains_under_fsdp2_to_the_single_process_weights(saved_h
     from test_fsdp import ENV, WORKER, free_port
 
     directory, _ = saved_hybrid
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port())]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     for command, output in (([*torchrun, str(WORKER)], "sharded"), ([sys.executable, str(WORKER), "--single"], "one")):
-        result = subprocess.run([*command, str(directory), str(tmp_path / output)], env=ENV, capture_output=True,
-                                text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [*command, str(directory), str(tmp_path / output)], env=ENV, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     first, second = json.loads((tmp_path / "sharded" / "worker.json").read_text())["digests"]
     assert first == second

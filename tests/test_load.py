@@ -31,9 +31,14 @@ def tokenizer():
 
 def language_model(tokenizer, score: str, scheme: str, kernel: str, **overrides):
     config = tiny_config(
-        score, scheme, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **overrides,
-    )  # fmt: skip
+        score,
+        scheme,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
     return build(config, kernel)
 
 
@@ -84,8 +89,12 @@ def encode_requests(tokenizer, count: int) -> list[dict]:
     requests = []
     for job in range(count):
         prompt, other = PROMPTS[job % len(PROMPTS)], PROMPTS[(job + 5) % len(PROMPTS)]
-        requests.append({"single": tokenizer(prompt, return_tensors="pt"),
-                         "pair": tokenizer([prompt, other], padding=True, return_tensors="pt")})  # fmt: skip
+        requests.append(
+            {
+                "single": tokenizer(prompt, return_tensors="pt"),
+                "pair": tokenizer([prompt, other], padding=True, return_tensors="pt"),
+            }
+        )
     return requests
 
 
@@ -152,8 +161,14 @@ def test_one_model_serves_many_threads_with_the_outputs_of_one_at_a_time_calls(t
     recording keeps its collector in a ContextVar, caches belong to each call, and nothing in plugformer's forward
     writes to the model."""
     if score == "seq2seq":
-        config = tiny_config("scaled_dot", scheme, vocab_size=len(tokenizer), is_encoder_decoder=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        config = tiny_config(
+            "scaled_dot",
+            scheme,
+            vocab_size=len(tokenizer),
+            is_encoder_decoder=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         config._attn_implementation = kernel
         torch.manual_seed(0)
         model, request = PlugformerForConditionalGeneration(config).eval(), seq2seq_serve
@@ -171,9 +186,12 @@ def test_one_model_serves_many_threads_with_the_outputs_of_one_at_a_time_calls(t
                 assert_same_results(expected[job], got, model.config)
 
 
-@pytest.mark.xfail(strict=True, reason="dynamic RoPE keeps its frequencies as module state (transformers' "
-                   "dynamic_rope_update, as in Llama): a call's output depends on the calls before it, and threads "
-                   "race on it")  # fmt: skip
+@pytest.mark.xfail(
+    strict=True,
+    reason="dynamic RoPE keeps its frequencies as module state (transformers' "
+    "dynamic_rope_update, as in Llama): a call's output depends on the calls before it, and threads "
+    "race on it",
+)
 def test_dynamic_rope_outputs_do_not_depend_on_earlier_calls(tokenizer):
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = language_model(tokenizer, "scaled_dot", "rope", "sdpa", max_position_embeddings=8, rope_parameters=rope)

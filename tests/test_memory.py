@@ -34,12 +34,18 @@ def meta_count(model_class, config) -> int:
 def llama(config, model_class=LlamaForCausalLM, **fields) -> int:
     """Llama of the plugformer config's shape: pre-RMSNorm, SwiGLU, RoPE (no parameters), GQA."""
     reference = LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-        mlp_bias=config.mlp_bias, **fields,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+        **fields,
+    )
     return meta_count(model_class, reference)
 
 
@@ -64,8 +70,14 @@ def test_a_llama_shaped_model_counts_as_llama_plus_its_scheme(scheme, tied):
     assert parameter_count(config) == llama(config) + SCHEME_PARAMETERS[scheme](config)
 
 
-@pytest.mark.parametrize("fields", [{"attention_bias": True, "mlp_bias": True}, {"num_key_value_heads": 1},
-                                    {"num_key_value_heads": 4, "head_dim": 12}])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"attention_bias": True, "mlp_bias": True},
+        {"num_key_value_heads": 1},
+        {"num_key_value_heads": 4, "head_dim": 12},
+    ],
+)
 def test_biases_and_head_layouts_count_as_llama(fields):
     config = tiny_config("scaled_dot", "rope", **fields)
     assert parameter_count(config) == llama(config)
@@ -74,10 +86,15 @@ def test_biases_and_head_layouts_count_as_llama(fields):
 def test_qk_norm_counts_as_qwen3():
     config = tiny_config("scaled_dot", "rope", use_qk_norm=True, tie_word_embeddings=False)
     reference = Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        tie_word_embeddings=False,
+    )
     assert parameter_count(config) == meta_count(Qwen3ForCausalLM, reference)
 
 
@@ -86,13 +103,24 @@ def test_a_gpt2_shaped_model_counts_as_gpt2(placement):
     """LayerNorm (gain and bias), a GELU MLP, learned positions, biases everywhere, a tied head; post-norm blocks
     have no final norm (GPT-2's `ln_f`, 2·d)."""
     config = tiny_config(
-        "scaled_dot", "learned", norm_type="layernorm", norm_placement=placement, ffn_type="mlp",
-        hidden_act="gelu_new", attention_bias=True, mlp_bias=True, num_key_value_heads=4,
-    )  # fmt: skip
+        "scaled_dot",
+        "learned",
+        norm_type="layernorm",
+        norm_placement=placement,
+        ffn_type="mlp",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        num_key_value_heads=4,
+    )
     reference = GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
-        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, n_inner=config.intermediate_size,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        n_positions=config.max_position_embeddings,
+        n_embd=config.hidden_size,
+        n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads,
+        n_inner=config.intermediate_size,
+    )
     final_norm = 2 * config.hidden_size if placement == "post" else 0
     assert parameter_count(config) == meta_count(GPT2LMHeadModel, reference) - final_norm
 
@@ -104,22 +132,40 @@ def test_a_t5_shaped_seq2seq_model_counts_as_t5(ffn_type, tied):
     biases, an embedding shared by both stacks. transformers 5.24's T5 always ties its head to that embedding (an
     untied `tie_word_embeddings=False` only stops scaling the decoder output): an untied head adds V·d."""
     config = tiny_config(
-        "scaled_dot", "t5_bias", is_encoder_decoder=True, pad_token_id=0, num_decoder_layers=3, norm_type="rmsnorm",
-        ffn_type=ffn_type, hidden_act="relu" if ffn_type == "mlp" else "gelu_new", num_key_value_heads=4,
+        "scaled_dot",
+        "t5_bias",
+        is_encoder_decoder=True,
+        pad_token_id=0,
+        num_decoder_layers=3,
+        norm_type="rmsnorm",
+        ffn_type=ffn_type,
+        hidden_act="relu" if ffn_type == "mlp" else "gelu_new",
+        num_key_value_heads=4,
         tie_word_embeddings=tied,
-    )  # fmt: skip
+    )
     reference = T5Config(
-        vocab_size=config.vocab_size, d_model=config.hidden_size, d_kv=config.head_dim, d_ff=config.intermediate_size,
-        num_layers=config.num_hidden_layers, num_decoder_layers=3, num_heads=config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        d_model=config.hidden_size,
+        d_kv=config.head_dim,
+        d_ff=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_decoder_layers=3,
+        num_heads=config.num_attention_heads,
         relative_attention_num_buckets=config.relative_attention_num_buckets,
-        feed_forward_proj="relu" if ffn_type == "mlp" else "gated-gelu", tie_word_embeddings=tied,
-    )  # fmt: skip
+        feed_forward_proj="relu" if ffn_type == "mlp" else "gated-gelu",
+        tie_word_embeddings=tied,
+    )
     untied_head = 0 if tied else config.vocab_size * config.hidden_size
     assert parameter_count(config, "seq2seq") == meta_count(T5ForConditionalGeneration, reference) + untied_head
 
 
-@pytest.mark.parametrize("head,model_class", [("sequence_classification", LlamaForSequenceClassification),
-                                              ("token_classification", LlamaForTokenClassification)])  # fmt: skip
+@pytest.mark.parametrize(
+    "head,model_class",
+    [
+        ("sequence_classification", LlamaForSequenceClassification),
+        ("token_classification", LlamaForTokenClassification),
+    ],
+)
 def test_classification_heads_count_as_llamas(head, model_class):
     config = tiny_config("scaled_dot", "rope", num_labels=3, pad_token_id=0)
     assert parameter_count(config, head) == llama(config, model_class, num_labels=3, pad_token_id=0)

@@ -62,9 +62,11 @@ SEQ2SEQ_MODIFIERS = [name for name, fields in MODIFIERS.items() if accepts({**fi
 def modified(names=MODIFIERS, **overrides) -> list:
     """(modifier, score, scheme, kernel) on eager and sdpa (`modifier_combinations`: the rows outside the default run
     are `slow`)."""
-    return [pytest.param(name, *p.values, id=f"{name}-{p.id}", marks=p.marks)
-            for name in names
-            for p in modifier_combinations(**MODIFIERS[name], **overrides)]  # fmt: skip
+    return [
+        pytest.param(name, *p.values, id=f"{name}-{p.id}", marks=p.marks)
+        for name in names
+        for p in modifier_combinations(**MODIFIERS[name], **overrides)
+    ]
 
 
 def test_the_suites_rerun_every_third_wave_modifier():
@@ -141,10 +143,12 @@ class TestSeq2SeqConformanceWithModifier(conformance.TestSeq2Seq):
 def other_kernels() -> list:
     """(modifier, kernel) for each kernel here besides eager and sdpa (the suites above) that the kernel table says
     computes scaled_dot + rope with the modifier set: flex_attention on the CPU, the flash kernels where installed."""
-    return [pytest.param(name, kernel, id=f"{name}-{kernel}")
-            for name, fields in MODIFIERS.items()
-            for kernel in supported_kernels(tiny_config("scaled_dot", "rope", **fields))
-            if kernel not in ("eager", "sdpa")]  # fmt: skip
+    return [
+        pytest.param(name, kernel, id=f"{name}-{kernel}")
+        for name, fields in MODIFIERS.items()
+        for kernel in supported_kernels(tiny_config("scaled_dot", "rope", **fields))
+        if kernel not in ("eager", "sdpa")
+    ]
 
 
 @pytest.mark.parametrize("modifier,kernel", other_kernels())

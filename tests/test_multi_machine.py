@@ -67,12 +67,45 @@ def start_machines(mode: str, output_dirs: list[Path], *extra: str) -> list[subp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     processes = []
     for rank, output_dir in enumerate(output_dirs):
-        command = [sys.executable, "-m", "accelerate.commands.launch", f"--{mode}", "--num_machines", "2",
-                   "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                   "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "-m", "plugformer", "train", "pretrain", "--output_dir", str(output_dir), *FLAGS, *extra]  # fmt: skip
-        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            f"--{mode}",
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "plugformer",
+            "train",
+            "pretrain",
+            "--output_dir",
+            str(output_dir),
+            *FLAGS,
+            *extra,
+        ]
+        processes.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return processes
 
 
@@ -126,8 +159,10 @@ def runs(tmp_path_factory) -> dict:
         shutil.copytree(checkpoint, output_dir / "checkpoint-3")
     shutil.copy(dirs["whole"][1] / "checkpoint-3" / "rng_state_1.pth", dirs["agree"][1] / "checkpoint-3")
     deadline = time.monotonic() + TIMEOUT
-    second = {name: start_machines("multi_gpu", dirs[name], "--resume_from_checkpoint", "last")
-              for name in ("disagree", "agree")}  # fmt: skip
+    second = {
+        name: start_machines("multi_gpu", dirs[name], "--resume_from_checkpoint", "last")
+        for name in ("disagree", "agree")
+    }
     results.update({name: finish(processes, deadline) for name, processes in second.items()})
     return {name: {"dirs": dirs[name], "results": results[name]} for name in dirs}
 
@@ -169,11 +204,18 @@ def test_ranks_that_agree_resume_to_the_uninterrupted_weights(runs):
 def test_effective_batch_is_printed_once_and_kept_in_run_info(runs):
     info = json.loads((runs["whole"]["dirs"][0] / "run_info.json").read_text())
     assert info["world_size"] == 2
-    assert info["effective_batch"] == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-                                       "world_size": 2, "total": 16, "unit": "examples"}  # fmt: skip
+    assert info["effective_batch"] == {
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "world_size": 2,
+        "total": 16,
+        "unit": "examples",
+    }
     outputs = [output for _, output in runs["whole"]["results"]]
     printed = [line for output in outputs for line in output.splitlines() if "effective batch" in line]
-    assert printed == ["[pretrain] effective batch 16 examples per optimizer step = 4 per device x 2 accumulation x 2 processes"]  # fmt: skip
+    assert printed == [
+        "[pretrain] effective batch 16 examples per optimizer step = 4 per device x 2 accumulation x 2 processes"
+    ]
 
 
 def test_a_machine_whose_checkpoint_lacks_the_weights_disagrees(runs):
@@ -197,8 +239,21 @@ def test_the_world_a_launcher_announced():
 
 
 def test_launch_flags_read_back_from_the_launcher_command_line():
-    argv = [sys.executable, "/venv/bin/accelerate", "launch", "--cpu", "--num-machines=2", "--machine_rank", "1",
-            "--num_processes", "2", "-m", "plugformer", "train", "pretrain"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "/venv/bin/accelerate",
+        "launch",
+        "--cpu",
+        "--num-machines=2",
+        "--machine_rank",
+        "1",
+        "--num_processes",
+        "2",
+        "-m",
+        "plugformer",
+        "train",
+        "pretrain",
+    ]
     flags = {"cpu": True, "num_machines": "2", "machine_rank": "1", "num_processes": "2"}
     assert accelerate_launch_flags(argv) == flags
     assert accelerate_launch_flags([]) == {}
@@ -232,14 +287,19 @@ def test_check_launch_raises_a_value_error(monkeypatch):
 
 
 def test_checkpoint_agreement_between_ranks():
-    same = [{"checkpoint": "/m0/out/checkpoint-10", "files": ["model.safetensors"]},
-            {"checkpoint": "/m1/out/checkpoint-10", "files": ["model.safetensors"]}]  # fmt: skip
+    same = [
+        {"checkpoint": "/m0/out/checkpoint-10", "files": ["model.safetensors"]},
+        {"checkpoint": "/m1/out/checkpoint-10", "files": ["model.safetensors"]},
+    ]
     assert checkpoint_disagreement(same, "last") is None  # per-machine folders: same step, same files
     assert checkpoint_disagreement([{"checkpoint": None}, {"checkpoint": None}], "last") is None  # all fresh
     steps = [{"checkpoint": "/out/checkpoint-10", "host": "a"}, {"checkpoint": "/out/checkpoint-20", "host": "b"}]
     message = checkpoint_disagreement(steps, "last")
     assert "rank 0 on a: /out/checkpoint-10; rank 1 on b: /out/checkpoint-20" in message and "\n" not in message
-    explicit = [{"checkpoint": "/out/checkpoint-10"}, {"checkpoint": None, "problem": "/out/checkpoint-10 is not a directory"}]  # fmt: skip
+    explicit = [
+        {"checkpoint": "/out/checkpoint-10"},
+        {"checkpoint": None, "problem": "/out/checkpoint-10 is not a directory"},
+    ]
     assert "rank 1: /out/checkpoint-10 is not a directory" in checkpoint_disagreement(explicit, "/out/checkpoint-10")
     single = [{"checkpoint": None, "problem": "x is not a directory"}]
     assert checkpoint_disagreement(single, "x") == "--resume_from_checkpoint x: x is not a directory"
@@ -270,12 +330,21 @@ def test_effective_batch_of_trainer_and_grpo_configs():
     trainer = effective_batch(SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=4), 16)
     assert trainer["total"] == 512 and trainer["unit"] == "examples"
     # TRL counts completions per device; 2 processes x 64 x 1 = 128 completions = 16 prompts x 8 generations
-    config = GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, per_device_train_batch_size=64,
-                        num_generations=8, report_to="none")  # fmt: skip
+    config = GRPOConfig(
+        output_dir="unused",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        report_to="none",
+    )
     grpo = effective_batch(config, 2)
     assert (grpo["total"], grpo["unit"], grpo["prompts"], grpo["completions_generated_per_process"]) == (
-        128, "completions", 16, 64,
-    )  # fmt: skip
+        128,
+        "completions",
+        16,
+        64,
+    )
     assert "16 prompts x 8 generations" in distributed.describe_effective_batch(grpo)
 
 

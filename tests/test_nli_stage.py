@@ -41,21 +41,33 @@ def nli(output_dir, *extra: str) -> dict:
 
 def test_the_inference_grammar_by_hand():
     rng = random.Random(0)
-    hypotheses = {label: [template("the man", "helping", "the woman", "park", rng) for template in templates]
-                  for label, templates in HYPOTHESES.items()}  # fmt: skip
-    assert hypotheses["entailment"] == ["the man is helping the woman in the park", "the man is in the park",
-                                        "the woman is in the park", "someone is helping the woman",
-                                        "the man is helping someone"]  # fmt: skip
+    hypotheses = {
+        label: [template("the man", "helping", "the woman", "park", rng) for template in templates]
+        for label, templates in HYPOTHESES.items()
+    }
+    assert hypotheses["entailment"] == [
+        "the man is helping the woman in the park",
+        "the man is in the park",
+        "the woman is in the park",
+        "someone is helping the woman",
+        "the man is helping someone",
+    ]
     swapped, extra, other_object, other_subject, other_person = hypotheses["neutral"]
     assert swapped == "the woman is helping the man in the park"  # the premise's words, in another order
     assert sorted(swapped.split()) == sorted(hypotheses["entailment"][0].split())
     assert extra.startswith("the man is helping the woman ") and len(extra.split()) > 5
-    for person in (other_object.split(" is helping ")[1], other_subject.split(" is helping ")[0],
-                   other_person.split(" is in ")[0]):  # fmt: skip
+    for person in (
+        other_object.split(" is helping ")[1],
+        other_subject.split(" is helping ")[0],
+        other_person.split(" is in ")[0],
+    ):
         assert person in PEOPLE and person not in ("the man", "the woman")
     negated, not_there, nobody, elsewhere, object_elsewhere = hypotheses["contradiction"]
-    assert (negated, not_there, nobody) == ("the man is not helping the woman", "the man is not in the park",
-                                            "nobody is helping the woman")  # fmt: skip
+    assert (negated, not_there, nobody) == (
+        "the man is not helping the woman",
+        "the man is not in the park",
+        "nobody is helping the woman",
+    )
     for sentence, person in ((elsewhere, "the man"), (object_elsewhere, "the woman")):
         place = sentence.removeprefix(f"{person} is in the ")
         assert place in PLACES and place != "park"
@@ -75,8 +87,9 @@ def test_rows_are_split_by_premise_balanced_and_deterministic():
 def tiny_model(intra_attention: bool, **fields) -> DecomposableAttentionForSequenceClassification:
     torch.manual_seed(0)
     fields = {"vocab_size": 64, "sep_token_id": 3, **fields}
-    config = DecomposableAttentionConfig(embedding_size=8, hidden_size=8, hidden_dropout=0.0, pad_token_id=0,
-                                         intra_attention=intra_attention, **fields)  # fmt: skip
+    config = DecomposableAttentionConfig(
+        embedding_size=8, hidden_size=8, hidden_dropout=0.0, pad_token_id=0, intra_attention=intra_attention, **fields
+    )
     return DecomposableAttentionForSequenceClassification(config).eval()
 
 
@@ -98,16 +111,19 @@ def test_the_separator_belongs_to_neither_sentence():
     sentences, so the logits equal those of the pair split at the separator, and of token types without it."""
     tokenizer = train_tokenizer(["the man is helping the woman in the park"], vocab_size=300)
     model = tiny_model(True, vocab_size=len(tokenizer), sep_token_id=tokenizer.sep_token_id)
-    encoded = tokenizer(["the man is helping the woman"], ["the woman is here"], return_tensors="pt",
-                        return_token_type_ids=True)  # fmt: skip
+    encoded = tokenizer(
+        ["the man is helping the woman"], ["the woman is here"], return_tensors="pt", return_token_type_ids=True
+    )
     ids, types = encoded["input_ids"], encoded["token_type_ids"]
     sep = int((ids[0] == tokenizer.sep_token_id).nonzero())
     assert types[0, sep] == 0 and types[0, sep + 1] == 1
     with torch.no_grad():
         typed = model(ids, token_type_ids=types).logits
         split_at_sep = model(ids).logits
-        without_sep = model(torch.cat([ids[:, :sep], ids[:, sep + 1 :]], 1),
-                            token_type_ids=torch.cat([types[:, :sep], types[:, sep + 1 :]], 1)).logits  # fmt: skip
+        without_sep = model(
+            torch.cat([ids[:, :sep], ids[:, sep + 1 :]], 1),
+            token_type_ids=torch.cat([types[:, :sep], types[:, sep + 1 :]], 1),
+        ).logits
     torch.testing.assert_close(typed, split_at_sep)
     torch.testing.assert_close(typed, without_sep)
 
@@ -142,8 +158,17 @@ def predictions_one_by_one(model_dir, rows) -> list[int]:
 
 
 def test_nli_learns_the_grammar_and_eval_scores_its_test_split(tmp_path):
-    info = nli(tmp_path / "nli", "--max_steps", "300", "--train_examples", "9600", "--dev_examples", "150",
-               "--test_examples", "60")  # fmt: skip
+    info = nli(
+        tmp_path / "nli",
+        "--max_steps",
+        "300",
+        "--train_examples",
+        "9600",
+        "--dev_examples",
+        "150",
+        "--test_examples",
+        "60",
+    )
     assert info["labels"] == ["contradiction", "entailment", "neutral"]
     assert info["metrics"]["eval_accuracy"] >= 0.7  # chance 1/3; 300 steps measured 0.78-0.84 with seeds 0-3
     config = json.loads((tmp_path / "nli/config.json").read_text())
@@ -169,9 +194,20 @@ def pairs_csv(path, count: int = 240) -> None:
 
 def test_nli_on_your_csv_then_continued_and_eval_on_the_rows_it_held_out(tmp_path):
     pairs_csv(tmp_path / "pairs.csv")
-    data = ["--dataset_name", "csv", "--data_files", str(tmp_path / "pairs.csv"), "--dev_examples", "20",
-            "--test_examples", "30", "--held_out_fraction", "1",
-            "--rename_columns", "premise=text,hypothesis=text_pair,gold=label"]  # fmt: skip
+    data = [
+        "--dataset_name",
+        "csv",
+        "--data_files",
+        str(tmp_path / "pairs.csv"),
+        "--dev_examples",
+        "20",
+        "--test_examples",
+        "30",
+        "--held_out_fraction",
+        "1",
+        "--rename_columns",
+        "premise=text,hypothesis=text_pair,gold=label",
+    ]
     info = nli(tmp_path / "mine", *data, "--max_steps", "20", "--vocab_size", "300", "--intra_attention", "true")
     assert info["labels"] == ["0", "1", "2"] and info["data"]["test_examples"] == 30
     results = eval_main(["--model", str(tmp_path / "mine")])
@@ -180,15 +216,32 @@ def test_nli_on_your_csv_then_continued_and_eval_on_the_rows_it_held_out(tmp_pat
     assert results["correct"] == predictions_one_by_one(tmp_path / "mine", rows)
     assert "pairs.csv" in (tmp_path / "mine/README.md").read_text()
     # continued: the saved model and its tokenizer, trained further (the config's architecture flags match it)
-    nli(tmp_path / "more", *data, "--model_name_or_path", str(tmp_path / "mine"), "--max_steps", "5",
-        "--intra_attention", "true")  # fmt: skip
+    nli(
+        tmp_path / "more",
+        *data,
+        "--model_name_or_path",
+        str(tmp_path / "mine"),
+        "--max_steps",
+        "5",
+        "--intra_attention",
+        "true",
+    )
     first = AutoModelForSequenceClassification.from_pretrained(tmp_path / "mine")
     more = AutoModelForSequenceClassification.from_pretrained(tmp_path / "more")
     assert more.config.intra_attention and more.config.vocab_size == first.config.vocab_size
     assert not torch.equal(more.classifier.weight, first.classifier.weight)
     with pytest.raises(ValueError, match=r"classifies into \['0', '1', '2'\]; the data's labels are \['contradiction'"):
-        nli(tmp_path / "other", "--model_name_or_path", str(tmp_path / "mine"), "--max_steps", "5",
-            "--intra_attention", "true", "--train_examples", "300")  # the grammar's labels are names  # fmt: skip
+        nli(
+            tmp_path / "other",
+            "--model_name_or_path",
+            str(tmp_path / "mine"),
+            "--max_steps",
+            "5",
+            "--intra_attention",
+            "true",
+            "--train_examples",
+            "300",
+        )  # the grammar's labels are names
 
 
 def test_what_the_nli_stage_refuses(tmp_path):
@@ -228,9 +281,16 @@ def test_compare_nli_variants_scores_the_held_out_pairs_as_eval_does(tmp_path):
     """A planted difference (learning rate 0: the untrained model) is found by accuracy on the grammar's test pairs,
     and compare's 1/0 per pair are `plugformer eval`'s."""
     flags = [f"{FLAGS[i][2:]}={FLAGS[i + 1]}" for i in range(2, len(FLAGS), 2) if FLAGS[i] != "--seed"]
-    args = CompareArguments(stages=["nli"], metric="accuracy", output_dir=str(tmp_path / "cmp"), seeds=[0],
-                            grid=["learning_rate=0,5e-3"], dev_examples=30, test_examples=90,
-                            set=[*flags, "max_steps=150", "train_examples=4800"])  # fmt: skip
+    args = CompareArguments(
+        stages=["nli"],
+        metric="accuracy",
+        output_dir=str(tmp_path / "cmp"),
+        seeds=[0],
+        grid=["learning_rate=0,5e-3"],
+        dev_examples=30,
+        test_examples=90,
+        set=[*flags, "max_steps=150", "train_examples=4800"],
+    )
     summary = run(args)
     rows = summary["variants"]
     assert summary["best"] == "learning_rate=5e-3" and rows["learning_rate=0"]["versus_best"]["significant"]
@@ -251,8 +311,18 @@ def test_attention_map_draws_the_alignment_of_a_sentence_pair(tmp_path):
     model = tiny_model(False, vocab_size=len(tokenizer), sep_token_id=tokenizer.sep_token_id)
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
-    attention_map(["--model", str(tmp_path / "m"), "--text", premise, "--text_pair", hypothesis, "--output",
-                   str(tmp_path / "a.png")])  # fmt: skip
+    attention_map(
+        [
+            "--model",
+            str(tmp_path / "m"),
+            "--text",
+            premise,
+            "--text_pair",
+            hypothesis,
+            "--output",
+            str(tmp_path / "a.png"),
+        ]
+    )
     weights = load_file(tmp_path / "a.safetensors")["alignment.layer0"][0]  # (premise tokens, hypothesis tokens)
     a_ids, b_ids = (torch.tensor(tokenizer(text)["input_ids"]) for text in (premise, hypothesis))
     with torch.no_grad():

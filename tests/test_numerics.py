@@ -43,10 +43,13 @@ def cpu_supports(dtype: torch.dtype) -> bool:
 
 
 HALF_DTYPES = [
-    pytest.param(dtype, id=str(dtype).removeprefix("torch."),
-                 marks=pytest.mark.skipif(not cpu_supports(dtype), reason=f"this CPU build has no {dtype} matmul"))
+    pytest.param(
+        dtype,
+        id=str(dtype).removeprefix("torch."),
+        marks=pytest.mark.skipif(not cpu_supports(dtype), reason=f"this CPU build has no {dtype} matmul"),
+    )
     for dtype in (torch.bfloat16, torch.float16)
-]  # fmt: skip
+]
 # Every dot-product score from the registry, but those whose logits half precision always holds (nothing to overflow),
 # each with the reason.
 BOUNDED_SCORES = {"cosine": "e = g_h · q̂·k̂ with unit q̂, k̂, so |e| <= |g_h|, a parameter of the same dtype"}
@@ -212,10 +215,18 @@ def test_cached_half_precision_decoding_with_a_score_bias_on_sdpa(scheme, cache_
     differently; every step's logits match a full fp32 forward over the generated sequence."""
     model = dot_product_model("dot", scheme, "sdpa")
     prompt = distinct_tokens()[:, :24]
-    out = copy.deepcopy(model).to(dtype).generate(
-        prompt, max_new_tokens=8, do_sample=False, cache_implementation=cache_implementation,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+    out = (
+        copy.deepcopy(model)
+        .to(dtype)
+        .generate(
+            prompt,
+            max_new_tokens=8,
+            do_sample=False,
+            cache_implementation=cache_implementation,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    )
     steps = torch.stack(out.logits, dim=1).float()  # (1, 8, V)
     with torch.no_grad():
         reference = model(out.sequences, use_cache=False).logits[:, 23:-1]

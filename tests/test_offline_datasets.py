@@ -48,8 +48,16 @@ def test_streaming_a_hub_id_offline_is_refused_too():
 def test_eval_held_out_rows_of_a_hub_id_offline_are_refused(streaming):
     from plugformer.evaluation.held_out import held_out_rows
 
-    source = {"dataset_name": MADE_UP, "dataset_config": None, "data_files": None, "dataset_seed": 0,
-              "streaming": streaming, "dev_examples": 2, "test_examples": 2, "files": []}  # fmt: skip
+    source = {
+        "dataset_name": MADE_UP,
+        "dataset_config": None,
+        "data_files": None,
+        "dataset_seed": 0,
+        "streaming": streaming,
+        "dev_examples": 2,
+        "test_examples": 2,
+        "files": [],
+    }
     with pytest.raises(ValueError) as error:
         held_out_rows(source, "test", 2)
     refused(str(error.value))
@@ -58,8 +66,20 @@ def test_eval_held_out_rows_of_a_hub_id_offline_are_refused(streaming):
 def test_the_cli_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["train", "pretrain", "--config", "configs/pretrain/tiny.yaml", "--dataset_name", MADE_UP,
-                  "--output_dir", str(tmp_path / "out"), "--report_to", "none"])  # fmt: skip
+        cli_main(
+            [
+                "train",
+                "pretrain",
+                "--config",
+                "configs/pretrain/tiny.yaml",
+                "--dataset_name",
+                MADE_UP,
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--report_to",
+                "none",
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("ValueError: --dataset_name")
     refused(err)

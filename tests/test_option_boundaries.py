@@ -93,8 +93,11 @@ def bounded(seconds: float, extra_memory: int = 4 * 2**30):
     def over(signum, frame):
         raise OverTime
 
-    mapped = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                  if line.startswith("VmSize:"))  # fmt: skip
+    mapped = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmSize:")
+    )
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     previous = signal.signal(signal.SIGALRM, over)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -223,10 +226,17 @@ def base_argv(command: str, folder: Path, model: Path) -> list[str]:
     if command.startswith("train "):
         stage = command.split()[1]
         parent = STAGES.get_stage(stage).parent is not None  # pretrain, seq2seq and nli start anew
-        needs = {"rlhf": ["--reward_model_path", str(model.parent / "reward")],
-                 "sft_matched": ["--match_compute_of", str(model.parent / "reward")]}  # fmt: skip
-        return [*command.split(), "--output_dir", str(folder / "out"),
-                *(["--model_name_or_path", str(model)] if parent else []), *needs.get(stage, [])]  # fmt: skip
+        needs = {
+            "rlhf": ["--reward_model_path", str(model.parent / "reward")],
+            "sft_matched": ["--match_compute_of", str(model.parent / "reward")],
+        }
+        return [
+            *command.split(),
+            "--output_dir",
+            str(folder / "out"),
+            *(["--model_name_or_path", str(model)] if parent else []),
+            *needs.get(stage, []),
+        ]
     return {
         "eval": ["eval", "--model", str(model), "--output", str(folder / "eval.json")],
         "attention-map": ["attention-map", "--model", str(model), "--output", str(folder / "map.png")],
@@ -247,8 +257,10 @@ def named(option: str, line: str) -> bool:
     renamed = {old: new for new, old in RENAMED_TRAINER_OPTIONS.items()}
     renamed["vllm_importance_sampling_cap"] = "vllm_importance_sampling_clip_max"
     bare = option.lstrip("-")
-    return any(option in line or re.search(rf"\b{re.escape(name)}\b", line) is not None
-               for option, name in ((option, bare), (f"--{renamed.get(bare, bare)}", renamed.get(bare, bare))))  # fmt: skip
+    return any(
+        option in line or re.search(rf"\b{re.escape(name)}\b", line) is not None
+        for option, name in ((option, bare), (f"--{renamed.get(bare, bare)}", renamed.get(bare, bare)))
+    )
 
 
 def run_one(
@@ -315,9 +327,15 @@ def model(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("boundaries") / "model"
     tokenizer = train_tokenizer([f"the cat sat on mat number {index}" for index in range(100)], vocab_size=300)
-    config = PlugformerConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                          num_key_value_heads=2, vocab_size=len(tokenizer),
-                                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = PlugformerConfig.from_preset(
+        "tiny",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     PlugformerForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     reward = PlugformerForSequenceClassification(PlugformerConfig(**{**config.to_dict(), "num_labels": 1}))
@@ -326,8 +344,15 @@ def model(tmp_path_factory) -> Path:
     # a finished stage's record of its compute, descending from `model`: what `train sft_matched` matches
     run_info = {"stage": "reward", "compute": {"parent": str(folder), "train_tokens": 4096}}
     (folder.parent / "reward" / "run_info.json").write_text(json.dumps(run_info))
-    llama = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    llama = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     LlamaForCausalLM(llama).save_pretrained(folder.parent / "llama")  # what `convert` reads
     return folder
 
@@ -352,16 +377,18 @@ def check_command(command: str, count: int | None, model: Path, tmp_path: Path, 
 
 
 @pytest.mark.parametrize("command", COMMANDS + STAGE_COMMANDS)
-def test_a_sample_of_each_commands_options_is_refused_in_one_line_or_accepted(command, model, tmp_path, monkeypatch,
-                                                                              capsys):  # fmt: skip
+def test_a_sample_of_each_commands_options_is_refused_in_one_line_or_accepted(
+    command, model, tmp_path, monkeypatch, capsys
+):
     count = DEFAULT_SAMPLE if command in COMMANDS else 2
     check_command(command, count, model, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS + STAGE_COMMANDS)
-def test_every_option_of_every_command_is_refused_in_one_line_or_accepted(command, model, tmp_path, monkeypatch,
-                                                                          capsys):  # fmt: skip
+def test_every_option_of_every_command_is_refused_in_one_line_or_accepted(
+    command, model, tmp_path, monkeypatch, capsys
+):
     check_command(command, None, model, tmp_path, monkeypatch, capsys)
 
 
@@ -397,8 +424,13 @@ def check_drawn_options(count: int, model: Path, tmp_path: Path, monkeypatch, ca
     options = typed_options()
     problems = []
 
-    @settings(max_examples=count, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+    @settings(
+        max_examples=count,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
     @given(st.data())
     def one(data):
         command, option, kind = data.draw(st.sampled_from(options))
@@ -418,8 +450,7 @@ def test_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(mode
 
 
 @pytest.mark.slow
-def test_many_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(model, tmp_path, monkeypatch,
-                                                                                 capsys):  # fmt: skip
+def test_many_drawn_values_for_typed_options_are_refused_in_one_line_or_accepted(model, tmp_path, monkeypatch, capsys):
     check_drawn_options(600, model, tmp_path, monkeypatch, capsys)
 
 

@@ -35,8 +35,11 @@ def test_the_build_needs_a_setuptools_that_reads_it_and_caps_the_next_major():
 
 def test_the_python_classifiers_match_requires_python():
     allowed = SpecifierSet(PYPROJECT["project"]["requires-python"])
-    listed = [c.rsplit(" ", 1)[1] for c in PYPROJECT["project"]["classifiers"]
-              if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]  # fmt: skip
+    listed = [
+        c.rsplit(" ", 1)[1]
+        for c in PYPROJECT["project"]["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
     assert listed and all(allowed.contains(f"{version}.0") for version in listed)
     minors = [f"3.{minor}" for minor in range(8, 20) if allowed.contains(f"3.{minor}.0")]
     assert minors == listed  # each allowed minor is named, none beyond

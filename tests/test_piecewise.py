@@ -74,8 +74,12 @@ def test_values_and_every_gradient_equal_the_mlp_in_fp64(batch):
     value, *gradients = mlp_tolerances(inputs, *parameters, grad_output)
     torch.testing.assert_close(mine, reference, atol=value, rtol=0)
     wanted = [inputs, *parameters]
-    for got, expected, atol in zip(torch.autograd.grad(mine, wanted, grad_output),
-                                   torch.autograd.grad(reference, wanted, grad_output), gradients, strict=True):  # fmt: skip
+    for got, expected, atol in zip(
+        torch.autograd.grad(mine, wanted, grad_output),
+        torch.autograd.grad(reference, wanted, grad_output),
+        gradients,
+        strict=True,
+    ):
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
 
@@ -94,8 +98,9 @@ def test_units_without_a_kink_are_constant_and_get_their_gradients():
     value, _, *gradients = mlp_tolerances(inputs, *parameters, torch.ones_like(reference))
     torch.testing.assert_close(mine, reference, atol=value, rtol=0)
     mine_grads = torch.autograd.grad(mine.sum(), parameters)
-    for got, expected, atol in zip(mine_grads, torch.autograd.grad(reference.sum(), parameters), gradients,
-                                   strict=True):  # fmt: skip
+    for got, expected, atol in zip(
+        mine_grads, torch.autograd.grad(reference.sum(), parameters), gradients, strict=True
+    ):
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
 

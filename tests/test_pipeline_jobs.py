@@ -27,8 +27,14 @@ def sleeper(seconds: float, code: int = 0) -> list[str]:
 
 def test_the_pipelines_requirements():
     needs = requirements(PipelineArguments(stages=["pretrain", "sft", "reward", "rlhf", "dpo", "grpo"]))
-    assert needs == {"pretrain": set(), "sft": {"pretrain"}, "reward": {"sft"}, "rlhf": {"sft", "reward"},
-                     "dpo": {"sft"}, "grpo": {"sft"}}  # fmt: skip
+    assert needs == {
+        "pretrain": set(),
+        "sft": {"pretrain"},
+        "reward": {"sft"},
+        "rlhf": {"sft", "reward"},
+        "dpo": {"sft"},
+        "grpo": {"sft"},
+    }
 
 
 @pytest.mark.parametrize(
@@ -91,7 +97,11 @@ def test_on_the_shipped_configs_the_longest_branch_after_sft_starts_first():
         script_args, _, training_args = parse_stage_arguments(stage, stage_argv(args, stage))
         work[stage] = estimated_work(script_args, training_args)
     assert {stage: work[stage] for stage in ("reward", "dpo", "rlhf", "grpo")} == {
-        "reward": 40 * 32, "dpo": 25 * 32, "rlhf": 25 * 64, "grpo": 25 * 256}  # fmt: skip
+        "reward": 40 * 32,
+        "dpo": 25 * 32,
+        "rlhf": 25 * 64,
+        "grpo": 25 * 256,
+    }
     ahead = chain_work(requirements(args), work)
     branches = sorted(["reward", "dpo", "rlhf", "grpo"], key=lambda stage: -ahead[stage])
     assert branches == ["grpo", "dpo", "rlhf", "reward"] and ahead["dpo"] == 25 * 32 + 25 * 64
@@ -156,15 +166,28 @@ def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path
     from plugformer.experiments.pipeline import main as pipeline_main
 
     configs = micro_stage_configs(tmp_path)
-    common = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs", configs, "--stages",
-              "pretrain", "sft", "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
+    common = [
+        "--config",
+        str(ROOT / "configs/pipeline/tiny.yaml"),
+        "--stage_configs",
+        configs,
+        "--stages",
+        "pretrain",
+        "sft",
+        "--test_examples",
+        "6",
+        "--max_new_tokens",
+        "6",
+    ]
     in_order = pipeline_main([*common, "--output_dir", str(tmp_path / "one"), "--jobs", "1"])
     side = pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])
     for stage in ("pretrain", "sft"):
         one, two = (load_file(str(tmp_path / run / stage / "model.safetensors")) for run in ("one", "two"))
         assert max((one[name] - two[name]).abs().max().item() for name in one) < 1e-6, stage
-        batches = [json.loads((tmp_path / run / stage / "run_info.json").read_text())["effective_batch"]
-                   for run in ("one", "two")]  # fmt: skip
+        batches = [
+            json.loads((tmp_path / run / stage / "run_info.json").read_text())["effective_batch"]
+            for run in ("one", "two")
+        ]
         assert [b["world_size"] for b in batches] == [1, 2] and batches[0]["total"] == batches[1]["total"] == 8
         assert side[stage]["processes"] == 2 and "processes" not in in_order[stage]
         assert side[stage]["correct"] == in_order[stage]["correct"]

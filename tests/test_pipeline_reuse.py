@@ -76,15 +76,20 @@ def test_a_finished_stage_whose_config_json_was_edited_is_refused_naming_it(stag
     (stage / "config.json").write_text(json.dumps({**config, "position_scheme": "alibi"}, indent=2))
     now = pipeline.model_file_digests(stage)["config.json"]
     message = refused(capsys)
-    assert message.startswith(f"stage 'pretrain': {Path('out/pretrain')} changed since the stage finished: "
-                              f"config.json (sha256 {recorded[:12]} when it finished, now sha256 {now[:12]})")  # fmt: skip
+    assert message.startswith(
+        f"stage 'pretrain': {Path('out/pretrain')} changed since the stage finished: "
+        f"config.json (sha256 {recorded[:12]} when it finished, now sha256 {now[:12]})"
+    )
     assert "tokenizer" not in message and "weights" not in message
 
 
-@pytest.mark.parametrize(("name", "edit"), [
-    ("tokenizer.json", {"normalizer": {"type": "Lowercase"}}),  # another tokenization of the same text
-    ("tokenizer_config.json", {"model_max_length": 16}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        ("tokenizer.json", {"normalizer": {"type": "Lowercase"}}),  # another tokenization of the same text
+        ("tokenizer_config.json", {"model_max_length": 16}),
+    ],
+)
 def test_a_finished_stage_whose_tokenizer_was_edited_is_refused_naming_the_file(name, edit, stage, capsys):
     tokenizer = json.loads((stage / name).read_text())
     (stage / name).write_text(json.dumps({**tokenizer, **edit}))
@@ -99,8 +104,11 @@ def test_a_file_removed_or_added_since_the_stage_finished_is_named(tmp_path):
     assert pipeline.plan_stage(args, "pretrain", record) is None
     (stage / "generation_config.json").unlink()
     (stage / "vocab.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"generation_config.json \(sha256 \w{12} when it finished, now absent\), "
-                                         r"vocab.json \(absent when it finished, now sha256 \w{12}\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"generation_config.json \(sha256 \w{12} when it finished, now absent\), "
+        r"vocab.json \(absent when it finished, now sha256 \w{12}\)",
+    ):
         pipeline.plan_stage(args, "pretrain", record)
     with pytest.raises(ValueError, match="weights sha256"):  # replaced weights: named first, as before
         (stage / "model.safetensors").write_bytes(b"other weights")
@@ -116,16 +124,19 @@ def test_a_record_without_the_config_and_tokenizer_digests_retrains_saying_why(t
     (stage / pipeline.RECORD).write_text(json.dumps(saved))
     record = pipeline.stage_record(args, "pretrain", pipeline.stage_argv(args, "pretrain"))
     why, flags = pipeline.plan_stage(args, "pretrain", record)
-    assert why == ("retraining: its pipeline_stage.json records no sha256 of config.json and the tokenizer files to "
-                   "check the folder's against") and flags == ["--overwrite_output_dir", "true"]  # fmt: skip
+    assert why == (
+        "retraining: its pipeline_stage.json records no sha256 of config.json and the tokenizer files to "
+        "check the folder's against"
+    ) and flags == ["--overwrite_output_dir", "true"]
 
 
 def pipeline_args(tmp_path: Path) -> pipeline.PipelineArguments:
     configs = tmp_path / "configs"
     configs.mkdir()
     (configs / "pretrain.yaml").write_text("max_steps: 2\n")
-    return pipeline.PipelineArguments(output_dir=str(tmp_path / "out"), stages=["pretrain"],
-                                      stage_configs=str(configs / "{stage}.yaml"))  # fmt: skip
+    return pipeline.PipelineArguments(
+        output_dir=str(tmp_path / "out"), stages=["pretrain"], stage_configs=str(configs / "{stage}.yaml")
+    )
 
 
 def finish(args: pipeline.PipelineArguments, stage: str) -> Path:

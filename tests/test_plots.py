@@ -146,8 +146,11 @@ def test_seq2seq_cross_attention_equals_an_eager_forward(tokenizer):
     assert cross.layers == [0, 1, 2] and maps["encoder"].layers == [0, 1]  # each stack's own layer count
     assert cross.weights.shape == (3, 2, target.shape[1], source.shape[1])
     assert cross.query_tokens == maps["decoder"].query_tokens and cross.key_tokens == maps["encoder"].key_tokens
-    for kind, reference in [("encoder", expected.encoder_attentions), ("decoder", expected.decoder_attentions),
-                            ("cross", expected.cross_attentions)]:  # fmt: skip
+    for kind, reference in [
+        ("encoder", expected.encoder_attentions),
+        ("decoder", expected.decoder_attentions),
+        ("cross", expected.cross_attentions),
+    ]:
         for row, layer in enumerate(maps[kind].layers):
             atol = weights_tolerance(model.config, max(source.shape[1], target.shape[1]))
             torch.testing.assert_close(maps[kind].weights[row], reference[layer][0, [1, 2]], atol=atol, rtol=0)
@@ -163,8 +166,9 @@ def png_size(path) -> tuple[int, int]:
 
 def test_png_has_figure_size_times_dpi_and_numbers_reload(tokenizer, tmp_path):
     maps = attention_weights(causal_lm(tokenizer), tokenizer, EXAMPLE_TEXT, layers=[1], heads=[0, 3])
-    written = save_attention_maps(maps, tmp_path / "maps" / "attention.png", dpi=50, figsize=(6.0, 4.0),
-                                  metadata={"text": EXAMPLE_TEXT})  # fmt: skip
+    written = save_attention_maps(
+        maps, tmp_path / "maps" / "attention.png", dpi=50, figsize=(6.0, 4.0), metadata={"text": EXAMPLE_TEXT}
+    )
     png, numbers, tokens = (tmp_path / "maps" / f"attention.{suffix}" for suffix in ("png", "safetensors", "json"))
     assert written == [png, numbers, tokens]
     assert png_size(png) == (300, 200)
@@ -173,8 +177,12 @@ def test_png_has_figure_size_times_dpi_and_numbers_reload(tokenizer, tmp_path):
     torch.testing.assert_close(reloaded["self.layer1"], maps["self"].weights[0], atol=0, rtol=0)
     described = json.loads(tokens.read_text())
     assert described["text"] == EXAMPLE_TEXT
-    assert described["maps"]["self"] == {"layers": [1], "heads": [0, 3], "query_tokens": maps["self"].query_tokens,
-                                         "key_tokens": maps["self"].key_tokens}  # fmt: skip
+    assert described["maps"]["self"] == {
+        "layers": [1],
+        "heads": [0, 3],
+        "query_tokens": maps["self"].query_tokens,
+        "key_tokens": maps["self"].key_tokens,
+    }
     # default size: a cell per heatmap
     save_attention_maps(maps, tmp_path / "default.png", dpi=40)
     width, height = default_figsize(maps["self"].weights)
@@ -291,14 +299,51 @@ def test_curves_of_a_pretrain_stage_from_tensorboard_then_its_checkpoint(tmp_pat
     from plugformer.training import run_stage
 
     run = tmp_path / "pretrain"
-    run_stage("pretrain", [
-        "--output_dir", str(run), "--preset", "tiny", "--vocab_size", "300", "--block_size", "32",
-        "--max_position_embeddings", "128", "--train_examples", "48", "--dev_examples", "8", "--test_examples", "8",
-        "--exact_match_examples", "0", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
-        "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2",
-        "--save_strategy", "steps", "--save_steps", "2", "--report_to", "tensorboard", "--disable_tqdm", "true",
-        "--dataloader_pin_memory", "false",
-    ])  # fmt: skip
+    run_stage(
+        "pretrain",
+        [
+            "--output_dir",
+            str(run),
+            "--preset",
+            "tiny",
+            "--vocab_size",
+            "300",
+            "--block_size",
+            "32",
+            "--max_position_embeddings",
+            "128",
+            "--train_examples",
+            "48",
+            "--dev_examples",
+            "8",
+            "--test_examples",
+            "8",
+            "--exact_match_examples",
+            "0",
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "8",
+            "--max_steps",
+            "4",
+            "--logging_steps",
+            "1",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "2",
+            "--report_to",
+            "tensorboard",
+            "--disable_tqdm",
+            "true",
+            "--dataloader_pin_memory",
+            "false",
+        ],
+    )
     final = json.loads((run / "trainer_state.json").read_text())["log_history"]  # written by every stage
     assert plots.log_history(run) == (final, run / "trainer_state.json")
     assert "eval_loss" in final[-1] and "train_loss" in final[-2]  # the evaluation after training is included
@@ -334,15 +379,41 @@ def saved_models(tokenizer, tmp_path_factory):
 
 def test_attention_map_command(saved_models, tmp_path, capsys):
     output = tmp_path / "causal.png"
-    cli_main(["attention-map", "--model", str(saved_models["causal"]), "--layers", "1", "--heads", "0", "2",
-              "--output", str(output), "--dpi", "30"])  # fmt: skip
+    cli_main(
+        [
+            "attention-map",
+            "--model",
+            str(saved_models["causal"]),
+            "--layers",
+            "1",
+            "--heads",
+            "0",
+            "2",
+            "--output",
+            str(output),
+            "--dpi",
+            "30",
+        ]
+    )
     assert f"wrote {output}" in capsys.readouterr().out
     described = json.loads(output.with_suffix(".json").read_text())
     assert described["text"] == EXAMPLE_TEXT and described["maps"]["self"]["heads"] == [0, 2]
     assert list(load_file(str(output.with_suffix(".safetensors")))) == ["self.layer1"]
     seq2seq_model = str(saved_models["seq2seq"])
-    written = attention_maps.main(["--model", seq2seq_model, "--text", "1 plus 2 is 3.", "--target_text", "3",
-                                   "--output", str(tmp_path / "s2s.png"), "--dpi", "30"])  # fmt: skip
+    written = attention_maps.main(
+        [
+            "--model",
+            seq2seq_model,
+            "--text",
+            "1 plus 2 is 3.",
+            "--target_text",
+            "3",
+            "--output",
+            str(tmp_path / "s2s.png"),
+            "--dpi",
+            "30",
+        ]
+    )
     names = ["s2s_encoder.png", "s2s_decoder.png", "s2s_cross.png", "s2s.safetensors", "s2s.json"]
     assert [p.name for p in written] == names
     assert all(p.exists() for p in written)
@@ -351,11 +422,32 @@ def test_attention_map_command(saved_models, tmp_path, capsys):
 
 
 def test_plot_commands(saved_models, tmp_path):
-    bias = plots.main(["positions", "--model", str(saved_models["causal"]), "--max_distance", "8",
-                       "--output", str(tmp_path / "bias.png"), "--dpi", "30"])  # fmt: skip
+    bias = plots.main(
+        [
+            "positions",
+            "--model",
+            str(saved_models["causal"]),
+            "--max_distance",
+            "8",
+            "--output",
+            str(tmp_path / "bias.png"),
+            "--dpi",
+            "30",
+        ]
+    )
     assert png_size(bias) == (240, 135)  # (8, 4.5) inches at 30 dpi
-    cli_main(["plot", "positions", "--model", str(saved_models["seq2seq"]), "--stack", "decoder", "--output",
-              str(tmp_path / "decoder.png")])  # fmt: skip
+    cli_main(
+        [
+            "plot",
+            "positions",
+            "--model",
+            str(saved_models["seq2seq"]),
+            "--stack",
+            "decoder",
+            "--output",
+            str(tmp_path / "decoder.png"),
+        ]
+    )
     assert (tmp_path / "decoder.png").exists()
     sinusoidal = plots.main(["sinusoidal", "--positions", "16", "--dim", "8", "--output", str(tmp_path / "s.png")])
     assert png_size(sinusoidal) == (800, 500)
@@ -370,11 +462,33 @@ def test_example_script_runs_in_seconds(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("attention_heatmaps", ROOT / "examples" / "attention_heatmaps.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    written = example.main(["--output_dir", str(tmp_path), "--steps", "3", "--sentences", "100", "--batch_size", "4",
-                            "--hidden_size", "32", "--vocab_size", "300", "--dpi", "20"])  # fmt: skip
+    written = example.main(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--steps",
+            "3",
+            "--sentences",
+            "100",
+            "--batch_size",
+            "4",
+            "--hidden_size",
+            "32",
+            "--vocab_size",
+            "300",
+            "--dpi",
+            "20",
+        ]
+    )
     names = {path.name for path in written}
-    assert names == {"attention.png", "attention.safetensors", "attention.json", "sinusoidal.png", "bias_alibi.png",
-                     "bias_t5_bias.png"}  # fmt: skip
+    assert names == {
+        "attention.png",
+        "attention.safetensors",
+        "attention.json",
+        "sinusoidal.png",
+        "bias_alibi.png",
+        "bias_t5_bias.png",
+    }
     assert all(path.exists() for path in written) and (tmp_path / "model" / "model.safetensors").exists()
     described = json.loads((tmp_path / "attention.json").read_text())
     assert described["maps"]["self"]["layers"] == [0, 1] and described["maps"]["self"]["heads"] == [0, 1]

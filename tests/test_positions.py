@@ -222,8 +222,12 @@ def test_kerple_log_matches_the_papers_formula():
     r2 = [math.log1p(math.exp(x)) for x in kerple.bias_rate.tolist()]
     queries, keys = torch.arange(3, 9), torch.arange(12)
     bias = kerple.bias(queries, keys)[0]  # (H, Q, K)
-    expected = torch.tensor([[[-r1[h] * math.log(1 + r2[h] * abs(i - j)) for j in keys.tolist()]
-                              for i in queries.tolist()] for h in range(4)])  # fmt: skip
+    expected = torch.tensor(
+        [
+            [[-r1[h] * math.log(1 + r2[h] * abs(i - j)) for j in keys.tolist()] for i in queries.tolist()]
+            for h in range(4)
+        ]
+    )
     # fp32 against Python floats: r1 · log(1 + r2·d) through the softplus (exp, log1p), the product, the sum, the
     # log and the product: a relative u each of terms of size max(|bias|, r1) (a log's absolute error is relative)
     atol = tolerance(torch.float32, magnitude=max(expected.abs().max().item(), max(r1)), steps=6)
@@ -409,8 +413,9 @@ def test_rope_scores_depend_on_relative_offset_only():
     # angles up to 107 radians rounded to a relative u (their θ_i too) move the rotated entries by u·107·|x|: the
     # dot product's terms |q_d k_d| summed, times 107, through the rotation's products and sums
     magnitude = 107 * (query.abs() * key.abs()).sum(-1).max().item()
-    torch.testing.assert_close(score(7, 3), score(107, 103), atol=tolerance(torch.float32, magnitude=magnitude,
-                               length=8, steps=4), rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        score(7, 3), score(107, 103), atol=tolerance(torch.float32, magnitude=magnitude, length=8, steps=4), rtol=0
+    )
     assert not torch.allclose(score(7, 3), score(7, 4), atol=1e-3)
 
 

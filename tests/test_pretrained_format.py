@@ -52,8 +52,11 @@ def test_a_pretrained_model_is_asked_as_its_corpus_asks_and_read_up_to_its_first
     def answers(model, tokenizer, prompts, max_new_tokens, batch_size):
         asked.extend(prompts)
         # the first goes on into a next document, whose `#### 2` would be read as the answer if not cut off
-        return [" 7+5=12, 4+8+1=13, 3+0+1=4\n#### 432\nQuestion: What is 1 + 1?\nAnswer: 1+1=2\n#### 2",
-                " 3+4=7\n#### 8", " 8"]  # fmt: skip
+        return [
+            " 7+5=12, 4+8+1=13, 3+0+1=4\n#### 432\nQuestion: What is 1 + 1?\nAnswer: 1+1=2\n#### 2",
+            " 3+4=7\n#### 8",
+            " 8",
+        ]
 
     monkeypatch.setattr(pretrained, "generate_answers", answers)
     rows = {
@@ -61,8 +64,11 @@ def test_a_pretrained_model_is_asked_as_its_corpus_asks_and_read_up_to_its_first
         "answer": [432, 7, 8],
     }
     scores = pretrained.pretraining_format_scores(None, BosTokenizer(), rows)
-    assert asked == ["<|bos|>Question: What is 347 + 85?\nAnswer:", "<|bos|>Question: What is 3 + 4?\nAnswer:",
-                     "<|bos|>Question: What is 5 + 3?\nAnswer:"]  # fmt: skip
+    assert asked == [
+        "<|bos|>Question: What is 347 + 85?\nAnswer:",
+        "<|bos|>Question: What is 3 + 4?\nAnswer:",
+        "<|bos|>Question: What is 5 + 3?\nAnswer:",
+    ]
     # right, wrong, right but bare (no working, no `####`: the last number is read, the format is not met)
     assert scores["pretraining_format_correct"] == [1, 0, 1]
     summary = scores["pretraining_format"]

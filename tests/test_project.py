@@ -82,10 +82,24 @@ def test_info_prints_the_kernel_matrix(capsys):
 
 
 def test_demo_learns_the_corpus_and_generates_through_the_pipeline(tmp_path):
-    result = demo.main([
-        "--output_dir", str(tmp_path), "--max_steps", "60", "--train_sentences", "800", "--eval_sentences", "64",
-        "--hidden_size", "64", "--num_hidden_layers", "2", "--vocab_size", "300",
-    ])  # fmt: skip
+    result = demo.main(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "60",
+            "--train_sentences",
+            "800",
+            "--eval_sentences",
+            "64",
+            "--hidden_size",
+            "64",
+            "--num_hidden_layers",
+            "2",
+            "--vocab_size",
+            "300",
+        ]
+    )
     # ≈ ln(300) at initialisation; 60 steps learn the sentence templates
     assert result["final_eval_loss"] < result["initial_eval_loss"] - 2.0
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
@@ -110,8 +124,13 @@ def imported_modules(path: Path, modules: set[str]) -> set[str]:
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in
-                 ast.unparse(block.test) for statement in block.body for node in ast.walk(statement)}  # fmt: skip
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in type_only:

@@ -13,20 +13,37 @@ import pytest
 from plugformer.experiments import seeds
 
 
-def write_run(folder: Path, exact_match: float, seed: int | None = None, examples: int = 200,
-              data_sha256: str = "a" * 64, digest: int | None = None) -> str:  # fmt: skip
+def write_run(
+    folder: Path,
+    exact_match: float,
+    seed: int | None = None,
+    examples: int = 200,
+    data_sha256: str = "a" * 64,
+    digest: int | None = None,
+) -> str:
     """A finished pipeline folder as `plugformer seeds` reads it: results.json, pipeline_run.json, run_info.json."""
     folder.mkdir(parents=True)
     results = {
-        "sft": {"train_seconds": 5.0, "exact_match": exact_match - 0.1, "examples": examples,
-                "data_sha256": data_sha256, "gain": None},
-        "grpo": {"train_seconds": 6.0, "exact_match": exact_match, "examples": examples, "data_sha256": data_sha256,
-                 "gain": {"difference": 0.1, "p_value": 0.01}},
-    }  # fmt: skip
+        "sft": {
+            "train_seconds": 5.0,
+            "exact_match": exact_match - 0.1,
+            "examples": examples,
+            "data_sha256": data_sha256,
+            "gain": None,
+        },
+        "grpo": {
+            "train_seconds": 6.0,
+            "exact_match": exact_match,
+            "examples": examples,
+            "data_sha256": data_sha256,
+            "gain": {"difference": 0.1, "p_value": 0.01},
+        },
+    }
     (folder / "results.json").write_text(json.dumps(results))
     if seed is not None:
-        (folder / "pipeline_run.json").write_text(json.dumps({"seed": seed, "wall_seconds": 10.0,
-                                                              "machine": {"matmul_gflops": 100.0}}))  # fmt: skip
+        (folder / "pipeline_run.json").write_text(
+            json.dumps({"seed": seed, "wall_seconds": 10.0, "machine": {"matmul_gflops": 100.0}})
+        )
     if digest is not None:
         (folder / "sft").mkdir()
         (folder / "sft" / "run_info.json").write_text(json.dumps({"parameter_digests": [digest]}))
@@ -111,13 +128,26 @@ def test_repeated_list_flags_accumulate_and_other_repeated_flags_are_refused():
     from plugformer.experiments.grid import parse_grid, variants
     from plugformer.runtime.arguments import parse_arguments
 
-    args = parse_arguments(CompareArguments, ["--grid", "attention_score=dot,additive", "--grid",
-                                              "position_scheme=rope", "--set", "max_steps=3", "--set=hidden_size=32"],
-                           prog="plugformer compare")  # fmt: skip
+    args = parse_arguments(
+        CompareArguments,
+        [
+            "--grid",
+            "attention_score=dot,additive",
+            "--grid",
+            "position_scheme=rope",
+            "--set",
+            "max_steps=3",
+            "--set=hidden_size=32",
+        ],
+        prog="plugformer compare",
+    )
     assert args.grid == ["attention_score=dot,additive", "position_scheme=rope"]  # the attention axis is kept
     assert len(variants(parse_grid(args.grid))) == 2 and args.set == ["max_steps=3", "hidden_size=32"]
-    extrapolate = parse_arguments(ExtrapolationArguments, ["--set", "a=1", "--position_schemes", "rope", "--set",
-                                                           "b=2"], prog="plugformer extrapolate")  # fmt: skip
+    extrapolate = parse_arguments(
+        ExtrapolationArguments,
+        ["--set", "a=1", "--position_schemes", "rope", "--set", "b=2"],
+        prog="plugformer extrapolate",
+    )
     assert extrapolate.set == ["a=1", "b=2"] and extrapolate.position_schemes == ["rope"]
     with pytest.raises(ValueError, match=r"--max_new_tokens given twice \(--max_new_tokens 1, then --max_new_tokens"):
         parse_arguments(CompareArguments, ["--max_new_tokens", "1", "--max_new_tokens=32"], prog="plugformer compare")
@@ -129,13 +159,35 @@ def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists(
     assert parse_stage_arguments("sft", ["--output_dir", "unused", "--max_steps", "3"])[2].max_steps == 3
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--max_step', '1'\]"):
         parse_stage_arguments("sft", ["--output_dir", "unused", "--max_step", "1"])  # was read as --max_steps
-    _, model_args, _ = parse_stage_arguments("sft", ["--output_dir", "unused", "--use_peft", "true",
-                                                     "--model_name_or_path", "unused-model",
-                                                     "--lora_target_modules", "q_proj",
-                                                     "--lora_target_modules", "v_proj"])  # fmt: skip
+    _, model_args, _ = parse_stage_arguments(
+        "sft",
+        [
+            "--output_dir",
+            "unused",
+            "--use_peft",
+            "true",
+            "--model_name_or_path",
+            "unused-model",
+            "--lora_target_modules",
+            "q_proj",
+            "--lora_target_modules",
+            "v_proj",
+        ],
+    )
     assert model_args.lora_target_modules == ["q_proj", "v_proj"]  # not the last one alone
-    script_args, _, _ = parse_stage_arguments("pretrain", ["--output_dir", "unused", "--dataset_name", "json",
-                                                           "--data_files", "a.jsonl", "--data_files=b.jsonl", "c.jsonl"])  # fmt: skip
+    script_args, _, _ = parse_stage_arguments(
+        "pretrain",
+        [
+            "--output_dir",
+            "unused",
+            "--dataset_name",
+            "json",
+            "--data_files",
+            "a.jsonl",
+            "--data_files=b.jsonl",
+            "c.jsonl",
+        ],
+    )
     assert script_args.data_files == ["a.jsonl", "b.jsonl", "c.jsonl"]
     # a single-value option given twice: refused (`--max_steps 1 ... --max_steps 9` trained 9 silently)
     with pytest.raises(ValueError, match=r"--max_steps given twice \(--max_steps 1, then --max_steps 9\)"):
@@ -153,8 +205,18 @@ def test_a_repeated_flag_on_a_stage_command_is_refused_in_one_line_before_any_wo
 
     monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_work)
     with pytest.raises(SystemExit) as exited:
-        main(["train", "pretrain", "--output_dir", str(tmp_path / "run"), "--learning_rate", "1e-3",
-              "--learning_rate", "2e-3"])  # fmt: skip
+        main(
+            [
+                "train",
+                "pretrain",
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--learning_rate",
+                "1e-3",
+                "--learning_rate",
+                "2e-3",
+            ]
+        )
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "Traceback" not in error
@@ -166,8 +228,9 @@ def test_a_key_of_the_stage_yaml_given_on_the_command_line_is_no_repeat(tmp_path
     from plugformer.training import parse_stage_arguments
 
     (tmp_path / "sft.yaml").write_text("learning_rate: 1.0e-3\nmax_steps: 5\n")
-    _, _, training = parse_stage_arguments("sft", ["--config", str(tmp_path / "sft.yaml"), "--output_dir", "unused",
-                                                   "--learning_rate", "2e-3"])  # fmt: skip
+    _, _, training = parse_stage_arguments(
+        "sft", ["--config", str(tmp_path / "sft.yaml"), "--output_dir", "unused", "--learning_rate", "2e-3"]
+    )
     assert training.learning_rate == 2e-3 and training.max_steps == 5  # the command line wins over the YAML
 
 
@@ -176,8 +239,17 @@ def test_override_flags_gives_each_flag_once_the_later_part_winning():
 
     base = ["--output_dir", "o", "--max_steps", "3", "--data_files", "a", "b", "--bf16", "--seed", "1"]
     assert override_flags(base, ["--max-steps=9", "--data_files", "c"], ["--seed", "2", "--learning_rate", "-1"]) == [
-        "--output_dir", "o", "--max-steps=9", "--data_files", "c", "--bf16", "--seed", "2", "--learning_rate", "-1"
-    ]  # fmt: skip
+        "--output_dir",
+        "o",
+        "--max-steps=9",
+        "--data_files",
+        "c",
+        "--bf16",
+        "--seed",
+        "2",
+        "--learning_rate",
+        "-1",
+    ]
     assert override_flags(base) == base and override_flags([], base) == base
     assert override_flags(["--seed", "1"], ["--seed", "2"], ["--seed=3"]) == ["--seed=3"]  # a third part wins too
     # a repeat within one part is kept: it is the user's, for the stage command to refuse
@@ -190,8 +262,12 @@ def test_compare_composes_each_stage_flag_once(tmp_path, monkeypatch):
     from plugformer.experiments import compare
     from plugformer.training import parse_stage_arguments
 
-    settings = {"learning_rate": "1e-3", "pretrain.learning_rate": "2e-3", "exact_match_examples": "4",
-                "max_steps": "2"}  # fmt: skip
+    settings = {
+        "learning_rate": "1e-3",
+        "pretrain.learning_rate": "2e-3",
+        "exact_match_examples": "4",
+        "max_steps": "2",
+    }
     options = compare.route(settings, ["pretrain", "sft"])
     assert options["pretrain"].count("--learning_rate") == 1 and "2e-3" in options["pretrain"]
     assert options["sft"][options["sft"].index("--learning_rate") + 1] == "1e-3"
@@ -210,8 +286,9 @@ def test_compare_composes_each_stage_flag_once(tmp_path, monkeypatch):
 def test_compare_refuses_a_set_key_given_twice_and_a_grid_key_replaces_a_set_one(tmp_path):
     from plugformer.experiments import compare
 
-    args = compare.CompareArguments(output_dir=str(tmp_path), grid=["position_scheme=rope"],
-                                    set=["max_steps=2", "max_steps=3"])  # fmt: skip
+    args = compare.CompareArguments(
+        output_dir=str(tmp_path), grid=["position_scheme=rope"], set=["max_steps=2", "max_steps=3"]
+    )
     with pytest.raises(ValueError, match=r"--set max_steps given twice \(--set max_steps=2, then --set max_steps=3\)"):
         compare.run_plan(args, {"position_scheme": "rope"})
     args = compare.CompareArguments(output_dir=str(tmp_path), grid=["max_steps=3,4"], set=["max_steps=2"])
@@ -233,11 +310,14 @@ def test_extrapolate_refuses_a_set_of_what_it_fixes_per_run(entry):
         ExtrapolationArguments(set=[entry])
 
 
-@pytest.mark.parametrize("command", [
-    ["seeds", "a", "b", "--outp", "x.md"],
-    ["convert", "a", "b", "--overwr"],
-    ["plot", "sinusoidal", "--di", "8"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["seeds", "a", "b", "--outp", "x.md"],
+        ["convert", "a", "b", "--overwr"],
+        ["plot", "sinusoidal", "--di", "8"],
+    ],
+)
 def test_argparse_commands_refuse_abbreviations(command, capsys):
     from plugformer.cli import main
 
@@ -267,8 +347,9 @@ def test_compare_score_cache_is_keyed_on_every_option_that_changes_the_scores(tm
     compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32), model_dir, "test")
     assert scored[-1] == (32, "exact_match") and len(scored) == 2
     # how scores are compared does not change them: reused
-    compare.example_scores(compare.CompareArguments(**base, max_new_tokens=32, alpha=0.01, seeds=[4, 5]), model_dir,
-                           "test")  # fmt: skip
+    compare.example_scores(
+        compare.CompareArguments(**base, max_new_tokens=32, alpha=0.01, seeds=[4, 5]), model_dir, "test"
+    )
     assert len(scored) == 2
     for changed in ({"dataset_seed": 1}, {"dev_examples": 5}):  # the data scored
         compare.example_scores(compare.CompareArguments(**{**base, **changed}, max_new_tokens=32), model_dir, "test")
@@ -326,7 +407,11 @@ def test_the_environment_record_holds_what_torch_and_the_platform_report(monkeyp
     assert record["torch"] == torch.__version__ and record["torch_threads"] == torch.get_num_threads()
     assert record["omp_num_threads"] == "3" and record["world_size"] == 2
     assert (record["transformers"], record["trl"], record["accelerate"], record["datasets"]) == (
-        transformers.__version__, trl.__version__, accelerate.__version__, datasets.__version__)  # fmt: skip
+        transformers.__version__,
+        trl.__version__,
+        accelerate.__version__,
+        datasets.__version__,
+    )
     assert record["python"] == platform.python_version() and record["platform"] == platform.platform()
     assert record["cpu"] and record["blas"].split()[0] in torch.__config__.show()  # BLAS_INFO=mkl: "mkl 2024.2"
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -343,9 +428,22 @@ def finished_stage(tmp_path_factory) -> Path:
     from plugformer.experiments import pipeline
 
     folder = tmp_path_factory.mktemp("environment")
-    pipeline.main(["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--stage_configs",
-                   micro_stage_configs(folder), "--stages", "pretrain", "--test_examples", "0", "--jobs", "1",
-                   "--output_dir", str(folder / "out")])  # fmt: skip
+    pipeline.main(
+        [
+            "--config",
+            str(ROOT / "configs/pipeline/tiny.yaml"),
+            "--stage_configs",
+            micro_stage_configs(folder),
+            "--stages",
+            "pretrain",
+            "--test_examples",
+            "0",
+            "--jobs",
+            "1",
+            "--output_dir",
+            str(folder / "out"),
+        ]
+    )
     return folder / "out"
 
 
@@ -368,8 +466,18 @@ def test_eval_results_record_what_they_ran_on(finished_stage, tmp_path):
     from plugformer.evaluation.scoring import main as eval_main
 
     output = tmp_path / "eval.json"
-    eval_main(["--model", str(finished_stage / "pretrain"), "--examples", "2", "--max_new_tokens", "2", "--output",
-               str(output)])  # fmt: skip
+    eval_main(
+        [
+            "--model",
+            str(finished_stage / "pretrain"),
+            "--examples",
+            "2",
+            "--max_new_tokens",
+            "2",
+            "--output",
+            str(output),
+        ]
+    )
     environment = json.loads(output.read_text())["key"]["environment"]
     assert set(environment) == ENVIRONMENT_KEYS and environment["world_size"] == 1
     assert environment["torch_threads"] == torch.get_num_threads()

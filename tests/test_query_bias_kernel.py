@@ -148,8 +148,10 @@ def test_outputs_and_every_gradient_equal_the_eager_computation_in_fp64(name, sm
     batch, queries = allowed.shape[0], allowed.shape[2]
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(batch, HEADS, queries, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
-    key, value = (torch.randn(batch, KV_HEADS, key_length, DIM, generator=generator, dtype=torch.float64,
-                              requires_grad=True) for _ in range(2))  # fmt: skip
+    key, value = (
+        torch.randn(batch, KV_HEADS, key_length, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
     scaling, upstream = DIM**-0.5, torch.randn(batch, queries, HEADS, DIM, generator=generator, dtype=torch.float64)
     recipe = fire.bias_recipe(query_offset, queries, 0, key_length, positions, torch.float64)
     bias = QueryPositionBias(recipe, queries, key_length)
@@ -174,8 +176,9 @@ def train_step(model, tokens, mask, position_ids=None):
     labels = tokens if mask is None else tokens.masked_fill(mask == 0, -100)
     out = model(tokens, attention_mask=mask, position_ids=position_ids, labels=labels)
     out.loss.backward()
-    return out.logits.detach().float(), {name: p.grad.float() for name, p in model.named_parameters()
-                                         if p.grad is not None}  # fmt: skip
+    return out.logits.detach().float(), {
+        name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def fire_lm(kind: str, dtype: torch.dtype):
@@ -204,8 +207,11 @@ def test_a_training_step_equals_the_path_with_the_dense_bias(kind, dtype, small_
     mask requiring grad (its math path). bf16: within twice the dense path's own distance from fp32, plus 2 ulp."""
     tokens, mask, positions = inputs(kind)
     calls = []
-    monkeypatch.setattr(kernels_sdpa, "query_bias_attention_forward",
-                        lambda *args, **kwargs: calls.append(1) or query_bias_attention_forward(*args, **kwargs))  # fmt: skip
+    monkeypatch.setattr(
+        kernels_sdpa,
+        "query_bias_attention_forward",
+        lambda *args, **kwargs: calls.append(1) or query_bias_attention_forward(*args, **kwargs),
+    )
     blockwise = train_step(fire_lm(kind, dtype), tokens, mask, positions)
     assert len(calls) == 2  # the new path ran, in both layers
     monkeypatch.setattr(FireBias, "bias_recipe", lambda self, *args: None)
@@ -257,8 +263,10 @@ def test_attention_dropout_drops_the_weights_of_a_seeded_keep_mask():
     fire, dropout = fire_scheme(bidirectional=False), 0.3
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(2, HEADS, key_length, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
-    key, value = (torch.randn(2, KV_HEADS, key_length, DIM, generator=generator, dtype=torch.float64,
-                              requires_grad=True) for _ in range(2))  # fmt: skip
+    key, value = (
+        torch.randn(2, KV_HEADS, key_length, DIM, generator=generator, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
     bias = QueryPositionBias(fire.bias_recipe(0, key_length, 0, key_length, positions, torch.float64), 40, 40)
     torch.manual_seed(5)
     output, _ = query_bias_attention_forward(Attention(True), query, key, value, mask, DIM**-0.5, dropout, bias)
@@ -277,8 +285,9 @@ def test_attention_dropout_drops_the_weights_of_a_seeded_keep_mask():
     atol = fire_tolerances(fire, query, key, value, upstream, allowed, 0, positions, DIM**-0.5, kept=1.0 - dropout)
     torch.testing.assert_close(output, expected, atol=atol["output"], rtol=0)
     inputs = (query, key, value, *fire.bias_parameters())
-    for label, mine, theirs in zip(NAMES, torch.autograd.grad(output.sum(), inputs),
-                                   torch.autograd.grad(expected.sum(), inputs), strict=True):  # fmt: skip
+    for label, mine, theirs in zip(
+        NAMES, torch.autograd.grad(output.sum(), inputs), torch.autograd.grad(expected.sum(), inputs), strict=True
+    ):
         torch.testing.assert_close(mine, theirs, atol=atol[label], rtol=0, msg=label)
 
 

@@ -40,10 +40,18 @@ from plugformer.integrations.convert import convert
 
 # sizes only: every other field is the family's published value (or transformers' default, which is it)
 SIZES = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+    pad_token_id=0,
+    bos_token_id=1,
     eos_token_id=2,
-)  # fmt: skip
+)
 # a long-context rope's original length, shortened with the sizes so that the 12-token inputs cross it
 ORIGINAL = 8
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -55,8 +63,9 @@ DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, 
 
 def llama3():
     """Llama 3.1/3.2: the `llama3` rope (frequencies rescaled by wavelength), theta 5e5, tied head (3.2 1B)."""
-    return LlamaForCausalLM(LlamaConfig(**SIZES, rope_parameters=dict(LLAMA3_ROPE), rms_norm_eps=1e-5,
-                                        tie_word_embeddings=True))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(**SIZES, rope_parameters=dict(LLAMA3_ROPE), rms_norm_eps=1e-5, tie_word_embeddings=True)
+    )
 
 
 def qwen3(rope_parameters: dict | None = None):
@@ -69,11 +78,21 @@ def deepseek_v3():
     """DeepSeek-V3's attention: multi-head latent attention, interleaved rope, its YaRN with `mscale_all_dim`; its
     layers all dense (`first_k_dense_replace` = every layer: the expert layers are refused, `test_convert`)."""
     config = DeepseekV3Config(
-        **{**SIZES, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1,
-        num_experts_per_tok=2, moe_intermediate_size=16, rope_parameters=dict(DEEPSEEK_V3_YARN),
+        **{**SIZES, "num_key_value_heads": 4},
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        rope_parameters=dict(DEEPSEEK_V3_YARN),
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     return DeepseekV3ForCausalLM(config)
 
 
@@ -87,8 +106,9 @@ def gemma2(query_pre_attn_scalar: int = 16):
     """Gemma 2 (2B's fields): sandwich norms, embeddings times sqrt(hidden_size), attention logits capped at 50 and
     head logits at 30, GeGLU, every other layer sliding (window 4 here); `query_pre_attn_scalar` = head_dim (2B, 9B)
     or hidden_size / heads (27B: another than head_dim)."""
-    config = Gemma2Config(**{**SIZES, "num_hidden_layers": 3}, head_dim=16, sliding_window=4,
-                          query_pre_attn_scalar=query_pre_attn_scalar)  # fmt: skip
+    config = Gemma2Config(
+        **{**SIZES, "num_hidden_layers": 3}, head_dim=16, sliding_window=4, query_pre_attn_scalar=query_pre_attn_scalar
+    )
     assert config.layer_types[:2] == ["sliding_attention", "full_attention"] and config.final_logit_softcapping == 30
     return Gemma2ForCausalLM(config)
 
@@ -101,31 +121,53 @@ def phi3():
 
 def phi3_longrope():
     """Phi-3.5-mini / Phi-4-mini long context: `longrope` short and long factors (one per rotated frequency)."""
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "original_max_position_embeddings": ORIGINAL, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}  # fmt: skip
-    config = Phi3Config(**SIZES, rope_parameters=rope, original_max_position_embeddings=ORIGINAL,
-                        tie_word_embeddings=True, sliding_window=None)  # fmt: skip
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": ORIGINAL,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+    }
+    config = Phi3Config(
+        **SIZES,
+        rope_parameters=rope,
+        original_max_position_embeddings=ORIGINAL,
+        tie_word_embeddings=True,
+        sliding_window=None,
+    )
     return Phi3ForCausalLM(config)
 
 
 def smollm3():
     """SmolLM3: every fourth layer NoPE (`no_rope_layers`), theta 2e6, tied head."""
-    config = SmolLM3Config(**{**SIZES, "num_hidden_layers": 4}, rope_parameters={"rope_type": "default",
-                           "rope_theta": 2000000.0}, no_rope_layer_interval=4, tie_word_embeddings=True)  # fmt: skip
+    config = SmolLM3Config(
+        **{**SIZES, "num_hidden_layers": 4},
+        rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+        no_rope_layer_interval=4,
+        tie_word_embeddings=True,
+    )
     assert config.no_rope_layers == [1, 1, 1, 0]
     return SmolLM3ForCausalLM(config)
 
 
 def gpt2():
     """GPT-2: learned positions, LayerNorm, GELU, biases, tied head (its defaults are the published fields)."""
-    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                      initializer_range=0.1))  # fmt: skip
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.1)
+    )
 
 
 def gpt_oss():
-    return GptOssForCausalLM(GptOssConfig(**{**SIZES, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
-                                          num_experts_per_tok=2, sliding_window=4))  # fmt: skip
+    return GptOssForCausalLM(
+        GptOssConfig(
+            **{**SIZES, "intermediate_size": 64},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        )
+    )
 
 
 def phi2():

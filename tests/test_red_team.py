@@ -95,8 +95,20 @@ def pretrain(output_dir, *extra: str) -> dict:
     from plugformer.runtime.arguments import override_flags
     from plugformer.training import run_stage
 
-    steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
-             "--exact_match_examples", "0", "--max_steps", "2"]  # fmt: skip
+    steps = [
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--eval_strategy",
+        "no",
+        "--dev_examples",
+        "0",
+        "--exact_match_examples",
+        "0",
+        "--max_steps",
+        "2",
+    ]
     return run_stage(
         "pretrain", override_flags(["--output_dir", str(output_dir), *TINY, *PRETRAIN], steps, list(extra))
     )
@@ -123,8 +135,11 @@ def test_a_second_run_into_an_occupied_folder_is_refused_before_training(finishe
     run = copy_of(finished, tmp_path)
     before = snapshot(run)
     monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_training)
-    with pytest.raises(ValueError, match=r"--output_dir .* already holds another run \(checkpoint-2, config.json.*"
-                                         r"--resume_from_checkpoint last.*--overwrite_output_dir true"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"--output_dir .* already holds another run \(checkpoint-2, config.json.*"
+        r"--resume_from_checkpoint last.*--overwrite_output_dir true",
+    ):
         pretrain(run, "--seed", "1")
     assert snapshot(run) == before
 
@@ -227,8 +242,9 @@ def test_a_tokenizer_beside_a_model_is_refused_not_ignored(finished, tmp_path, m
 
     monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
     with pytest.raises(ValueError, match=r"--tokenizer_name_or_path .*other beside --model_name_or_path .*model's own"):
-        pretrain(tmp_path / "run", "--model_name_or_path", str(finished), "--tokenizer_name_or_path",
-                 str(tmp_path / "other"))  # fmt: skip
+        pretrain(
+            tmp_path / "run", "--model_name_or_path", str(finished), "--tokenizer_name_or_path", str(tmp_path / "other")
+        )
 
 
 # --- resuming: older than reached, odd manifests ------------------------------------------------------------------
@@ -296,8 +312,15 @@ def test_a_stage_through_the_cli_opens_no_connection_off_the_machine(finished, t
 
     from plugformer.cli import main
 
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
-                 "DISABLE_TELEMETRY", "USE_HUB_KERNELS", "CI"):  # fmt: skip
+    for name in (
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "HF_HUB_DISABLE_TELEMETRY",
+        "DISABLE_TELEMETRY",
+        "USE_HUB_KERNELS",
+        "CI",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", False)
@@ -354,8 +377,11 @@ def test_the_offline_defaults_turn_hub_kernels_off_unless_the_user_turned_them_o
 
     conftests = os.environ["USE_HUB_KERNELS"]  # read first: the helper's monkeypatch changes the environment
     environ: dict[str, str] = {}
-    assert apply_offline_defaults(environ) == {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-                                               "USE_HUB_KERNELS": "NO"}  # fmt: skip
+    assert apply_offline_defaults(environ) == {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "USE_HUB_KERNELS": "NO",
+    }
     assert not hub_kernels_enabled(environ, monkeypatch)
     assert hub_kernels_enabled({}, monkeypatch)  # transformers' default, which the defaults override
     mine = {"USE_HUB_KERNELS": "YES"}
@@ -438,8 +464,17 @@ def test_bad_jsonl_is_named_before_training(tmp_path, monkeypatch, content, patt
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
     with pytest.raises(ValueError, match=rf"--data_files {data}: {pattern}|--data_files {data}.*{pattern}"):
-        pretrain(tmp_path / "run", "--dataset_name", "json", "--data_files", str(data), "--dev_examples", "0",
-                 "--test_examples", "0")  # fmt: skip
+        pretrain(
+            tmp_path / "run",
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--dev_examples",
+            "0",
+            "--test_examples",
+            "0",
+        )
 
 
 def test_missing_data_file_and_sft_with_other_columns_are_named(finished, tmp_path, monkeypatch):
@@ -450,8 +485,11 @@ def test_missing_data_file_and_sft_with_other_columns_are_named(finished, tmp_pa
     with pytest.raises(ValueError, match=r"--data_files .*nowhere.jsonl: no such file"):
         run_stage("sft", [*argv, "--data_files", str(tmp_path / "nowhere.jsonl")])
     data = jsonl(tmp_path / "qa.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(40)])
-    with pytest.raises(ValueError, match=r"stage 'sft' needs the columns text \| messages \| prompt\+completion"
-                                         r".*it has \['question', 'answer'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"stage 'sft' needs the columns text \| messages \| prompt\+completion"
+        r".*it has \['question', 'answer'\]",
+    ):
         run_stage("sft", [*argv, "--data_files", str(data), "--dev_examples", "2", "--test_examples", "2"])
 
 
@@ -565,10 +603,17 @@ def test_labels_out_of_range_name_labels(head):
     )
     from tests.conftest import tiny_config
 
-    classes = {"causal": PlugformerForCausalLM, "masked": PlugformerForMaskedLM,
-               "seq2seq": PlugformerForConditionalGeneration, "classification": PlugformerForSequenceClassification}  # fmt: skip
-    extra = {"masked": {"is_causal": False}, "seq2seq": {"is_encoder_decoder": True, "pad_token_id": 0},
-             "classification": {"num_labels": 3, "pad_token_id": 0}}.get(head, {})  # fmt: skip
+    classes = {
+        "causal": PlugformerForCausalLM,
+        "masked": PlugformerForMaskedLM,
+        "seq2seq": PlugformerForConditionalGeneration,
+        "classification": PlugformerForSequenceClassification,
+    }
+    extra = {
+        "masked": {"is_causal": False},
+        "seq2seq": {"is_encoder_decoder": True, "pad_token_id": 0},
+        "classification": {"num_labels": 3, "pad_token_id": 0},
+    }.get(head, {})
     model = classes[head](tiny_config(**extra)).eval()
     ids = torch.randint(1, model.config.vocab_size, (2, 5))
     limit = 3 if head == "classification" else model.config.vocab_size
@@ -613,8 +658,13 @@ def test_pipeline_with_test_examples_0_reports_no_test_scores(finished, tmp_path
     from plugformer.experiments import pipeline
     from plugformer.runtime.files import write_json_atomic
 
-    args = pipeline.PipelineArguments(output_dir=str(tmp_path / "pipeline"), stages=["pretrain"], test_examples=0,
-                                      stage_configs=CONFIGS, max_new_tokens=4)  # fmt: skip
+    args = pipeline.PipelineArguments(
+        output_dir=str(tmp_path / "pipeline"),
+        stages=["pretrain"],
+        test_examples=0,
+        stage_configs=CONFIGS,
+        max_new_tokens=4,
+    )
     shutil.copytree(finished, tmp_path / "pipeline" / "pretrain")  # a finished stage, recorded as this one: reused
     argv = pipeline.stage_argv(args, "pretrain")
     record = pipeline.finished_record(args, "pretrain", pipeline.stage_record(args, "pretrain", argv))
@@ -688,9 +738,12 @@ def test_a_wrong_typed_yaml_value_is_refused_naming_file_key_and_type(tmp_path, 
     monkeypatch.setattr("plugformer.experiments.demo.run", refuse_training)
     config = tmp_path / "config.yaml"
     config.write_text(text + "\n")
-    argv = {"pretrain": ["train", "pretrain", "--output_dir", str(tmp_path / "run")],
-            "grpo": ["train", "grpo", "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(tmp_path)],
-            "pipeline": ["pipeline", "--output_dir", str(tmp_path / "run")], "demo": ["demo"]}[entry]  # fmt: skip
+    argv = {
+        "pretrain": ["train", "pretrain", "--output_dir", str(tmp_path / "run")],
+        "grpo": ["train", "grpo", "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(tmp_path)],
+        "pipeline": ["pipeline", "--output_dir", str(tmp_path / "run")],
+        "demo": ["demo"],
+    }[entry]
     with pytest.raises(ValueError, match=rf"--config {config}: {pattern}"):
         from plugformer.cli import main
 
@@ -705,8 +758,19 @@ def test_yaml_floats_without_a_dot_and_command_line_strings_still_convert(tmp_pa
 
     config = tmp_path / "config.yaml"
     config.write_text("learning_rate: 1e-3\nnum_train_epochs: 2\nreport_to: none\n")  # PyYAML alone: '1e-3' a str
-    flags = ["--max_steps", "10", "--bf16", "false", "--dataset_name", "json", "--data_files", "a.jsonl", "b.jsonl",
-             "--num_generations", "4"]  # fmt: skip
+    flags = [
+        "--max_steps",
+        "10",
+        "--bf16",
+        "false",
+        "--dataset_name",
+        "json",
+        "--data_files",
+        "a.jsonl",
+        "b.jsonl",
+        "--num_generations",
+        "4",
+    ]
     script, _, training = parse_stage_arguments("grpo", ["--config", str(config), "--output_dir", "o", *flags])
     assert (training.learning_rate, training.num_train_epochs, training.max_steps) == (1e-3, 2, 10)
     assert (training.bf16, training.num_generations, script.data_files) == (False, 4, ["a.jsonl", "b.jsonl"])
@@ -728,10 +792,25 @@ def full_disk_cli(tmp_path, capsys, monkeypatch, *flags) -> str:
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=12_345))  # what a full disk reports
-    steps = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
-             "--exact_match_examples", "0", "--max_steps", "4"]  # fmt: skip
-    argv = ["train", "pretrain", *override_flags(["--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN], steps,
-                                                 list(flags))]  # fmt: skip
+    steps = [
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--eval_strategy",
+        "no",
+        "--dev_examples",
+        "0",
+        "--exact_match_examples",
+        "0",
+        "--max_steps",
+        "4",
+    ]
+    argv = [
+        "train",
+        "pretrain",
+        *override_flags(["--output_dir", str(tmp_path / "run"), *TINY, *PRETRAIN], steps, list(flags)),
+    ]
     from plugformer.cli import main
 
     with pytest.raises(SystemExit) as exited:
@@ -753,8 +832,10 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_says_so(tmp_
     def filling_save(value, path, *args, **kwargs):
         if "checkpoint-4" in str(path):
             Path(path).write_bytes(b"partial")
-            raise RuntimeError("[enforce fail at inline_container.cc:659] . PytorchStreamWriter failed writing file "
-                               "data/0: file write failed")  # fmt: skip
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:659] . PytorchStreamWriter failed writing file "
+                "data/0: file write failed"
+            )
         return real_save(value, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", filling_save)
@@ -782,14 +863,18 @@ def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_check
 
     def filling_save_file(tensors, filename, *args, **kwargs):
         if ".staging" not in str(filename):  # checkpoints go through the staging area; the final model does not
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
-                                  'space left on device" })')  # fmt: skip
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                'space left on device" })'
+            )
         return real_save_file(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", filling_save_file)
     line = full_disk_cli(tmp_path, capsys, monkeypatch)
-    assert line.startswith(f"DiskFullError: [Errno 28] writing the trained model to {tmp_path / 'run'}: the disk is "
-                           "full (No space left on device)")  # fmt: skip
+    assert line.startswith(
+        f"DiskFullError: [Errno 28] writing the trained model to {tmp_path / 'run'}: the disk is "
+        "full (No space left on device)"
+    )
     assert "the model files in it are incomplete; checkpoint-4 (step 4) is intact" in line
 
     state = tmp_path / "run_info.json"
@@ -799,8 +884,11 @@ def test_a_full_disk_during_the_final_save_names_the_folder_and_the_intact_check
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(files.os, "fsync", no_space)
-    with pytest.raises(files.DiskFullError, match=r"writing run_info.json to .*run_info.json: the disk is full .* "
-                                                  r"free on .*; the previous run_info.json is intact"):  # fmt: skip
+    with pytest.raises(
+        files.DiskFullError,
+        match=r"writing run_info.json to .*run_info.json: the disk is full .* "
+        r"free on .*; the previous run_info.json is intact",
+    ):
         files.write_json_atomic(state, {"step": 2})
     assert state.read_text() == '{"step": 1}\n'
 
@@ -828,17 +916,45 @@ def size_variants():
     variants = [("causal_lm", {"attention_score": score}) for score in ATTENTION_SCORES.names()]
     variants += [("causal_lm", {"position_scheme": scheme}) for scheme in POSITION_SCHEMES.names()]
     variants += [
-        ("causal_lm", {"norm_type": "layernorm", "norm_placement": "post", "ffn_type": "mlp", "attention_bias": True,
-                       "mlp_bias": True, "tie_word_embeddings": False, "num_key_value_heads": 1, "head_dim": 12}),
+        (
+            "causal_lm",
+            {
+                "norm_type": "layernorm",
+                "norm_placement": "post",
+                "ffn_type": "mlp",
+                "attention_bias": True,
+                "mlp_bias": True,
+                "tie_word_embeddings": False,
+                "num_key_value_heads": 1,
+                "head_dim": 12,
+            },
+        ),
         ("causal_lm", {"attention_score": "additive", "ffn_type": "glu", "mlp_bias": True, "num_key_value_heads": 2}),
         ("masked_lm", {"is_causal": False, "position_scheme": "clamped_bias", "tie_word_embeddings": False}),
         ("sequence_classification", {"is_causal": False, "num_labels": 3, "pad_token_id": 0}),
         ("token_classification", {"is_causal": False, "num_labels": 5, "position_scheme": "learned"}),
-        ("seq2seq", {"is_encoder_decoder": True, "pad_token_id": 0, "position_scheme": "t5_bias",
-                     "num_decoder_layers": 3, "attention_score": "multiplicative"}),
-        ("seq2seq", {"is_encoder_decoder": True, "pad_token_id": 0, "position_scheme": "clamped_bias",
-                     "tie_word_embeddings": False, "attention_score": "additive", "attention_bias": True}),
-    ]  # fmt: skip
+        (
+            "seq2seq",
+            {
+                "is_encoder_decoder": True,
+                "pad_token_id": 0,
+                "position_scheme": "t5_bias",
+                "num_decoder_layers": 3,
+                "attention_score": "multiplicative",
+            },
+        ),
+        (
+            "seq2seq",
+            {
+                "is_encoder_decoder": True,
+                "pad_token_id": 0,
+                "position_scheme": "clamped_bias",
+                "tie_word_embeddings": False,
+                "attention_score": "additive",
+                "attention_bias": True,
+            },
+        ),
+    ]
     return variants
 
 
@@ -853,10 +969,13 @@ def test_the_closed_form_parameter_count_equals_real_models():
     from plugformer.runtime.memory import parameter_count
     from tests.conftest import tiny_config
 
-    classes = {"causal_lm": PlugformerForCausalLM, "masked_lm": PlugformerForMaskedLM,
-               "sequence_classification": PlugformerForSequenceClassification,
-               "token_classification": PlugformerForTokenClassification,
-               "seq2seq": PlugformerForConditionalGeneration}  # fmt: skip
+    classes = {
+        "causal_lm": PlugformerForCausalLM,
+        "masked_lm": PlugformerForMaskedLM,
+        "sequence_classification": PlugformerForSequenceClassification,
+        "token_classification": PlugformerForTokenClassification,
+        "seq2seq": PlugformerForConditionalGeneration,
+    }
     for head, fields in size_variants():
         config = tiny_config(
             **{
@@ -880,11 +999,14 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, mo
     monkeypatch.setattr(memory, "available_memory", lambda device=None: (2**30, "this machine has"))
     monkeypatch.setattr(Trainer, "train", refuse_training)
     big = ["--hidden_size", "8192", "--num_hidden_layers", "48", "--num_attention_heads", "64"]
-    with pytest.raises(ValueError, match=r"pretrain: vocab_size=300, hidden_size=8192, intermediate_size=21888, "
-                                         r"num_hidden_layers=48, .* make 32\.47B parameters, which need at least "
-                                         r"483\.8 GiB \(16 bytes each: fp32 weights, gradients and AdamW's two "
-                                         r"moments\) but this machine has 1\.0 GiB available; .*"
-                                         r"PLUGFORMER_SKIP_MEMORY_CHECK=1"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"pretrain: vocab_size=300, hidden_size=8192, intermediate_size=21888, "
+        r"num_hidden_layers=48, .* make 32\.47B parameters, which need at least "
+        r"483\.8 GiB \(16 bytes each: fp32 weights, gradients and AdamW's two "
+        r"moments\) but this machine has 1\.0 GiB available; .*"
+        r"PLUGFORMER_SKIP_MEMORY_CHECK=1",
+    ):
         pretrain(tmp_path / "run", *big)
 
     class Tokenizer:  # what build_model reads of one
@@ -896,8 +1018,11 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, mo
     with pytest.raises(ValueError, match=r"plugformer demo: .*hidden_size=16384.*need at least"):
         build_model(DemoArguments(hidden_size=16384, num_attention_heads=64, num_key_value_heads=8), Tokenizer())
     monkeypatch.setattr(memory, "available_memory", lambda device=None: (1000, "this machine has"))
-    with pytest.raises(ValueError, match=r"convert \(the source model and its conversion\): .*4 bytes each: fp32 "
-                                         r"weights, 2 models\) but this machine has 1000 B available"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"convert \(the source model and its conversion\): .*4 bytes each: fp32 "
+        r"weights, 2 models\) but this machine has 1000 B available",
+    ):
         convert(llama_source, tmp_path / "converted")
     assert not (tmp_path / "converted").exists()
     monkeypatch.setenv(memory.OVERRIDE, "1")  # the documented override builds it anyway

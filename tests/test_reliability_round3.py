@@ -112,9 +112,28 @@ def test_demo_told_to_replace_a_stage_removes_its_records(runs, tmp_path):
     from plugformer.training.outputs import LOCK, RUN_RECORD
 
     run = copy_run(runs, "final_only", tmp_path)
-    demo.main(["--output_dir", str(run), "--overwrite_output_dir", "true", "--max_steps", "1", "--train_sentences",
-               "64", "--eval_sentences", "8", "--hidden_size", "32", "--num_hidden_layers", "1", "--vocab_size",
-               "300", "--prompts", "1 plus 1 is"])  # fmt: skip
+    demo.main(
+        [
+            "--output_dir",
+            str(run),
+            "--overwrite_output_dir",
+            "true",
+            "--max_steps",
+            "1",
+            "--train_sentences",
+            "64",
+            "--eval_sentences",
+            "8",
+            "--hidden_size",
+            "32",
+            "--num_hidden_layers",
+            "1",
+            "--vocab_size",
+            "300",
+            "--prompts",
+            "1 plus 1 is",
+        ]
+    )
     assert not (run / "run_info.json").exists()  # the folder no longer claims to hold the pretrain stage
     assert json.loads((run / RUN_RECORD).read_text()) == {"stage": "demo"}
     assert not (run / LOCK).exists()
@@ -129,11 +148,33 @@ def test_a_stage_resuming_in_another_stages_folder_is_refused(runs, tmp_path, mo
     before = snapshot(run)
     monkeypatch.setattr(common, "load_model", refuse_work)
     with pytest.raises(ValueError, match=r"holds a 'pretrain' run \(run_info.json\), not a 'sft' one"):
-        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(run),
-                          "--resume_from_checkpoint", "last", *TINY, *TRL])  # fmt: skip
+        run_stage(
+            "sft",
+            [
+                "--model_name_or_path",
+                str(run),
+                "--output_dir",
+                str(run),
+                "--resume_from_checkpoint",
+                "last",
+                *TINY,
+                *TRL,
+            ],
+        )
     with pytest.raises(ValueError, match=r"holds a 'pretrain' run"):  # an explicit checkpoint of another stage too
-        run_stage("sft", ["--model_name_or_path", str(run), "--output_dir", str(tmp_path / "sft"),
-                          "--resume_from_checkpoint", str(run / "checkpoint-2"), *TINY, *TRL])  # fmt: skip
+        run_stage(
+            "sft",
+            [
+                "--model_name_or_path",
+                str(run),
+                "--output_dir",
+                str(tmp_path / "sft"),
+                "--resume_from_checkpoint",
+                str(run / "checkpoint-2"),
+                *TINY,
+                *TRL,
+            ],
+        )
     assert snapshot(run) == before
 
 
@@ -337,8 +378,12 @@ def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
     dead.wait()
     (tmp_path / LOCK).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
     source = Path(__file__).parents[1] / "src"
-    takers = [subprocess.Popen([sys.executable, "-c", LOCK_TAKER, str(tmp_path), str(i), str(source)],
-                               stdout=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
+    takers = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOCK_TAKER, str(tmp_path), str(i), str(source)], stdout=subprocess.PIPE, text=True
+        )
+        for i in range(2)
+    ]
     deadline = time.time() + 120
     while not all((tmp_path / f"ready-{i}").exists() for i in range(2)) and time.time() < deadline:
         time.sleep(0.05)
@@ -362,10 +407,20 @@ def test_dev_selection_under_fsdp2_hands_on_the_selected_step_whole(tmp_path):
     from test_fsdp import ENV, free_port
 
     worker = Path(__file__).with_name("selection_fsdp_worker.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port())]  # fmt: skip
-    result = subprocess.run([*torchrun, str(worker), str(tmp_path / "out.json")], env=ENV, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    result = subprocess.run(
+        [*torchrun, str(worker), str(tmp_path / "out.json")], env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads((tmp_path / "out.json").read_text())
     assert outcome["parameters"] > 10 and outcome["differ"] == []
@@ -525,9 +580,17 @@ def test_a_seq2seq_checkpoint_without_its_embedding_is_reported_and_refused(tmp_
     from plugformer import PlugformerConfig, PlugformerForConditionalGeneration
     from plugformer.runtime.loading import load_checked
 
-    config = PlugformerConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                              num_attention_heads=2, is_encoder_decoder=True, is_causal=False, pad_token_id=0,
-                              tie_word_embeddings=tie_word_embeddings)  # fmt: skip
+    config = PlugformerConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        is_encoder_decoder=True,
+        is_causal=False,
+        pad_token_id=0,
+        tie_word_embeddings=tie_word_embeddings,
+    )
     model = PlugformerForConditionalGeneration(config)
     assert model.decoder.embed_tokens.weight is model.encoder.embed_tokens.weight  # one embedding, either way
     model.save_pretrained(tmp_path)
@@ -648,8 +711,14 @@ def test_attention_sinks_under_tensor_parallelism_are_refused_at_load():
 
     from plugformer import PlugformerConfig, PlugformerForCausalLM
 
-    config = PlugformerConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                          num_key_value_heads=2, use_attention_sinks=True)  # fmt: skip
+    config = PlugformerConfig.from_preset(
+        "tiny",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        use_attention_sinks=True,
+    )
     config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan="auto") sets
     with pytest.raises(ValueError, match=r"use_attention_sinks=True cannot run with tensor parallelism \(tp_size=2\)"):
         PlugformerForCausalLM(config)

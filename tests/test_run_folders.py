@@ -90,8 +90,9 @@ def test_run_info_is_written_after_every_other_record(tmp_path, monkeypatch):
     assert written[-1] == RUN_RECORD and record(run)["status"] == "finished"
 
 
-def test_ctrl_c_after_the_final_save_prints_one_line_and_leaves_no_stale_record(finished, tmp_path, monkeypatch,
-                                                                                capsys):  # fmt: skip
+def test_ctrl_c_after_the_final_save_prints_one_line_and_leaves_no_stale_record(
+    finished, tmp_path, monkeypatch, capsys
+):
     from plugformer import cli
     from plugformer.training import common
 
@@ -127,8 +128,11 @@ def test_a_checkpoint_of_another_folder_is_refused_into_a_finished_folder(finish
     before = snapshot(target)
     monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_training)
     checkpoint = finished / "checkpoint-2"
-    with pytest.raises(ValueError, match=rf"--resume_from_checkpoint {checkpoint}: .*{finished}.*--output_dir "
-                                         rf"{target} holds another run .*--overwrite_output_dir true") as caught:  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"--resume_from_checkpoint {checkpoint}: .*{finished}.*--output_dir "
+        rf"{target} holds another run .*--overwrite_output_dir true",
+    ) as caught:
         pretrain(target, "--resume_from_checkpoint", str(checkpoint), "--max_steps", "4")
     assert "\n" not in str(caught.value)
     assert snapshot(target) == before
@@ -161,8 +165,11 @@ def test_overwrite_refuses_a_folder_of_another_tool_that_holds_checkpoints(tmp_p
     (other / "eval_results.json").write_text('{"eval_loss": 1.0}')
     before = snapshot(other)
     monkeypatch.setattr(pretrain_module, "build_tokenizer", refuse_training)
-    with pytest.raises(ValueError, match=rf"--overwrite_output_dir true: {other} holds checkpoint-10, checkpoint-5, "
-                                         r"which plugformer did not write .*holds no plugformer run"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"--overwrite_output_dir true: {other} holds checkpoint-10, checkpoint-5, "
+        r"which plugformer did not write .*holds no plugformer run",
+    ):
         pretrain(other, "--overwrite_output_dir", "true")
     assert snapshot(other) == before
 
@@ -227,13 +234,31 @@ def mode(path: Path) -> int:
 def test_files_get_the_modes_of_the_umask(tmp_path, umask, expected):
     corpus = write_corpus(tmp_path / "corpus.jsonl", 200)
     run = tmp_path / "run"
-    pretrain(run, "--dataset_name", "json", "--data_files", str(corpus), "--data_cache_dir", str(tmp_path / "cache"),
-             "--dev_examples", "8", "--test_examples", "8")  # fmt: skip
+    pretrain(
+        run,
+        "--dataset_name",
+        "json",
+        "--data_files",
+        str(corpus),
+        "--data_cache_dir",
+        str(tmp_path / "cache"),
+        "--dev_examples",
+        "8",
+        "--test_examples",
+        "8",
+    )
     completes = sorted((tmp_path / "cache" / "blocks").glob("*/complete"))  # the packed corpus's marker
     assert completes
-    files = [run / "model.safetensors", run / "run_info.json", run / "trainer_state.json", run / RUN_RECORD,
-             run / "last_checkpoint.json", run / "checkpoint-2" / "model.safetensors",
-             run / "checkpoint-2" / "checkpoint_manifest.json", *completes]  # fmt: skip
+    files = [
+        run / "model.safetensors",
+        run / "run_info.json",
+        run / "trainer_state.json",
+        run / RUN_RECORD,
+        run / "last_checkpoint.json",
+        run / "checkpoint-2" / "model.safetensors",
+        run / "checkpoint-2" / "checkpoint_manifest.json",
+        *completes,
+    ]
     assert {str(path.relative_to(tmp_path)): oct(mode(path)) for path in files} == {
         str(path.relative_to(tmp_path)): oct(expected) for path in files
     }

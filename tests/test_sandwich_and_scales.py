@@ -33,8 +33,9 @@ def captured(module, store: dict, name: str):
 
 
 def test_a_sandwich_block_norms_each_sublayer_input_and_output_and_the_scales_apply(tokens):
-    config = tiny_config(num_hidden_layers=1, norm_placement="sandwich", embedding_multiplier=3.0,
-                         final_logit_softcapping=0.4)  # fmt: skip
+    config = tiny_config(
+        num_hidden_layers=1, norm_placement="sandwich", embedding_multiplier=3.0, final_logit_softcapping=0.4
+    )
     model = build(config).double()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -86,10 +87,14 @@ def test_a_gemma2_shaped_model_counts_as_gemma2():
     """Four norms a block (the sandwich's two more), a tied head: the parameters of transformers' Gemma 2."""
     config = tiny_config(norm_placement="sandwich", hidden_act="gelu_pytorch_tanh", embedding_multiplier=8.0)
     reference = Gemma2Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+    )
     with torch.device("meta"):
         expected = sum(parameter.numel() for parameter in Gemma2ForCausalLM(reference).parameters())
     assert parameter_count(config) == expected

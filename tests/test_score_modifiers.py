@@ -21,10 +21,18 @@ from plugformer import ATTENTION_SCORES, PlugformerForCausalLM, supported_kernel
 def qwen3_twin(**overrides):
     """A tiny Qwen3 and the plugformer model with its weights (the module names are the same)."""
     fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     reference = Qwen3ForCausalLM(Qwen3Config(**fields, attn_implementation="eager")).eval()
     with torch.no_grad():  # Qwen3 starts its norms at 1: move them, or a missed norm would go unseen
@@ -77,8 +85,11 @@ def modified_combinations():
                         # flex compiles per shape on the CPU (10-40 s a row): its rows run with -m slow; softcap on
                         # flex against the formula stays in the default run (test_softcap_matches_formula)
                         marks = pytest.mark.slow if kernel == "flex_attention" else ()
-                        params.append(pytest.param(modifier, score, scheme, kernel, marks=marks,
-                                                   id=f"{modifier}-{score}-{scheme}-{kernel}"))  # fmt: skip
+                        params.append(
+                            pytest.param(
+                                modifier, score, scheme, kernel, marks=marks, id=f"{modifier}-{score}-{scheme}-{kernel}"
+                            )
+                        )
     return params
 
 

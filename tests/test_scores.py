@@ -93,8 +93,9 @@ def formula_tolerance(name: str) -> float:
     scores = torch.tensor([[REFERENCE_SCORES[name](q, k) for k in K] for q in Q], dtype=torch.float64)
     size = max(SCORE_TERMS[name](q, k) for q in Q for k in K)
     values = max(abs(x) for v in V for x in v)
-    return tolerance(torch.float32, magnitude=values, length=len(K), spread=softmax_spread(scores) + SCORE_STEPS * size,
-                     steps=2)  # fmt: skip
+    return tolerance(
+        torch.float32, magnitude=values, length=len(K), spread=softmax_spread(scores) + SCORE_STEPS * size, steps=2
+    )
 
 
 # differential: one pair of query heads (maps 1 and 2) over two key/value heads, d_k = 2, the second layer
@@ -141,8 +142,10 @@ def differential_tolerance(layer_idx: int = 1) -> float:
     )
     lam += lambda_init
     values = torch.tensor([v1 + v2 for v1, v2 in zip(V1, V2, strict=True)], dtype=torch.float64)  # (K, 4)
-    maps = [torch.tensor([[dot(q, k) / math.sqrt(2) for k in keys] for q in queries], dtype=torch.float64)
-            for queries, keys in ((Q, K), (Q2, K2))]  # fmt: skip
+    maps = [
+        torch.tensor([[dot(q, k) / math.sqrt(2) for k in keys] for q in queries], dtype=torch.float64)
+        for queries, keys in ((Q, K), (Q2, K2))
+    ]
     first, second = (scores.softmax(-1) for scores in maps)  # (Q, K)
     difference = (first - lam * second) @ values  # (Q, 4)
     size = (first @ values.abs() + abs(lam) * second @ values.abs()).amax(-1)  # (Q,)
@@ -413,8 +416,9 @@ def test_additive_kernel_gradients_with_padding_and_causal_mask_equal_autograd()
     mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]  # (B, 1, Q, K)
     upstream = torch.randn(2, length, heads, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     upstream = upstream * real[:, :, None, None]
-    module = SimpleNamespace(num_key_value_groups=1, training=True, is_causal=True,
-                             config=SimpleNamespace(output_attentions=False))  # fmt: skip
+    module = SimpleNamespace(
+        num_key_value_groups=1, training=True, is_causal=True, config=SimpleNamespace(output_attentions=False)
+    )
     out, _ = kernels_additive.additive_attention_forward(module, query, key, value, mask, energy=energy, chunk_size=4)
     exact = torch.einsum("bhqka,ha->bhqk", torch.tanh(query[:, :, :, None] + key[:, :, None]), energy)  # (B, H, Q, K)
     scores = exact.float().masked_fill(~mask, torch.finfo(torch.float32).min)  # the kernel scores in fp32, as eager

@@ -25,8 +25,10 @@ QUICK = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "
 
 
 def pairs(count: int) -> list[dict]:
-    return [{"prompt": f"What is {i} + 2?", "chosen": f" {i} + 2 = {i + 2}\n#### {i + 2}", "rejected": f" #### {i + 3}"}
-            for i in range(count)]  # fmt: skip
+    return [
+        {"prompt": f"What is {i} + 2?", "chosen": f" {i} + 2 = {i + 2}\n#### {i + 2}", "rejected": f" #### {i + 3}"}
+        for i in range(count)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,20 @@ def dpo(pretrained, tmp_path_factory):
     data = write_jsonl(root / "pairs.jsonl", pairs(40))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        info = stage("dpo", root / "dpo", pretrained, data, "--max_steps", "4", "--selection_steps", "2",
-                     "--max_length", "64", "--learning_rate", "1e-3")  # fmt: skip
+        info = stage(
+            "dpo",
+            root / "dpo",
+            pretrained,
+            data,
+            "--max_steps",
+            "4",
+            "--selection_steps",
+            "2",
+            "--max_length",
+            "64",
+            "--learning_rate",
+            "1e-3",
+        )
     return root / "dpo", info, out.getvalue()
 
 
@@ -82,8 +96,23 @@ def test_eval_scores_preference_pairs_whose_prompt_is_implicit(dpo, tmp_path):
     folder, _, _ = dpo
     implicit = [{"chosen": f"What is {i} + 5? {i + 5}", "rejected": f"What is {i} + 5? {i + 6}"} for i in range(30)]
     data = write_jsonl(tmp_path / "implicit.jsonl", implicit)
-    cli_main(["eval", "--model", str(folder), "--output", str(tmp_path / "eval.json"), "--dataset_name", "json",
-              "--data_files", str(data), "--dev_examples", "3", "--test_examples", "5"])  # fmt: skip
+    cli_main(
+        [
+            "eval",
+            "--model",
+            str(folder),
+            "--output",
+            str(tmp_path / "eval.json"),
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--dev_examples",
+            "3",
+            "--test_examples",
+            "5",
+        ]
+    )
     scores = json.loads((tmp_path / "eval.json").read_text())
     from plugformer.data.sources import load_stage_dataset
 
@@ -108,8 +137,22 @@ def test_the_built_in_rewards_read_a_solution_where_there_is_no_answer():
 def test_grpo_on_prompt_solution_data_rewards_and_selects_by_the_solutions_final_answer(pretrained, tmp_path):
     rows = [{"prompt": f"What is {i} + 3?", "solution": f"{i} + 3 = {i + 3}\n#### {i + 3}"} for i in range(30)]
     data = write_jsonl(tmp_path / "math.jsonl", rows)
-    info = stage("grpo", tmp_path / "grpo", pretrained, data, "--max_steps", "2", "--num_generations", "4",
-                 "--max_completion_length", "8", "--selection_steps", "1", "--selection_examples", "3")  # fmt: skip
+    info = stage(
+        "grpo",
+        tmp_path / "grpo",
+        pretrained,
+        data,
+        "--max_steps",
+        "2",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--selection_steps",
+        "1",
+        "--selection_examples",
+        "3",
+    )
     logged = json.loads((tmp_path / "grpo/trainer_state.json").read_text())["log_history"]
     assert sum("rewards/exact_match_reward/mean" in entry for entry in logged) == 2  # the reward read `solution`
     assert info["selection"]["signal"] == "dev_exact_match"
@@ -122,12 +165,25 @@ def test_selection_without_a_ground_truth_or_a_stage_signal_is_refused_naming_bo
     from plugformer.training.common import dev_selection
 
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"say {i}"} for i in range(30)])
-    args = SimpleNamespace(selection_steps=3, dataset_name="json", data_files=[str(data)], dataset_config=None,
-                           sizes=lambda: {"train": 30, "dev": 3, "test": 3}, dataset_seed=0, direct_answer_fraction=0.0,
-                           rename_columns=None, keep_duplicates=False, selection_examples=3, max_new_tokens=8)  # fmt: skip
+    args = SimpleNamespace(
+        selection_steps=3,
+        dataset_name="json",
+        data_files=[str(data)],
+        dataset_config=None,
+        sizes=lambda: {"train": 30, "dev": 3, "test": 3},
+        dataset_seed=0,
+        direct_answer_fraction=0.0,
+        rename_columns=None,
+        keep_duplicates=False,
+        selection_examples=3,
+        max_new_tokens=8,
+    )
     model = SimpleNamespace(can_generate=lambda: True)
-    with pytest.raises(ValueError, match=r"^--selection_steps 3: .*`answer` column \(or the final answer of a "
-                                         r"`solution`\).*\['answer \(or solution\)'\].*--selection_steps 0"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^--selection_steps 3: .*`answer` column \(or the final answer of a "
+        r"`solution`\).*\['answer \(or solution\)'\].*--selection_steps 0",
+    ):
         dev_selection(args, None, model, data={"train": Dataset.from_list([{"prompt": "x"}])})
 
 
@@ -136,9 +192,17 @@ def test_selection_without_a_ground_truth_or_a_stage_signal_is_refused_naming_bo
 
 def chats(count: int) -> list[dict]:
     """Two-turn conversations without an `answer` column: both assistant turns are completions."""
-    return [{"messages": [{"role": "user", "content": f"What is {i} + 2?"}, {"role": "assistant", "content": f"{i + 2}"},
-                          {"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": f"{2 * i + 4}"}]}
-            for i in range(count)]  # fmt: skip
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 2?"},
+                {"role": "assistant", "content": f"{i + 2}"},
+                {"role": "user", "content": "And doubled?"},
+                {"role": "assistant", "content": f"{2 * i + 4}"},
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 def dev_rows(stage_name: str, data: Path, **sizes):
@@ -178,8 +242,22 @@ def test_sft_on_chats_without_an_answer_selects_by_completion_log_likelihood(pre
 
     data = write_jsonl(tmp_path / "chats.jsonl", chats(40))
     sizes = {"dev_examples": 4, "test_examples": 4}
-    info = stage("sft", tmp_path / "sft", pretrained, data, "--max_steps", "4", "--selection_steps", "2",
-                 "--learning_rate", "3e-3", "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    info = stage(
+        "sft",
+        tmp_path / "sft",
+        pretrained,
+        data,
+        "--max_steps",
+        "4",
+        "--selection_steps",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--dev_examples",
+        "4",
+        "--test_examples",
+        "4",
+    )
     selection = info["selection"]
     assert selection["signal"] == "dev_completion_log_likelihood"
     history = selection["history"]
@@ -206,8 +284,23 @@ def reward_model(pretrained, tmp_path_factory):
     data = write_jsonl(root / "pairs.jsonl", pairs(40))
     at = QUICK.index("--pass_at_k_samples")
     quick = QUICK[:at] + QUICK[at + 2 :]  # a reward model samples nothing
-    train_on_file("reward", root / "reward", pretrained, data, *quick, "--max_steps", "4", "--selection_steps", "2",
-                  "--learning_rate", "1e-3", "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    train_on_file(
+        "reward",
+        root / "reward",
+        pretrained,
+        data,
+        *quick,
+        "--max_steps",
+        "4",
+        "--selection_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--dev_examples",
+        "4",
+        "--test_examples",
+        "4",
+    )
     return root / "reward", json.loads((root / "reward/run_info.json").read_text()), data
 
 
@@ -258,9 +351,30 @@ def test_rlhf_on_prompts_without_an_answer_selects_by_the_reward_models_mean_sco
     rows = [{"prompt": [{"role": "user", "content": f"Name a number after {i}."}]} for i in range(30)]
     data = write_jsonl(tmp_path / "prompts.jsonl", rows)
     folder = reward_model[0]
-    info = stage("rlhf", tmp_path / "rlhf", pretrained, data, "--reward_model_path", str(folder), "--max_steps", "2",
-                 "--learning_rate", "1e-3", "--num_generations", "4", "--max_completion_length", "8", "--selection_steps", "1",
-                 "--selection_examples", "3", "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    info = stage(
+        "rlhf",
+        tmp_path / "rlhf",
+        pretrained,
+        data,
+        "--reward_model_path",
+        str(folder),
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--selection_steps",
+        "1",
+        "--selection_examples",
+        "3",
+        "--dev_examples",
+        "4",
+        "--test_examples",
+        "4",
+    )
     selection = info["selection"]
     assert selection["signal"] == "dev_mean_reward"
     assert [entry["step"] for entry in selection["history"]] == [0, 1, 2]
@@ -299,11 +413,41 @@ def test_grpo_with_only_your_own_verifier_selects_by_its_mean_reward(pretrained,
     config.update(reward_functions=[], reward_weights=None)
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Count on from {i}:"} for i in range(30)])
-    cli_main(["train", "grpo", "--config", str(tmp_path / "grpo.yaml"), "--model_name_or_path", str(pretrained),
-              "--dataset_name", "json", "--data_files", str(data), "--output_dir", str(tmp_path / "grpo"), *QUICK,
-              "--reward_funcs", "my_verifier:distinct_share", "--learning_rate", "1e-3", "--max_steps", "2", "--num_generations", "4",
-              "--max_completion_length", "8", "--selection_steps", "1", "--selection_examples", "3",
-              "--dev_examples", "4", "--test_examples", "4"])  # fmt: skip
+    cli_main(
+        [
+            "train",
+            "grpo",
+            "--config",
+            str(tmp_path / "grpo.yaml"),
+            "--model_name_or_path",
+            str(pretrained),
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "grpo"),
+            *QUICK,
+            "--reward_funcs",
+            "my_verifier:distinct_share",
+            "--learning_rate",
+            "1e-3",
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--selection_steps",
+            "1",
+            "--selection_examples",
+            "3",
+            "--dev_examples",
+            "4",
+            "--test_examples",
+            "4",
+        ]
+    )
     info = json.loads((tmp_path / "grpo/run_info.json").read_text())
     assert [reward["name"] for reward in info["rewards"]] == ["distinct_share"]
     selection = info["selection"]
@@ -322,10 +466,16 @@ def test_the_completion_log_likelihood_reads_what_sfts_loss_reads_in_each_format
     from plugformer.training.selection_signals import CompletionLikelihood, completion_pairs
 
     eos = "<|endoftext|>"
-    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]  # fmt: skip
-    assert completion_pairs(Dataset.from_list([{"messages": turns}]), eos) == [(turns[:1], turns[1:2]),
-                                                                                (turns[:3], turns[3:])]  # fmt: skip
+    turns = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    assert completion_pairs(Dataset.from_list([{"messages": turns}]), eos) == [
+        (turns[:1], turns[1:2]),
+        (turns[:3], turns[3:]),
+    ]
     # strings end in end-of-text as TRL appends it, once; a conversation's end is its template's
     rows = Dataset.from_list(
         [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "1 + 1 =", "completion": " 2" + eos}]

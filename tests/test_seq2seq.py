@@ -78,8 +78,9 @@ def test_source_padding_does_not_change_the_output(scheme, source, tokens):
     padded[0, :9], mask[0, :9] = source[0], 1
     alone = decoder_logits(model, source[:1], tokens[:1, :5])
     atol = model_tolerance(model.config, alone)  # padded against alone: fp32's rounding through both stacks
-    torch.testing.assert_close(decoder_logits(model, padded, tokens[:1, :5], attention_mask=mask), alone, atol=atol,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        decoder_logits(model, padded, tokens[:1, :5], attention_mask=mask), alone, atol=atol, rtol=0
+    )
 
 
 def test_teacher_forced_loss_shifts_labels(source, tokens):
@@ -123,9 +124,14 @@ def test_greedy_and_beam_generation(score, scheme, kernel, source):
             sequence = torch.cat([sequence, next_token], dim=1)
     assert torch.equal(generated, sequence)
     beams = model.generate(
-        source[:1], max_new_tokens=5, num_beams=3, num_return_sequences=3, length_penalty=0.0,
-        output_scores=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        source[:1],
+        max_new_tokens=5,
+        num_beams=3,
+        num_return_sequences=3,
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     log_probs = decoder_logits(model, source[:1].expand(3, -1), beams.sequences).log_softmax(-1)
     recomputed = log_probs[:, :-1].gather(-1, beams.sequences[:, 1:, None]).squeeze(-1).sum(-1)
     # a sum of 5 log-probabilities, each a logit less the row's logsumexp: twice a logit's `model_tolerance` each
@@ -164,9 +170,15 @@ def reversal_batch(count, generator, vocab=(3, 13)):
 def test_learns_to_reverse_sequences():
     """Reversal needs cross-attention to the right source position; held-out exact match far above chance (~0)."""
     model = seq2seq(
-        "scaled_dot", "learned", "sdpa", vocab_size=16, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        "scaled_dot",
+        "learned",
+        "sdpa",
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
         num_key_value_heads=4,
-    ).train()  # fmt: skip
+    ).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # decayed to 0: at a constant 3e-3 held-out exact match swings between 0.87 and 1.0 from one 100 steps to the next
     # (seeds 0-3), so which step the test ends on decided it; decayed, 1.0 at step 300 for seeds 0-5

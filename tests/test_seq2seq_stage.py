@@ -37,10 +37,19 @@ def test_every_way_of_writing_a_date_and_the_split_by_date():
     date = datetime.date(1999, 5, 3)  # a Monday
     written = [template(date) for template in TEMPLATES]
     assert written == [
-        "3 May 1999", "May 3, 1999", "Monday, May 3, 1999", "Mon 3 May 1999", "the 3rd of may, 1999",
-        "3rd May 1999", "May 3rd 1999", "05/03/1999", "1999 MAY 03", "3 may 1999",
-        "the third of May, nineteen ninety-nine", "May third nineteen ninety-nine",
-    ]  # fmt: skip
+        "3 May 1999",
+        "May 3, 1999",
+        "Monday, May 3, 1999",
+        "Mon 3 May 1999",
+        "the 3rd of may, 1999",
+        "3rd May 1999",
+        "May 3rd 1999",
+        "05/03/1999",
+        "1999 MAY 03",
+        "3 may 1999",
+        "the third of May, nineteen ninety-nine",
+        "May third nineteen ninety-nine",
+    ]
     assert TEMPLATES[-2](datetime.date(2012, 12, 22)) == "the twenty-second of December, twenty twelve"
     assert [number_words(n) for n in (11, 30, 99)] == ["eleven", "thirty", "ninety-nine"]
     data = load_stage_dataset("source_target", sizes={"train": 4000, "dev": 400, "test": 400}, seed=1)
@@ -91,8 +100,19 @@ def independent_scores(model_dir, rows) -> tuple[list[int], list[str], float]:
 @pytest.mark.slow  # trains to a learned score; the default tier runs the stage and its scoring in the compare test
 def test_seq2seq_learns_the_dates_and_eval_scores_its_test_split(tmp_path):
     sacrebleu = pytest.importorskip("sacrebleu")
-    info = seq2seq(tmp_path / "dates", "--max_steps", "400", "--train_examples", "8000", "--dev_examples", "100",
-                   "--test_examples", "40", "--exact_match_examples", "100")  # fmt: skip
+    info = seq2seq(
+        tmp_path / "dates",
+        "--max_steps",
+        "400",
+        "--train_examples",
+        "8000",
+        "--dev_examples",
+        "100",
+        "--test_examples",
+        "40",
+        "--exact_match_examples",
+        "100",
+    )
     # the shipped config's 400 steps reached dev exact match 100%, 99.5%, 99.5%, 97.5%, 99.5% with seeds 0-3 and 42
     # (200 dev dates; 250 steps: 64.5-98.5%)
     assert info["dev_exact_match"]["exact_match"] >= 0.9 and info["dev_exact_match"]["examples"] == 100
@@ -122,9 +142,25 @@ def numbers_csv(path) -> None:
 
 def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     numbers_csv(tmp_path / "numbers.csv")
-    info = seq2seq(tmp_path / "mine", "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"),
-                   "--dev_examples", "10", "--test_examples", "12", "--held_out_fraction", "1", "--max_steps", "30",
-                   "--vocab_size", "300", "--rename_columns", "words=source,digits=target")  # fmt: skip
+    info = seq2seq(
+        tmp_path / "mine",
+        "--dataset_name",
+        "csv",
+        "--data_files",
+        str(tmp_path / "numbers.csv"),
+        "--dev_examples",
+        "10",
+        "--test_examples",
+        "12",
+        "--held_out_fraction",
+        "1",
+        "--max_steps",
+        "30",
+        "--vocab_size",
+        "300",
+        "--rename_columns",
+        "words=source,digits=target",
+    )
     assert info["data"]["dataset_name"] == "csv" and info["data"]["test_examples"] == 12
     results = eval_main(["--model", str(tmp_path / "mine")])
     rows = held_out_rows(recorded_source(str(tmp_path / "mine")), "test", 300)
@@ -134,16 +170,40 @@ def test_seq2seq_on_your_csv_and_eval_on_the_rows_it_held_out(tmp_path):
     card = (tmp_path / "mine/README.md").read_text()
     assert "numbers.csv" in card and "rows held out" in card
     # LoRA on the trained model: adapters in adapter/, the merged model beside them; the base weights stay
-    seq2seq(tmp_path / "lora", "--model_name_or_path", str(tmp_path / "mine"), "--use_peft", "true", "--lora_r", "4",
-            "--dataset_name", "csv", "--data_files", str(tmp_path / "numbers.csv"), "--dev_examples", "10",
-            "--test_examples", "12", "--held_out_fraction", "1", "--max_steps", "5", "--learning_rate", "0.05",
-            "--rename_columns", "words=source,digits=target")  # fmt: skip
+    seq2seq(
+        tmp_path / "lora",
+        "--model_name_or_path",
+        str(tmp_path / "mine"),
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--dataset_name",
+        "csv",
+        "--data_files",
+        str(tmp_path / "numbers.csv"),
+        "--dev_examples",
+        "10",
+        "--test_examples",
+        "12",
+        "--held_out_fraction",
+        "1",
+        "--max_steps",
+        "5",
+        "--learning_rate",
+        "0.05",
+        "--rename_columns",
+        "words=source,digits=target",
+    )
     from peft import PeftModel
 
     base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine")
     merged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "lora").state_dict()
-    expected = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine"),
-                                         tmp_path / "lora/adapter").merge_and_unload().state_dict()  # fmt: skip
+    expected = (
+        PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mine"), tmp_path / "lora/adapter")
+        .merge_and_unload()
+        .state_dict()
+    )
     for name, weight in base.state_dict().items():
         torch.testing.assert_close(merged[name], expected[name], msg=name)
         if name.endswith("q_proj.weight"):
@@ -171,17 +231,27 @@ def test_what_the_seq2seq_stage_refuses(tmp_path):
         CompareArguments(stages=["seq2seq"], metric="accuracy")
     for varied in ("seq2seq.data_files=a.csv,b.csv", "seq2seq.rename_columns=a=source,b=source"):
         with pytest.raises(ValueError, match=r"variants scored on different data cannot be paired"):
-            run(CompareArguments(stages=["seq2seq"], metric="exact_match", output_dir=str(tmp_path / "c"),
-                                 grid=[varied], seeds=[0]))  # fmt: skip
+            run(
+                CompareArguments(
+                    stages=["seq2seq"], metric="exact_match", output_dir=str(tmp_path / "c"), grid=[varied], seeds=[0]
+                )
+            )
 
 
 def test_compare_seq2seq_variants_scores_the_held_out_pairs(tmp_path):
     """A planted difference (learning rate 0: the untrained model) is found by the targets' perplexity, and compare
     scores the pairs eval scores, each by its summed target loss."""
     flags = [f"{FLAGS[i][2:]}={FLAGS[i + 1]}" for i in range(2, len(FLAGS), 2) if FLAGS[i] != "--seed"]
-    args = CompareArguments(stages=["seq2seq"], metric="perplexity", output_dir=str(tmp_path / "cmp"), seeds=[0],
-                            grid=["learning_rate=0,2e-3"], dev_examples=30, test_examples=40,
-                            set=[*flags, "max_steps=30", "train_examples=2000"])  # fmt: skip
+    args = CompareArguments(
+        stages=["seq2seq"],
+        metric="perplexity",
+        output_dir=str(tmp_path / "cmp"),
+        seeds=[0],
+        grid=["learning_rate=0,2e-3"],
+        dev_examples=30,
+        test_examples=40,
+        set=[*flags, "max_steps=30", "train_examples=2000"],
+    )
     summary = run(args)
     rows = summary["variants"]
     assert summary["best"] == "learning_rate=2e-3" and rows["learning_rate=0"]["versus_best"]["significant"]
@@ -202,8 +272,20 @@ def test_the_pipeline_runs_seq2seq_only_when_listed_and_tables_its_scores(tmp_pa
     shipped = open("configs/seq2seq/tiny.yaml").read()
     small = shipped.replace("max_steps: 600", "max_steps: 5").replace("train_examples: 20000", "train_examples: 500")
     (tmp_path / "seq2seq.yaml").write_text(small)
-    pipeline_main(["--stages", "seq2seq", "--stage_configs", str(tmp_path / "{stage}.yaml"), "--output_dir",
-                   str(tmp_path / "run"), "--test_examples", "20", "--jobs", "1"])  # fmt: skip
+    pipeline_main(
+        [
+            "--stages",
+            "seq2seq",
+            "--stage_configs",
+            str(tmp_path / "{stage}.yaml"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--test_examples",
+            "20",
+            "--jobs",
+            "1",
+        ]
+    )
     table = (tmp_path / "run/results.md").read_text()
     (row,) = [line for line in table.splitlines() if line.startswith("| seq2seq |")]
     scores = json.loads((tmp_path / "run/results.json").read_text())["seq2seq"]
@@ -234,7 +316,11 @@ def test_a_new_model_has_positions_for_the_longest_source_and_target():
     tokenizer = train_tokenizer(["a b c 1 2 3"] * 10, vocab_size=300)
     base = ["--position_scheme", "learned", "--max_source_length", "32", "--max_target_length", "16"]
     # the tiny preset's table holds 64 positions; a longer source or target gets one that holds it, unless given
-    for flags, expected in ((["--max_source_length", "100"], 100), (["--max_target_length", "90"], 90), ([], 64),
-                            (["--max_source_length", "100", "--max_position_embeddings", "80"], 80)):  # fmt: skip
+    for flags, expected in (
+        (["--max_source_length", "100"], 100),
+        (["--max_target_length", "90"], 90),
+        ([], 64),
+        (["--max_source_length", "100", "--max_position_embeddings", "80"], 80),
+    ):
         script_args, model_args, _ = parse_stage_arguments("seq2seq", override_flags(base, flags))
         assert build_model(script_args, model_args, tokenizer).config.max_position_embeddings == expected

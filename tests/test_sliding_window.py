@@ -21,20 +21,27 @@ from plugformer.compat import CACHE_NAMED_CACHE
 
 WINDOW = 3
 # flex_attention compiles a kernel per shape on CPU (seconds each): one scheme with a score bias, one without
-_FLEX_SCHEMES = {next(s for s in POSITION_SCHEMES if POSITION_SCHEMES.get(s).has_bias),
-                 next(s for s in POSITION_SCHEMES if not POSITION_SCHEMES.get(s).has_bias)}  # fmt: skip
+_FLEX_SCHEMES = {
+    next(s for s in POSITION_SCHEMES if POSITION_SCHEMES.get(s).has_bias),
+    next(s for s in POSITION_SCHEMES if not POSITION_SCHEMES.get(s).has_bias),
+}
 SLIDING = [
-    p for p in projection_combinations(representative=True, sliding_window=WINDOW)
+    p
+    for p in projection_combinations(representative=True, sliding_window=WINDOW)
     if p.values[2] != "flex_attention" or (p.values[0] == "scaled_dot" and p.values[1] in _FLEX_SCHEMES)
-]  # fmt: skip
+]
 EAGER_SDPA = projection_combinations(kernels=("eager", "sdpa"), representative=True, sliding_window=WINDOW)
 # cached flex decoding compiles a kernel per step length (60-95 s a row on the CPU): with -m slow; flex == eager on
 # the full forward stays in the default run for the scheme with a bias
-SLIDING_DECODING = [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) if p.values[2] == "flex_attention"
-                    else p for p in SLIDING]  # fmt: skip
-SLIDING_KERNELS = [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
-                   if p.values[2] == "flex_attention" and not POSITION_SCHEMES.get(p.values[1]).has_bias
-                   else p for p in SLIDING]  # fmt: skip
+SLIDING_DECODING = [
+    pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) if p.values[2] == "flex_attention" else p for p in SLIDING
+]
+SLIDING_KERNELS = [
+    pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+    if p.values[2] == "flex_attention" and not POSITION_SCHEMES.get(p.values[1]).has_bias
+    else p
+    for p in SLIDING
+]
 
 
 def window_mask(length: int, window: int, causal: bool = True) -> torch.Tensor:
@@ -115,8 +122,9 @@ def test_sliding_window_left_padding_matches_unpadded(score, scheme, kernel, pro
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], dim=1)
     alone = logits(model, row)
-    torch.testing.assert_close(logits(model, padded, attention_mask=mask)[:, 3:], alone,
-                               atol=model_tolerance(model.config, alone), rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        logits(model, padded, attention_mask=mask)[:, 3:], alone, atol=model_tolerance(model.config, alone), rtol=0
+    )
 
 
 def test_sliding_window_generate_equals_greedy_full_forwards(tokens):
@@ -169,8 +177,15 @@ def test_sliding_window_in_seq2seq_windows_self_attention_and_keeps_every_encode
     from plugformer import PlugformerForConditionalGeneration
 
     def seq2seq(**overrides):
-        config = PlugformerConfig.from_preset("tiny", is_encoder_decoder=True, is_causal=False, pad_token_id=0,
-                                              eos_token_id=1, decoder_start_token_id=0, **overrides)  # fmt: skip
+        config = PlugformerConfig.from_preset(
+            "tiny",
+            is_encoder_decoder=True,
+            is_causal=False,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+            **overrides,
+        )
         config._attn_implementation = kernel
         torch.manual_seed(0)
         return PlugformerForConditionalGeneration(config).eval()
@@ -178,8 +193,14 @@ def test_sliding_window_in_seq2seq_windows_self_attention_and_keeps_every_encode
     model, full = seq2seq(sliding_window=WINDOW), seq2seq()
     source = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        generated = model.generate(source, max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
+        generated = model.generate(
+            source,
+            max_new_tokens=8,
+            do_sample=False,
+            min_new_tokens=8,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
         decoder_ids = generated.sequences
         logits = model(source, decoder_input_ids=decoder_ids).logits
         cache = generated.cache if CACHE_NAMED_CACHE else generated.past_key_values  # the name before 5.24

@@ -176,10 +176,12 @@ def test_only_eager_computes_it_and_bidirectional_models_are_refused():
     assert model.config._attn_implementation == "eager"  # chosen automatically
     with pytest.raises(ValueError, match=r"attention_score='stick_breaking'.*attn_implementation='sdpa'"):
         model.set_attn_implementation("sdpa")
-    for fields, field in (({"is_causal": False}, "is_causal=False"),
-                          ({"is_encoder_decoder": True, "pad_token_id": 0}, "is_encoder_decoder=True"),
-                          ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping=30.0"),
-                          ({"use_attention_sinks": True}, "use_attention_sinks=True")):  # fmt: skip
+    for fields, field in (
+        ({"is_causal": False}, "is_causal=False"),
+        ({"is_encoder_decoder": True, "pad_token_id": 0}, "is_encoder_decoder=True"),
+        ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping=30.0"),
+        ({"use_attention_sinks": True}, "use_attention_sinks=True"),
+    ):
         with pytest.raises(ValueError, match=rf"{field}.*attention_score='stick_breaking'"):
             tiny_config("stick_breaking", "rope", **fields)
 

@@ -113,8 +113,9 @@ def cases() -> list[dict]:
     ]
     # The default kernel is sdpa for the dot-product scores; plugformer's eager kernel adds a bias its own way
     eager = [case(f"eager-{s}-{p}", causal, tiny(s, p), kernel="eager") for s, p in EAGER_PAIRS]
-    multi_head = [case("multi-head-additive-t5_bias", causal, tiny("additive", "t5_bias", num_key_value_heads=4),
-                       train=True)]  # fmt: skip
+    multi_head = [
+        case("multi-head-additive-t5_bias", causal, tiny("additive", "t5_bias", num_key_value_heads=4), train=True)
+    ]
     refused = [case("mqa", causal, tiny(num_key_value_heads=1))]
     # attention modifiers that change the sharded projections or mix heads' values: gated attention's q_proj (each
     # head's query then its gate, split by columns), value residuals (each rank mixes its own key/value heads),
@@ -143,10 +144,16 @@ def launch(entries: list[dict], root: Path) -> dict[str, tuple[dict, list[dict]]
         manifest.append({**{k: v for k, v in entry.items() if k != "config"}, **variants, "path": str(path)})
     (root / "manifest.json").write_text(json.dumps(manifest))
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={TP_SIZE}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(Path(__file__).with_name("tp_worker.py")), str(root / "manifest.json"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={TP_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(Path(__file__).with_name("tp_worker.py")),
+        str(root / "manifest.json"),
         str(root),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:

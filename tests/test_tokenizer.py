@@ -118,8 +118,15 @@ def test_without_plugformer_the_tokenizer_beside_a_model_loads_as_a_stock_one_wi
         "print(json.dumps([[type(t).__name__, t('1 + 2 = 3').input_ids] for t in loaded]))\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "custom code" not in done.stdout + done.stderr
     expected = tokenizer("1 + 2 = 3").input_ids

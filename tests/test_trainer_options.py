@@ -34,8 +34,10 @@ def checkpointing(training_args) -> tuple:
 
 def test_the_aliases_are_those_of_the_installed_release():
     """Before 5.23 the new names stand for the old fields; from 5.23 the old names for the new ones."""
-    new_to_old = {"activation_checkpointing": "gradient_checkpointing",
-                  "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}  # fmt: skip
+    new_to_old = {
+        "activation_checkpointing": "gradient_checkpointing",
+        "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    }
     expected = {old: new for new, old in new_to_old.items()} if HAS_NEW_NAMES else new_to_old
     assert compat.trainer_option_aliases() == expected
 
@@ -73,9 +75,12 @@ def test_the_command_line_flag_overrides_the_yaml(stage, flag, tmp_path):
 
 def test_a_yaml_with_either_name_reaches_the_trainer_args(tmp_path):
     """The new name in a YAML, the old one, and both (the new one wins, as 5.24 resolves them)."""
-    for values, expected in [({"activation_checkpointing": True}, True), ({"gradient_checkpointing": True}, True),
-                             ({"activation_checkpointing": False, "gradient_checkpointing": True}, False),
-                             ({"activation_checkpointing": True, "gradient_checkpointing": False}, True)]:  # fmt: skip
+    for values, expected in [
+        ({"activation_checkpointing": True}, True),
+        ({"gradient_checkpointing": True}, True),
+        ({"activation_checkpointing": False, "gradient_checkpointing": True}, False),
+        ({"activation_checkpointing": True, "gradient_checkpointing": False}, True),
+    ]:
         path = tmp_path / "sft.yaml"
         path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "bf16": False, **values}))
         assert checkpointing(parse_stage_arguments("sft", ["--config", str(path)])[2])[0] is expected, values
@@ -113,11 +118,14 @@ def test_the_command_line_overrides_the_yaml_whichever_name_each_uses(tmp_path):
         (True, ["--no_gradient_checkpointing"], False),
         (False, ["--activation_checkpointing=true"], True),
     ]:
-        path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "bf16": False,
-                                        "activation_checkpointing": yaml_value}))  # fmt: skip
+        path.write_text(
+            yaml.safe_dump({"output_dir": str(tmp_path / "out"), "bf16": False, "activation_checkpointing": yaml_value})
+        )
         assert checkpointing(parse_stage_arguments("sft", ["--config", str(path), *flags])[2])[0] is expected, flags
-    for flags in (["--activation_checkpointing", "true", "--gradient_checkpointing", "false"],
-                  ["--activation_checkpointing", "true", "--no_gradient_checkpointing"]):  # fmt: skip
+    for flags in (
+        ["--activation_checkpointing", "true", "--gradient_checkpointing", "false"],
+        ["--activation_checkpointing", "true", "--no_gradient_checkpointing"],
+    ):
         # named by the field the installed transformers has: the new one, which the old name aliases (5.23 on), or the
         # old one, given second here (5.19)
         refusal = (

@@ -104,8 +104,18 @@ def test_rlhf_optimises_against_the_learned_reward_model(chain, tmp_path):
 
 
 def test_rl_stage_hands_on_its_best_dev_step_and_draws_the_overoptimisation_curve(chain, tmp_path):
-    info = train("rlhf", tmp_path, "--model_name_or_path", str(chain["sft"]), "--reward_model_path",
-                 str(chain["reward"]), "--selection_steps", "1", "--selection_examples", "4")  # fmt: skip
+    info = train(
+        "rlhf",
+        tmp_path,
+        "--model_name_or_path",
+        str(chain["sft"]),
+        "--reward_model_path",
+        str(chain["reward"]),
+        "--selection_steps",
+        "1",
+        "--selection_examples",
+        "4",
+    )
     chosen, history = info["selection"]["selected"], info["selection"]["history"]
     assert [entry["step"] for entry in history] == [0, 1, 2, 3] and info["selection"]["last"]["step"] == 3
     best = max(entry["dev_exact_match"] for entry in history)
@@ -241,10 +251,22 @@ def free_port() -> int:
 
 def launch(stage: str, output_dir, *extra: str, processes: int = 2, timeout: int = 300) -> dict:
     """`accelerate launch` with the shipped 2-process CPU topology."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
-               "--main_process_port", str(free_port()), "-m", "plugformer", "train", stage,
-               *override_flags(["--output_dir", str(output_dir), *TINY], list(extra))]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "plugformer",
+        "train",
+        stage,
+        *override_flags(["--output_dir", str(output_dir), *TINY], list(extra)),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((Path(output_dir) / "run_info.json").read_text())
@@ -265,8 +287,24 @@ def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
 @pytest.mark.slow  # ~75 s; tests/test_checkpoints.py kills runs at random moments in the default suite
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     """SIGKILL after a checkpoint, resume from it: the final weights equal an uninterrupted run's, bit for bit."""
-    flags = override_flags(TINY, PRETRAIN, ["--max_steps", "120", "--save_strategy", "steps", "--save_steps", "10",
-                                            "--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0"])  # fmt: skip
+    flags = override_flags(
+        TINY,
+        PRETRAIN,
+        [
+            "--max_steps",
+            "120",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "10",
+            "--eval_strategy",
+            "no",
+            "--dev_examples",
+            "0",
+            "--exact_match_examples",
+            "0",
+        ],
+    )
     run_stage("pretrain", ["--output_dir", str(tmp_path / "whole"), *flags])
 
     killed = tmp_path / "killed"
@@ -274,8 +312,13 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     # the same thread count as the runs in this process: another one sums matmuls in another order, and the
     # weights then differ in the last bits (seen with OMP_NUM_THREADS=2 here against 1 in the child)
     threads = str(torch.get_num_threads())
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OMP_NUM_THREADS": threads})  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": threads},
+    )
     deadline = time.time() + 240
     while not (killed / "checkpoint-20" / "trainer_state.json").exists():
         assert process.poll() is None and time.time() < deadline, "the run ended before checkpoint 20"
@@ -296,8 +339,18 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
     """The README's pipeline on the shipped tiny YAMLs, cut to a few steps; a re-run reuses finished stages."""
     from plugformer.experiments.pipeline import main as pipeline_main
 
-    argv = ["--config", str(ROOT / "configs/pipeline/tiny.yaml"), "--output_dir", str(tmp_path / "out"),
-            "--stage_configs", micro_stage_configs(tmp_path), "--test_examples", "6", "--max_new_tokens", "6"]  # fmt: skip
+    argv = [
+        "--config",
+        str(ROOT / "configs/pipeline/tiny.yaml"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--stage_configs",
+        micro_stage_configs(tmp_path),
+        "--test_examples",
+        "6",
+        "--max_new_tokens",
+        "6",
+    ]
     results = pipeline_main(argv)
     assert list(results) == ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
     assert all(results[s]["examples"] == 6 for s in results if s != "reward")
@@ -336,17 +389,44 @@ def test_embedded_splits_never_share_a_fact_and_are_deterministic():
 
 
 def test_sft_on_local_json_files_with_carved_splits(chain, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                          {"role": "assistant", "content": f"{i} + 1 = {i + 1}\n#### {i + 1}"}]} for i in range(40)]  # fmt: skip
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 1?"},
+                {"role": "assistant", "content": f"{i} + 1 = {i + 1}\n#### {i + 1}"},
+            ]
+        }
+        for i in range(40)
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in rows))
-    info = train("sft", tmp_path / "out", "--model_name_or_path", str(chain["pretrain"]), "--dataset_name", "json",
-                 "--data_files", str(path), "--dev_examples", "4", "--test_examples", "4")  # fmt: skip
+    info = train(
+        "sft",
+        tmp_path / "out",
+        "--model_name_or_path",
+        str(chain["pretrain"]),
+        "--dataset_name",
+        "json",
+        "--data_files",
+        str(path),
+        "--dev_examples",
+        "4",
+        "--test_examples",
+        "4",
+    )
     assert info["dev_exact_match"] is None  # no `answer` column: nothing to score, no error
     assert_trained(chain["pretrain"], tmp_path / "out")
     with pytest.raises(ValueError, match=r"lacks the columns \['chosen', 'rejected'\]"):
-        train("dpo", tmp_path / "dpo", "--model_name_or_path", str(chain["sft"]), "--dataset_name", "json",
-              "--data_files", str(path))  # fmt: skip
+        train(
+            "dpo",
+            tmp_path / "dpo",
+            "--model_name_or_path",
+            str(chain["sft"]),
+            "--dataset_name",
+            "json",
+            "--data_files",
+            str(path),
+        )
 
 
 @pytest.mark.parametrize(
@@ -424,8 +504,17 @@ def test_each_stage_writes_a_model_card_that_huggingface_hub_parses(chain):
 @pytest.mark.parametrize("stage", ["dpo", "grpo", "rlhf"])
 def test_lora_in_the_preference_and_rl_stages(chain, stage, tmp_path, length_reward):
     extra = {"grpo": ["--reward_functions", "length"], "rlhf": ["--reward_model_path", str(chain["reward"])]}
-    train(stage, tmp_path, "--model_name_or_path", str(chain["sft"]), "--use_peft", "true", "--lora_r", "4",
-          *extra.get(stage, []))  # fmt: skip
+    train(
+        stage,
+        tmp_path,
+        "--model_name_or_path",
+        str(chain["sft"]),
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        *extra.get(stage, []),
+    )
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     assert_trained(chain["sft"], tmp_path, prefix="model.layers.0.self_attn.q_proj")  # merged LoRA moved q_proj
 
@@ -436,8 +525,20 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     from plugformer.evaluation.scoring import main as eval_main
 
     output = tmp_path / "eval.json"
-    results = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "6", "--max_new_tokens", "6",
-                         "--output", str(output)])  # fmt: skip
+    results = eval_main(
+        [
+            "--model",
+            str(chain["sft"]),
+            "--split",
+            "dev",
+            "--examples",
+            "6",
+            "--max_new_tokens",
+            "6",
+            "--output",
+            str(output),
+        ]
+    )
     assert json.loads(output.read_text())["examples"] == 6
     low, high = results["exact_match_ci95"]
     assert low <= results["exact_match"] <= high
@@ -457,8 +558,20 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
     # the pairs are drawn as the reward model's own training pairs were (recorded in run_info.json), unless told
     trained = json.loads((chain["reward"] / "run_info.json").read_text())["data"]
     assert trained == {"dataset_seed": 0, "direct_answer_fraction": 0.0} and reward["direct_answer_fraction"] == 0.0
-    bare = eval_main(["--model", str(chain["reward"]), "--split", "dev", "--examples", "6", "--output", str(output),
-                      "--direct_answer_fraction", "1.0"])  # fmt: skip
+    bare = eval_main(
+        [
+            "--model",
+            str(chain["reward"]),
+            "--split",
+            "dev",
+            "--examples",
+            "6",
+            "--output",
+            str(output),
+            "--direct_answer_fraction",
+            "1.0",
+        ]
+    )
     from plugformer.evaluation.scoring import preference_accuracy
 
     rows = load_stage_dataset("preference", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
@@ -481,20 +594,56 @@ def test_eval_asks_a_pretrained_model_as_its_corpus_asks_as_well(chain, tmp_path
 
     formats = {stage: json.loads((chain[stage] / "run_info.json").read_text())["data_format"] for stage in chain}
     assert formats == {"pretrain": "text", "sft": "conversation", "reward": "preference"}
-    base = eval_main(["--model", str(chain["pretrain"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "6",
-                      "--output", str(tmp_path / "base.json")])  # fmt: skip
+    base = eval_main(
+        [
+            "--model",
+            str(chain["pretrain"]),
+            "--split",
+            "dev",
+            "--examples",
+            "4",
+            "--max_new_tokens",
+            "6",
+            "--output",
+            str(tmp_path / "base.json"),
+        ]
+    )
     assert len(base["pretraining_format_correct"]) == 4 and len(base["correct"]) == 4
     assert base["pretraining_format"]["exact_match"] == sum(base["pretraining_format_correct"]) / 4
     asked = base["pretraining_format_samples"][0]["prompt"]
     assert asked.startswith("<|bos|>Question: ") and asked.endswith("\nAnswer:") and "<|im_start|>" not in asked
-    chat = eval_main(["--model", str(chain["sft"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "6",
-                      "--output", str(tmp_path / "chat.json")])  # fmt: skip
+    chat = eval_main(
+        [
+            "--model",
+            str(chain["sft"]),
+            "--split",
+            "dev",
+            "--examples",
+            "4",
+            "--max_new_tokens",
+            "6",
+            "--output",
+            str(tmp_path / "chat.json"),
+        ]
+    )
     assert "pretraining_format" not in chat and "<|im_start|>" in chat["samples"][0]["prompt"]
     # the pretrain stage's own dev score (its card's) is asked the same way: eval on the same 4 dev problems with the
     # run's generation budget (8 tokens) gives the same answers
     dev = json.loads((chain["pretrain"] / "run_info.json").read_text())["dev_exact_match"]
-    again = eval_main(["--model", str(chain["pretrain"]), "--split", "dev", "--examples", "4", "--max_new_tokens", "8",
-                       "--output", str(tmp_path / "again.json")])  # fmt: skip
+    again = eval_main(
+        [
+            "--model",
+            str(chain["pretrain"]),
+            "--split",
+            "dev",
+            "--examples",
+            "4",
+            "--max_new_tokens",
+            "8",
+            "--output",
+            str(tmp_path / "again.json"),
+        ]
+    )
     assert dev["prompt"] == "Question: {question}\nAnswer:" and dev["correct"] == again["pretraining_format_correct"]
     assert dev["samples"] == again["pretraining_format_samples"]
     card = (chain["pretrain"] / "README.md").read_text()
@@ -514,12 +663,15 @@ def test_eval_gives_each_answer_the_budget_its_run_scored_dev_with(chain, tmp_pa
 
     assert json.loads((chain["sft"] / "run_info.json").read_text())["max_new_tokens"] == 8
     recorded = eval_main(["--model", str(chain["sft"]), "--examples", "2", "--output", str(tmp_path / "a.json")])
-    given = eval_main(["--model", str(chain["sft"]), "--examples", "2", "--max_new_tokens", "3",
-                       "--output", str(tmp_path / "b.json")])  # fmt: skip
+    given = eval_main(
+        ["--model", str(chain["sft"]), "--examples", "2", "--max_new_tokens", "3", "--output", str(tmp_path / "b.json")]
+    )
     assert (recorded["max_new_tokens"], given["max_new_tokens"]) == (8, 3)
     tokenizer = AutoTokenizer.from_pretrained(chain["sft"])
-    lengths = {name: [len(tokenizer(s["completion"])["input_ids"]) for s in result["samples"]]
-               for name, result in (("recorded", recorded), ("given", given))}  # fmt: skip
+    lengths = {
+        name: [len(tokenizer(s["completion"])["input_ids"]) for s in result["samples"]]
+        for name, result in (("recorded", recorded), ("given", given))
+    }
     # the generation itself obeys the budget: the untrained model runs to it (no end of turn in 8 tokens)
     assert max(lengths["given"]) <= 3 < max(lengths["recorded"]) <= 8, lengths
     assert recorded["key"]["options"]["max_new_tokens"] == 8
@@ -554,8 +706,15 @@ def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(ch
     info = json.loads((chain["sft"] / "run_info.json").read_text())
 
     def data_line(**fields) -> str:
-        card = stage_card(model, info, SimpleNamespace(), StageArguments(**fields), parent="p", model_path="x/sft",
-                          card=STAGES["sft"].card)  # fmt: skip
+        card = stage_card(
+            model,
+            info,
+            SimpleNamespace(),
+            StageArguments(**fields),
+            parent="p",
+            model_path="x/sft",
+            card=STAGES["sft"].card,
+        )
         return next(line for line in str(card).splitlines() if line.startswith("- data:"))
 
     assert "direct_answer_fraction 0.6: that share of the answers" in data_line(direct_answer_fraction=0.6)
@@ -573,13 +732,30 @@ def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(
     from plugformer.evaluation.held_out import rows_digest
     from plugformer.evaluation.scoring import main as eval_main
 
-    conversations = [{"prompt": [{"role": "user", "content": f"Repeat {i}"}],
-                      "completion": [{"role": "assistant", "content": f"{i} {i}"}]} for i in range(30)]  # fmt: skip
+    conversations = [
+        {
+            "prompt": [{"role": "user", "content": f"Repeat {i}"}],
+            "completion": [{"role": "assistant", "content": f"{i} {i}"}],
+        }
+        for i in range(30)
+    ]
     data = write_jsonl(tmp_path / "chat.jsonl", conversations)
     monkeypatch.chdir(tmp_path)  # a relative path is recorded absolute: eval finds it from any folder
     (tmp_path / "json").mkdir()  # a builder's name stays a name beside a folder of that name, as load_dataset reads it
-    train("sft", tmp_path / "sft", "--model_name_or_path", str(chain["pretrain"]), "--dataset_name", "json",
-          "--data_files", "chat.jsonl", "--dev_examples", "3", "--test_examples", "5")  # fmt: skip
+    train(
+        "sft",
+        tmp_path / "sft",
+        "--model_name_or_path",
+        str(chain["pretrain"]),
+        "--dataset_name",
+        "json",
+        "--data_files",
+        "chat.jsonl",
+        "--dev_examples",
+        "3",
+        "--test_examples",
+        "5",
+    )
     record = json.loads((tmp_path / "sft/run_info.json").read_text())["data"]
     assert record["dataset_name"] == "json" and record["data_files"] == [str(data)]
     assert (record["dev_examples"], record["test_examples"]) == (3, 5)
@@ -629,8 +805,22 @@ def test_eval_on_your_preference_pairs_and_what_it_refuses(chain, tmp_path):
         eval_main(["--model", str(chain["sft"]), "--output", str(tmp_path / "s.json"), *flags])
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": f"document {i}"} for i in range(12)])
     with pytest.raises(ValueError, match=r"reward model is scored on preference pairs"):
-        eval_main(["--model", str(chain["reward"]), "--output", str(tmp_path / "r.json"), "--dataset_name", "json",
-                   "--data_files", str(text), "--dev_examples", "2", "--test_examples", "2"])  # fmt: skip
+        eval_main(
+            [
+                "--model",
+                str(chain["reward"]),
+                "--output",
+                str(tmp_path / "r.json"),
+                "--dataset_name",
+                "json",
+                "--data_files",
+                str(text),
+                "--dev_examples",
+                "2",
+                "--test_examples",
+                "2",
+            ]
+        )
     with pytest.raises(ValueError, match=r"--split train: your own data is scored on what training held out"):
         eval_main(["--model", str(chain["reward"]), "--split", "train", "--output", str(tmp_path / "r.json"), *flags])
     # no ground truth: dpo selects by its implicit reward's pairwise accuracy (tests/test_selection_signals.py)
@@ -642,8 +832,15 @@ def test_a_streamed_corpus_holds_out_its_first_documents(tmp_path):
     from plugformer.evaluation.held_out import held_out_rows
 
     data = write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"document {i}"} for i in range(20)])
-    source = {"dataset_name": "json", "dataset_config": None, "data_files": [str(data)], "dataset_seed": 0,
-              "dev_examples": 3, "test_examples": 4, "streaming": True}  # fmt: skip
+    source = {
+        "dataset_name": "json",
+        "dataset_config": None,
+        "data_files": [str(data)],
+        "dataset_seed": 0,
+        "dev_examples": 3,
+        "test_examples": 4,
+        "streaming": True,
+    }
     assert held_out_rows(source, "dev", 10)["text"] == [f"document {i}" for i in range(3)]
     assert held_out_rows(source, "test", 2)["text"] == ["document 3", "document 4"]
 
@@ -658,13 +855,26 @@ def test_your_columns_renamed_for_training_eval_and_a_stream(tmp_path):
 
     rows = [{"content": f"{i} plus {i + 1} is {2 * i + 1}.", "id": i} for i in range(60)]
     data = write_jsonl(tmp_path / "corpus.jsonl", rows)
-    flags = ["--dataset_name", "json", "--data_files", str(data), "--rename_columns", "content=text",
-             "--dev_examples", "5", "--test_examples", "6", "--exact_match_examples", "0"]  # fmt: skip
+    flags = [
+        "--dataset_name",
+        "json",
+        "--data_files",
+        str(data),
+        "--rename_columns",
+        "content=text",
+        "--dev_examples",
+        "5",
+        "--test_examples",
+        "6",
+        "--exact_match_examples",
+        "0",
+    ]
     info = train("pretrain", tmp_path / "lm", *PRETRAIN, *flags, "--data_cache_dir", str(tmp_path / "cache"))
     assert info["data"]["rename_columns"] == "content=text"
     held = held_out_rows(recorded_source(str(tmp_path / "lm")), "test", 100)
-    expected = load_stage_dataset("text", "json", data_files=[str(data)], sizes={"dev": 5, "test": 6},
-                                  rename_columns="content=text")["test"]  # fmt: skip
+    expected = load_stage_dataset(
+        "text", "json", data_files=[str(data)], sizes={"dev": 5, "test": 6}, rename_columns="content=text"
+    )["test"]
     assert held["text"] == expected["text"] and len(held) == 6 and set(held["text"]) <= {r["content"] for r in rows}
     assert eval_main(["--model", str(tmp_path / "lm")])["examples"] == 6
     streamed = train("pretrain", tmp_path / "stream", *PRETRAIN, *flags, "--streaming", "true")

@@ -30,8 +30,9 @@ def kernel_values(model, tokens) -> tuple[list[torch.Tensor], list[torch.Tensor]
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
         score = layer.self_attn.score
-        score.prepare_value = functools.partial(lambda original, v: got.append(v.detach()) or original(v),
-                                                score.prepare_value)  # fmt: skip
+        score.prepare_value = functools.partial(
+            lambda original, v: got.append(v.detach()) or original(v), score.prepare_value
+        )
         layer.self_attn.score_hooks |= {"prepare_value"}  # attention calls the hooks named there (the identity too)
     with torch.no_grad():
         model(tokens, use_cache=False)

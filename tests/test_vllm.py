@@ -75,9 +75,16 @@ def modifier_fields_of(name: str, value) -> dict:
 
 def vllm_greedy(directory) -> list[list[int]]:
     llm = vllm.LLM(
-        model=str(directory), model_impl="transformers", trust_remote_code=True, skip_tokenizer_init=True,
-        dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0,
-    )  # fmt: skip
+        model=str(directory),
+        model_impl="transformers",
+        trust_remote_code=True,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+    )
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
         prompts = [vllm.TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS]
@@ -109,12 +116,16 @@ def reference(score: str, scheme: str, directory) -> dict:
     """A tiny model saved with init 0.1 (at 0.02 every variant repeats one token); its greedy tokens and their
     log-probabilities in transformers, and the tokens of the same weights with the scheme's bias dropped."""
     torch.manual_seed(0)
-    config = PlugformerConfig.from_preset("tiny", attention_score=score, position_scheme=scheme, initializer_range=0.1,
-                                          **SIZES)  # fmt: skip
+    config = PlugformerConfig.from_preset(
+        "tiny", attention_score=score, position_scheme=scheme, initializer_range=0.1, **SIZES
+    )
     model = PlugformerForCausalLM(config).eval()
     model.save_pretrained(directory)
-    without_bias = PlugformerForCausalLM(PlugformerConfig.from_preset(
-        "tiny", attention_score=score, position_scheme="none", initializer_range=0.1, **SIZES)).eval()  # fmt: skip
+    without_bias = PlugformerForCausalLM(
+        PlugformerConfig.from_preset(
+            "tiny", attention_score=score, position_scheme="none", initializer_range=0.1, **SIZES
+        )
+    ).eval()
     # ALiBi has no parameters, RoPE's are buffers; a T5 bias table is left out
     assert not without_bias.load_state_dict(model.state_dict(), strict=False).missing_keys
     tokens, logprobs, tokens_without_bias = [], [], []
@@ -126,8 +137,11 @@ def reference(score: str, scheme: str, directory) -> dict:
             logits = model(greedy).logits[0, len(prompt) - 1 : -1].float()
             tokens.append(new.tolist())
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, new[:, None])[:, 0])
-            tokens_without_bias.append(without_bias.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                             min_new_tokens=NEW_TOKENS)[0, len(prompt) :].tolist())  # fmt: skip
+            tokens_without_bias.append(
+                without_bias.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)[
+                    0, len(prompt) :
+                ].tolist()
+            )
     return {"directory": directory, "tokens": tokens, "logprobs": logprobs, "without_bias": tokens_without_bias}
 
 
@@ -147,13 +161,20 @@ def test_plugin_generates_what_transformers_generates_alibi_included(score, sche
     """No `model_impl`: vLLM picks the registered architecture. `enforce_eager` off: vLLM compiles the stack."""
     expected = plugin[score, scheme]
     start = time.perf_counter()
-    llm = vllm.LLM(model=str(expected["directory"]), skip_tokenizer_init=True, dtype="float32", max_model_len=64,
-                   max_num_seqs=4, seed=0)  # fmt: skip
+    llm = vllm.LLM(
+        model=str(expected["directory"]),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+    )
     try:
         model = llm.llm_engine.model_executor.driver_worker.model_runner.model
         assert type(model).__name__ == "PlugformerForCausalLMvLLM"
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
-                                     logprobs=0)  # fmt: skip
+        params = vllm.SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False, logprobs=0
+        )
         outputs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     finally:
         del llm
@@ -164,8 +185,11 @@ def test_plugin_generates_what_transformers_generates_alibi_included(score, sche
         for i, o in enumerate(outputs)
     ]
     gap = max((got - want).abs().max().item() for got, want in zip(logprobs, expected["logprobs"], strict=True))
-    TABLE[f"plugin:{score}+{scheme}"] = {"outcome": "identical" if tokens == expected["tokens"] else "DIFFERENT",
-                                         "seconds": time.perf_counter() - start, "max_logprob_gap": gap}  # fmt: skip
+    TABLE[f"plugin:{score}+{scheme}"] = {
+        "outcome": "identical" if tokens == expected["tokens"] else "DIFFERENT",
+        "seconds": time.perf_counter() - start,
+        "max_logprob_gap": gap,
+    }
     assert tokens == expected["tokens"], f"vLLM generated {tokens}, transformers {expected['tokens']}"
     assert gap < 1e-4
     # the check can fail: the same weights without the scheme's bias/rotation generate other tokens
@@ -176,8 +200,15 @@ def test_plugin_generates_what_transformers_generates_alibi_included(score, sche
 @pytest.mark.parametrize("score,scheme", PLUGIN_REFUSED)
 def test_plugin_still_refuses_what_vllm_cannot_compute(score, scheme, plugin):
     with pytest.raises(Exception) as caught:  # vLLM may wrap plugformer's ValueError: read the chain
-        vllm.LLM(model=str(plugin[score, scheme]["directory"]), skip_tokenizer_init=True, dtype="float32",
-                 enforce_eager=True, max_model_len=64, max_num_seqs=4, seed=0)  # fmt: skip
+        vllm.LLM(
+            model=str(plugin[score, scheme]["directory"]),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            max_num_seqs=4,
+            seed=0,
+        )
     reason = refusal_of(caught.value)
     assert reason is not None, repr(caught.value)
     assert f"attention_score={score!r}" in reason or f"position_scheme={scheme!r}" in reason
@@ -192,18 +223,29 @@ def test_plugin_generates_with_per_layer_sliding_windows(tmp_path, checkpoints):
     from plugformer.integrations import vllm_plugin
 
     vllm_plugin.register()
-    fields = dict(sliding_window=3, num_hidden_layers=3, initializer_range=0.1,
-                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+    fields = dict(
+        sliding_window=3,
+        num_hidden_layers=3,
+        initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
     torch.manual_seed(0)
     model = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **fields, **SIZES)).eval()
     model.save_pretrained(tmp_path)
-    full = PlugformerForCausalLM(PlugformerConfig.from_preset("tiny", **{**fields, "layer_types": None,
-                                                                         "sliding_window": None}, **SIZES)).eval()  # fmt: skip
+    full = PlugformerForCausalLM(
+        PlugformerConfig.from_preset("tiny", **{**fields, "layer_types": None, "sliding_window": None}, **SIZES)
+    ).eval()
     full.load_state_dict(model.state_dict())
     with torch.no_grad():
-        expected, without_window = ([m.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                min_new_tokens=NEW_TOKENS)[0, len(p) :].tolist() for p in PROMPTS]
-                                    for m in (model, full))  # fmt: skip
+        expected, without_window = (
+            [
+                m.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)[
+                    0, len(p) :
+                ].tolist()
+                for p in PROMPTS
+            ]
+            for m in (model, full)
+        )
     assert expected != without_window  # the windows decide the tokens
     assert vllm_greedy(tmp_path) == expected
 
@@ -246,8 +288,9 @@ def test_grpo_stage_generates_with_vllm_colocated(tmp_path):
     from safetensors.torch import load_file
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", GRPO_RUN, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", GRPO_RUN, str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "UNTOUCHED True" in done.stdout
     history = json.loads((tmp_path / "grpo/trainer_state.json").read_text())["log_history"]
@@ -291,8 +334,11 @@ def test_vllm_generates_what_transformers_generates_or_refuses(score, scheme, ch
         tokens = vllm_greedy(directory)
     except Exception as error:  # which exception is the point of the test
         reason = refusal_of(error)
-        TABLE[f"{score}+{scheme}"] = {"outcome": "refused" if reason else "error", "seconds": time.perf_counter() - start,
-                                      "message": (reason or repr(error))[:300]}  # fmt: skip
+        TABLE[f"{score}+{scheme}"] = {
+            "outcome": "refused" if reason else "error",
+            "seconds": time.perf_counter() - start,
+            "message": (reason or repr(error))[:300],
+        }
         if reason is None:
             raise
         assert f"attention_score={score!r}" in reason or f"position_scheme={scheme!r}" in reason
@@ -321,16 +367,20 @@ def test_vllm_generates_what_transformers_generates_or_refuses_each_modifier(nam
         tokens = vllm_greedy(directory)
     except Exception as error:  # which exception is the point of the test
         reason = refusal_of(error)
-        TABLE[f"scaled_dot+rope, {name}={value!r}"] = {"outcome": "refused" if reason else "error",
-                                                        "seconds": time.perf_counter() - start,
-                                                        "message": (reason or repr(error))[:300]}  # fmt: skip
+        TABLE[f"scaled_dot+rope, {name}={value!r}"] = {
+            "outcome": "refused" if reason else "error",
+            "seconds": time.perf_counter() - start,
+            "message": (reason or repr(error))[:300],
+        }
         if reason is None:
             raise
         assert f"{name}=" in reason
         assert plugformer.capabilities.unsupported_reason(PlugformerConfig.from_preset("tiny", **fields), "vllm")
         return
-    TABLE[f"scaled_dot+rope, {name}={value!r}"] = {"outcome": "identical" if tokens == expected else "DIFFERENT",
-                                                    "seconds": time.perf_counter() - start}  # fmt: skip
+    TABLE[f"scaled_dot+rope, {name}={value!r}"] = {
+        "outcome": "identical" if tokens == expected else "DIFFERENT",
+        "seconds": time.perf_counter() - start,
+    }
     assert tokens == expected, f"vLLM generated {tokens}, transformers {expected}"
     if name == "value_residual":
         assert checkpoints[name, repr(value), "without"] != expected

@@ -27,9 +27,16 @@ from plugformer.integrations.convert import convert
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8}
 DEEPSEEK_YARN = {**YARN, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 SIZES = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def llama_yarn():
@@ -48,10 +55,22 @@ def qwen3_yarn():
 def deepseek_v3_yarn():
     """All-dense DeepSeek-V3 with its YaRN, including `mscale_all_dim` (a softmax temperature in its attention)."""
     config = DeepseekV3Config(
-        **SIZES, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.1, rope_parameters=dict(DEEPSEEK_YARN),
-    )  # fmt: skip
+        **SIZES,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.1,
+        rope_parameters=dict(DEEPSEEK_YARN),
+    )
     return DeepseekV3ForCausalLM(config)
 
 

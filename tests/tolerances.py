@@ -49,8 +49,9 @@ def unit_roundoff(*dtypes: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps for dtype in dtypes) / 2
 
 
-def tolerance(*dtypes: torch.dtype, magnitude: float = 1.0, length: int = 1, spread: float = 0.0,
-              steps: float = 1.0) -> float:  # fmt: skip
+def tolerance(
+    *dtypes: torch.dtype, magnitude: float = 1.0, length: int = 1, spread: float = 0.0, steps: float = 1.0
+) -> float:
     """`atol` for two computations in `dtypes` of a result from terms of size `magnitude`, through a reduction of
     `length` terms, a softmax of rows spread over `spread` below their maxima and `steps` rounded operations: SAFETY ·
     u · (steps + √length + spread) · magnitude (see the module's docstring)."""
@@ -82,8 +83,9 @@ def model_length(config, tokens: int) -> int:
     return max(config.hidden_size, getattr(config, "intermediate_size", 0), tokens)
 
 
-def model_tolerance(config, reference: torch.Tensor, dtype: torch.dtype = torch.float32,
-                    magnitude: float | None = None) -> float:  # fmt: skip
+def model_tolerance(
+    config, reference: torch.Tensor, dtype: torch.dtype = torch.float32, magnitude: float | None = None
+) -> float:
     """`tolerance` for a model's output `reference` `(B, N, ...)` (logits, hidden states, a gradient) computed two ways
     in `dtype`: the steps of its layers (`model_steps`), its longest reduction (`model_length`) and `magnitude`, by
     default max|reference| and at least 1 (logits near 0 still come from unit-sized hidden states and weights); for a
@@ -94,8 +96,15 @@ def model_tolerance(config, reference: torch.Tensor, dtype: torch.dtype = torch.
     return tolerance(dtype, magnitude=magnitude, length=model_length(config, tokens), steps=model_steps(config))
 
 
-def assert_same_step(config, logits: torch.Tensor, grads: dict, reference_logits: torch.Tensor,
-                     reference_grads: dict, msg: str = "", tokens: int | None = None) -> None:  # fmt: skip
+def assert_same_step(
+    config,
+    logits: torch.Tensor,
+    grads: dict,
+    reference_logits: torch.Tensor,
+    reference_grads: dict,
+    msg: str = "",
+    tokens: int | None = None,
+) -> None:
     """A training step's logits and gradients `{name: gradient}` equal a reference step's of the same `config` in
     fp32 within `model_tolerance` over `tokens` (defaults to the logits' second axis; the gradients' magnitude: the
     largest of the reference's gradients)."""
@@ -110,8 +119,16 @@ def assert_same_step(config, logits: torch.Tensor, grads: dict, reference_logits
         torch.testing.assert_close(grads[name], grad, atol=atol, rtol=0, msg=f"{msg}: {name}")
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *dtypes: torch.dtype, magnitude: float | None = None,
-                 length: int = 1, spread: float = 0.0, steps: float = 1.0, msg: str | None = None) -> None:  # fmt: skip
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *dtypes: torch.dtype,
+    magnitude: float | None = None,
+    length: int = 1,
+    spread: float = 0.0,
+    steps: float = 1.0,
+    msg: str | None = None,
+) -> None:
     """`torch.testing.assert_close(actual, expected)` within `tolerance(*dtypes, ...)` (`rtol` 0), the magnitude
     max|expected| where not given, the dtypes `actual`'s and `expected`'s where none are given."""
     dtypes = dtypes or (actual.dtype, expected.dtype)
@@ -121,9 +138,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *dtypes: torch.dt
     torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=msg)
 
 
-def attention_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grad_output: torch.Tensor,
-                         scale: float, bias: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                         dtype: torch.dtype = torch.float32) -> dict[str, float]:  # fmt: skip
+def attention_tolerances(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_output: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
     """`atol` of softmax(scale · Q Kᵀ + bias, masked) V `(B, H, Q, D)` and of its gradients (upstream `grad_output`)
     computed in `dtype` against the same formula elsewhere: {"output", "query", "key", "value", "bias"} (the bias's
     summed over every pair of a head, as a table of distances may gather them). Key and value heads are repeated to
@@ -190,9 +214,15 @@ def gradient_tolerance(config, reference_grads: dict, tokens: int) -> float:
     return tolerance(torch.float32, magnitude=size, length=model_length(config, tokens), steps=model_steps(config))
 
 
-def relative_bias_tolerances(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
-                             scale: float, grad_output: torch.Tensor, dtype: torch.dtype = torch.float64
-                             ) -> dict[str, float]:  # fmt: skip
+def relative_bias_tolerances(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    grad_output: torch.Tensor,
+    dtype: torch.dtype = torch.float64,
+) -> dict[str, float]:
     """`attention_tolerances` of causal attention `(B, H, N, D)` with the bias of the relative table `values`
     `(H, 2N − 1)` (distance j − i at column j − i + N − 1, as `conftest.materialised_relative_attention` gathers it):
     a table entry's gradient sums the pairs at its distances, within the bias's bound over every pair of a head."""

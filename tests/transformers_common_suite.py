@@ -81,13 +81,26 @@ class PlugformerModelTester:
 
     def get_config(self) -> PlugformerConfig:
         return PlugformerConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=37,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=2, max_position_embeddings=64, attention_score=self.score,
-            position_scheme=self.scheme, is_causal=self.kind == "causal", is_encoder_decoder=self.kind == "seq2seq",
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, max_relative_distance=8,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0, num_labels=self.num_labels,
-        )  # fmt: skip
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=37,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_score=self.score,
+            position_scheme=self.scheme,
+            is_causal=self.kind == "causal",
+            is_encoder_decoder=self.kind == "seq2seq",
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            max_relative_distance=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=0,
+            num_labels=self.num_labels,
+        )
 
     def prepare_config_and_inputs_for_common(self):
         config = self.get_config()
@@ -131,8 +144,10 @@ class PlugformerCommonTests(ModelTesterMixin):
         if not hasattr(ModelTesterMixin, "test_reverse_loading_mapping"):
             self.skipTest(f"transformers {transformers.__version__}'s mixin has no test_reverse_loading_mapping")
         if self.scheme != "fire":
-            self.skipTest(f"position_scheme={self.scheme!r} has none of the parameters plugformer's conversions "
-                          "reshape (FIRE's `positions.distance_scale`, `positions.threshold_scale`)")  # fmt: skip
+            self.skipTest(
+                f"position_scheme={self.scheme!r} has none of the parameters plugformer's conversions "
+                "reshape (FIRE's `positions.distance_scale`, `positions.threshold_scale`)"
+            )
         super().test_reverse_loading_mapping(check_keys_were_modified=False)
 
     def _rope_only(self):
@@ -141,20 +156,26 @@ class PlugformerCommonTests(ModelTesterMixin):
 
     def _not_seq2seq(self):
         if self.kind == "seq2seq":
-            self.skipTest("T5's layout: PlugformerForConditionalGeneration holds `encoder` and `decoder` beside "
-                          "`lm_head` and is its own base model (see PlugformerSeq2SeqModel), so no child is the base")  # fmt: skip
+            self.skipTest(
+                "T5's layout: PlugformerForConditionalGeneration holds `encoder` and `decoder` beside "
+                "`lm_head` and is its own base model (see PlugformerSeq2SeqModel), so no child is the base"
+            )
 
     def _dot_product_only(self):
         if not ATTENTION_SCORES.get(self.score).dot_product:
-            self.skipTest(f"attention_score={self.score!r} is not a dot product: no sdpa/flex kernel computes it "
-                          "(the model refuses them and runs eager)")  # fmt: skip
+            self.skipTest(
+                f"attention_score={self.score!r} is not a dot product: no sdpa/flex kernel computes it "
+                "(the model refuses them and runs eager)"
+            )
 
     def _mixin_api_installed(self):
         source = inspect.getsource(GenerationTesterMixin)
         for fragment, (text, present) in MIXIN_API.items():
             if fragment in self._testMethodName and text in source and not present():
-                self.skipTest(f"the generation mixin's file is from another transformers version: it uses {text}, "
-                              f"which transformers {transformers.__version__} lacks")  # fmt: skip
+                self.skipTest(
+                    f"the generation mixin's file is from another transformers version: it uses {text}, "
+                    f"which transformers {transformers.__version__} lacks"
+                )
 
 
 # test-name fragment -> the guard that skips it, with its reason, where the configuration lacks what it tests: the
@@ -182,17 +203,22 @@ def _stated_skips(cls):
 
 
 HEADS = {
-    "causal": (PlugformerModel, PlugformerForCausalLM, PlugformerForSequenceClassification,
-               PlugformerForTokenClassification),
+    "causal": (
+        PlugformerModel,
+        PlugformerForCausalLM,
+        PlugformerForSequenceClassification,
+        PlugformerForTokenClassification,
+    ),
     "encoder": (PlugformerForMaskedLM,),
     "seq2seq": (PlugformerForConditionalGeneration,),
-}  # fmt: skip
+}
 
 for _kind, _classes in HEADS.items():
     for _score, _scheme in configurations():
         _name = f"Test_{_kind}_{_score}_{_scheme}"
-        attributes = dict(score=_score, scheme=_scheme, kind=_kind, all_model_classes=_classes,
-                          is_encoder_decoder=_kind == "seq2seq")  # fmt: skip
+        attributes = dict(
+            score=_score, scheme=_scheme, kind=_kind, all_model_classes=_classes, is_encoder_decoder=_kind == "seq2seq"
+        )
         # the generation tests for the heads that generate (the mixin checks that only those inherit it)
         mixins = (GenerationTesterMixin,) if any(cls.can_generate() for cls in _classes) else ()
         globals()[_name] = _stated_skips(

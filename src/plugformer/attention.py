@@ -290,9 +290,14 @@ class PlugformerAttention(nn.Module):
         kernel = self.checked_kernel()
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, score.eager_kernel)
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask, scaling=self.scaling,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
             **self.kernel_kwargs(kernel, score, query, key, position_bias, kwargs),
-        )  # fmt: skip
+        )
         return self.output(attn_output, query, gate, score, own_values), attn_weights
 
 
@@ -332,7 +337,12 @@ class PlugformerCrossAttention(PlugformerAttention):
         kernel = self.checked_kernel()
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(kernel.name, self.score.eager_kernel)
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask, scaling=self.scaling,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
             **self.kernel_kwargs(kernel, self.score, query, key, None, kwargs),
-        )  # fmt: skip
+        )
         return self.output(attn_output, query, gate, self.score), attn_weights

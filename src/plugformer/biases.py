@@ -61,8 +61,10 @@ class RelativeBias:
         linear: bool = False,
     ):
         if values.shape[-1] != query_length + key_length - 1:
-            raise ValueError(f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
-                             f"{key_length} keys (expected {query_length + key_length - 1} distances)")  # fmt: skip
+            raise ValueError(
+                f"values of shape {tuple(values.shape)} do not cover {query_length} queries x "
+                f"{key_length} keys (expected {query_length + key_length - 1} distances)"
+            )
         self.values = values
         self.query_length = query_length
         self.key_length = key_length
@@ -133,8 +135,9 @@ class QueryPositionBias:
 
     def __init__(self, values: torch.Tensor | QueryBiasRecipe, query_length: int, key_length: int):
         if values.ndim != 4 or tuple(values.shape[-2:]) != (query_length, key_length):
-            raise ValueError(f"values of shape {tuple(values.shape)} are not (B, H, {query_length} queries, "
-                             f"{key_length} keys)")  # fmt: skip
+            raise ValueError(
+                f"values of shape {tuple(values.shape)} are not (B, H, {query_length} queries, {key_length} keys)"
+            )
         self.values = values
         self.query_length = query_length
         self.key_length = key_length
@@ -160,8 +163,10 @@ class QueryPositionBias:
         """`bias[b, h, i, j]` (flex attention's `score_mod`); values shared by the batch are read at row 0 (indexing
         a size-1 batch axis with b > 0 would read out of bounds)."""
         if self.recipe is not None:  # the stack makes a recipe only for kernels whose record computes blocks
-            raise TypeError("a QueryPositionBias computed from a QueryBiasRecipe has no stored values to read one "
-                            "score at a time; give this kernel the scheme's bias_values()")  # fmt: skip
+            raise TypeError(
+                "a QueryPositionBias computed from a QueryBiasRecipe has no stored values to read one "
+                "score at a time; give this kernel the scheme's bias_values()"
+            )
         batch, head, query, key = index
         if self.values.shape[0] == 1:
             return self.values[0, head, query, key]
@@ -193,8 +198,17 @@ class QueryBiasRecipe:
 
     ndim = 4
 
-    def __init__(self, function, parameters, query_positions, query_slots, key_slots, num_heads: int,
-                 dtype: torch.dtype, width: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        function,
+        parameters,
+        query_positions,
+        query_slots,
+        key_slots,
+        num_heads: int,
+        dtype: torch.dtype,
+        width: int = 1,
+    ):
         self.function, self.parameters = function, tuple(parameters)
         self.query_positions, self.query_slots, self.key_slots = query_positions, query_slots, key_slots
         self.num_heads, self.dtype, self.width = num_heads, dtype, width
@@ -247,8 +261,9 @@ class DecayBias:
 
     def __init__(self, values: torch.Tensor, query_length: int, key_length: int):
         if values.ndim != 3 or values.shape[-1] != key_length + query_length:
-            raise ValueError(f"values of shape {tuple(values.shape)} are not (B, H, {key_length} keys + "
-                             f"{query_length} queries)")  # fmt: skip
+            raise ValueError(
+                f"values of shape {tuple(values.shape)} are not (B, H, {key_length} keys + {query_length} queries)"
+            )
         self.values = values
         self.query_length = query_length
         self.key_length = key_length

@@ -104,9 +104,11 @@ class PlugformerDecoderLayer(GradientCheckpointingLayer):
         placement = self.placement
         hidden_states = placement.residual(hidden_states, attend, self.input_layernorm, self.post_self_attn_layernorm)
         if encoder_hidden_states is not None:
-            hidden_states = placement.residual(hidden_states, attend_to_encoder, self.cross_attn_layernorm,
-                                               self.post_cross_attn_layernorm)  # fmt: skip
+            hidden_states = placement.residual(
+                hidden_states, attend_to_encoder, self.cross_attn_layernorm, self.post_cross_attn_layernorm
+            )
         mlp = self.mlp
         feed_forward = (lambda x: dropout_if_active(mlp(x), dropout, True)) if dropout else mlp
-        return placement.residual(hidden_states, feed_forward, self.post_attention_layernorm,
-                                  self.post_feedforward_layernorm)  # fmt: skip
+        return placement.residual(
+            hidden_states, feed_forward, self.post_attention_layernorm, self.post_feedforward_layernorm
+        )

@@ -155,8 +155,9 @@ class KernelSpec:
             raise ValueError(f"KernelSpec {self.name!r}: bias={self.bias!r} is not one of {list(BIAS_SUPPORT)}")
         unknown = [kind for kind in self.bias_kinds if kind not in BIAS_KINDS]
         if unknown or isinstance(self.bias_kinds, str):
-            raise ValueError(f"KernelSpec {self.name!r}: bias_kinds={self.bias_kinds!r} must be a tuple of "
-                             f"{list(BIAS_KINDS)}")  # fmt: skip
+            raise ValueError(
+                f"KernelSpec {self.name!r}: bias_kinds={self.bias_kinds!r} must be a tuple of {list(BIAS_KINDS)}"
+            )
 
     def takes_bias(self, kind: str) -> bool:
         """Whether it adds a scheme's bias of `kind` (`biases.BIAS_KINDS`) given as `position_bias`."""
@@ -278,8 +279,9 @@ class KernelTable:
     def get(self, name: str) -> KernelSpec:
         """The record of `name`; for an unregistered kernel, a dot product without a bias (what every kernel in
         transformers' interface computes)."""
-        return self._table.get(name) or KernelSpec(name, scores="dot_product", bias="none", sliding_window=False,
-                                                   head_shapes=False)  # fmt: skip
+        return self._table.get(name) or KernelSpec(
+            name, scores="dot_product", bias="none", sliding_window=False, head_shapes=False
+        )
 
     def of(self, config: PlugformerConfig) -> KernelSpec:
         """The record of the kernel `config` runs on: the one place plugformer reads `config._attn_implementation`
@@ -337,19 +339,56 @@ ALL_ATTENTION_FUNCTIONS = AttentionInterface()
 # eager, sdpa and flex take FIRE's per-row bias and forgetting attention's decay too: eager and sdpa add their rows
 # (sdpa in training computes them per block, `kernels_query_bias`), flex's `score_mod` reads them per score
 EVERY_BIAS_KIND = tuple(BIAS_KINDS)
-KERNELS.register(KernelSpec("eager", scores="any", bias="relative", bias_kinds=EVERY_BIAS_KIND, softcap=True,
-                            sinks=True, wide_values=True, attention_weights=True))  # fmt: skip
-KERNELS.register(KernelSpec("sdpa", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
-                            function=sdpa_forward, sinks=True, wide_values=True, bias_recipe=True))  # fmt: skip
-KERNELS.register(KernelSpec("flex_attention", scores="dot_product", bias="relative", bias_kinds=EVERY_BIAS_KIND,
-                            function=flex_forward, softcap=True, wide_values=True,
-                            static_cache=False, padding=FLEX_PADDING_VERIFIED))  # fmt: skip
-for _version, _available in ((2, is_flash_attn_2_available), (3, is_flash_attn_3_available),
-                             (4, is_flash_attn_4_available)):  # fmt: skip
-    KERNELS.register(KernelSpec(
-        f"flash_attention_{_version}", scores="dot_product", bias="none",
-        available=lambda check=_available: torch.cuda.is_available() and check(),
-    ))  # fmt: skip
+KERNELS.register(
+    KernelSpec(
+        "eager",
+        scores="any",
+        bias="relative",
+        bias_kinds=EVERY_BIAS_KIND,
+        softcap=True,
+        sinks=True,
+        wide_values=True,
+        attention_weights=True,
+    )
+)
+KERNELS.register(
+    KernelSpec(
+        "sdpa",
+        scores="dot_product",
+        bias="relative",
+        bias_kinds=EVERY_BIAS_KIND,
+        function=sdpa_forward,
+        sinks=True,
+        wide_values=True,
+        bias_recipe=True,
+    )
+)
+KERNELS.register(
+    KernelSpec(
+        "flex_attention",
+        scores="dot_product",
+        bias="relative",
+        bias_kinds=EVERY_BIAS_KIND,
+        function=flex_forward,
+        softcap=True,
+        wide_values=True,
+        static_cache=False,
+        padding=FLEX_PADDING_VERIFIED,
+    )
+)
+for _version, _available in (
+    (2, is_flash_attn_2_available),
+    (3, is_flash_attn_3_available),
+    (4, is_flash_attn_4_available),
+):
+    KERNELS.register(
+        KernelSpec(
+            f"flash_attention_{_version}",
+            scores="dot_product",
+            bias="none",
+            available=lambda check=_available: torch.cuda.is_available() and check(),
+        )
+    )
 ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_forward
 ALL_ATTENTION_FUNCTIONS["flex_attention"] = flex_forward  # uncompiled on the CPU (`kernels_flex`)
 
@@ -387,11 +426,23 @@ def register_attention_kernel(
     Returns:
         `KernelSpec`: the record; configurations it does not declare are refused when the kernel is chosen.
     """
-    spec = KERNELS.register(KernelSpec(name, scores=scores, bias=bias, bias_kinds=bias_kinds, function=function,
-                                       softcap=softcap, sinks=sinks, wide_values=wide_values,
-                                       sliding_window=mask is not None,
-                                       attention_weights=attention_weights, static_cache=static_cache,
-                                       padding=padding, head_shapes=head_shapes))  # fmt: skip
+    spec = KERNELS.register(
+        KernelSpec(
+            name,
+            scores=scores,
+            bias=bias,
+            bias_kinds=bias_kinds,
+            function=function,
+            softcap=softcap,
+            sinks=sinks,
+            wide_values=wide_values,
+            sliding_window=mask is not None,
+            attention_weights=attention_weights,
+            static_cache=static_cache,
+            padding=padding,
+            head_shapes=head_shapes,
+        )
+    )
     AttentionInterface.register(name, function)
     if mask is not None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask])
@@ -406,9 +457,10 @@ def unsupported_reason(config: PlugformerConfig, kernel: str) -> str | None:
 def supported_kernels(config: PlugformerConfig, available_only: bool = True) -> list[str]:
     """The registered kernels that compute `config`'s attention exactly (by default only those that run here)."""
     return [
-        name for name in KERNELS
+        name
+        for name in KERNELS
         if unsupported_reason(config, name) is None and (not available_only or KERNELS.get(name).available())
-    ]  # fmt: skip
+    ]
 
 
 def combination_matrix() -> list[tuple[str, str, list[str]]]:

@@ -24,19 +24,34 @@ def _convert(argv: list[str]) -> None:
     from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
     from .runtime.yaml_text import load_yaml_text
 
-    parser = argparse.ArgumentParser(prog="plugformer convert", allow_abbrev=False, epilog=REPEATED_FLAGS_RULE,
-                                     description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 "
-                                     "checkpoint.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="plugformer convert",
+        allow_abbrev=False,
+        epilog=REPEATED_FLAGS_RULE,
+        description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 checkpoint.",
+    )
     parser.add_argument(
         "source",
         help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next, gpt2 or deepseek_v3)",
     )
     parser.add_argument("output_dir", help="where the plugformer model is saved")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config override "
-                        "(repeat it: the overrides accumulate)")  # fmt: skip
-    parser.add_argument("--overwrite_output_dir", nargs="?", const="true", default="false", type=str_to_bool,
-                        metavar="BOOL", help="replace the run or model already in OUTPUT_DIR (its checkpoints and "
-                        "records removed), as for `plugformer train`")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="config override (repeat it: the overrides accumulate)",
+    )
+    parser.add_argument(
+        "--overwrite_output_dir",
+        nargs="?",
+        const="true",
+        default="false",
+        type=str_to_bool,
+        metavar="BOOL",
+        help="replace the run or model already in OUTPUT_DIR (its checkpoints and "
+        "records removed), as for `plugformer train`",
+    )
     parser.add_argument("--overwrite", action="store_true", help="the same as --overwrite_output_dir true")
     args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
     overrides = {}
@@ -172,8 +187,10 @@ def top_level_usage() -> str:
     commands = "\n".join(f"  {name:{width}s}{description}" for name, (_, description) in COMMANDS.items())
     # unindented: an indented line is a command's (tests/test_project.py reads them so)
     stages = textwrap.fill(" | ".join(STAGES), width=100, break_on_hyphens=False)
-    return (f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{commands}\n\n"
-            f"stages of `plugformer train <stage>` (described by `plugformer train --help`):\n{stages}")  # fmt: skip
+    return (
+        f"usage: plugformer [--debug | --version] <command> [options]\n\ncommands:\n{commands}\n\n"
+        f"stages of `plugformer train <stage>` (described by `plugformer train --help`):\n{stages}"
+    )
 
 
 # raised for what the user gave (flags, files, folders); anything else is a bug and keeps its traceback
@@ -211,8 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         message = " ".join(str(error).split())  # one line, whatever the message's own line breaks
-        print(f"{type(error).__name__}: {message} [plugformer {argv[0]}; traceback: plugformer --debug ... or "
-              f"{DEBUG_VARIABLE}=1]", file=sys.stderr)  # fmt: skip
+        print(
+            f"{type(error).__name__}: {message} [plugformer {argv[0]}; traceback: plugformer --debug ... or "
+            f"{DEBUG_VARIABLE}=1]",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
     except KeyboardInterrupt as interrupt:  # Ctrl-C: what it left behind, in one line (a stage says; see outputs)
         if debug:

@@ -117,8 +117,13 @@ def _answering_cache(output_class: type) -> type:
             kwargs["past_key_values"] = cache
         output_class.__init__(self, *args, **kwargs)
 
-    namespace = {"__init__": __init__, "cache": property(lambda self: self.past_key_values), "__module__": __name__,
-                 "__qualname__": output_class.__qualname__, "__doc__": output_class.__doc__}  # fmt: skip
+    namespace = {
+        "__init__": __init__,
+        "cache": property(lambda self: self.past_key_values),
+        "__module__": __name__,
+        "__qualname__": output_class.__qualname__,
+        "__doc__": output_class.__doc__,
+    }
     return type(output_class.__name__, (output_class,), namespace)
 
 
@@ -134,8 +139,9 @@ class _ActivationCheckpointingNames:
     """`activation_checkpointing_enable`/`_disable`, the names from 5.23.0, for the releases before (which call them
     `gradient_checkpointing_enable`/`_disable`, without `every_n_layers` or `offload`)."""
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
-                                        offload: bool = False):  # fmt: skip
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False
+    ):
         if every_n_layers != 1 or offload:
             raise ValueError(
                 f"every_n_layers={every_n_layers} and offload={offload} need transformers>=5.23 (installed: "
@@ -152,9 +158,10 @@ class _Nothing:
 
 
 ActivationCheckpointingNames = (
-    _Nothing if hasattr(modeling_utils.PreTrainedModel, "activation_checkpointing_enable")
+    _Nothing
+    if hasattr(modeling_utils.PreTrainedModel, "activation_checkpointing_enable")
     else _ActivationCheckpointingNames
-)  # fmt: skip
+)
 
 
 def renamed_cache_kwarg(forward: Callable) -> Callable:
@@ -247,8 +254,12 @@ def renamed_trainer_flags(argv: list[str]) -> list[str]:
     trainer reads; both names on one command line are one option given twice, which the stage commands refuse."""
     aliases = trainer_option_aliases()
     flags = {f"--{spelling}": field for name, field in aliases.items() for spelling in (name, name.replace("_", "-"))}
-    negations = {f"--no{sep}{old.replace('_', sep)}": aliases[old]
-                 for old in RENAMED_TRAINER_OPTIONS.values() if old in aliases for sep in "_-"}  # fmt: skip
+    negations = {
+        f"--no{sep}{old.replace('_', sep)}": aliases[old]
+        for old in RENAMED_TRAINER_OPTIONS.values()
+        if old in aliases
+        for sep in "_-"
+    }
     renamed = []
     for token in argv:
         flag, equals, value = token.partition("=")

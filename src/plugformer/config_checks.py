@@ -37,11 +37,27 @@ def check_choices(config: "PlugformerConfig") -> None:
 def check_sizes(config: "PlugformerConfig") -> None:
     """Sizes positive, heads divisible, rates and epsilons in range, caps and scales finite and positive."""
     positive(
-        config, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "relative_attention_num_buckets",
-        "relative_attention_max_distance", "max_relative_distance", "additive_chunk_size", "sliding_window",
-        "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-    )  # fmt: skip
+        config,
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_decoder_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "relative_attention_num_buckets",
+        "relative_attention_max_distance",
+        "max_relative_distance",
+        "additive_chunk_size",
+        "sliding_window",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+    )
     if config.head_dim is None and config.hidden_size % config.num_attention_heads:
         raise ValueError(
             f"hidden_size={config.hidden_size} is not divisible by num_attention_heads={config.num_attention_heads}; "

@@ -188,9 +188,12 @@ class PlugformerConfig(PreTrainedConfig):
         ([`PlugformerModel`]): the entries of the modules this config builds, each declared by its variant (the
         attention projection's `tp_plan(config)`, the feed-forward's `tp_plan`, the position scheme's
         `stack_tp_plan()`), and `STACK_TP_PLAN`. A property: the variants are fields."""
-        parts = ((ATTENTION_PROJECTIONS.get(self.attention_projection).tp_plan(self), "layers.*.self_attn."),
-                 (STACK_TP_PLAN, ""), (FEED_FORWARDS.get(self.ffn_type).tp_plan, "layers.*.mlp."),
-                 (POSITION_SCHEMES.get(self.position_scheme).stack_tp_plan(), ""))  # fmt: skip
+        parts = (
+            (ATTENTION_PROJECTIONS.get(self.attention_projection).tp_plan(self), "layers.*.self_attn."),
+            (STACK_TP_PLAN, ""),
+            (FEED_FORWARDS.get(self.ffn_type).tp_plan, "layers.*.mlp."),
+            (POSITION_SCHEMES.get(self.position_scheme).stack_tp_plan(), ""),
+        )
         return {f"{prefix}{name}": style for plan, prefix in parts for name, style in plan.items()}
 
     @base_model_tp_plan.setter
@@ -386,9 +389,20 @@ _strict_init = PlugformerConfig.__init__
 # generation settings it drops): never taken for a typo, however close to a field.
 _TRANSFORMERS_KWARGS = frozenset(
     {*PreTrainedConfig.__dataclass_fields__, *dir(PreTrainedConfig), *GenerationConfig._get_default_generation_params()}
-    | {"name_or_path", "output_attentions", "attn_implementation", "experts_implementation", "per_layer_config",
-       "torch_dtype", "num_labels", "rope_scaling", "rope_theta", "partial_rotary_factor", "use_return_dict"}
-)  # fmt: skip
+    | {
+        "name_or_path",
+        "output_attentions",
+        "attn_implementation",
+        "experts_implementation",
+        "per_layer_config",
+        "torch_dtype",
+        "num_labels",
+        "rope_scaling",
+        "rope_theta",
+        "partial_rotary_factor",
+        "use_return_dict",
+    }
+)
 
 
 # The fields a variant owns (`config_fields`): checked again when assigned after construction.

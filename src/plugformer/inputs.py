@@ -27,8 +27,16 @@ if TYPE_CHECKING:
 ID_DTYPES = (torch.int64, torch.int32)  # what `nn.Embedding` indexes with
 
 
-def check_inputs(stack: PlugformerModel, input_ids, inputs_embeds, attention_mask, position_ids, cache,
-                 encoder_hidden_states, encoder_attention_mask) -> None:  # fmt: skip
+def check_inputs(
+    stack: PlugformerModel,
+    input_ids,
+    inputs_embeds,
+    attention_mask,
+    position_ids,
+    cache,
+    encoder_hidden_states,
+    encoder_attention_mask,
+) -> None:
     """Refuses malformed inputs of `stack.forward` (see the module docstring); returns nothing."""
     prefix = "decoder_" if stack.cross_attention else ""
     batch, length = _check_token_inputs(prefix, input_ids, inputs_embeds, stack.embed_tokens.embedding_dim)

@@ -105,8 +105,10 @@ def merge_by_lse(first, first_lse, second, second_lse, dtype: torch.dtype) -> tu
     """Two softmax attentions of the same queries over disjoint keys, `(B, H, r, D)` each with its log-sum-exp
     `(B, H, r)`, merged into the attention over all their keys (as FlashAttention-2 merges key blocks), in `dtype`."""
     merged = torch.logaddexp(first_lse, second_lse)  # (B, H, r)
-    output = (first.to(dtype) * (first_lse - merged).exp()[..., None]
-              + second.to(dtype) * (second_lse - merged).exp()[..., None])  # fmt: skip
+    output = (
+        first.to(dtype) * (first_lse - merged).exp()[..., None]
+        + second.to(dtype) * (second_lse - merged).exp()[..., None]
+    )
     return output, merged
 
 
@@ -272,8 +274,9 @@ class LearnedBiasAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         query, key, value, values, output, allowed = ctx.saved_tensors
         bias = RelativeBias(values, *ctx.lengths)
-        *grads, d_scores = block_gradients(query, key, value, bias, allowed, ctx.rows, ctx.scaling, output,
-                                           grad_output, ctx.dropout, ctx.seed)  # fmt: skip
+        *grads, d_scores = block_gradients(
+            query, key, value, bias, allowed, ctx.rows, ctx.scaling, output, grad_output, ctx.dropout, ctx.seed
+        )
         # the bias is shared by the batch; blocked entries have zero weight, so zero d_scores
         grad_values = bias.fold_rows(d_scores.sum(dim=0), ctx.rows[0])
         return *grads, grad_values.to(values.dtype), None, None, None, None, None, None
@@ -413,10 +416,21 @@ def sdpa_relative_bias_forward(
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
         for start in range(0, query_length, block) if block is not query_length else (0,):
             outputs.append(
-                _bias_block_forward(query, key, value, attention_mask, position_bias, is_causal, skip_future, start,
-                                    query_length if block is query_length else min(start + block, query_length),
-                                    scaling, dropout, learned)
-            )  # fmt: skip
+                _bias_block_forward(
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    position_bias,
+                    is_causal,
+                    skip_future,
+                    start,
+                    query_length if block is query_length else min(start + block, query_length),
+                    scaling,
+                    dropout,
+                    learned,
+                )
+            )
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (B, H, Q, D)
     output = output.transpose(1, 2)  # (B, Q, H, D)
     if symbolic_sizes(query, key):  # ONNX's decomposition took `contiguous()` for a no-op here and failed to view it

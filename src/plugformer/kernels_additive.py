@@ -154,8 +154,9 @@ class AdditiveScores(torch.autograd.Function):
         return grad_query, grad_key, grad_energy
 
 
-def additive_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def additive_scores(
+    query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """`(B, H, c, K)` scores: from the native kernel where it applies (`native_applies`; the pairs the `mask` applied
     after blocks are left out there), else through `AdditiveScores` when a gradient is wanted, else `tanh_scores`."""
     wants_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or energy.requires_grad)
@@ -199,8 +200,9 @@ def _native_chunk(module, query_chunk, key, value, energy, mask_chunk, position_
     if position_bias is not None:
         values, lengths = position_bias.values, (position_bias.query_length, position_bias.key_length)
     rows = (rows.start, rows.start + query_chunk.shape[2])
-    return NativeAdditiveAttention.apply(query_chunk, key, value, energy, values, mask_chunk, lengths, rows,
-                                         key.shape[2])  # fmt: skip
+    return NativeAdditiveAttention.apply(
+        query_chunk, key, value, energy, values, mask_chunk, lengths, rows, key.shape[2]
+    )
 
 
 def _native_chunks_apply(value, position_bias, dropout: float) -> bool:
@@ -265,8 +267,17 @@ def additive_attention_forward(
         rows = slice(start, start + chunk_size)
         keys = causal_keys(q_len, key_length, rows.stop) if causal else key_length
         mask_chunk = None if attention_mask is None else attention_mask[:, :, rows, :keys]
-        args = (module, query_chunk, key[:, :, :keys], value[:, :, :keys], energy, mask_chunk, position_bias, rows,
-                dropout)  # fmt: skip
+        args = (
+            module,
+            query_chunk,
+            key[:, :, :keys],
+            value[:, :, :keys],
+            energy,
+            mask_chunk,
+            position_bias,
+            rows,
+            dropout,
+        )
         chunk = _additive_chunk_weights if wants_weights else _native_chunk if fused else _additive_chunk
         result = checkpoint(chunk, *args, use_reentrant=False) if recompute and not fused else chunk(*args)
         if wants_weights:

@@ -36,13 +36,35 @@ def native_additive() -> ctypes.CDLL | None:
     if library is None:
         return None
     pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.plugformer_additive_scores.argtypes = [pointer, pointer, size, pointer, pointer, size, size, count,
-                                                   pointer, *[size] * 5, count]  # fmt: skip
-    library.plugformer_additive_scores_backward.argtypes = [pointer, pointer, size, *[pointer] * 4, *[size] * 4,
-                                                            count]  # fmt: skip
-    library.plugformer_additive_attention_backward.argtypes = [pointer, pointer, size, pointer, pointer, size,
-                                                               pointer, size, size, *[pointer] * 9, *[size] * 6,
-                                                               count, count]  # fmt: skip
+    library.plugformer_additive_scores.argtypes = [
+        pointer,
+        pointer,
+        size,
+        pointer,
+        pointer,
+        size,
+        size,
+        count,
+        pointer,
+        *[size] * 5,
+        count,
+    ]
+    library.plugformer_additive_scores_backward.argtypes = [pointer, pointer, size, *[pointer] * 4, *[size] * 4, count]
+    library.plugformer_additive_attention_backward.argtypes = [
+        pointer,
+        pointer,
+        size,
+        pointer,
+        pointer,
+        size,
+        pointer,
+        size,
+        size,
+        *[pointer] * 9,
+        *[size] * 6,
+        count,
+        count,
+    ]
     return library
 
 
@@ -83,8 +105,9 @@ def _extra_pointer(extra: torch.Tensor | None) -> tuple[int | None, int, int]:
     return extra.data_ptr(), batch_stride, head_stride
 
 
-def native_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, extra: torch.Tensor | None = None,
-                  add: bool = True) -> torch.Tensor:  # fmt: skip
+def native_scores(
+    query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, extra: torch.Tensor | None = None, add: bool = True
+) -> torch.Tensor:
     """The scores `(B, H, c, K)` of queries `(B, H, c, A)` over keys `(B, H, K, A)` with the energy vectors `(H, A)`
     (fp32) from the native kernel, no (B, H, c, K, A) tensor formed. With `extra` (the bias and mask, `(B or 1,
     H or 1, c, K)` contiguous) the pairs it blocks take no tanh: the scores plus `extra`, or with `add=False` the
@@ -95,17 +118,29 @@ def native_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, 
     scores = query.new_empty(batch, heads, rows, key.shape[2])
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
         native_additive().plugformer_additive_scores(
-            query.data_ptr(), key.data_ptr(), key_stride, energy.data_ptr(), *_extra_pointer(extra), int(add),
-            scores.data_ptr(), batch * heads, heads, rows, key.shape[2], attn_dim, torch.get_num_threads(),
-        )  # fmt: skip
+            query.data_ptr(),
+            key.data_ptr(),
+            key_stride,
+            energy.data_ptr(),
+            *_extra_pointer(extra),
+            int(add),
+            scores.data_ptr(),
+            batch * heads,
+            heads,
+            rows,
+            key.shape[2],
+            attn_dim,
+            torch.get_num_threads(),
+        )
     return scores
 
 
 def masked_scores(query: torch.Tensor, key: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor | None):
     """`native_scores` before a `mask` `(B or 1, 1, c, ≥ K)` (bool or float) is applied: 0 without a tanh where it
     blocks."""
-    return native_scores(query, key, energy, _bias_and_mask(mask, None, None, (0, query.shape[2]), key.shape[2]),
-                         add=False)  # fmt: skip
+    return native_scores(
+        query, key, energy, _bias_and_mask(mask, None, None, (0, query.shape[2]), key.shape[2]), add=False
+    )
 
 
 class NativeAdditiveScores(torch.autograd.Function):
@@ -129,10 +164,19 @@ class NativeAdditiveScores(torch.autograd.Function):
         grad_query, grad_key = torch.empty_like(query), key.new_empty(key.shape)  # contiguous
         grad_energy = query.new_empty(batch, heads, attn_dim)  # (B, H, A): one row per (batch, head)
         native_additive().plugformer_additive_scores_backward(
-            query.data_ptr(), key.data_ptr(), key_rows(key)[1], grad_scores.data_ptr(), grad_query.data_ptr(),
-            grad_key.data_ptr(), grad_energy.data_ptr(), batch * heads, rows, key.shape[2], attn_dim,
+            query.data_ptr(),
+            key.data_ptr(),
+            key_rows(key)[1],
+            grad_scores.data_ptr(),
+            grad_query.data_ptr(),
+            grad_key.data_ptr(),
+            grad_energy.data_ptr(),
+            batch * heads,
+            rows,
+            key.shape[2],
+            attn_dim,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         energy_rows = energy.detach()[None, :, None, :]  # (1, H, 1, A)
         return grad_query.mul_(energy_rows), grad_key.mul_(energy_rows), grad_energy.sum(0).to(energy.dtype), None
 
@@ -143,8 +187,9 @@ def _bias_and_mask(mask, values, lengths, rows: tuple[int, int], keys: int) -> t
     bias = None if values is None else RelativeBias(values.detach(), *lengths).rows(*rows, keys)
     if bias is None and mask is None:
         return None
-    zeros = torch.zeros(1, 1, rows[1] - rows[0], keys, dtype=torch.float32, device=values.device if mask is None
-                        else mask.device)  # fmt: skip
+    zeros = torch.zeros(
+        1, 1, rows[1] - rows[0], keys, dtype=torch.float32, device=values.device if mask is None else mask.device
+    )
     return _add_bias_and_mask(zeros, mask, bias).contiguous()
 
 
@@ -181,19 +226,48 @@ class NativeAdditiveAttention(torch.autograd.Function):
         grad_energy = query.new_empty(batch, heads, attn_dim)  # (B, H, A): one row per (batch, head)
         wants_bias = values is not None and ctx.needs_input_grad[4]
         d_scores = query.new_empty(batch, heads, count, key.shape[2]) if wants_bias else None  # (B, H, c, K)
-        inputs = [query.data_ptr(), key.data_ptr(), key_rows(key)[1], energy.detach().contiguous().data_ptr(),
-                  value.data_ptr(), key_rows(value)[1], *_extra_pointer(extra)]  # fmt: skip
-        outputs = [tensor.data_ptr() if tensor is not None else None for tensor in (
-            grad_query, grad_key, grad_energy, grad_value, d_scores)]  # fmt: skip
+        inputs = [
+            query.data_ptr(),
+            key.data_ptr(),
+            key_rows(key)[1],
+            energy.detach().contiguous().data_ptr(),
+            value.data_ptr(),
+            key_rows(value)[1],
+            *_extra_pointer(extra),
+        ]
+        outputs = [
+            tensor.data_ptr() if tensor is not None else None
+            for tensor in (grad_query, grad_key, grad_energy, grad_value, d_scores)
+        ]
         native_additive().plugformer_additive_attention_backward(
-            *inputs, row_max.data_ptr(), row_log.data_ptr(), delta.data_ptr(), grad_output.data_ptr(),
-            *outputs, batch * heads, heads, count, key.shape[2], attn_dim, value.shape[-1],
-            int(mask is not None and mask.dtype in (torch.bool, torch.float16)), torch.get_num_threads(),
-        )  # fmt: skip
+            *inputs,
+            row_max.data_ptr(),
+            row_log.data_ptr(),
+            delta.data_ptr(),
+            grad_output.data_ptr(),
+            *outputs,
+            batch * heads,
+            heads,
+            count,
+            key.shape[2],
+            attn_dim,
+            value.shape[-1],
+            int(mask is not None and mask.dtype in (torch.bool, torch.float16)),
+            torch.get_num_threads(),
+        )
         energy_rows = energy.detach()[None, :, None, :]  # (1, H, 1, A)
         grad_values = None
         if wants_bias:  # the bias is shared by the batch; blocked entries have zero weight, so zero dS
             grad_values = RelativeBias(values.detach(), *ctx.lengths).fold_rows(d_scores.sum(0), ctx.rows[0])
             grad_values = grad_values.to(values.dtype)
-        return (grad_query.mul_(energy_rows), grad_key.mul_(energy_rows), grad_value,
-                grad_energy.sum(0).to(energy.dtype), grad_values, None, None, None, None)  # fmt: skip
+        return (
+            grad_query.mul_(energy_rows),
+            grad_key.mul_(energy_rows),
+            grad_value,
+            grad_energy.sum(0).to(energy.dtype),
+            grad_values,
+            None,
+            None,
+            None,
+            None,
+        )

@@ -71,11 +71,25 @@ class LinearBiasAttention(torch.autograd.Function):
         for start in range(0, length, ROWS):
             rows = slice(start, min(start + ROWS, length))
             count = rows.stop - start
-            block, block_lse = _flash(query[:, :, rows], key_heads[:, :, rows], value_heads[:, :, rows], 0.0, True,
-                                      attn_mask=square[..., :count, :count], scale=scaling)  # fmt: skip
+            block, block_lse = _flash(
+                query[:, :, rows],
+                key_heads[:, :, rows],
+                value_heads[:, :, rows],
+                0.0,
+                True,
+                attn_mask=square[..., :count, :count],
+                scale=scaling,
+            )
             if start:  # the keys before the block, their lse shifted by each row's f(c − i)
-                far, far_lse = _flash(query[:, :, rows], key_heads[:, :, :start], value_heads[:, :, :start], 0.0,
-                                      False, attn_mask=_before(values, start), scale=scaling)  # fmt: skip
+                far, far_lse = _flash(
+                    query[:, :, rows],
+                    key_heads[:, :, :start],
+                    value_heads[:, :, :start],
+                    0.0,
+                    False,
+                    attn_mask=_before(values, start),
+                    scale=scaling,
+                )
                 far_lse = far_lse + _row_offsets(values, count)
                 block, block_lse = merge_by_lse(far, far_lse, block, block_lse, accumulate)
             output[:, :, rows] = block
@@ -101,17 +115,32 @@ class LinearBiasAttention(torch.autograd.Function):
             rows = slice(start, min(start + ROWS, length))
             count = rows.stop - start
             block_args = (grad_output[:, :, rows], query[:, :, rows])
-            d_query, d_key, d_value = _flash_backward(*block_args, key_heads[:, :, rows], value_heads[:, :, rows],
-                                                      output[:, :, rows], lse[:, :, rows], 0.0, True,
-                                                      attn_mask=square[..., :count, :count], scale=scaling)  # fmt: skip
+            d_query, d_key, d_value = _flash_backward(
+                *block_args,
+                key_heads[:, :, rows],
+                value_heads[:, :, rows],
+                output[:, :, rows],
+                lse[:, :, rows],
+                0.0,
+                True,
+                attn_mask=square[..., :count, :count],
+                scale=scaling,
+            )
             grad_key[:, :, rows] += d_key
             grad_value[:, :, rows] += d_value
             if start:  # the keys before the block: the merged lse, less each row's f(c − i), as their forward's
                 far_lse = (lse[:, :, rows] - _row_offsets(values, count)).contiguous()
-                far_query, far_key, far_value = _flash_backward(*block_args, key_heads[:, :, :start],
-                                                                value_heads[:, :, :start], output[:, :, rows],
-                                                                far_lse, 0.0, False, attn_mask=_before(values, start),
-                                                                scale=scaling)  # fmt: skip
+                far_query, far_key, far_value = _flash_backward(
+                    *block_args,
+                    key_heads[:, :, :start],
+                    value_heads[:, :, :start],
+                    output[:, :, rows],
+                    far_lse,
+                    0.0,
+                    False,
+                    attn_mask=_before(values, start),
+                    scale=scaling,
+                )
                 d_query = d_query.to(lse.dtype) + far_query
                 grad_key[:, :, :start] += far_key
                 grad_value[:, :, :start] += far_value

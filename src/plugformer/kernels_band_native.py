@@ -76,13 +76,24 @@ def native_band_forward(query, key_heads, value_heads, values, output, lse, widt
     pointers, strides = _rows([*inputs, output])
     band = _band_table(values, width)  # held: the C code reads it
     with torch.profiler.record_function(PROFILER_NAME):
-        native_band().plugformer_band_forward(pointers, strides.data_ptr(), band.data_ptr(), lse.data_ptr(),
-                                              batch * heads, heads, length, dim, width, scaling,
-                                              torch.get_num_threads())  # fmt: skip
+        native_band().plugformer_band_forward(
+            pointers,
+            strides.data_ptr(),
+            band.data_ptr(),
+            lse.data_ptr(),
+            batch * heads,
+            heads,
+            length,
+            dim,
+            width,
+            scaling,
+            torch.get_num_threads(),
+        )
 
 
-def native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values, grads, width: int,
-                         scaling: float) -> torch.Tensor:  # fmt: skip
+def native_band_backward(
+    grad_output, query, key_heads, value_heads, output, lse, values, grads, width: int, scaling: float
+) -> torch.Tensor:
     """`_band_backward` by `csrc/band.c`. `grads`: the far keys' dQ of the queries from slot W `(B, H, N − W, D)`,
     then dQ (written: the far part's plus the band's), dK and dV `(B, H, N, D)` (the band's added), all fp32 with
     rows of D contiguous (any layout of the other axes); returns the band's bias gradient `(H, W)`."""
@@ -95,7 +106,18 @@ def native_band_backward(grad_output, query, key_heads, value_heads, output, lse
     band = _band_table(values, width)
     grad_band = torch.empty(batch, heads, width, dtype=torch.float32)
     with torch.profiler.record_function(PROFILER_NAME):
-        native_band().plugformer_band_backward(pointers, strides.data_ptr(), lse.data_ptr(), band.data_ptr(),
-                                               grad_band.data_ptr(), batch * heads, heads, length, dim, width,
-                                               scaling, torch.get_num_threads())  # fmt: skip
+        native_band().plugformer_band_backward(
+            pointers,
+            strides.data_ptr(),
+            lse.data_ptr(),
+            band.data_ptr(),
+            grad_band.data_ptr(),
+            batch * heads,
+            heads,
+            length,
+            dim,
+            width,
+            scaling,
+            torch.get_num_threads(),
+        )
     return grad_band.sum(0)

@@ -94,9 +94,15 @@ def _band_forward(query, key_heads, value_heads, values, output, lse, width: int
         first = max(0, start - width + 1)  # the block's first band key
         # reversed row t' is query stop − 1 − t'; window column u is key first + u: value index first − stop + N + t' + u
         mask = hankel(near, first - stop + length, stop - start, stop - first)  # (1, H, r, window)
-        block, block_lse = _flash(query[:, :, start:stop].flip(2), key_heads[:, :, first:stop],
-                                  value_heads[:, :, first:stop], 0.0, False, attn_mask=mask,
-                                  scale=scaling)  # fmt: skip
+        block, block_lse = _flash(
+            query[:, :, start:stop].flip(2),
+            key_heads[:, :, first:stop],
+            value_heads[:, :, first:stop],
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=scaling,
+        )
         output[:, :, start:stop] = block.flip(2)
         lse[:, :, start:stop] = block_lse.flip(2)
 
@@ -111,8 +117,14 @@ def banded_forward(query, key_heads, value_heads, values, width: int, scaling: f
     output = query.new_empty(query.shape, dtype=values.dtype)  # (B, H, N, D), merged in fp32 at least
     lse = query.new_empty(query.shape[:3], dtype=values.dtype)  # (B, H, N)
     _band_forward(query, key_heads, value_heads, values, output, lse, width, scaling)
-    far, far_lse = _flash(query[:, :, width:], key_heads[:, :, : length - width], value_heads[:, :, : length - width],
-                          0.0, True, scale=scaling)  # fmt: skip
+    far, far_lse = _flash(
+        query[:, :, width:],
+        key_heads[:, :, : length - width],
+        value_heads[:, :, : length - width],
+        0.0,
+        True,
+        scale=scaling,
+    )
     far_lse = far_lse.to(lse.dtype) + values[:, length - 1 - width, None]  # (B, H, N − W): + c_h
     # `kernels.merge_by_lse` in place on views of the outputs (its copies cost ~10 ms a call at N = 2048)
     near_output, near_lse = output[:, :, width:], lse[:, :, width:]
@@ -123,8 +135,18 @@ def banded_forward(query, key_heads, value_heads, values, width: int, scaling: f
     return output.to(query.dtype), lse
 
 
-def banded_backward(grad_output, query, key_heads, value_heads, values, output, lse, width: int, scaling: float,
-                    bias_gradient: bool = True):  # fmt: skip
+def banded_backward(
+    grad_output,
+    query,
+    key_heads,
+    value_heads,
+    values,
+    output,
+    lse,
+    width: int,
+    scaling: float,
+    bias_gradient: bool = True,
+):
     """dQ (input dtype), dK, dV `(B, H, N, D)` (fp32 at least) and d(values) `(H, 2N − 1)` (fp32 at least, `None`
     unless `bias_gradient`) of `banded_forward`, from its merged output and log-sum-exp: the far keys through the fused
     backward, the band in C or by hand (see the module docstring)."""
@@ -133,18 +155,47 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
     far = slice(width, length)
     far_lse = lse[:, :, far] - values[:, length - 1 - width, None]  # the far part's own: its bias c_h taken out
     # over all N keys (query i sees keys ≤ i − W): dK and dV come out whole, 0 for the last W keys
-    d_query, grad_key, grad_value = _flash_backward(grad_output[:, :, far], query[:, :, far], key_heads, value_heads,
-                                                    output[:, :, far], far_lse, 0.0, True, scale=scaling)  # fmt: skip
+    d_query, grad_key, grad_value = _flash_backward(
+        grad_output[:, :, far],
+        query[:, :, far],
+        key_heads,
+        value_heads,
+        output[:, :, far],
+        far_lse,
+        0.0,
+        True,
+        scale=scaling,
+    )
     grad_key, grad_value = grad_key.to(accumulate), grad_value.to(accumulate)  # the band adds in place
     if native_band_applies(query, key_heads, value_heads, grad_output, output, values):
         grad_key, grad_value = rows_contiguous(grad_key), rows_contiguous(grad_value)
         grad_query = torch.empty_like(rows_contiguous(query), dtype=accumulate)  # the queries' layout
-        band_gradient = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
-                                             (d_query, grad_query, grad_key, grad_value), width, scaling)  # fmt: skip
+        band_gradient = native_band_backward(
+            grad_output,
+            query,
+            key_heads,
+            value_heads,
+            output,
+            lse,
+            values,
+            (d_query, grad_query, grad_key, grad_value),
+            width,
+            scaling,
+        )
     else:
         grad_query = _shifted(d_query, length, width, accumulate)  # (B, H, N, D): 0 for the first W queries
-        band_gradient = _band_backward(grad_output, query, key_heads, value_heads, values, output, lse,
-                                       (grad_query, grad_key, grad_value), width, scaling)  # fmt: skip
+        band_gradient = _band_backward(
+            grad_output,
+            query,
+            key_heads,
+            value_heads,
+            values,
+            output,
+            lse,
+            (grad_query, grad_key, grad_value),
+            width,
+            scaling,
+        )
     grad_values = None
     if bias_gradient:  # the band's distances 0..W − 1 behind (value indices N − 1 .. N − W); the far keys' share
         grad_values = torch.zeros(values.shape, dtype=accumulate, device=values.device)
@@ -153,8 +204,9 @@ def banded_backward(grad_output, query, key_heads, value_heads, values, output, 
     return grad_query.to(query.dtype), grad_key, grad_value, grad_values
 
 
-def _band_backward(grad_output, query, key_heads, value_heads, values, output, lse, grads, width: int,
-                   scaling: float) -> torch.Tensor:  # fmt: skip
+def _band_backward(
+    grad_output, query, key_heads, value_heads, values, output, lse, grads, width: int, scaling: float
+) -> torch.Tensor:
     """The band's share of the gradients by torch operations in blocks of `BAND_ROWS` rows, added to `grads` (dQ, dK,
     dV `(B, H, N, D)`, fp32 at least); returns the band's bias gradient `(H, W)` (summed dS at 0..W − 1 behind)."""
     length, accumulate = query.shape[2], lse.dtype
@@ -181,8 +233,12 @@ def _band_backward(grad_output, query, key_heads, value_heads, values, output, l
         grad_query[:, :, rows].add_(torch.matmul(d_scores, keys[:, :, first:stop]), alpha=scaling)
         grad_bias[:, :count, band] += d_scores.sum(dim=0)
     # window column u of row t is t + W − 1 − u behind the query: fold the (r, L) sums to distances
-    behind = (torch.arange(BAND_ROWS, device=query.device)[:, None] + width - 1
-              - torch.arange(grad_bias.shape[-1], device=query.device)[None, :])  # fmt: skip
+    behind = (
+        torch.arange(BAND_ROWS, device=query.device)[:, None]
+        + width
+        - 1
+        - torch.arange(grad_bias.shape[-1], device=query.device)[None, :]
+    )
     band_gradient = grad_bias.new_zeros(grad_bias.shape[0], width)
     band_gradient.index_add_(1, behind.clamp(0, width - 1).flatten(), grad_bias.masked_fill(~inside, 0).flatten(1))
     return band_gradient
@@ -245,6 +301,7 @@ def banded_bias_applies(query, key, value, attention_mask, dropout: float, posit
 def banded_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
     """`BandedBiasAttention` as the sdpa kernel returns it: `(output (B, N, H, D), None)` (no attention weights)."""
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = BandedBiasAttention.apply(query, key, value, position_bias.values, position_bias.constant_beyond,
-                                           scaling)  # fmt: skip
+        output = BandedBiasAttention.apply(
+            query, key, value, position_bias.values, position_bias.constant_beyond, scaling
+        )
     return output.transpose(1, 2).contiguous(), None  # (B, N, H, D)

@@ -74,7 +74,17 @@ class FixedBiasBlock(torch.autograd.Function):
         groups = query.shape[1] // key.shape[1]
         key_heads, value_heads = _heads(key, groups), _heads(value, groups)  # (B, H, keys, D)
         mask = _mask(ctx.bias, allowed, *ctx.rows, key.shape[2], query.dtype)
-        grad_query, grad_key, grad_value = _flash_backward(grad_output.contiguous(), query, key_heads, value_heads,
-                                                           output, lse, 0.0, False, attn_mask=mask, scale=ctx.scaling)  # fmt: skip
+        grad_query, grad_key, grad_value = _flash_backward(
+            grad_output.contiguous(),
+            query,
+            key_heads,
+            value_heads,
+            output,
+            lse,
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=ctx.scaling,
+        )
         grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, keys, D)
         return grad_query, grad_key, grad_value, None, None, None, None, None

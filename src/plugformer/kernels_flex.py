@@ -46,11 +46,14 @@ def uncompiled_flex_forward(
     c·tanh(s / c) by `softcap` c, then the additive float mask (when the mask is no `BlockMask`) and the
     `position_bias` added, read per (batch, head, query, key). Returns (B, Q, H, D) and no weights."""
     if dropout > 0:
-        raise ValueError(f"attn_implementation='flex_attention' takes no attention dropout (dropout={dropout}): use "
-                         "it in eval mode, or set attention_dropout=0.0")  # fmt: skip
+        raise ValueError(
+            f"attn_implementation='flex_attention' takes no attention dropout (dropout={dropout}): use "
+            "it in eval mode, or set attention_dropout=0.0"
+        )
     if s_aux is not None:
-        raise ValueError("attn_implementation='flex_attention' cannot add attention sinks on the CPU; use 'sdpa' or "
-                         "'eager'")  # fmt: skip
+        raise ValueError(
+            "attn_implementation='flex_attention' cannot add attention sinks on the CPU; use 'sdpa' or 'eager'"
+        )
     block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
     additive = None
     if attention_mask is not None and block_mask is None:

@@ -72,13 +72,26 @@ class QueryBiasAttention(torch.autograd.Function):
             allowed = _allowed_keys(attention_mask, is_causal, query.shape[2], start, stop, keys, query.device)
             with torch.no_grad():
                 bias = QueryPositionBias(recipe.rows(start, stop, keys), stop - start, keys)  # (B', H, r, keys)
-            output[:, :, start:stop], seed = block_output(query[:, :, start:stop], key[:, :, :keys],
-                                                          value[:, :, :keys], bias, allowed, (0, stop - start),
-                                                          scaling, dropout)  # fmt: skip
+            output[:, :, start:stop], seed = block_output(
+                query[:, :, start:stop],
+                key[:, :, :keys],
+                value[:, :, :keys],
+                bias,
+                allowed,
+                (0, stop - start),
+                scaling,
+                dropout,
+            )
             seeds.append(seed)
         ctx.save_for_backward(query, key, value, output, attention_mask)
-        ctx.recipe, ctx.blocks, ctx.is_causal, ctx.scaling, ctx.dropout, ctx.seeds = (recipe, blocks, is_causal,
-                                                                                       scaling, dropout, seeds)  # fmt: skip
+        ctx.recipe, ctx.blocks, ctx.is_causal, ctx.scaling, ctx.dropout, ctx.seeds = (
+            recipe,
+            blocks,
+            is_causal,
+            scaling,
+            dropout,
+            seeds,
+        )
         return output
 
     @staticmethod
@@ -102,9 +115,18 @@ class QueryBiasAttention(torch.autograd.Function):
             bias = QueryPositionBias(rows.detach(), stop - start, keys)
             block = slice(start, stop)
             d_query, d_key, d_value, d_scores = block_gradients(
-                query[:, :, block], key[:, :, :keys], value[:, :, :keys], bias, allowed, (0, stop - start),
-                ctx.scaling, output[:, :, block], grad_output[:, :, block], ctx.dropout, seed
-            )  # fmt: skip
+                query[:, :, block],
+                key[:, :, :keys],
+                value[:, :, :keys],
+                bias,
+                allowed,
+                (0, stop - start),
+                ctx.scaling,
+                output[:, :, block],
+                grad_output[:, :, block],
+                ctx.dropout,
+                seed,
+            )
             grad_query[:, :, block] = d_query
             grad_key[:, :, :keys] += d_key
             grad_value[:, :, :keys] += d_value
@@ -113,8 +135,10 @@ class QueryBiasAttention(torch.autograd.Function):
             if rows.shape[0] == 1:  # rows shared by the batch; blocked entries have zero weight, so zero d_scores
                 d_scores = d_scores.sum(dim=0, keepdim=True)  # (1, H, r, keys)
             found = torch.autograd.grad(rows, inputs, d_scores.to(rows.dtype), allow_unused=True)
-            sums = [total if grad is None else grad if total is None else total + grad
-                    for total, grad in zip(sums, found, strict=True)]  # fmt: skip
+            sums = [
+                total if grad is None else grad if total is None else total + grad
+                for total, grad in zip(sums, found, strict=True)
+            ]
         found = iter(sums)
         grad_parameters = [next(found) if leaf.requires_grad else None for leaf in leaves]
         grads = grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype)
@@ -156,6 +180,7 @@ def query_bias_attention_forward(
         stop = min(start + block, query_length)
         blocks.append((start, stop, causal_keys(query_length, key_length, stop) if skip_future else key_length))
     with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = QueryBiasAttention.apply(query, key, value, attention_mask, recipe, tuple(blocks), is_causal,
-                                          scaling, dropout, *recipe.parameters)  # fmt: skip
+        output = QueryBiasAttention.apply(
+            query, key, value, attention_mask, recipe, tuple(blocks), is_causal, scaling, dropout, *recipe.parameters
+        )
     return output.transpose(1, 2).contiguous(), None  # (B, Q, H, D)

@@ -74,12 +74,25 @@ def flash_forward(query, key_heads, value_heads, values, scaling: float):
     for start in range(0, length, ROWS):
         rows = slice(start, min(start + ROWS, length))
         count = rows.stop - start
-        block, block_lse = _flash(query[:, :, rows], key_heads[:, :, rows], value_heads[:, :, rows], 0.0, True,
-                                  attn_mask=square[..., :count, :count], scale=scaling)  # fmt: skip
+        block, block_lse = _flash(
+            query[:, :, rows],
+            key_heads[:, :, rows],
+            value_heads[:, :, rows],
+            0.0,
+            True,
+            attn_mask=square[..., :count, :count],
+            scale=scaling,
+        )
         if start:  # the keys before the block, the queries reversed so that their bias is a view
-            far, far_lse = _flash(query[:, :, rows].flip(2), key_heads[:, :, :start], value_heads[:, :, :start], 0.0,
-                                  False, attn_mask=_reversed_rows(values, rows.stop, count, start),
-                                  scale=scaling)  # fmt: skip
+            far, far_lse = _flash(
+                query[:, :, rows].flip(2),
+                key_heads[:, :, :start],
+                value_heads[:, :, :start],
+                0.0,
+                False,
+                attn_mask=_reversed_rows(values, rows.stop, count, start),
+                scale=scaling,
+            )
             far, far_lse = far.flip(2), far_lse.flip(2)
             block, block_lse = merge_by_lse(far, far_lse, block, block_lse, lse.dtype)
         output[:, :, rows] = block
@@ -100,19 +113,33 @@ def flash_backward(grad_output, query, key_heads, value_heads, values, output, l
     for start in reversed(range(0, length, ROWS)):  # the largest temporaries first (see Block order)
         rows = slice(start, min(start + ROWS, length))
         count = rows.stop - start
-        d_query, d_key, d_value = _flash_backward(grad_output[:, :, rows], query[:, :, rows], key_heads[:, :, rows],
-                                                  value_heads[:, :, rows], output[:, :, rows], lse[:, :, rows], 0.0,
-                                                  True, attn_mask=square[..., :count, :count],
-                                                  scale=scaling)  # fmt: skip
+        d_query, d_key, d_value = _flash_backward(
+            grad_output[:, :, rows],
+            query[:, :, rows],
+            key_heads[:, :, rows],
+            value_heads[:, :, rows],
+            output[:, :, rows],
+            lse[:, :, rows],
+            0.0,
+            True,
+            attn_mask=square[..., :count, :count],
+            scale=scaling,
+        )
         grad_key[:, :, rows] += d_key
         grad_value[:, :, rows] += d_value
         if start:  # the keys before the block, on the reversed rows as their forward
             reverse = [tensor[:, :, rows].flip(2) for tensor in (grad_output, query)]
-            far_query, far_key, far_value = _flash_backward(*reverse, key_heads[:, :, :start],
-                                                            value_heads[:, :, :start], output[:, :, rows].flip(2),
-                                                            lse[:, :, rows].flip(2), 0.0, False,
-                                                            attn_mask=_reversed_rows(values, rows.stop, count, start),
-                                                            scale=scaling)  # fmt: skip
+            far_query, far_key, far_value = _flash_backward(
+                *reverse,
+                key_heads[:, :, :start],
+                value_heads[:, :, :start],
+                output[:, :, rows].flip(2),
+                lse[:, :, rows].flip(2),
+                0.0,
+                False,
+                attn_mask=_reversed_rows(values, rows.stop, count, start),
+                scale=scaling,
+            )
             d_query = d_query.to(lse.dtype) + far_query.flip(2)
             grad_key[:, :, :start] += far_key
             grad_value[:, :, :start] += far_value
@@ -198,8 +225,9 @@ class RelativeBiasAttention(torch.autograd.Function):
             grad_query, grad_key, grad_value, grad_values = grads
             grad_values = grad_values.to(values.dtype)
         else:  # a fixed bias: the fused backward
-            grad_query, grad_key, grad_value = flash_backward(grad_output, query, key_heads, value_heads, table,
-                                                              output, lse, ctx.scaling)  # fmt: skip
+            grad_query, grad_key, grad_value = flash_backward(
+                grad_output, query, key_heads, value_heads, table, output, lse, ctx.scaling
+            )
             grad_values = None
         grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, N, D)
         return grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype), grad_values, None

@@ -51,8 +51,18 @@ def native_backward(grad_output, query, key_heads, value_heads, values, output, 
     grad_query = torch.empty_like(rows_contiguous(query))  # the queries' layout, rows contiguous
     grad_key = torch.zeros(key_heads.shape, dtype=query.dtype, device=query.device)  # (B, H, N, D), added to
     grad_value = torch.zeros_like(grad_key)
-    by_distance = native_band_backward(grad_output, query, key_heads, value_heads, output, lse, values,
-                                       (grad_query, grad_query, grad_key, grad_value), length, scaling)  # fmt: skip
+    by_distance = native_band_backward(
+        grad_output,
+        query,
+        key_heads,
+        value_heads,
+        output,
+        lse,
+        values,
+        (grad_query, grad_query, grad_key, grad_value),
+        length,
+        scaling,
+    )
     grad_values = torch.zeros_like(values)
     grad_values[:, :length] = by_distance.flip(-1)  # t slots behind: value index N − 1 − t
     return grad_query, grad_key, grad_value, grad_values
@@ -80,8 +90,9 @@ class NativeRelativeAttention(torch.autograd.Function):
         query, key, value, values, output, lse = ctx.saved_tensors
         groups = query.shape[1] // key.shape[1]
         key_heads, value_heads = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, H, N, D)
-        grads = native_backward(grad_output, query, key_heads, value_heads, values.detach().contiguous(), output, lse,
-                                ctx.scaling)  # fmt: skip
+        grads = native_backward(
+            grad_output, query, key_heads, value_heads, values.detach().contiguous(), output, lse, ctx.scaling
+        )
         grad_query, grad_key, grad_value, grad_values = grads
         grad_key, grad_value = sum_over_groups(grad_key, grad_value, groups)  # (B, H_kv, N, D)
         return grad_query, grad_key, grad_value, grad_values if ctx.needs_input_grad[3] else None, None

@@ -39,8 +39,9 @@ def sdpa_forward(
     any other relative bias where `relative_bias_applies`, `query_bias_attention_forward` for a bias recipe (FIRE's,
     forgetting attention's) where `query_bias_applies`; else `kernels.sdpa_attention_forward`."""
     if s_aux is not None:
-        return sdpa_sinks_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux,
-                                  **kwargs)  # fmt: skip
+        return sdpa_sinks_forward(
+            module, query, key, value, attention_mask, scaling, dropout, position_bias, s_aux, **kwargs
+        )
     if position_bias is None:  # transformers' SDPA, without the calls that look for a bias (every Llama-like step)
         return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     is_causal = module.is_causal if kwargs.get("is_causal") is None else kwargs["is_causal"]
@@ -53,6 +54,7 @@ def sdpa_forward(
     if relative_bias_applies(query, key, value, attention_mask, dropout, position_bias, is_causal):
         return relative_bias_attention_forward(query, key, value, scaling, position_bias)
     if query_bias_applies(query, key, position_bias):
-        return query_bias_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias,
-                                            is_causal=is_causal)  # fmt: skip
+        return query_bias_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout, position_bias, is_causal=is_causal
+        )
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)

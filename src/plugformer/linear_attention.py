@@ -54,28 +54,38 @@ def complete_linear_attention(config: PlugformerConfig) -> None:
     set_fields = [name for name in LINEAR_ATTENTION_FIELDS if getattr(config, name) is not None]
     if LINEAR_ATTENTION not in config.layer_types:
         if set_fields:
-            raise ValueError(f"{set_fields[0]}={getattr(config, set_fields[0])!r} configures 'linear_attention' "
-                             f"layers, but layer_types={config.layer_types!r} has none: add some or leave it None")  # fmt: skip
+            raise ValueError(
+                f"{set_fields[0]}={getattr(config, set_fields[0])!r} configures 'linear_attention' "
+                f"layers, but layer_types={config.layer_types!r} has none: add some or leave it None"
+            )
         return
     if config.is_encoder_decoder or not config.is_causal:
         field = "is_encoder_decoder=True" if config.is_encoder_decoder else "is_causal=False"
-        raise ValueError(f"layer_types has 'linear_attention' layers, whose recurrent state reads each token's past "
-                         f"only, but {field}: use them in a causal single-stack model")  # fmt: skip
+        raise ValueError(
+            f"layer_types has 'linear_attention' layers, whose recurrent state reads each token's past "
+            f"only, but {field}: use them in a causal single-stack model"
+        )
     if config.value_residual is not None:
-        raise ValueError(f"value_residual={config.value_residual!r} mixes the first layer's attention values into "
-                         "the others, which 'linear_attention' layers (in layer_types) have not: set it to None")  # fmt: skip
+        raise ValueError(
+            f"value_residual={config.value_residual!r} mixes the first layer's attention values into "
+            "the others, which 'linear_attention' layers (in layer_types) have not: set it to None"
+        )
     if POSITION_SCHEMES.get(config.position_scheme).has_bias:  # (a `per_layer` scheme's too)
         unbiased = [name for name in POSITION_SCHEMES if not POSITION_SCHEMES.get(name).has_bias]
-        raise ValueError(f"position_scheme={config.position_scheme!r} adds a score bias, which the "
-                         f"'linear_attention' layers in layer_types have no scores to take: use one of {unbiased}")  # fmt: skip
+        raise ValueError(
+            f"position_scheme={config.position_scheme!r} adds a score bias, which the "
+            f"'linear_attention' layers in layer_types have no scores to take: use one of {unbiased}"
+        )
     positive(config, *LINEAR_ATTENTION_FIELDS)
     defaults = (4, config.head_dim, config.head_dim, config.num_key_value_heads, config.num_attention_heads)
     for name, value in zip(LINEAR_ATTENTION_FIELDS, defaults, strict=True):
         if getattr(config, name) is None:
             setattr(config, name, value)
     if config.linear_num_value_heads % config.linear_num_key_heads:
-        raise ValueError(f"linear_num_key_heads={config.linear_num_key_heads} must divide linear_num_value_heads="
-                         f"{config.linear_num_value_heads} (each key head serves a whole group of value heads)")  # fmt: skip
+        raise ValueError(
+            f"linear_num_key_heads={config.linear_num_key_heads} must divide linear_num_value_heads="
+            f"{config.linear_num_value_heads} (each key head serves a whole group of value heads)"
+        )
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -225,8 +235,10 @@ class PlugformerGatedDeltaNet(nn.Module):
         self.heads_per_key = self.num_v_heads // self.num_k_heads  # value heads sharing one query/key head
         tp_size = getattr(getattr(config, "distributed_config", None), "tp_size", 1)
         if tp_size > 1:  # no plan shards these modules: every rank would hold and train all of them
-            raise ValueError(f"layer_types has 'linear_attention' layers, which cannot run with tensor parallelism "
-                             f"(tp_size={tp_size}): load the model without tp_plan")  # fmt: skip
+            raise ValueError(
+                f"layer_types has 'linear_attention' layers, which cannot run with tensor parallelism "
+                f"(tp_size={tp_size}): load the model without tp_plan"
+            )
         hidden = config.hidden_size
         self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
@@ -274,8 +286,10 @@ class PlugformerGatedDeltaNet(nn.Module):
             return None
         layers = getattr(cache, "layers", [])
         if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], LinearAttentionCacheLayerMixin):
-            raise ValueError(f"cache has no linear-attention layer at index {self.layer_idx}, which layer_types makes "
-                             "'linear_attention': build it with DynamicCache(config=model.config) (or StaticCache)")  # fmt: skip
+            raise ValueError(
+                f"cache has no linear-attention layer at index {self.layer_idx}, which layer_types makes "
+                "'linear_attention': build it with DynamicCache(config=model.config) (or StaticCache)"
+            )
         return cache.get_recurrent_state(self.layer_idx)
 
     def forward(

@@ -211,5 +211,6 @@ def fused_head_loss(
         return linear_cross_entropy(hidden_states, head.weight, labels, kwargs.get("num_items_in_batch"), softcap=cap)
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
     targets = causal_targets(labels, kwargs.get("shift_labels"), ignore_index)
-    return linear_cross_entropy(hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index,
-                                softcap=cap)  # fmt: skip
+    return linear_cross_entropy(
+        hidden_states, head.weight, targets, kwargs.get("num_items_in_batch"), ignore_index, softcap=cap
+    )

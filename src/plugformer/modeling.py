@@ -135,8 +135,11 @@ class PlugformerForCausalLM(PlugformerPreTrainedModel, PlugformerGenerationMixin
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        loss = None if labels is None else fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True,
-                                                           **kwargs)  # None: unfused  # fmt: skip
+        loss = (
+            None
+            if labels is None
+            else fused_head_loss(self, hidden_states, labels, logits_to_keep, shift=True, **kwargs)
+        )  # None: unfused
         logits = None if loss is not None else head_logits(self, slice_logits_to_keep(hidden_states, logits_to_keep))
         if labels is not None and loss is None:
             check_labels(labels, self.config.vocab_size)
@@ -178,9 +181,13 @@ class PlugformerTokenHead(PlugformerPreTrainedModel):
         kwargs.pop("use_cache", None)  # an encoder keeps no cache (callers such as generic loops may still pass it)
         num_items = kwargs.pop("num_items_in_batch", None)  # Trainer's divisor under gradient accumulation
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, use_cache=False, **kwargs,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            **kwargs,
+        )
         loss = fused_head_loss(self, outputs.last_hidden_state, labels, num_items_in_batch=num_items)  # as causal LMs'
         logits = None if loss is not None else self.head(outputs.last_hidden_state)
         if labels is not None and loss is None:
@@ -259,9 +266,14 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
                 targets for `num_labels=1` (mean squared error); `config.problem_type` decides as in transformers.
         """
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         if (
             attention_mask is None
             and input_ids is not None
@@ -280,9 +292,12 @@ class PlugformerForSequenceClassification(PlugformerPreTrainedModel):
                 check_labels(labels, self.config.num_labels, "num_labels")
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
         return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            loss=loss,
+            logits=pooled,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-        )  # fmt: skip
+        )
 
 
 class PlugformerForTokenClassification(PlugformerTokenHead):
@@ -369,8 +384,19 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.encoder.embed_tokens = self.decoder.embed_tokens = value
 
-    def encode_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-                      cache, inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs):  # fmt: skip
+    def encode_decode(
+        self,
+        input_ids,
+        attention_mask,
+        decoder_input_ids,
+        decoder_attention_mask,
+        encoder_outputs,
+        cache,
+        inputs_embeds,
+        decoder_inputs_embeds,
+        use_cache,
+        **kwargs,
+    ):
         """`(encoder_outputs, decoder_outputs)`: the encoder run unless its outputs are given, then the decoder."""
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
@@ -379,10 +405,15 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
         elif not isinstance(encoder_outputs, ModelOutput):  # a tuple (last_hidden_state, hidden_states, attentions)
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
-            cache=cache, use_cache=use_cache, encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask, **kwargs,
-        )  # fmt: skip
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            cache=cache,
+            use_cache=use_cache,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            **kwargs,
+        )
         return encoder_outputs, decoder_outputs
 
     @renamed_cache_kwarg
@@ -402,9 +433,17 @@ class PlugformerSeq2SeqModel(PlugformerPreTrainedModel):
     ) -> Seq2SeqModelOutput:
         r"""Arguments as in [`PlugformerForConditionalGeneration.forward`] (without `labels` and `logits_to_keep`)."""
         encoder_outputs, decoder_outputs = self.encode_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
-            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs,
-        )  # fmt: skip
+            input_ids,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            encoder_outputs,
+            cache,
+            inputs_embeds,
+            decoder_inputs_embeds,
+            use_cache,
+            **kwargs,
+        )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             cache=decoder_outputs.cache,
@@ -475,9 +514,17 @@ class PlugformerForConditionalGeneration(PlugformerSeq2SeqModel, PlugformerGener
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.decoder_start_token_id)
         encoder_outputs, decoder_outputs = self.encode_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
-            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs,
-        )  # fmt: skip
+            input_ids,
+            attention_mask,
+            decoder_input_ids,
+            decoder_attention_mask,
+            encoder_outputs,
+            cache,
+            inputs_embeds,
+            decoder_inputs_embeds,
+            use_cache,
+            **kwargs,
+        )
         logits = head_logits(self, slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:

@@ -78,9 +78,19 @@ def library_path(name: str, command: list[str], threading: tuple[str, ...] = THR
     """Where the build of `csrc/<name>.c` by `command` with `threading`'s flags for this CPU lives: keyed by a hash of
     all that shapes it."""
     headers = [path.read_text() for path in sorted(SOURCES.glob("*.h"))]  # what the sources include
-    parts = [(SOURCES / f"{name}.c").read_text(), *headers, *command, _version(command), *FLAGS, *threading,
-             *LINK_FLAGS, platform.machine(), platform.system(), " ".join(platform.libc_ver()),
-             _cpu_identity()]  # fmt: skip
+    parts = [
+        (SOURCES / f"{name}.c").read_text(),
+        *headers,
+        *command,
+        _version(command),
+        *FLAGS,
+        *threading,
+        *LINK_FLAGS,
+        platform.machine(),
+        platform.system(),
+        " ".join(platform.libc_ver()),
+        _cpu_identity(),
+    ]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return cache_dir() / f"{name}-{digest}.so"
 
@@ -125,6 +135,7 @@ def load(name: str) -> ctypes.CDLL | None:
             return ctypes.CDLL(str(target), mode=os.RTLD_NOW | os.RTLD_LOCAL)
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             errors.append(f"{' '.join(threading)}: {error}")
-    logger.warning("plugformer: the native %s kernel is unavailable (%s): it runs on its torch path", name,
-                   "; ".join(errors))  # fmt: skip
+    logger.warning(
+        "plugformer: the native %s kernel is unavailable (%s): it runs on its torch path", name, "; ".join(errors)
+    )
     return None

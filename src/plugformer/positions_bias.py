@@ -254,8 +254,14 @@ class FireBias(PositionScheme):
     def bias_parameters(self) -> tuple[torch.Tensor, ...]:
         """c's and L's raw scales, then θ: the tensors the bias is a function of, in the order `fire_bias` takes them
         as `parameters`."""
-        return (self.distance_scale, self.threshold_scale, self.mlp_in.weight, self.mlp_in.bias, self.mlp_out.weight,
-                self.mlp_out.bias)  # fmt: skip
+        return (
+            self.distance_scale,
+            self.threshold_scale,
+            self.mlp_in.weight,
+            self.mlp_in.bias,
+            self.mlp_out.weight,
+            self.mlp_out.bias,
+        )
 
     def mlp_inputs(self, query_positions: torch.Tensor, behind: torch.Tensor, parameters=None) -> torch.Tensor:
         """The normalised distances `(B or 1, Q, K)` f_θ reads, for queries at `query_positions` `(B or 1, Q)` over keys
@@ -289,8 +295,10 @@ class FireBias(PositionScheme):
         return self.fire_bias(query_slots[None], behind)
 
     def bias_by_distance(self, query_offset, query_length, key_offset, key_length, device):
-        raise ValueError("position_scheme='fire' has no bias per distance (it depends on the query position); use "
-                         "bias_values(), which takes the positions")  # fmt: skip
+        raise ValueError(
+            "position_scheme='fire' has no bias per distance (it depends on the query position); use "
+            "bias_values(), which takes the positions"
+        )
 
     def bias_values(self, query_offset, query_length, key_offset, key_length, position_ids):
         device = position_ids.device
@@ -305,8 +313,16 @@ class FireBias(PositionScheme):
         query_slots = torch.arange(query_length, device=device) + query_offset  # (Q,)
         key_slots = torch.arange(key_length, device=device) + key_offset  # (K,)
         # per score besides the bias: f_θ's input, its piece (int64) and the 2H slopes and intercepts it looks up
-        return QueryBiasRecipe(self.fire_bias, self.bias_parameters(), position_ids, query_slots, key_slots,
-                               self.num_heads, dtype, width=2 * self.num_heads + 3)  # fmt: skip
+        return QueryBiasRecipe(
+            self.fire_bias,
+            self.bias_parameters(),
+            position_ids,
+            query_slots,
+            key_slots,
+            self.num_heads,
+            dtype,
+            width=2 * self.num_heads + 3,
+        )
 
     def reset_parameters(self, config):
         init.constant_(self.distance_scale, self.initial_distance_scale)

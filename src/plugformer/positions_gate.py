@@ -62,9 +62,13 @@ class ForgettingAttention(PositionScheme):
         return torch.cat([decay, decay.index_select(-1, query_slots)], dim=-1)  # (B, H, K + Q)
 
     def bias(self, query_slots, key_slots):
-        raise ValueError(f"position_scheme={self.name!r} has no bias of slots alone: each layer computes it from its "
-                         "input (forget gates of the hidden states)")  # fmt: skip
+        raise ValueError(
+            f"position_scheme={self.name!r} has no bias of slots alone: each layer computes it from its "
+            "input (forget gates of the hidden states)"
+        )
 
     def bias_values(self, query_offset, query_length, key_offset, key_length, position_ids):
-        raise ValueError(f"position_scheme={self.name!r} is computed by each attention layer from its input "
-                         "(PositionScheme.per_layer), not by the stack")  # fmt: skip
+        raise ValueError(
+            f"position_scheme={self.name!r} is computed by each attention layer from its input "
+            "(PositionScheme.per_layer), not by the stack"
+        )

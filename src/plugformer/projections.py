@@ -204,8 +204,15 @@ class LatentProjection(AttentionProjection):
     whole), a seq2seq model; tensor parallelism (`tensor_parallel`) and engines sizing their cache from `head_dim`.
     """
 
-    config_fields = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                     "rope_interleave", "use_latent_cache")  # fmt: skip
+    config_fields = (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "rope_interleave",
+        "use_latent_cache",
+    )
     unused_fields_refused = True
     tensor_parallel = False
     standard_heads = False
@@ -229,19 +236,25 @@ class LatentProjection(AttentionProjection):
     @classmethod
     def validate_config(cls, config):
         if config.is_encoder_decoder:
-            raise ValueError("attention_projection='latent' is not supported with is_encoder_decoder=True (allowed: "
-                             "'standard'): cross-attention has no latent to cache")  # fmt: skip
+            raise ValueError(
+                "attention_projection='latent' is not supported with is_encoder_decoder=True (allowed: "
+                "'standard'): cross-attention has no latent to cache"
+            )
         for field, value, why in (
             ("use_gated_attention", config.use_gated_attention, "its gate is a second half of the standard q_proj"),
             ("value_residual", config.value_residual, "it mixes v_proj's values, which the latent expands per step"),
         ):
             if value not in (None, False):
-                raise ValueError(f"{field}={value!r} is not supported with attention_projection='latent' (allowed: "
-                                 f"{False if field == 'use_gated_attention' else None}): {why}")  # fmt: skip
+                raise ValueError(
+                    f"{field}={value!r} is not supported with attention_projection='latent' (allowed: "
+                    f"{False if field == 'use_gated_attention' else None}): {why}"
+                )
         rotates = "rope_parameters" in POSITION_SCHEMES.get(config.position_scheme).config_fields
         if config.rope_interleave and not rotates:
-            raise ValueError(f"rope_interleave=True lays out rotated pairs, which position_scheme="
-                             f"{config.position_scheme!r} does not rotate; use False, or a rotary scheme")  # fmt: skip
+            raise ValueError(
+                f"rope_interleave=True lays out rotated pairs, which position_scheme="
+                f"{config.position_scheme!r} does not rotate; use False, or a rotary scheme"
+            )
         factor = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0) if rotates else 1.0
         if factor != 1.0:
             raise ValueError(
@@ -286,11 +299,13 @@ class LatentProjection(AttentionProjection):
             attention.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
             attention.q_a_layernorm = RMSNorm(config, config.q_lora_rank, eps=LATENT_NORM_EPS)
             attention.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_dim, bias=False)
-        attention.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim,
-                                                 bias=config.attention_bias)  # fmt: skip
+        attention.kv_a_proj_with_mqa = nn.Linear(
+            config.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
+        )
         attention.kv_a_layernorm = RMSNorm(config, config.kv_lora_rank, eps=LATENT_NORM_EPS)
-        attention.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
-                                        bias=False)  # fmt: skip
+        attention.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
         attention.o_proj = nn.Linear(heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
 
     @classmethod

@@ -162,14 +162,27 @@ class PlugformerModel(PlugformerPreTrainedModel):
         )
         kinds = {layer.attention_type for layer in self.layers} if kinds is None else kinds
         if not self.is_causal:  # packed documents are kept apart in both directions (masked-LM packing)
-            functions = {"full_attention": create_bidirectional_mask,
-                         "sliding_attention": create_bidirectional_sliding_window_mask}  # fmt: skip
-            return {kind: functions[kind](config=self.config, inputs_embeds=inputs_embeds,
-                                          attention_mask=attention_mask, and_mask_function=documents)
-                    for kind in kinds}  # fmt: skip
+            functions = {
+                "full_attention": create_bidirectional_mask,
+                "sliding_attention": create_bidirectional_sliding_window_mask,
+            }
+            return {
+                kind: functions[kind](
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    and_mask_function=documents,
+                )
+                for kind in kinds
+            }
         # no `position_ids`: transformers' own packing detection (without mask and cache only) is `documents`' job
-        arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                         and_mask_function=documents)  # fmt: skip
+        arguments = dict(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            and_mask_function=documents,
+        )
         functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         if self.config.is_causal:
             return {kind: functions[kind](**arguments) for kind in kinds}
@@ -214,9 +227,11 @@ class PlugformerModel(PlugformerPreTrainedModel):
     ):
         """The cross-attention mask over the encoder output `encoder_hidden_states` (its padding)."""
         return create_bidirectional_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
-        )  # fmt: skip
+        )
 
     def _add_absolute_positions(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The first hidden states `(B, T, hidden)`: the embeddings plus the scheme's `embed` (if any), then dropout."""
@@ -302,14 +317,22 @@ class PlugformerModel(PlugformerPreTrainedModel):
         for i, layer in enumerate(layers):
             first_layers.setdefault(layer.attention_type, i)
         if prepared_masks is not None and not first_layers.keys() <= prepared_masks.keys():
-            raise ValueError(f"attention_mask is a dict of {sorted(prepared_masks)}; it needs a mask for each of the "
-                             f"layers' kinds {sorted(first_layers)} (config.layer_types), or pass a 2-D padding "
-                             "mask")  # fmt: skip
+            raise ValueError(
+                f"attention_mask is a dict of {sorted(prepared_masks)}; it needs a mask for each of the "
+                f"layers' kinds {sorted(first_layers)} (config.layer_types), or pass a 2-D padding "
+                "mask"
+            )
         if validate_inputs:
             check_inputs(
-                self, input_ids, inputs_embeds, attention_mask, position_ids, cache, encoder_hidden_states,
+                self,
+                input_ids,
+                inputs_embeds,
+                attention_mask,
+                position_ids,
+                cache,
+                encoder_hidden_states,
                 encoder_attention_mask,
-            )  # fmt: skip
+            )
         inputs_embeds = self._token_embeddings(input_ids, inputs_embeds)
         use_cache = self._use_cache(use_cache)
         cache = self._checked_cache(cache, use_cache, attention_mask)
@@ -333,8 +356,14 @@ class PlugformerModel(PlugformerPreTrainedModel):
         )
         positions = self.positions
         shared = positions.has_bias and not positions.per_layer  # (a `per_layer` scheme's bias is each layer's own)
-        biases = {kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
-                  for kind, i in first_layers.items()} if shared else None  # fmt: skip
+        biases = (
+            {
+                kind: self._position_bias(self_cache, position_ids, query_length, inputs_embeds.dtype, i)
+                for kind, i in first_layers.items()
+            }
+            if shared
+            else None
+        )
         hidden_states = inputs_embeds
         if self.adds_position_embeddings or (self.hidden_dropout and self.training):  # (else nothing to add or drop)
             hidden_states = self._add_absolute_positions(inputs_embeds, position_ids)
@@ -345,11 +374,19 @@ class PlugformerModel(PlugformerPreTrainedModel):
         for layer in layers:
             kind = layer.attention_type
             hidden_states = layer(
-                hidden_states, None if biases is None else biases[kind], encoder_hidden_states, first_values,
+                hidden_states,
+                None if biases is None else biases[kind],
+                encoder_hidden_states,
+                first_values,
                 attention_mask=masks[kind],
-                encoder_attention_mask=encoder_mask, position_ids=position_ids, cache=self_cache,
-                cross_cache=cross_cache, use_cache=use_cache, position_embeddings=rotary, **kwargs,
-            )  # fmt: skip
+                encoder_attention_mask=encoder_mask,
+                position_ids=position_ids,
+                cache=self_cache,
+                cross_cache=cross_cache,
+                use_cache=use_cache,
+                position_embeddings=rotary,
+                **kwargs,
+            )
         return self.output_class(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 

@@ -38,8 +38,10 @@ def parse_size(spec: str) -> tuple[str | None, dict[str, int]]:
         name, separator, value = item.partition("=")
         if not separator:
             if position or name not in PRESETS:
-                raise ValueError(f"sizes: {spec!r}: {name!r} is not a preset {list(PRESETS)} (only the first item "
-                                 "may name one) nor FIELD=VALUE")  # fmt: skip
+                raise ValueError(
+                    f"sizes: {spec!r}: {name!r} is not a preset {list(PRESETS)} (only the first item "
+                    "may name one) nor FIELD=VALUE"
+                )
             preset = name
         elif name not in SIZE_FIELDS:
             raise ValueError(f"sizes: {spec!r}: {name!r} is not one of {list(SIZE_FIELDS)}")
@@ -54,20 +56,31 @@ def parse_size(spec: str) -> tuple[str | None, dict[str, int]]:
 class BenchArguments:
     sizes: list[str] = field(
         default_factory=lambda: ["tiny", "small"],
-        metadata={"help": "presets (tiny small gpt2-small llama), optionally with changes `small,num_hidden_layers=2`, "
-                          "or explicit dims `hidden_size=256,num_hidden_layers=4,num_attention_heads=4`"},
-    )  # fmt: skip
-    seq_lens: list[int] = field(default_factory=lambda: [512, 2048], metadata={"help": "training lengths and prompt "
-                                "lengths (add 4096 to opt in)"})  # fmt: skip
+        metadata={
+            "help": "presets (tiny small gpt2-small llama), optionally with changes `small,num_hidden_layers=2`, "
+            "or explicit dims `hidden_size=256,num_hidden_layers=4,num_attention_heads=4`"
+        },
+    )
+    seq_lens: list[int] = field(
+        default_factory=lambda: [512, 2048],
+        metadata={"help": "training lengths and prompt lengths (add 4096 to opt in)"},
+    )
     batch_size: int = field(default=2, metadata={"help": "sequences per training step and prompts per generate"})
     repeats: int = field(default=5, metadata={"help": "timed repeats per model (the median is reported)"})
     warmup: int = field(default=2, metadata={"help": "untimed repeats per model first (also interleaved)"})
-    dtypes: list[str] = field(default_factory=list, metadata={"help": "fp32 bf16 fp16 (autocast; fp16 on CUDA only); "
-                              "default fp32 bf16 on CPU, bf16 fp16 on CUDA"})  # fmt: skip
-    sections: list[str] = field(default_factory=lambda: list(DEFAULT_SECTIONS), metadata={"help": "what runs: "
-                                "train (A/B training step) decode (A/B generate) variants (score x position rows) "
-                                "loss (training step with the fused loss against Llama, per --loss_vocab_sizes; "
-                                "not run unless named)"})  # fmt: skip
+    dtypes: list[str] = field(
+        default_factory=list,
+        metadata={"help": "fp32 bf16 fp16 (autocast; fp16 on CUDA only); default fp32 bf16 on CPU, bf16 fp16 on CUDA"},
+    )
+    sections: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SECTIONS),
+        metadata={
+            "help": "what runs: "
+            "train (A/B training step) decode (A/B generate) variants (score x position rows) "
+            "loss (training step with the fused loss against Llama, per --loss_vocab_sizes; "
+            "not run unless named)"
+        },
+    )
     loss_vocab_sizes: list[int] = field(
         default_factory=lambda: [8192, 32768, 131072],
         metadata={"help": "section loss: the vocabulary sizes (each replaces the size's vocab_size)"},
@@ -80,27 +93,37 @@ class BenchArguments:
     position_schemes: list[str] = field(default_factory=POSITION_SCHEMES.names, metadata={"help": "variant rows"})
     attention_modifiers: list[str] = field(
         default_factory=lambda: list(ATTENTION_MODIFIERS),
-        metadata={"help": "variant rows of scaled_dot + none with one of these fields set, a row per value ("
-                          + ", ".join(f"{name}={' | '.join(map(repr, values))}"
-                                      for name, values in ATTENTION_MODIFIERS.items())
-                          + "), run when scaled_dot and none are among the variant rows; none (or [] in a --config YAML): no "
-                          "modifier rows"},
-    )  # fmt: skip
+        metadata={
+            "help": "variant rows of scaled_dot + none with one of these fields set, a row per value ("
+            + ", ".join(f"{name}={' | '.join(map(repr, values))}" for name, values in ATTENTION_MODIFIERS.items())
+            + "), run when scaled_dot and none are among the variant rows; none (or [] in a --config YAML): no "
+            "modifier rows"
+        },
+    )
     new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt (min = max: EOS never stops)"})
     matmul_size: int = field(default=4096, metadata={"help": "n of the n x n matmul timed for the peak FLOP/s"})
     device: str = field(default="auto", metadata={"help": "auto (cuda when present) | cpu | cuda"})
     seed: int = 0
     output_dir: str = field(default="outputs/bench", metadata={"help": "bench.md and bench.json go here"})
-    quick: bool = field(default=False, metadata={"help": f"CI preset, in well under a minute: {QUICK} for the "
-                        "options left at their defaults"})  # fmt: skip
-    readme: str | None = field(default=None, metadata={"help": "after the run, regenerate the block between "
-                               "<!-- bench:begin --> and <!-- bench:end --> in this file (the project's: "
-                               "model_cards/BENCHMARKS.md) from it; the markers are checked before anything runs"})  # fmt: skip
+    quick: bool = field(
+        default=False,
+        metadata={"help": f"CI preset, in well under a minute: {QUICK} for the options left at their defaults"},
+    )
+    readme: str | None = field(
+        default=None,
+        metadata={
+            "help": "after the run, regenerate the block between "
+            "<!-- bench:begin --> and <!-- bench:end --> in this file (the project's: "
+            "model_cards/BENCHMARKS.md) from it; the markers are checked before anything runs"
+        },
+    )
 
     def __post_init__(self):
         if self.quick:
-            defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default
-                        for f in dataclasses.fields(self)}  # fmt: skip
+            defaults = {
+                f.name: f.default_factory() if callable(f.default_factory) else f.default
+                for f in dataclasses.fields(self)
+            }
             for name, value in QUICK.items():
                 if getattr(self, name) == defaults[name]:
                     setattr(self, name, list(value) if isinstance(value, list) else value)
@@ -144,9 +167,11 @@ class BenchArguments:
                 and "gpt2" in self.pairs
                 and config.head_dim * config.num_attention_heads != config.hidden_size
             ):
-                raise ValueError(f"sizes: {spec!r}: the gpt2 pair needs head_dim · num_attention_heads = hidden_size "
-                                 f"(GPT-2 has no head_dim of its own); got {config.head_dim}, "
-                                 f"{config.num_attention_heads}, {config.hidden_size}")  # fmt: skip
+                raise ValueError(
+                    f"sizes: {spec!r}: the gpt2 pair needs head_dim · num_attention_heads = hidden_size "
+                    f"(GPT-2 has no head_dim of its own); got {config.head_dim}, "
+                    f"{config.num_attention_heads}, {config.hidden_size}"
+                )
 
     def model_config(self, spec: str, **overrides: Any) -> PlugformerConfig:
         """The plugformer config of size `spec`, long enough for the longest prompt plus the generated tokens."""

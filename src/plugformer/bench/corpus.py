@@ -113,15 +113,17 @@ def run(args: CorpusBenchArguments) -> dict:
     report: dict = {"num_proc": num_proc, "files": args.data_files}
     report["corpus_mb"] = round(sum(os.path.getsize(f) for f in args.data_files) / 1e6, 1)
     with peak_memory(report, "load"):
-        data = load_stage_dataset("text", dataset_name=args.dataset_name, data_files=args.data_files,
-                                  sizes={"dev": 0, "test": 0})  # fmt: skip
+        data = load_stage_dataset(
+            "text", dataset_name=args.dataset_name, data_files=args.data_files, sizes={"dev": 0, "test": 0}
+        )
     source = {"dataset_name": args.dataset_name, "data_files": args.data_files, "bench": True}
     corpus = Corpus(data, corpus_fingerprint(source, data))
     text_mb = sum(len(t.encode()) for batch in data["train"].iter(batch_size=1000) for t in batch["text"]) / 1e6
     report["text_mb"] = round(text_mb, 1)
     with peak_memory(report, "tokenizer"):
-        tokenizer = prepared_tokenizer(corpus, args.vocab_size, args.tokenizer_sample_mb, 0,
-                                       cache_root(args.data_cache_dir))  # fmt: skip
+        tokenizer = prepared_tokenizer(
+            corpus, args.vocab_size, args.tokenizer_sample_mb, 0, cache_root(args.data_cache_dir)
+        )
     with peak_memory(report, "encode"):
         report["tokens"] = encode_reference(data["train"], tokenizer, num_proc)
     options = {"tokenizer": tokenizer, "block_size": args.block_size, "causal": True, "document_positions": True}

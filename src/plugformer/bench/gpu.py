@@ -94,13 +94,35 @@ class Scale:
     warmup: int
 
 
-TINY = Scale(cell={}, tokens=12, batch=2, decode_steps=1, loss_shape=(24, 32, 128), loss_chunks=4, mfu_preset="tiny",
-             mfu_batch=2, mfu_tokens=64, repeats=3, warmup=1)  # fmt: skip
+TINY = Scale(
+    cell={},
+    tokens=12,
+    batch=2,
+    decode_steps=1,
+    loss_shape=(24, 32, 128),
+    loss_chunks=4,
+    mfu_preset="tiny",
+    mfu_batch=2,
+    mfu_tokens=64,
+    repeats=3,
+    warmup=1,
+)
 # 200 tokens: two of flex attention's 128-row blocks, the second partial; heads of 32 (flex attention's CUDA kernels
 # take no head narrower than 16, the tiny preset's are 8)
 FULL_CELL = {"max_position_embeddings": 256, "hidden_size": 128, "intermediate_size": 256}
-FULL = Scale(cell=FULL_CELL, tokens=200, batch=2, decode_steps=2, loss_shape=(2048, 768, 50257), loss_chunks=4,
-             mfu_preset="gpt2-small", mfu_batch=12, mfu_tokens=1024, repeats=10, warmup=3)  # fmt: skip
+FULL = Scale(
+    cell=FULL_CELL,
+    tokens=200,
+    batch=2,
+    decode_steps=2,
+    loss_shape=(2048, 768, 50257),
+    loss_chunks=4,
+    mfu_preset="gpt2-small",
+    mfu_batch=12,
+    mfu_tokens=1024,
+    repeats=10,
+    warmup=3,
+)
 
 
 @dataclass
@@ -111,9 +133,10 @@ class GpuCheckArguments:
     max_minutes: float = field(default=8.0, metadata={"help": "checks left after this are reported as skipped"})
     dtypes: list[str] = field(
         default_factory=list,
-        metadata={"help": "dtypes of the kernel, fused-loss and decode checks (fp64 fp32); default: fp64 on cpu, fp32 "
-                          "on cuda"},
-    )  # fmt: skip
+        metadata={
+            "help": "dtypes of the kernel, fused-loss and decode checks (fp64 fp32); default: fp64 on cpu, fp32 on cuda"
+        },
+    )
     sections: list[str] = field(default_factory=lambda: list(SECTIONS), metadata={"help": " ".join(SECTIONS)})
     seed: int = 0
 
@@ -167,8 +190,11 @@ def compare_step(config, tokens: int, dtype: torch.dtype, actual: tuple, expecte
     logits, grads, note = actual
     reference_logits, reference_grads, _ = expected
     magnitude = max(reference_logits.abs().max().item(), 1.0)
-    result = {"max_error": max_error(logits, reference_logits), "tolerance": model_bound(config, tokens, magnitude,
-                                                                                         dtype), "note": note}  # fmt: skip
+    result = {
+        "max_error": max_error(logits, reference_logits),
+        "tolerance": model_bound(config, tokens, magnitude, dtype),
+        "note": note,
+    }
     if grads is not None:
         if grads.keys() != reference_grads.keys():
             missing = sorted(grads.keys() ^ reference_grads.keys())
@@ -177,7 +203,8 @@ def compare_step(config, tokens: int, dtype: torch.dtype, actual: tuple, expecte
         result["grad_max_error"] = max(max_error(grads[name], grad) for name, grad in reference_grads.items())
         result["grad_tolerance"] = model_bound(config, tokens, size, dtype)
     passed = result["max_error"] <= result["tolerance"] and result.get("grad_max_error", 0) <= result.get(
-        "grad_tolerance", 0)  # fmt: skip
+        "grad_tolerance", 0
+    )
     return result | {"status": "passed" if passed else "failed"}
 
 
@@ -261,8 +288,13 @@ def training_checks(args: GpuCheckArguments, scale: Scale) -> Iterator[tuple[str
             error = abs(loss.item() - fp32_loss)
             passed = finite and not still and error <= bound
             note = "" if passed else f"finite gradients: {finite}; parameters not moved: {still[:5]}"
-            return {"status": "passed" if passed else "failed", "max_error": error, "tolerance": bound, "note": note,
-                    "loss": loss.item()}  # fmt: skip
+            return {
+                "status": "passed" if passed else "failed",
+                "max_error": error,
+                "tolerance": bound,
+                "note": note,
+                "loss": loss.item(),
+            }
 
         yield f"{variant} {kernel} bf16", check
 
@@ -300,8 +332,13 @@ def fused_function_check(args: GpuCheckArguments, scale: Scale, name: str) -> di
     error = max_error(fused, full)
     grad_error = max(max_error(a, b) for a, b in zip(fused_grads, full_grads, strict=True))
     passed = error <= bound and grad_error <= grad_bound
-    return {"status": "passed" if passed else "failed", "max_error": error, "tolerance": bound,
-            "grad_max_error": grad_error, "grad_tolerance": grad_bound}  # fmt: skip
+    return {
+        "status": "passed" if passed else "failed",
+        "max_error": error,
+        "tolerance": bound,
+        "grad_max_error": grad_error,
+        "grad_tolerance": grad_bound,
+    }
 
 
 def fused_model_check(args: GpuCheckArguments, scale: Scale, dtype: torch.dtype) -> dict:
@@ -341,8 +378,12 @@ def decode_checks(args: GpuCheckArguments, scale: Scale) -> Iterator[tuple[str, 
                         seconds.append(time.perf_counter() - start)
                 error = max_error(torch.cat(pieces, dim=1), full)
                 bound = model_bound(config, scale.tokens, max(full.abs().max().item(), 1.0), dtype)
-                return {"status": "passed" if error <= bound else "failed", "max_error": error, "tolerance": bound,
-                        "note": f"median decode step {sorted(seconds)[len(seconds) // 2] * 1e3:.2f} ms"}  # fmt: skip
+                return {
+                    "status": "passed" if error <= bound else "failed",
+                    "max_error": error,
+                    "tolerance": bound,
+                    "note": f"median decode step {sorted(seconds)[len(seconds) // 2] * 1e3:.2f} ms",
+                }
 
             yield f"{variant} {kernel} {name}", check
 
@@ -358,14 +399,25 @@ def mfu_checks(args: GpuCheckArguments, scale: Scale) -> Iterator[tuple[str, Cal
         batch = random_tokens(scale.mfu_batch, scale.mfu_tokens, config.vocab_size, args.seed, args.device)
         samples = run_interleaved({"step": TrainStep(model, batch, "bf16", args.device)}, scale.repeats, scale.warmup)
         tokens_per_s = throughput(batch.numel(), [sample["seconds"] for sample in samples["step"]])
-        per_token = model_flops_per_token(matmul_parameters(model), config.num_hidden_layers,
-                                          config.num_attention_heads, config.head_dim, scale.mfu_tokens)  # fmt: skip
+        per_token = model_flops_per_token(
+            matmul_parameters(model),
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.head_dim,
+            scale.mfu_tokens,
+        )
         name = torch.cuda.get_device_name() if args.device == "cuda" else None
         peak = peak_bf16_flops(name)
         utilisation = mfu(per_token, tokens_per_s, peak)
         shown = "unknown peak: tokens/s only" if utilisation is None else f"MFU {utilisation:.1%} vs {REFERENCE_MFU}"
-        return {"status": "passed", "tokens_per_s": tokens_per_s, "flops_per_token": per_token, "peak_flops": peak,
-                "mfu": utilisation, "note": f"{KERNELS.of(model.config).name}: {tokens_per_s:,.0f} tokens/s; {shown}"}  # fmt: skip
+        return {
+            "status": "passed",
+            "tokens_per_s": tokens_per_s,
+            "flops_per_token": per_token,
+            "peak_flops": peak,
+            "mfu": utilisation,
+            "note": f"{KERNELS.of(model.config).name}: {tokens_per_s:,.0f} tokens/s; {shown}",
+        }
 
     yield f"{scale.mfu_preset} bf16 B={scale.mfu_batch} T={scale.mfu_tokens}, fused loss", check
 
@@ -413,8 +465,14 @@ def run(args: GpuCheckArguments) -> dict:
                     print(f"FAILED {section}: {case}: {result.get('note', '')}", flush=True)
             print(f"{section}: done ({time.monotonic() - started:.0f} s)", flush=True)
     counts = {status: sum(c["status"] == status for c in checks) for status in STATUSES}
-    report = {"arguments": dataclasses.asdict(args), "scale": dataclasses.asdict(scale), "counts": counts,
-              "seconds": time.monotonic() - started, "machine": machine(args.device), "checks": checks}  # fmt: skip
+    report = {
+        "arguments": dataclasses.asdict(args),
+        "scale": dataclasses.asdict(scale),
+        "counts": counts,
+        "seconds": time.monotonic() - started,
+        "machine": machine(args.device),
+        "checks": checks,
+    }
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output / "gpu_check.json", report, indent=2)

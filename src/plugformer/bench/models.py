@@ -42,23 +42,36 @@ def reference_model(pair: str, config: PlugformerConfig, seed: int) -> PreTraine
     if pair == "llama":
         model = LlamaForCausalLM(
             LlamaConfig(
-                vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-                num_attention_heads=config.num_attention_heads, num_key_value_heads=gqa_key_value_heads(config),
-                head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                tie_word_embeddings=config.tie_word_embeddings, rms_norm_eps=config.rms_norm_eps,
+                vocab_size=config.vocab_size,
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                num_hidden_layers=config.num_hidden_layers,
+                num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=gqa_key_value_heads(config),
+                head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                tie_word_embeddings=config.tie_word_embeddings,
+                rms_norm_eps=config.rms_norm_eps,
             )
-        )  # fmt: skip
+        )
     elif pair == "gpt2":
         last = config.vocab_size - 1  # GPT-2's default special id 50256 lies outside small vocabularies
         model = GPT2LMHeadModel(
             GPT2Config(
-                vocab_size=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
-                n_head=config.num_attention_heads, n_inner=4 * config.hidden_size,
-                n_positions=config.max_position_embeddings, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                bos_token_id=last, eos_token_id=last, tie_word_embeddings=config.tie_word_embeddings,
+                vocab_size=config.vocab_size,
+                n_embd=config.hidden_size,
+                n_layer=config.num_hidden_layers,
+                n_head=config.num_attention_heads,
+                n_inner=4 * config.hidden_size,
+                n_positions=config.max_position_embeddings,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=last,
+                eos_token_id=last,
+                tie_word_embeddings=config.tie_word_embeddings,
             )
-        )  # fmt: skip
+        )
     else:
         raise ValueError(f"pairs: {pair!r} is not one of ['llama', 'gpt2']")
     model.set_attn_implementation("sdpa")
@@ -77,8 +90,10 @@ def check_parity(model: nn.Module, reference: nn.Module, tokens: torch.Tensor, n
     """Refuses to benchmark two models that are not the same function (a conversion or configuration mistake)."""
     difference = logit_difference(model, reference, tokens)
     if not difference <= PARITY_TOLERANCE:  # also catches NaN
-        raise RuntimeError(f"{name}: plugformer and reference logits differ by {difference:.3g} > {PARITY_TOLERANCE} "
-                           "before timing; the benchmark would compare different models")  # fmt: skip
+        raise RuntimeError(
+            f"{name}: plugformer and reference logits differ by {difference:.3g} > {PARITY_TOLERANCE} "
+            "before timing; the benchmark would compare different models"
+        )
     return difference
 
 

@@ -29,8 +29,10 @@ def command_line(arguments: dict) -> str:
     """The `plugformer bench` command that measures what `arguments` (a bench.json's) records: the options that differ
     from the defaults (from `--quick`'s values when it was given). `--device` is always shown, as the recorded device
     is the one `auto` resolved to."""
-    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default
-                for f in dataclasses.fields(BenchArguments)}  # fmt: skip
+    defaults = {
+        f.name: f.default_factory() if callable(f.default_factory) else f.default
+        for f in dataclasses.fields(BenchArguments)
+    }
     if arguments.get("quick"):
         defaults |= QUICK
     defaults["dtypes"] = DEFAULT_DTYPES.get(arguments.get("device"), defaults["dtypes"])
@@ -54,10 +56,12 @@ def machine_line(results: dict) -> str:
     decode = f", {arguments['new_tokens']} new tokens" if results.get("decode") else ""
     threads = plural(info["torch_threads"], "torch thread")
     threads += ", subnormals flushed to zero" if info.get("subnormals_flushed") else ""
-    return (f"{device}{info['cpu']} ({info['usable_cores']} usable cores, {threads}), "
-            f"torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
-            f"{info['date'][:10]}; batch {arguments['batch_size']}, {plural(arguments['repeats'], 'repeat')} after "
-            f"{arguments['warmup']} warm-up{decode}.")  # fmt: skip
+    return (
+        f"{device}{info['cpu']} ({info['usable_cores']} usable cores, {threads}), "
+        f"torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
+        f"{info['date'][:10]}; batch {arguments['batch_size']}, {plural(arguments['repeats'], 'repeat')} after "
+        f"{arguments['warmup']} warm-up{decode}."
+    )
 
 
 def _kernels(row: dict) -> str:
@@ -78,25 +82,46 @@ def pairs_table(results: dict) -> list[str]:
             rows.setdefault((row["pair"], row["size"], row["dtype"], row[length]), {})[section] = row
     if not rows:
         return []
-    lines = ["plugformer / transformers reference, ratio of medians [range of the interleaved per-repeat ratios]; "
-             "throughput > 1: plugformer faster, memory < 1: plugformer smaller."
-             + (" The A/A row times a transformers model against its own copy: its spread is this run's noise floor."
-                if any(pair == "aa" for pair, *_ in rows) else ""), ""]  # fmt: skip
+    lines = [
+        "plugformer / transformers reference, ratio of medians [range of the interleaved per-repeat ratios]; "
+        "throughput > 1: plugformer faster, memory < 1: plugformer smaller."
+        + (
+            " The A/A row times a transformers model against its own copy: its spread is this run's noise floor."
+            if any(pair == "aa" for pair, *_ in rows)
+            else ""
+        ),
+        "",
+    ]
     cells = []
     for (pair, size, dtype, length), row in rows.items():
         train, decode = row.get("train"), row.get("decode")
         either = train or decode
-        cells.append([
-            pair_label(pair, either), size, dtype, length,
-            ratio_cell(train["ratio_tokens_per_s"]) if train else "-",
-            ratio_cell(train["ratio_peak_memory"]) if train else "-",
-            ratio_cell(decode["ratio_prefill"]["ratio"]) if decode else "-",
-            ratio_cell(decode["ratio_decode"]) if decode else "-",
-            _kernels(either),
-            f"{train['models']['plugformer']['mfu']:.1%}" if train else "-",
-        ])  # fmt: skip
-    headers = ["pair", "size", "dtype", "seq", "train tokens/s", "train peak memory", "prefill tokens/s",
-               "decode tokens/s", "kernel (plugformer / reference)", "plugformer MFU"]  # fmt: skip
+        cells.append(
+            [
+                pair_label(pair, either),
+                size,
+                dtype,
+                length,
+                ratio_cell(train["ratio_tokens_per_s"]) if train else "-",
+                ratio_cell(train["ratio_peak_memory"]) if train else "-",
+                ratio_cell(decode["ratio_prefill"]["ratio"]) if decode else "-",
+                ratio_cell(decode["ratio_decode"]) if decode else "-",
+                _kernels(either),
+                f"{train['models']['plugformer']['mfu']:.1%}" if train else "-",
+            ]
+        )
+    headers = [
+        "pair",
+        "size",
+        "dtype",
+        "seq",
+        "train tokens/s",
+        "train peak memory",
+        "prefill tokens/s",
+        "decode tokens/s",
+        "kernel (plugformer / reference)",
+        "plugformer MFU",
+    ]
     return [*lines, *markdown_table(headers, cells)]
 
 
@@ -116,9 +141,11 @@ def variants_tables(results: dict) -> list[str]:
     for (size, dtype), variants in groups.items():
         lengths = list(dict.fromkeys(length for by_length in variants.values() for length in by_length))
         modified = any(modifier for _, _, modifier in variants)
-        lines += [f"Variants, {size}, {dtype}: training step against scaled_dot + none on sdpa, same length "
-                  "(tokens/s ratio [range]; scaled_dot + none against its twin is an A/A run: the noise floor).",
-                  ""]  # fmt: skip
+        lines += [
+            f"Variants, {size}, {dtype}: training step against scaled_dot + none on sdpa, same length "
+            "(tokens/s ratio [range]; scaled_dot + none against its twin is an A/A run: the noise floor).",
+            "",
+        ]
         headers = ["attention_score", "position_scheme", *(["attention modifier"] if modified else [])]
         for length in lengths:
             headers += [f"tokens/s, seq {length}", f"peak memory, seq {length}"]
@@ -141,12 +168,24 @@ def loss_table(results: dict) -> list[str]:
     rows = results.get("loss", [])
     if not rows:
         return []
-    lines = ["Fused loss: a training step of plugformer with `fused_loss` (the loss from the hidden states in chunks) "
-             "/ `LlamaForCausalLM` with the same weights (full logits), ratio of medians [range].", ""]  # fmt: skip
-    cells = [[row["size"], row["dtype"], row["seq_len"], row["vocab_size"], ratio_cell(row["ratio_tokens_per_s"]),
-              ratio_cell(row["ratio_peak_memory"]),
-              f"{row['models']['plugformer']['peak_memory_bytes'] / 2**20:,.0f} / "
-              f"{row['models']['reference']['peak_memory_bytes'] / 2**20:,.0f}"] for row in rows]  # fmt: skip
+    lines = [
+        "Fused loss: a training step of plugformer with `fused_loss` (the loss from the hidden states in chunks) "
+        "/ `LlamaForCausalLM` with the same weights (full logits), ratio of medians [range].",
+        "",
+    ]
+    cells = [
+        [
+            row["size"],
+            row["dtype"],
+            row["seq_len"],
+            row["vocab_size"],
+            ratio_cell(row["ratio_tokens_per_s"]),
+            ratio_cell(row["ratio_peak_memory"]),
+            f"{row['models']['plugformer']['peak_memory_bytes'] / 2**20:,.0f} / "
+            f"{row['models']['reference']['peak_memory_bytes'] / 2**20:,.0f}",
+        ]
+        for row in rows
+    ]
     headers = ["size", "dtype", "seq", "vocab", "train tokens/s", "train peak memory", "peak MiB (plugformer / Llama)"]
     return [*lines, *markdown_table(headers, cells)]
 
@@ -154,26 +193,44 @@ def loss_table(results: dict) -> list[str]:
 def dtype_lines(results: dict) -> list[str]:
     """Low-precision autocast over fp32 (plugformer's training tokens/s, same pair, size and length), and the
     measured matmul peaks."""
-    speed = {(r["pair"], r["size"], r["seq_len"], r["dtype"]): r["models"]["plugformer"]["tokens_per_s"]
-             for r in results.get("train", [])}  # fmt: skip
+    speed = {
+        (r["pair"], r["size"], r["seq_len"], r["dtype"]): r["models"]["plugformer"]["tokens_per_s"]
+        for r in results.get("train", [])
+    }
     lower = [dtype for dtype in ("bf16", "fp16") if dtype in results["arguments"]["dtypes"]]
     keys = list(dict.fromkeys(key[:3] for key in speed if (*key[:3], "fp32") in speed))
     lines = []
     if lower and keys:
-        lines += ["Autocast over fp32, plugformer training tokens/s (ratio of medians of separate, not interleaved, "
-                  "loops):", ""]  # fmt: skip
+        lines += [
+            "Autocast over fp32, plugformer training tokens/s (ratio of medians of separate, not interleaved, loops):",
+            "",
+        ]
         lines += markdown_table(
             ["pair", "size", "seq", *(f"{dtype} / fp32" for dtype in lower)],
-            [[pair, size, length, *(ratio_cell(speed[pair, size, length, dtype] / speed[pair, size, length, "fp32"])
-                                    if (pair, size, length, dtype) in speed else "-" for dtype in lower)]
-             for pair, size, length in keys],
-        )  # fmt: skip
+            [
+                [
+                    pair,
+                    size,
+                    length,
+                    *(
+                        ratio_cell(speed[pair, size, length, dtype] / speed[pair, size, length, "fp32"])
+                        if (pair, size, length, dtype) in speed
+                        else "-"
+                        for dtype in lower
+                    ),
+                ]
+                for pair, size, length in keys
+            ],
+        )
     peaks = results.get("matmul_peak", {})
     if peaks:
         sizes = _joined(peak["size"] for peak in peaks.values())
         values = ", ".join(f"{dtype} {peak['flops_per_s'] / 1e9:,.1f} GFLOP/s" for dtype, peak in peaks.items())
-        over = "".join(f"; {dtype} / fp32 {ratio_cell(peaks[dtype]['flops_per_s'] / peaks['fp32']['flops_per_s'])}"
-                       for dtype in peaks if dtype != "fp32" and "fp32" in peaks)  # fmt: skip
+        over = "".join(
+            f"; {dtype} / fp32 {ratio_cell(peaks[dtype]['flops_per_s'] / peaks['fp32']['flops_per_s'])}"
+            for dtype in peaks
+            if dtype != "fp32" and "fp32" in peaks
+        )
         lines += [f"Measured matmul peak (`torch.mm`, n = {sizes}; the MFU denominator): {values}{over}.", ""]
     return lines
 
@@ -190,17 +247,21 @@ def readme_section(results_list: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
-        prog="python -m plugformer.bench.readme", allow_abbrev=False,
+        prog="python -m plugformer.bench.readme",
+        allow_abbrev=False,
         description=f"The performance block of {PAGE} from bench.json files written by `plugformer bench`.",
-    )  # fmt: skip
+    )
     parser.add_argument("bench_json", nargs="+", help="bench.json files, one block per run, in this order")
     parser.add_argument(
         "--readme", default=None, help=f"file whose {BEGIN} ... {END} block is replaced (the project's: {PAGE})"
     )
     parser.add_argument("--print", action="store_true", help="print the block (also the default without --readme)")
-    parser.add_argument("--block", default=BLOCK,
-                        help=f"the name of the block to replace (default {BLOCK!r}: {BEGIN} ... {END}); "
-                             "another name keeps a second run's block beside the first")  # fmt: skip
+    parser.add_argument(
+        "--block",
+        default=BLOCK,
+        help=f"the name of the block to replace (default {BLOCK!r}: {BEGIN} ... {END}); "
+        "another name keeps a second run's block beside the first",
+    )
     args = parser.parse_args(argv)
     section = readme_section([json.loads(Path(path).read_text(encoding="utf-8")) for path in args.bench_json])
     if args.readme is not None:

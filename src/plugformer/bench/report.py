@@ -64,8 +64,11 @@ def machine(device: str) -> dict:
     """What the numbers were measured on."""
     cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").exists():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]  # fmt: skip
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     from .. import __version__
     from ..runtime.denormals import denormals_flushed
@@ -115,88 +118,216 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def ratio_tables(results: dict) -> list[str]:
-    lines = ["## Ratios (same run, interleaved A/B; throughput ratio > 1 = plugformer faster, memory < 1 = smaller)", "",
-             "Each cell: ratio of the medians [range of the per-repeat ratios of interleaved pairs].", ""]  # fmt: skip
+    lines = [
+        "## Ratios (same run, interleaved A/B; throughput ratio > 1 = plugformer faster, memory < 1 = smaller)",
+        "",
+        "Each cell: ratio of the medians [range of the per-repeat ratios of interleaved pairs].",
+        "",
+    ]
     if results["train"]:
         lines += ["### Training step, plugformer / transformers reference", ""]
         lines += markdown_table(
             ["pair", "size", "dtype", "seq", "kernel (plugformer / reference)", "tokens/s", "peak memory"],
-            [[r["pair"], r["size"], r["dtype"], r["seq_len"],
-              f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
-              ratio_cell(r["ratio_tokens_per_s"]), ratio_cell(r["ratio_peak_memory"])] for r in results["train"]],
-        )  # fmt: skip
+            [
+                [
+                    r["pair"],
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
+                    ratio_cell(r["ratio_tokens_per_s"]),
+                    ratio_cell(r["ratio_peak_memory"]),
+                ]
+                for r in results["train"]
+            ],
+        )
     if results["decode"]:
         lines += ["### Generation with KV cache, plugformer / transformers reference", ""]
         lines += markdown_table(
-            ["pair", "size", "dtype", "prompt", "new", "kernel (plugformer / reference)", "prefill tokens/s",
-             "decode tokens/s", "same tokens"],
-            [[r["pair"], r["size"], r["dtype"], r["prompt_len"], r["new_tokens"],
-              f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
-              ratio_cell(r["ratio_prefill"]), ratio_cell(r["ratio_decode"]), "yes" if r["same_tokens"] else "no"]
-             for r in results["decode"]],
-        )  # fmt: skip
+            [
+                "pair",
+                "size",
+                "dtype",
+                "prompt",
+                "new",
+                "kernel (plugformer / reference)",
+                "prefill tokens/s",
+                "decode tokens/s",
+                "same tokens",
+            ],
+            [
+                [
+                    r["pair"],
+                    r["size"],
+                    r["dtype"],
+                    r["prompt_len"],
+                    r["new_tokens"],
+                    f"{r['models']['plugformer']['kernel']} / {r['models']['reference']['kernel']}",
+                    ratio_cell(r["ratio_prefill"]),
+                    ratio_cell(r["ratio_decode"]),
+                    "yes" if r["same_tokens"] else "no",
+                ]
+                for r in results["decode"]
+            ],
+        )
     if results.get("loss"):
         lines += ["### Fused loss: training step, plugformer (`fused_loss`) / LlamaForCausalLM (full logits)", ""]
         lines += markdown_table(
             ["size", "dtype", "seq", "vocab", "tokens/s", "peak memory"],
-            [[r["size"], r["dtype"], r["seq_len"], r["vocab_size"], ratio_cell(r["ratio_tokens_per_s"]),
-              ratio_cell(r["ratio_peak_memory"])] for r in results["loss"]],
-        )  # fmt: skip
+            [
+                [
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    r["vocab_size"],
+                    ratio_cell(r["ratio_tokens_per_s"]),
+                    ratio_cell(r["ratio_peak_memory"]),
+                ]
+                for r in results["loss"]
+            ],
+        )
     if results["variants"]:
-        lines += ["### Variants, training step relative to scaled_dot + none on sdpa (same size, dtype, length)", "",
-                  "scaled_dot + none against its own twin is an A/A run: its spread is the noise floor.", ""]  # fmt: skip
+        lines += [
+            "### Variants, training step relative to scaled_dot + none on sdpa (same size, dtype, length)",
+            "",
+            "scaled_dot + none against its own twin is an A/A run: its spread is the noise floor.",
+            "",
+        ]
         lines += markdown_table(
-            ["size", "dtype", "seq", "attention_score", "position_scheme", "attention modifier", "kernel", "tokens/s",
-             "peak memory", "note"],
-            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"],
-              r["attention_modifier"] or "-", r["kernel"], ratio_cell(r["ratio_tokens_per_s"]),
-              ratio_cell(r["ratio_peak_memory"]), r["note"]]
-             for r in results["variants"]],
-        )  # fmt: skip
+            [
+                "size",
+                "dtype",
+                "seq",
+                "attention_score",
+                "position_scheme",
+                "attention modifier",
+                "kernel",
+                "tokens/s",
+                "peak memory",
+                "note",
+            ],
+            [
+                [
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    r["attention_score"],
+                    r["position_scheme"],
+                    r["attention_modifier"] or "-",
+                    r["kernel"],
+                    ratio_cell(r["ratio_tokens_per_s"]),
+                    ratio_cell(r["ratio_peak_memory"]),
+                    r["note"],
+                ]
+                for r in results["variants"]
+            ],
+        )
     return lines
 
 
 def absolute_tables(results: dict) -> list[str]:
     lines = ["## Absolute numbers (medians)", ""]
     lines += ["### Measured matmul peak", ""]
-    lines += markdown_table(["dtype", "n", "GFLOP/s"], [[dtype, peak["size"], f"{peak['flops_per_s'] / 1e9:,.1f}"]
-                                                 for dtype, peak in results["matmul_peak"].items()])  # fmt: skip
+    lines += markdown_table(
+        ["dtype", "n", "GFLOP/s"],
+        [[dtype, peak["size"], f"{peak['flops_per_s'] / 1e9:,.1f}"] for dtype, peak in results["matmul_peak"].items()],
+    )
     if results["train"]:
         lines += ["### Training step", ""]
         lines += markdown_table(
             ["pair", "size", "dtype", "seq", "model", "kernel", "tokens/s", "peak MiB", "MFU"],
-            [[r["pair"], r["size"], r["dtype"], r["seq_len"], m["class"], m["kernel"], _rate(m["tokens_per_s"]),
-              _mib(m["peak_memory_bytes"]), f"{m['mfu']:.1%}"]
-             for r in results["train"] for m in r["models"].values()],
-        )  # fmt: skip
+            [
+                [
+                    r["pair"],
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    m["class"],
+                    m["kernel"],
+                    _rate(m["tokens_per_s"]),
+                    _mib(m["peak_memory_bytes"]),
+                    f"{m['mfu']:.1%}",
+                ]
+                for r in results["train"]
+                for m in r["models"].values()
+            ],
+        )
     if results.get("loss"):
         lines += ["### Fused loss (training step)", ""]
         lines += markdown_table(
             ["size", "dtype", "seq", "vocab", "model", "tokens/s", "peak MiB", "MFU"],
-            [[r["size"], r["dtype"], r["seq_len"], r["vocab_size"], m["class"], _rate(m["tokens_per_s"]),
-              _mib(m["peak_memory_bytes"]), f"{m['mfu']:.1%}"]
-             for r in results["loss"] for m in r["models"].values()],
-        )  # fmt: skip
+            [
+                [
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    r["vocab_size"],
+                    m["class"],
+                    _rate(m["tokens_per_s"]),
+                    _mib(m["peak_memory_bytes"]),
+                    f"{m['mfu']:.1%}",
+                ]
+                for r in results["loss"]
+                for m in r["models"].values()
+            ],
+        )
     if results["decode"]:
         lines += ["### Generation", ""]
         lines += markdown_table(
             ["pair", "size", "dtype", "prompt", "new", "model", "kernel", "prefill tokens/s", "decode tokens/s"],
-            [[r["pair"], r["size"], r["dtype"], r["prompt_len"], r["new_tokens"], m["class"], m["kernel"],
-              _rate(m["prefill_tokens_per_s"]), _rate(m["decode_tokens_per_s"])]
-             for r in results["decode"] for m in r["models"].values()],
-        )  # fmt: skip
+            [
+                [
+                    r["pair"],
+                    r["size"],
+                    r["dtype"],
+                    r["prompt_len"],
+                    r["new_tokens"],
+                    m["class"],
+                    m["kernel"],
+                    _rate(m["prefill_tokens_per_s"]),
+                    _rate(m["decode_tokens_per_s"]),
+                ]
+                for r in results["decode"]
+                for m in r["models"].values()
+            ],
+        )
     if results["variants"]:
         lines += ["### Variants (training step)", ""]
         lines += markdown_table(
-            ["size", "dtype", "seq", "attention_score", "position_scheme", "attention modifier", "kernel",
-             "capabilities", "tokens/s", "peak MiB", "MFU", "baseline tokens/s", "baseline MiB"],
-            [[r["size"], r["dtype"], r["seq_len"], r["attention_score"], r["position_scheme"],
-              r["attention_modifier"] or "-", r["kernel"],
-              " ".join(r["supported_kernels"]), _rate(r["variant"]["tokens_per_s"]),
-              _mib(r["variant"]["peak_memory_bytes"]), f"{r['variant']['mfu']:.1%}",
-              _rate(r["baseline"]["tokens_per_s"]), _mib(r["baseline"]["peak_memory_bytes"])]
-             for r in results["variants"]],
-        )  # fmt: skip
+            [
+                "size",
+                "dtype",
+                "seq",
+                "attention_score",
+                "position_scheme",
+                "attention modifier",
+                "kernel",
+                "capabilities",
+                "tokens/s",
+                "peak MiB",
+                "MFU",
+                "baseline tokens/s",
+                "baseline MiB",
+            ],
+            [
+                [
+                    r["size"],
+                    r["dtype"],
+                    r["seq_len"],
+                    r["attention_score"],
+                    r["position_scheme"],
+                    r["attention_modifier"] or "-",
+                    r["kernel"],
+                    " ".join(r["supported_kernels"]),
+                    _rate(r["variant"]["tokens_per_s"]),
+                    _mib(r["variant"]["peak_memory_bytes"]),
+                    f"{r['variant']['mfu']:.1%}",
+                    _rate(r["baseline"]["tokens_per_s"]),
+                    _mib(r["baseline"]["peak_memory_bytes"]),
+                ]
+                for r in results["variants"]
+            ],
+        )
     return lines
 
 
@@ -231,23 +362,27 @@ METHOD = """## Method
 def markdown(results: dict) -> str:
     info = results["machine"]
     description = [
-        "## Machine", "",
+        "## Machine",
+        "",
         f"- CPU: {info['cpu']} ({info['logical_cores']} logical cores, {info['usable_cores']} usable, "
         f"{info['torch_threads']} torch threads, {info['cpu_capability']}"
         f"{', subnormals flushed to zero' if info.get('subnormals_flushed') else ''})",
         *([f"- GPU: {info['gpu']}"] if info["gpu"] else []),
         f"- torch {info['torch']}, transformers {info['transformers']}, plugformer {info['plugformer']}, "
         f"Python {info['python']}, {info['platform']}",
-        f"- {info['date']}; process peak RSS {results['process_peak_rss_bytes'] / 2**20:,.0f} MiB", "",
-    ]  # fmt: skip
+        f"- {info['date']}; process peak RSS {results['process_peak_rss_bytes'] / 2**20:,.0f} MiB",
+        "",
+    ]
     arguments = results["arguments"]
     header = [
-        "# plugformer bench", "",
+        "# plugformer bench",
+        "",
         f"sizes {arguments['sizes']}, seq {arguments['seq_lens']}, batch {arguments['batch_size']}, "
         f"{plural(arguments['repeats'], 'repeat')} after {arguments['warmup']} warm-up, dtypes {arguments['dtypes']}, "
         f"device {arguments['device']}. Absolute times drift on a shared machine; the ratios, measured interleaved "
-        "within this run, are the numbers to compare.", "",
-    ]  # fmt: skip
+        "within this run, are the numbers to compare.",
+        "",
+    ]
     return "\n".join([*header, *ratio_tables(results), *absolute_tables(results), *description, METHOD])
 
 

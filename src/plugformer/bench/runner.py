@@ -53,8 +53,14 @@ def measure_training(
     for name, model in models.items():
         profile = profile_call(steps[name].step, args.device, steps[name].live_bytes())
         parameters = matmul_parameters(model)
-        flops = train_flops(parameters, config.num_hidden_layers, config.num_attention_heads, attention_width(config),
-                            args.batch_size, seq_len)  # fmt: skip
+        flops = train_flops(
+            parameters,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            attention_width(config),
+            args.batch_size,
+            seq_len,
+        )
         results[name] = train_measurement(model, samples[name], profile, batch.numel(), flops, peak)
         results[name]["matmul_parameters"] = parameters
     return results
@@ -73,11 +79,15 @@ def train_row(args: BenchArguments, spec: str, pair: str, models: dict, seq_len:
     measured = measure_training(args, models, config, seq_len, dtype, peak)
     mine, reference = measured["plugformer"], measured["reference"]
     return {
-        "pair": pair, "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size,
+        "pair": pair,
+        "size": spec,
+        "dtype": dtype,
+        "seq_len": seq_len,
+        "batch_size": args.batch_size,
         "ratio_tokens_per_s": compare(args.batch_size * seq_len, mine["seconds"], reference["seconds"]),
         "ratio_peak_memory": mine["peak_memory_bytes"] / reference["peak_memory_bytes"],
         "models": measured,
-    }  # fmt: skip
+    }
 
 
 def decode_row(args: BenchArguments, spec: str, pair: str, models: dict, prompt_len: int, dtype: str) -> dict:
@@ -99,13 +109,17 @@ def decode_row(args: BenchArguments, spec: str, pair: str, models: dict, prompt_
         }
     mine, reference = measured["plugformer"], measured["reference"]
     return {
-        "pair": pair, "size": spec, "dtype": dtype, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
+        "pair": pair,
+        "size": spec,
+        "dtype": dtype,
+        "prompt_len": prompt_len,
+        "new_tokens": args.new_tokens,
         "batch_size": args.batch_size,
         "same_tokens": bool((runs["plugformer"].sequences == runs["reference"].sequences).all()),
         "ratio_prefill": compare(prefill_tokens, mine["prefill_seconds"], reference["prefill_seconds"]),
         "ratio_decode": compare(decode_tokens, mine["decode_seconds"], reference["decode_seconds"]),
         "models": measured,
-    }  # fmt: skip
+    }
 
 
 def pair_rows(args: BenchArguments, spec: str, pair: str, peaks: dict) -> tuple[list[dict], list[dict], float]:
@@ -186,21 +200,31 @@ def variant_row(
     measured = measure_training(args, {"variant": model, "baseline": baseline}, model.config, seq_len, dtype, peak)
     mine, base = measured["variant"], measured["baseline"]
     return {
-        "size": spec, "dtype": dtype, "seq_len": seq_len, "batch_size": args.batch_size, "attention_score": score,
-        "position_scheme": scheme, "attention_modifier": modifier, "kernel": mine["kernel"],
-        "supported_kernels": supported_kernels(model.config), "note": variant_note(model, mine["sdpa_backends"]),
+        "size": spec,
+        "dtype": dtype,
+        "seq_len": seq_len,
+        "batch_size": args.batch_size,
+        "attention_score": score,
+        "position_scheme": scheme,
+        "attention_modifier": modifier,
+        "kernel": mine["kernel"],
+        "supported_kernels": supported_kernels(model.config),
+        "note": variant_note(model, mine["sdpa_backends"]),
         "ratio_tokens_per_s": compare(args.batch_size * seq_len, mine["seconds"], base["seconds"]),
         "ratio_peak_memory": mine["peak_memory_bytes"] / base["peak_memory_bytes"],
         **measured,
-    }  # fmt: skip
+    }
 
 
 def requested_variants(args: BenchArguments) -> list[dict]:
     """The requested variants: every score x position scheme, then, when the baseline is among them, the baseline with
     each requested attention modifier set to each of its values (`variants.ATTENTION_MODIFIERS`; a per-layer value is
     the pattern `variant_row` repeats over the layers)."""
-    found = [{"attention_score": score, "position_scheme": scheme}
-             for score in args.attention_scores for scheme in args.position_schemes]  # fmt: skip
+    found = [
+        {"attention_score": score, "position_scheme": scheme}
+        for score in args.attention_scores
+        for scheme in args.position_schemes
+    ]
     if BASELINE in found:
         found += [BASELINE | {name: value} for name in args.attention_modifiers for value in ATTENTION_MODIFIERS[name]]
     return found
@@ -225,8 +249,14 @@ def run(args: BenchArguments) -> dict:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # weight-loading bars of every conversion would bury the output
-    results = {"arguments": dataclasses.asdict(args), "matmul_peak": {}, "train": [], "decode": [], "variants": [],
-               "loss": []}  # fmt: skip
+    results = {
+        "arguments": dataclasses.asdict(args),
+        "matmul_peak": {},
+        "train": [],
+        "decode": [],
+        "variants": [],
+        "loss": [],
+    }
     for dtype in args.dtypes:
         results["matmul_peak"][dtype] = matmul_peak(dtype, args.device, args.matmul_size, args.repeats, args.warmup)
     for spec in args.sizes:

@@ -62,8 +62,9 @@ def sentiment_sentences() -> list[tuple[str, int]]:
     import itertools
 
     sentences = []
-    for subject, verb, negated, really, positive in itertools.product(SUBJECTS, VERBS, (False, True), (False, True),
-                                                                      (True, False)):  # fmt: skip
+    for subject, verb, negated, really, positive in itertools.product(
+        SUBJECTS, VERBS, (False, True), (False, True), (True, False)
+    ):
         for adjective in POSITIVE if positive else NEGATIVE:
             words = [subject, verb] + ["not"] * negated + ["really"] * really + [adjective]
             sentences.append((" ".join(words), int(positive != negated)))

@@ -53,12 +53,18 @@ def local_files(dataset_name: str | None, data_files: list[str] | None) -> list[
     if dataset_name is not None:
         check_dataset_name(dataset_name)  # an empty name is the current folder: every file in it digested as data
     if data_files:
-        named = [(pattern, Path(path).resolve()) for pattern in data_files
-                 for path in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])]  # fmt: skip
+        named = [
+            (pattern, Path(path).resolve())
+            for pattern in data_files
+            for path in (sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern])
+        ]
     elif dataset_name is not None and Path(dataset_name).is_dir():
         folder = Path(dataset_name)
-        named = [(dataset_name, path.resolve()) for path in sorted(folder.rglob("*")) if path.is_file()
-                 and not any(part.startswith(".") for part in path.relative_to(folder).parts)]  # fmt: skip
+        named = [
+            (dataset_name, path.resolve())
+            for path in sorted(folder.rglob("*"))
+            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+        ]
     else:
         return []
     unmatched = [pattern for pattern in data_files or [] if glob.has_magic(pattern) and not glob.glob(pattern)]
@@ -72,8 +78,10 @@ def local_files(dataset_name: str | None, data_files: list[str] | None) -> list[
             raise ValueError(f"--data_files {pattern}: no such file" + (f" ({path})" if str(path) != pattern else ""))
         if path in seen:
             same = "is named twice" if pattern == seen[path] else f"is named by both {seen[path]} and {pattern}"
-            raise ValueError(f"--data_files: {path} {same}; every document would train twice and each held-out "
-                             "row would have its twin in train. Name each file once")  # fmt: skip
+            raise ValueError(
+                f"--data_files: {path} {same}; every document would train twice and each held-out "
+                "row would have its twin in train. Name each file once"
+            )
         seen[path] = pattern
     return list(seen)
 
@@ -158,9 +166,11 @@ def files_record(dataset_name: str | None, data_files: list[str] | None, data_ca
     for path in local_files(dataset_name, data_files):
         sha = file_sha256(path, cache)
         if sha in by_digest:
-            raise ValueError(f"--data_files: {path} and {by_digest[sha]} hold the same bytes (sha256 {sha[:12]}); "
-                             "every document would train twice and each held-out row would have its twin in train. "
-                             "Keep one of them")  # fmt: skip
+            raise ValueError(
+                f"--data_files: {path} and {by_digest[sha]} hold the same bytes (sha256 {sha[:12]}); "
+                "every document would train twice and each held-out row would have its twin in train. "
+                "Keep one of them"
+            )
         by_digest[sha] = path
         records.append({"path": str(path), "bytes": path.stat().st_size, "sha256": sha})
     return records
@@ -197,8 +207,12 @@ def row_keys(split: Dataset, batch_size: int = 1000) -> list[str]:
             values = (str(text).encode("utf-8", "surrogatepass") for text in batch["text"])
         else:
             rows = zip(*(batch[c] for c in columns), strict=True)
-            values = (json.dumps(dict(zip(columns, row, strict=True)), sort_keys=True, ensure_ascii=False,
-                                 default=str).encode("utf-8", "surrogatepass") for row in rows)  # fmt: skip
+            values = (
+                json.dumps(
+                    dict(zip(columns, row, strict=True)), sort_keys=True, ensure_ascii=False, default=str
+                ).encode("utf-8", "surrogatepass")
+                for row in rows
+            )
         keys += [hashlib.sha256(value).hexdigest() for value in values]
     return keys
 
@@ -251,8 +265,10 @@ def carve(
 def check_room(train: Dataset, held_out: str, wanted: int, source: str) -> None:
     """Raises `ValueError` unless `train` keeps rows after holding `wanted` out as `held_out`."""
     if len(train) <= wanted:
-        raise ValueError(f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {wanted} and "
-                         "still train; hold out fewer")  # fmt: skip
+        raise ValueError(
+            f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {wanted} and "
+            "still train; hold out fewer"
+        )
 
 
 def held_out_sizes(distinct: int, caps: dict[str, int], fraction: float) -> dict[str, int]:
@@ -271,9 +287,11 @@ def held_out_sizes(distinct: int, caps: dict[str, int], fraction: float) -> dict
 def refuse_too_few(train: Dataset, distinct: int, held_out: str, cap: int, fraction: float, source: str) -> None:
     """Raises `ValueError` for data too small to hold out even `fraction` of its rows as `held_out`."""
     needed = math.ceil(1 / fraction - 1e-9)
-    raise ValueError(f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {cap} and still "
-                     f"train, and {fraction:g} of its {distinct} distinct rows (--held_out_fraction) is not one row: "
-                     f"give at least {needed} distinct rows, or --{held_out}_examples 0")  # fmt: skip
+    raise ValueError(
+        f"{source}: {len(train)} rows left in train cannot give --{held_out}_examples {cap} and still "
+        f"train, and {fraction:g} of its {distinct} distinct rows (--held_out_fraction) is not one row: "
+        f"give at least {needed} distinct rows, or --{held_out}_examples 0"
+    )
 
 
 def _keep_rows(splits: DatasetDict, keys: dict[str, list[str]], name: str, indices: list[int]) -> None:
@@ -298,6 +316,12 @@ def ranked_distinct(keys: list[str], seed: int, count: int, taken: set[str] = fr
 
 def held_out_record(keys: dict[str, list[str]]) -> dict:
     """`run_info.json`'s record of the held-out splits: each one's row count, digest and rows' keys (`KEY_HEX`)."""
-    return {name: {"rows": len(keys[name]), "sha256": split_digest(keys[name]),
-                   "row_keys": [key[:KEY_HEX] for key in keys[name]]}
-            for name in HELD_OUT if name in keys}  # fmt: skip
+    return {
+        name: {
+            "rows": len(keys[name]),
+            "sha256": split_digest(keys[name]),
+            "row_keys": [key[:KEY_HEX] for key in keys[name]],
+        }
+        for name in HELD_OUT
+        if name in keys
+    }

@@ -74,8 +74,15 @@ HYPOTHESES: dict[str, tuple[Template, ...]] = {
 
 def premises(split: str) -> list[tuple[str, str, str, str]]:
     """Every (subject, verb, object, place) whose premise belongs to `split`, in a fixed order."""
-    return [(a, v, b, p) for a in PEOPLE for v in VERBS for b in PEOPLE if b != a for p in PLACES
-            if split_of_key(premise(a, v, b, p)) == split]  # fmt: skip
+    return [
+        (a, v, b, p)
+        for a in PEOPLE
+        for v in VERBS
+        for b in PEOPLE
+        if b != a
+        for p in PLACES
+        if split_of_key(premise(a, v, b, p)) == split
+    ]
 
 
 def nli_rows(count: int, split: str, seed: int = 0) -> list[dict]:

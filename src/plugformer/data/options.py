@@ -15,9 +15,11 @@ class CorpusArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "your corpus for every run: a datasets source (json, csv, text, parquet with --data_files, "
-                          "a local folder, a Hub id when online); default: the embedded arithmetic generator"},
-    )  # fmt: skip
+        metadata={
+            "help": "your corpus for every run: a datasets source (json, csv, text, parquet with --data_files, "
+            "a local folder, a Hub id when online); default: the embedded arithmetic generator"
+        },
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
     data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
     streaming: bool = field(default=False, metadata={"help": "read the corpus lazily (see train pretrain --help)"})
@@ -27,9 +29,13 @@ class CorpusArguments:
     )
 
     def __post_init__(self):
-        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
-                                               dataset_config=self.dataset_config, streaming=self.streaming,
-                                               rename_columns=self.rename_columns)  # fmt: skip
+        refuse_source_options_without_a_source(
+            self.dataset_name,
+            data_files=self.data_files,
+            dataset_config=self.dataset_config,
+            streaming=self.streaming,
+            rename_columns=self.rename_columns,
+        )
 
     def corpus_flags(self) -> list[str]:
         """The options that make a pretraining run read this corpus (none for the embedded data)."""
@@ -59,6 +65,13 @@ class CorpusArguments:
         if self.streaming:
             source = {"path": self.dataset_name, "name": self.dataset_config, "data_files": self.data_files}
             return list(stream_corpus(source, dev, test, self.rename_columns).splits[split]["text"])
-        data = load_stage_dataset("text", self.dataset_name, self.dataset_config, self.data_files,
-                                  sizes={"dev": dev, "test": test}, seed=seed, rename_columns=self.rename_columns)  # fmt: skip
+        data = load_stage_dataset(
+            "text",
+            self.dataset_name,
+            self.dataset_config,
+            self.data_files,
+            sizes={"dev": dev, "test": test},
+            seed=seed,
+            rename_columns=self.rename_columns,
+        )
         return list(data[split]["text"])

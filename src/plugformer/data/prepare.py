@@ -81,9 +81,11 @@ def publish(build, target: Path) -> Path:
     refused (`ValueError` naming it) before `build` runs: no tokenizer is trained, no corpus packed, for nothing."""
     problem = writable_folder_problem(target.parent)
     if problem is not None:
-        raise ValueError(f"the corpus cache has no {target.parent.name} entry {target.name} for this corpus and "
-                         f"cannot take one: {problem}; give a folder you can write as --data_cache_dir (or "
-                         f"{CACHE_VARIABLE}), or make this one writable")  # fmt: skip
+        raise ValueError(
+            f"the corpus cache has no {target.parent.name} entry {target.name} for this corpus and "
+            f"cannot take one: {problem}; give a folder you can write as --data_cache_dir (or "
+            f"{CACHE_VARIABLE}), or make this one writable"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.partial"
     try:
@@ -157,11 +159,18 @@ def stream_corpus(source: dict, dev: int, test: int, rename_columns: str | None 
             stream = stream.rename_columns(column_renames(rename_columns, columns, f"--dataset_name {source['path']}"))
         held_out = list(stream.take(dev + test))
     if len(held_out) < dev + test:
-        raise ValueError(f"--streaming: the source holds {len(held_out)} documents, fewer than --dev_examples {dev} "
-                         f"+ --test_examples {test} held out before training")  # fmt: skip
+        raise ValueError(
+            f"--streaming: the source holds {len(held_out)} documents, fewer than --dev_examples {dev} "
+            f"+ --test_examples {test} held out before training"
+        )
     texts = [row["text"] for row in held_out]
-    splits = DatasetDict({name: Dataset.from_dict({"text": part})
-                          for name, part in (("dev", texts[:dev]), ("test", texts[dev:])) if part})  # fmt: skip
+    splits = DatasetDict(
+        {
+            name: Dataset.from_dict({"text": part})
+            for name, part in (("dev", texts[:dev]), ("test", texts[dev:]))
+            if part
+        }
+    )
     files = file_signatures(source.get("data_files"))
     renamed = [rename_columns] if rename_columns else []  # an unrenamed stream keeps the key it had before the option
     return Corpus(splits, digest("stream", source, files, dev, test, *renamed), stream.skip(dev + test))
@@ -218,8 +227,9 @@ def prepared_blocks(
         root (`Path`): The cache root ([`cache_root`]).
         num_proc (`int`, *optional*): Worker processes; defaults to the cores available.
     """
-    key = digest("blocks", corpus, tokenizer_fingerprint(tokenizer), block_size, causal, document_positions,
-                 PACKING_VERSION)  # fmt: skip
+    key = digest(
+        "blocks", corpus, tokenizer_fingerprint(tokenizer), block_size, causal, document_positions, PACKING_VERSION
+    )
     folder = root / "blocks" / key
     if (folder / "complete").exists():
         try:
@@ -232,8 +242,12 @@ def prepared_blocks(
     num_proc = num_proc or default_num_proc()
     started = time.perf_counter()
 
-    options = {"tokenizer": tokenizer, "block_size": block_size, "causal": causal,
-               "document_positions": document_positions}  # fmt: skip
+    options = {
+        "tokenizer": tokenizer,
+        "block_size": block_size,
+        "causal": causal,
+        "document_positions": document_positions,
+    }
 
     # token ids and positions fit int32: half the disk and page cache of int64; rows read back as Python ints
     columns = ["input_ids", *(["position_ids"] if document_positions else []), *(["labels"] if causal else [])]
@@ -280,8 +294,9 @@ class DamagedCacheError(ValueError):
 
     def __init__(self, damage: str, folder: Path):
         self.damage = damage
-        super().__init__(f"{damage}; delete {folder} (it is prepared again on the next run) or give another "
-                         "--data_cache_dir")  # fmt: skip
+        super().__init__(
+            f"{damage}; delete {folder} (it is prepared again on the next run) or give another --data_cache_dir"
+        )
 
 
 def load_blocks(folder: Path) -> DatasetDict:

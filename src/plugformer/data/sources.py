@@ -232,10 +232,12 @@ def pretraining_texts(problem: Problem, rng: random.Random) -> str:
     """A plain-text document: a worked problem, or its steps as sentences (the corpus teaches the one-digit facts
     and the column layout; the chat format comes with SFT)."""
     symbol = OPERATIONS[problem.operation][0]
-    return rng.choice((
-        f"{problem.worked_line}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
-        f"{pretraining_prompt(problem.question)} {problem.solution}",
-    ))  # fmt: skip
+    return rng.choice(
+        (
+            f"{problem.worked_line}, so {problem.a} {symbol} {problem.b} = {problem.answer}.",
+            f"{pretraining_prompt(problem.question)} {problem.solution}",
+        )
+    )
 
 
 def unworked_texts(problem: Problem, rng: random.Random) -> str:
@@ -321,8 +323,11 @@ def sentiment_rows(count: int, split: str, seed: int = 0) -> list[dict]:
     every sentence of the split once."""
     from .corpus import SENTIMENT_LABELS, sentiment_sentences
 
-    rows = [{"text": text, "label": SENTIMENT_LABELS[label]} for text, label in sentiment_sentences()
-            if split_of_key(text) == split]  # fmt: skip
+    rows = [
+        {"text": text, "label": SENTIMENT_LABELS[label]}
+        for text, label in sentiment_sentences()
+        if split_of_key(text) == split
+    ]
     random.Random(f"{seed}|{split}").shuffle(rows)
     return rows[:count]
 
@@ -351,13 +356,22 @@ def embedded_dataset(
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
     if data_format in OWN_TASKS:  # no arithmetic to classify or translate: the sentiment and NLI grammars, the dates
-        return DatasetDict({split: Dataset.from_list(OWN_TASKS[data_format](count, split, seed))
-                            for split, count in sizes.items() if count > 0})  # fmt: skip
-    return DatasetDict({
-        split: Dataset.from_list(format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction))
-        for split, count in sizes.items()
-        if count > 0
-    })  # fmt: skip
+        return DatasetDict(
+            {
+                split: Dataset.from_list(OWN_TASKS[data_format](count, split, seed))
+                for split, count in sizes.items()
+                if count > 0
+            }
+        )
+    return DatasetDict(
+        {
+            split: Dataset.from_list(
+                format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction)
+            )
+            for split, count in sizes.items()
+            if count > 0
+        }
+    )
 
 
 def load_stage_dataset(
@@ -403,5 +417,15 @@ def load_stage_dataset(
     if dataset_name is None:
         return embedded_dataset(data_format, sizes, seed, direct_fraction)
     with refusing_hub_ids_offline(dataset_name):
-        return load_user_splits(data_format, dataset_name, dataset_config, data_files, sizes, seed, rename_columns,
-                                keep_duplicates, data_cache_dir, held_out_fraction=held_out_fraction)  # fmt: skip
+        return load_user_splits(
+            data_format,
+            dataset_name,
+            dataset_config,
+            data_files,
+            sizes,
+            seed,
+            rename_columns,
+            keep_duplicates,
+            data_cache_dir,
+            held_out_fraction=held_out_fraction,
+        )

@@ -144,10 +144,12 @@ def train_tokenizer(
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # A sentence pair (premise, hypothesis) is encoded as `a <|sep|> b`; single texts are left as they are.
     separator = (SEP_TOKEN, tokenizer.token_to_id(SEP_TOKEN))
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="$A", pair=f"$A {SEP_TOKEN} $B:1", special_tokens=[separator]),
-    ])  # fmt: skip
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="$A", pair=f"$A {SEP_TOKEN} $B:1", special_tokens=[separator]),
+        ]
+    )
     wrapped = PlugformerTokenizer(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,

@@ -61,8 +61,7 @@ def load_user_splits(
     missing = [c for c in FORMAT_COLUMNS[data_format] if c not in columns and STAND_INS.get(c) not in columns]
     if missing:
         named = [f"{c} (or {STAND_INS[c]})" if c in STAND_INS else c for c in missing]
-        raise ValueError(f"{source}: lacks the columns {named} of the {data_format!r} format (it has "
-                         f"{columns})")  # fmt: skip
+        raise ValueError(f"{source}: lacks the columns {named} of the {data_format!r} format (it has {columns})")
     for column in TEXT_COLUMNS.get(data_format, ()):
         if column in columns:
             check_text_column(splits["train"], source, column)  # before carving: its row is the row of the files
@@ -75,8 +74,11 @@ def load_user_splits(
         splits.identity["held_out_sizes"] = used = held_out_used(keys, sizes, carved, held_out_fraction)
         announce_held_out(used, source)
     if dropped:
-        logger.warning("%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)", source,
-                       ", ".join(f"{count} {name}" for name, count in dropped.items()))  # fmt: skip
+        logger.warning(
+            "%s: dropped %s rows identical to a held-out row (--keep_duplicates true keeps them)",
+            source,
+            ", ".join(f"{count} {name}" for name, count in dropped.items()),
+        )
     return splits
 
 
@@ -96,8 +98,12 @@ def held_out_used(keys: dict[str, list[str]], caps: dict[str, int], carved: list
     (`--test_examples`, `--dev_examples`), the share and the distinct rows it is a share of. A split the source
     holds itself is not carved and not listed."""
     distinct = len({key for name in ("train", *carved) for key in keys.get(name, [])})  # train's before carving
-    return {**{name: len(keys.get(name, [])) for name in carved}, "caps": {name: caps.get(name, 0) for name in HELD_OUT},
-            "fraction": fraction, "distinct_rows": distinct}  # fmt: skip
+    return {
+        **{name: len(keys.get(name, [])) for name in carved},
+        "caps": {name: caps.get(name, 0) for name in HELD_OUT},
+        "fraction": fraction,
+        "distinct_rows": distinct,
+    }
 
 
 _ANNOUNCED: set[tuple] = set()  # a stage reads its data twice (training rows, dev problems): one line for both
@@ -110,15 +116,22 @@ def announce_held_out(used: dict, source: str) -> None:
         return
     _ANNOUNCED.add((source, sizes))
     parts = ", ".join(f"{rows} {name} (--{name}_examples {cap})" for name, rows, cap in sizes)
-    print(f"[data] held out {parts} of {used['distinct_rows']} distinct rows, each at most "
-          f"{used['fraction']:g} of them (--held_out_fraction)", flush=True)  # fmt: skip
+    print(
+        f"[data] held out {parts} of {used['distinct_rows']} distinct rows, each at most "
+        f"{used['fraction']:g} of them (--held_out_fraction)",
+        flush=True,
+    )
 
 
 def data_identity(files: list, keys: dict[str, list[str]], dropped: dict[str, int], keep_duplicates: bool) -> dict:
     """What `run_info.json` records of a user's data beside its source: each file's sha256 (`identity.files_record`),
     the held-out splits' digests and row keys, and the rows dropped as twins of held-out rows."""
-    return {"files": files, "held_out": held_out_record(keys), "duplicates_dropped": dropped,
-            "keep_duplicates": keep_duplicates}  # fmt: skip
+    return {
+        "files": files,
+        "held_out": held_out_record(keys),
+        "duplicates_dropped": dropped,
+        "keep_duplicates": keep_duplicates,
+    }
 
 
 def column_renames(text: str, columns: list[str], source: str = "your data") -> dict[str, str]:
@@ -146,8 +159,10 @@ def column_renames(text: str, columns: list[str], source: str = "your data") -> 
     clashes = sorted(new for new in renames.values() if new in kept)
     if clashes or len(set(renames.values())) < len(renames):
         twice = clashes or sorted({n for n in renames.values() if list(renames.values()).count(n) > 1})
-        raise ValueError(f"--rename_columns {text!r}: {twice} would name two columns (the data has {columns}); "
-                         "rename or drop the other one too")  # fmt: skip
+        raise ValueError(
+            f"--rename_columns {text!r}: {twice} would name two columns (the data has {columns}); "
+            "rename or drop the other one too"
+        )
     return renames
 
 
@@ -225,8 +240,10 @@ def check_text_column(train, source: str, column: str = "text") -> None:
     for start in range(0, len(train), 1000):
         for offset, value in enumerate(train[start : start + 1000][column]):
             if not isinstance(value, str) and value is not None:  # nulls are named by `check_rows`
-                raise ValueError(f"{source}: column {column!r} holds a {type(value).__name__} ({value!r:.40}) in row "
-                                 f"{start + offset} (counted from 0 across the files); every value must be text")  # fmt: skip
+                raise ValueError(
+                    f"{source}: column {column!r} holds a {type(value).__name__} ({value!r:.40}) in row "
+                    f"{start + offset} (counted from 0 across the files); every value must be text"
+                )
 
 
 def _canonical_split(name: str) -> str:
@@ -243,8 +260,10 @@ def first_malformed_csv_row(data_files: list[str]) -> str | None:
                 header = next(reader, [])
                 for row in reader:
                     if len(row) > len(header):
-                        return (f"{path} line {reader.line_num}: {len(row)} fields where its header has "
-                                f"{len(header)} ({', '.join(header)[:80]}); quote a field that holds a comma")  # fmt: skip
+                        return (
+                            f"{path} line {reader.line_num}: {len(row)} fields where its header has "
+                            f"{len(header)} ({', '.join(header)[:80]}); quote a field that holds a comma"
+                        )
     return None
 
 

@@ -37,18 +37,24 @@ def check_dataset_name(dataset_name: str) -> None:
     from ..runtime.files import looks_local
 
     if not str(dataset_name).strip():
-        raise ValueError(f"--dataset_name {dataset_name!r}: expected a builder ({', '.join(BUILDERS)}) with "
-                         "--data_files, a local folder, or a Hub id")  # fmt: skip
+        raise ValueError(
+            f"--dataset_name {dataset_name!r}: expected a builder ({', '.join(BUILDERS)}) with "
+            "--data_files, a local folder, or a Hub id"
+        )
     if dataset_name in BUILDERS:
         return
     path = Path(dataset_name).expanduser()
     if looks_local(dataset_name) and not path.exists():
-        raise ValueError(f"--dataset_name {dataset_name}: no such folder or file; give a folder of data files, or a "
-                         f"builder ({', '.join(BUILDERS)}) with --data_files")  # fmt: skip
+        raise ValueError(
+            f"--dataset_name {dataset_name}: no such folder or file; give a folder of data files, or a "
+            f"builder ({', '.join(BUILDERS)}) with --data_files"
+        )
     if path.is_file():  # `datasets` reads a folder or a Hub id here: "Couldn't find any data file", naming no option
         builder = next((name for name, ends in BUILDER_EXTENSIONS.items() if path.name.endswith(ends)), "json")
-        raise ValueError(f"--dataset_name {dataset_name} is a file; give it as --dataset_name {builder} --data_files "
-                         f"{dataset_name} (or its folder as --dataset_name)")  # fmt: skip
+        raise ValueError(
+            f"--dataset_name {dataset_name} is a file; give it as --dataset_name {builder} --data_files "
+            f"{dataset_name} (or its folder as --dataset_name)"
+        )
     if path.is_dir() and not any(item.is_file() for item in path.rglob("*")):
         raise ValueError(f"--dataset_name {dataset_name}: the folder holds no files; give a folder of data files")
 
@@ -62,9 +68,11 @@ def refuse_source_options_without_a_source(dataset_name: str | None, **options) 
     for name, value in options.items():
         if value:
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            raise ValueError(f"--{name} {shown} describes your data, but --dataset_name is not given, so the embedded "
-                             "data would be read instead: add --dataset_name (json, csv, text or parquet with "
-                             "--data_files; a folder; a Hub id when online)")  # fmt: skip
+            raise ValueError(
+                f"--{name} {shown} describes your data, but --dataset_name is not given, so the embedded "
+                "data would be read instead: add --dataset_name (json, csv, text or parquet with "
+                "--data_files; a folder; a Hub id when online)"
+            )
 
 
 def folder_given_as_file(name: str, dataset_name: str | None) -> str:
@@ -148,8 +156,10 @@ def _check_text_file(path: Path) -> None:
             try:
                 text = decoder.decode(block)
             except UnicodeDecodeError as error:
-                raise ValueError(f"--data_files {path}: not UTF-8 text (byte {offset + error.start}{inside} is "
-                                 f"{block[error.start : error.start + 1]!r}); re-encode it as UTF-8") from None  # fmt: skip
+                raise ValueError(
+                    f"--data_files {path}: not UTF-8 text (byte {offset + error.start}{inside} is "
+                    f"{block[error.start : error.start + 1]!r}); re-encode it as UTF-8"
+                ) from None
             content = content or bool(text.strip())
             offset += len(block)
         try:
@@ -165,8 +175,10 @@ def _read(handle, path: Path) -> bytes:
     try:
         return handle.read(1 << 20)
     except (OSError, EOFError, ValueError) as error:  # gzip.BadGzipFile, EOFError, lzma.LZMAError, zstd's
-        raise ValueError(f"--data_files {path}: a damaged {compression(path)} file ({type(error).__name__}: "
-                         f"{error}); compress it again") from None  # fmt: skip
+        raise ValueError(
+            f"--data_files {path}: a damaged {compression(path)} file ({type(error).__name__}: "
+            f"{error}); compress it again"
+        ) from None
 
 
 def required_columns(data_format: str, columns: list[str], source: str, reader: str) -> tuple[str, ...]:
@@ -195,8 +207,10 @@ def check_rows(data_format: str, data, source: str, reader: str) -> None:
                 continue  # Arrow counts nulls without reading the values: a large corpus is checked at once
             row = next((i for i, value in enumerate(split[column]) if value is None), None)
             if row is not None:
-                raise ValueError(f"{source}: column {column!r} is null in row {row} of the {split_name} split "
-                                 f"({reader} needs a value in every row)")  # fmt: skip
+                raise ValueError(
+                    f"{source}: column {column!r} is null in row {row} of the {split_name} split "
+                    f"({reader} needs a value in every row)"
+                )
 
 
 def hub_offline() -> bool:
@@ -218,7 +232,9 @@ def refusing_hub_ids_offline(dataset_name: str | None) -> Iterator[None]:
     except ConnectionError as error:
         if not hub_offline():
             raise
-        raise ValueError(f"--dataset_name {dataset_name!r}: no local folder or file of that name, and the Hugging "
-                         "Face Hub is offline (plugformer sets HF_HUB_OFFLINE=1 unless you set it); run with "
-                         "HF_HUB_OFFLINE=0 to load it from the Hub, or give a local folder, or --dataset_name json "
-                         "--data_files FILE.jsonl") from error  # fmt: skip
+        raise ValueError(
+            f"--dataset_name {dataset_name!r}: no local folder or file of that name, and the Hugging "
+            "Face Hub is offline (plugformer sets HF_HUB_OFFLINE=1 unless you set it); run with "
+            "HF_HUB_OFFLINE=0 to load it from the Hub, or give a local folder, or --dataset_name json "
+            "--data_files FILE.jsonl"
+        ) from error

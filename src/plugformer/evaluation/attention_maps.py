@@ -184,12 +184,24 @@ def alignment_weights(model, tokenizer, text: str, text_pair: str) -> dict[str, 
         weights = model(**encoded, output_attentions=True).attentions[0][0]  # (T, T): premise rows, hypothesis columns
     finally:
         model.train(was_training)
-    premise, hypothesis = (mask[0] for mask in model.sentence_masks(encoded["input_ids"], encoded.get(
-        "attention_mask"), encoded.get("token_type_ids")))  # fmt: skip
+    premise, hypothesis = (
+        mask[0]
+        for mask in model.sentence_masks(
+            encoded["input_ids"], encoded.get("attention_mask"), encoded.get("token_type_ids")
+        )
+    )
     ids = encoded["input_ids"][0]
     aligned = weights[premise][:, hypothesis]  # (premise tokens, hypothesis tokens)
-    return {"alignment": AttentionMap("alignment", aligned[None, None].float().cpu(), [0], [0],
-                                      token_strings(tokenizer, ids[premise]), token_strings(tokenizer, ids[hypothesis]))}  # fmt: skip
+    return {
+        "alignment": AttentionMap(
+            "alignment",
+            aligned[None, None].float().cpu(),
+            [0],
+            [0],
+            token_strings(tokenizer, ids[premise]),
+            token_strings(tokenizer, ids[hypothesis]),
+        )
+    }
 
 
 def gather(kind, per_layer, layers, heads, query_tokens, key_tokens) -> AttentionMap:
@@ -215,8 +227,10 @@ MAX_PIXELS = 40_000_000
 
 def check_token_count(count: int, what: str) -> None:
     if count > MAX_TOKENS:
-        raise ValueError(f"{what} is {count} tokens; attention-map draws at most {MAX_TOKENS} (one Q x K heatmap per "
-                         "layer and head): shorten it")  # fmt: skip
+        raise ValueError(
+            f"{what} is {count} tokens; attention-map draws at most {MAX_TOKENS} (one Q x K heatmap per "
+            "layer and head): shorten it"
+        )
 
 
 def default_figsize(weights: torch.Tensor) -> tuple[float, float]:
@@ -242,12 +256,15 @@ def plot_attention_map(
     figsize = figsize or default_figsize(attention.weights)
     width, height = round(figsize[0] * dpi), round(figsize[1] * dpi)
     if width * height > MAX_PIXELS:
-        raise ValueError(f"the {attention.kind} attention figure would be {width} x {height} pixels ({len(attention.layers)} "
-                         f"layers x {len(attention.heads)} heads of {len(attention.query_tokens)} x "
-                         f"{len(attention.key_tokens)} tokens; at most {MAX_PIXELS} pixels): choose fewer --layers or "
-                         "--heads, a shorter --text, or a lower --dpi")  # fmt: skip
-    fig, axes = plt.subplots(len(attention.layers), len(attention.heads), figsize=figsize, squeeze=False,
-                             layout="constrained")  # fmt: skip
+        raise ValueError(
+            f"the {attention.kind} attention figure would be {width} x {height} pixels ({len(attention.layers)} "
+            f"layers x {len(attention.heads)} heads of {len(attention.query_tokens)} x "
+            f"{len(attention.key_tokens)} tokens; at most {MAX_PIXELS} pixels): choose fewer --layers or "
+            "--heads, a shorter --text, or a lower --dpi"
+        )
+    fig, axes = plt.subplots(
+        len(attention.layers), len(attention.heads), figsize=figsize, squeeze=False, layout="constrained"
+    )
     peak = float(attention.weights.max())
     size = 8 if max(len(attention.query_tokens), len(attention.key_tokens)) <= 16 else 6
     for row, layer in enumerate(attention.layers):
@@ -256,8 +273,9 @@ def plot_attention_map(
             image = ax.imshow(attention.weights[row, column].numpy(), cmap="viridis", vmin=0.0, vmax=peak)
             title = "premise (rows), hypothesis" if attention.kind == "alignment" else f"layer {layer} head {head}"
             ax.set_title(title, fontsize=9)
-            ax.set_xticks(range(len(attention.key_tokens)), [label(t) for t in attention.key_tokens], rotation=90,
-                          fontsize=size)  # fmt: skip
+            ax.set_xticks(
+                range(len(attention.key_tokens)), [label(t) for t in attention.key_tokens], rotation=90, fontsize=size
+            )
             ax.set_yticks(range(len(attention.query_tokens)), [label(t) for t in attention.query_tokens], fontsize=size)
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     fig.suptitle(f"{attention.kind} attention (query ↓, key →)")
@@ -326,9 +344,11 @@ class AttentionMapArguments:
     dpi: int = 100
     bos: bool | None = field(
         default=None,
-        metadata={"help": "prepend the tokenizer's bos token to the text (default: as plugformer trains the model: "
-                          "yes, but not to a seq2seq model's source, which ends with end of text instead)"},
-    )  # fmt: skip
+        metadata={
+            "help": "prepend the tokenizer's bos token to the text (default: as plugformer trains the model: "
+            "yes, but not to a seq2seq model's source, which ends with end of text instead)"
+        },
+    )
 
 
 def main(argv: list[str]) -> list[Path]:
@@ -341,14 +361,27 @@ def main(argv: list[str]) -> list[Path]:
     model, tokenizer = load_model(args.model), AutoTokenizer.from_pretrained(args.model)
     pairs = model.config.model_type == DecomposableAttentionConfig.model_type  # it reads sentence pairs
     if pairs != (args.text_pair is not None):
-        raise ValueError(f"--text_pair {args.text_pair!r}: " + ("the decomposable attention model aligns a sentence "
-                         "pair: give the hypothesis as --text_pair, the premise as --text" if pairs else
-                         "only the decomposable attention model reads sentence pairs"))  # fmt: skip
+        raise ValueError(
+            f"--text_pair {args.text_pair!r}: "
+            + (
+                "the decomposable attention model aligns a sentence "
+                "pair: give the hypothesis as --text_pair, the premise as --text"
+                if pairs
+                else "only the decomposable attention model reads sentence pairs"
+            )
+        )
     if pairs:
         maps = alignment_weights(model, tokenizer, args.text, args.text_pair)
     else:
-        maps = attention_weights(model, tokenizer, args.text, target_text=args.target_text, layers=args.layers,
-                                 heads=args.heads, bos=args.bos)  # fmt: skip
+        maps = attention_weights(
+            model,
+            tokenizer,
+            args.text,
+            target_text=args.target_text,
+            layers=args.layers,
+            heads=args.heads,
+            bos=args.bos,
+        )
     metadata = {"model": args.model, "text": args.text, "target_text": args.target_text, "text_pair": args.text_pair}
     written = save_attention_maps(maps, args.output, dpi=args.dpi, metadata=metadata)
     print("\n".join(f"wrote {path}" for path in written))

@@ -89,8 +89,10 @@ EMBEDDED_TASKS = {
             "helping the man in the park\" -> neutral; train/dev/test split by premise"),
 }  # fmt: skip
 # the Auto class that loads a head, where it is not the head's name with Plugformer replaced by AutoModel
-AUTO_CLASSES = {"PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM",
-                "DecomposableAttentionForSequenceClassification": "AutoModelForSequenceClassification"}  # fmt: skip
+AUTO_CLASSES = {
+    "PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM",
+    "DecomposableAttentionForSequenceClassification": "AutoModelForSequenceClassification",
+}
 
 
 HYPERPARAMETERS = ("learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -153,35 +155,72 @@ def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[
     if exact and "chrf" in exact:  # a seq2seq model's generated targets (`evaluation.seq2seq.seq2seq_scores`)
         n, value = exact["examples"], exact["exact_match"]
         low, high = exact["exact_match_ci95"]
-        lines.append(f"- exact match of the generated targets on {n} dev pairs: **{value:.1%}** (95% Wilson interval "
-                     f"{low:.1%}–{high:.1%}); chrF {exact['chrf']:.1f}")  # fmt: skip
+        lines.append(
+            f"- exact match of the generated targets on {n} dev pairs: **{value:.1%}** (95% Wilson interval "
+            f"{low:.1%}–{high:.1%}); chrF {exact['chrf']:.1f}"
+        )
         for metric in ("exact_match", "chrf"):
-            results.append(EvalResult(task_type="text2text-generation", **scored_dataset(info, task),
-                                      dataset_split="dev", metric_type=metric, metric_value=round(exact[metric], 4)))  # fmt: skip
+            results.append(
+                EvalResult(
+                    task_type="text2text-generation",
+                    **scored_dataset(info, task),
+                    dataset_split="dev",
+                    metric_type=metric,
+                    metric_value=round(exact[metric], 4),
+                )
+            )
     elif exact:
         n, value = exact["examples"], exact["exact_match"]
         low, high = wilson_interval(round(value * n), n)
         asked = f" asked as its corpus writes them (`{exact['prompt']!r}`)" if "prompt" in exact else ""
-        lines.append(f"- greedy exact match on {n} dev problems{asked}: **{value:.1%}** (95% Wilson interval "
-                     f"{low:.1%}–{high:.1%}); answer format followed: {exact['format']:.1%}")  # fmt: skip
-        results.append(EvalResult(task_type="text-generation", **scored_dataset(info, task), dataset_split="dev",
-                                  metric_type="exact_match", metric_value=round(value, 4)))  # fmt: skip
+        lines.append(
+            f"- greedy exact match on {n} dev problems{asked}: **{value:.1%}** (95% Wilson interval "
+            f"{low:.1%}–{high:.1%}); answer format followed: {exact['format']:.1%}"
+        )
+        results.append(
+            EvalResult(
+                task_type="text-generation",
+                **scored_dataset(info, task),
+                dataset_split="dev",
+                metric_type="exact_match",
+                metric_value=round(value, 4),
+            )
+        )
     metrics = info.get("metrics", {})
     if "eval_perplexity" in metrics:
         lines.append(f"- dev perplexity: {metrics['eval_perplexity']:.3f}")
-        results.append(EvalResult(task_type="text-generation", **scored_dataset(info, task), dataset_split="dev",
-                                  metric_type="perplexity", metric_value=round(metrics["eval_perplexity"], 4)))  # fmt: skip
+        results.append(
+            EvalResult(
+                task_type="text-generation",
+                **scored_dataset(info, task),
+                dataset_split="dev",
+                metric_type="perplexity",
+                metric_value=round(metrics["eval_perplexity"], 4),
+            )
+        )
     if "eval_macro_f1" in metrics:  # a classifier's (`evaluation.classification.compute_metrics`)
         lines.append(f"- dev accuracy: **{metrics['eval_accuracy']:.1%}**; macro F1: {metrics['eval_macro_f1']:.3f}")
         for metric in ("accuracy", "macro_f1"):
-            results.append(EvalResult(task_type="text-classification", **scored_dataset(info, task),
-                                      dataset_split="dev", metric_type=metric,
-                                      metric_value=round(metrics[f"eval_{metric}"], 4)))  # fmt: skip
+            results.append(
+                EvalResult(
+                    task_type="text-classification",
+                    **scored_dataset(info, task),
+                    dataset_split="dev",
+                    metric_type=metric,
+                    metric_value=round(metrics[f"eval_{metric}"], 4),
+                )
+            )
     elif "eval_accuracy" in metrics:
         lines.append(f"- dev pairwise accuracy (chosen scored above rejected): {metrics['eval_accuracy']:.1%}")
-        results.append(EvalResult(task_type="text-classification", **scored_dataset(info, task, preferences=True),
-                                  dataset_split="dev", metric_type="accuracy",
-                                  metric_value=round(metrics["eval_accuracy"], 4)))  # fmt: skip
+        results.append(
+            EvalResult(
+                task_type="text-classification",
+                **scored_dataset(info, task, preferences=True),
+                dataset_split="dev",
+                metric_type="accuracy",
+                metric_value=round(metrics["eval_accuracy"], 4),
+            )
+        )
     return "\n".join(lines) or "No held-out evaluation was run for this stage.", results
 
 
@@ -197,20 +236,28 @@ def architecture_rows(model) -> tuple[list[tuple[str, str]], list[str]]:
     config = model.config
     parameters = f"{sum(p.numel() for p in model.parameters()):,} parameters"
     if config.model_type == DecomposableAttentionConfig.model_type:
-        order = (f"intra-sentence attention, distances clamped at ±{config.max_intra_distance}"
-                 if config.intra_attention else "none: each sentence is read as a bag of words")  # fmt: skip
-        rows = [("alignment", "e_ij = F(a_i)·F(b_j), softmax over each sentence (attend, compare, aggregate)"),
-                ("word order", order),
-                ("size", f"{parameters}; embeddings {config.embedding_size}, hidden {config.hidden_size}")]  # fmt: skip
+        order = (
+            f"intra-sentence attention, distances clamped at ±{config.max_intra_distance}"
+            if config.intra_attention
+            else "none: each sentence is read as a bag of words"
+        )
+        rows = [
+            ("alignment", "e_ij = F(a_i)·F(b_j), softmax over each sentence (attend, compare, aggregate)"),
+            ("word order", order),
+            ("size", f"{parameters}; embeddings {config.embedding_size}, hidden {config.hidden_size}"),
+        ]
         return rows, [f"intra_attention:{str(config.intra_attention).lower()}"]
     rows = [
         ("attention_score", f"`{config.attention_score}`"),
         ("position_scheme", f"`{config.position_scheme}`"),
         ("attn_implementation", f"`{KERNELS.of(config).name}`"),
-        ("size", f"{parameters}; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                 f"{config.num_attention_heads} query / {config.num_key_value_heads} key-value heads"),
+        (
+            "size",
+            f"{parameters}; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"{config.num_attention_heads} query / {config.num_key_value_heads} key-value heads",
+        ),
         ("direction", direction(config)),
-    ]  # fmt: skip
+    ]
     return rows, [f"attention_score:{config.attention_score}", f"position_scheme:{config.position_scheme}"]
 
 
@@ -227,8 +274,15 @@ def loss_text(training_args) -> str:
 def rewards_text(info: dict) -> str:
     """`, rewards exact_match_reward x1, my_verifier x0.5 (`verifiers:my_verifier`, sha256 ...)` from `run_info.json`'s
     `rewards` (GRPO: `training.grpo.rewards_record`), `""` without them: your own functions are named on the card."""
-    parts = [f"{r['name']} x{r['weight']:g}" + (f" (`{r['spec']}`" + (f", sha256 {r['sha256'][:12]}" if r.get("sha256")
-             else "") + ")" if r.get("spec") else "") for r in info.get("rewards") or []]  # fmt: skip
+    parts = [
+        f"{r['name']} x{r['weight']:g}"
+        + (
+            f" (`{r['spec']}`" + (f", sha256 {r['sha256'][:12]}" if r.get("sha256") else "") + ")"
+            if r.get("spec")
+            else ""
+        )
+        for r in info.get("rewards") or []
+    ]
     return f", rewards {', '.join(parts)}" if parts else ""
 
 
@@ -246,9 +300,14 @@ def identity_text(data: dict) -> str:
         f"{name} {r['rows']} rows sha256 {r['sha256'][:12]}" for name, r in (data.get("held_out") or {}).items()
     )
     dropped = data.get("duplicates_dropped") or {}
-    twins = (f"; Duplicates: {', '.join(f'{n} {name}' for name, n in dropped.items())} rows identical to a held-out "
-             "row dropped" if dropped else "; Duplicates: kept (--keep_duplicates)" if data.get("keep_duplicates")
-             else "")  # fmt: skip
+    twins = (
+        f"; Duplicates: {', '.join(f'{n} {name}' for name, n in dropped.items())} rows identical to a held-out "
+        "row dropped"
+        if dropped
+        else "; Duplicates: kept (--keep_duplicates)"
+        if data.get("keep_duplicates")
+        else ""
+    )
     return "".join(
         part for part in (f"; files: {files}" if files else "", f"; held out: {held}" if held else "", twins)
     )
@@ -263,16 +322,24 @@ def stage_card(
     evaluation, eval_results = evaluation_section(info, card.embedded_task)
     name = Path(model_path).name or "plugformer"
     data = (
-        f"`{script_args.dataset_name}`" + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
+        f"`{script_args.dataset_name}`"
+        + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
         + identity_text(info.get("data") or {})
         if script_args.dataset_name
         else EMBEDDED_TASKS[card.embedded_task][2]
-        + (f"; {script_args.train_examples:,} training examples" if getattr(script_args, "train_examples", None) else "")
-        + (f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the answers (the corpus's "
-           "problems, SFT answers, or rejected answers of preference pairs) is bare, without the working"
-           if script_args.direct_answer_fraction else "")
+        + (
+            f"; {script_args.train_examples:,} training examples"
+            if getattr(script_args, "train_examples", None)
+            else ""
+        )
+        + (
+            f"; direct_answer_fraction {script_args.direct_answer_fraction}: that share of the answers (the corpus's "
+            "problems, SFT answers, or rejected answers of preference pairs) is bare, without the working"
+            if script_args.direct_answer_fraction
+            else ""
+        )
         + ")"
-    )  # fmt: skip
+    )
     values = {key: getattr(training_args, key, None) for key in HYPERPARAMETERS}
     values.update(changed_defaults(training_args, OPTIMIZER_HYPERPARAMETERS))
     hyperparameters = ", ".join(
@@ -287,9 +354,11 @@ def stage_card(
         pipeline_tag=card.pipeline_tag,
         tags=["plugformer", stage, *tags],
         base_model=parent if parent and not Path(parent).exists() else None,
-        datasets=[script_args.dataset_name] if script_args.dataset_name and not Path(script_args.dataset_name).exists() else None,
+        datasets=[script_args.dataset_name]
+        if script_args.dataset_name and not Path(script_args.dataset_name).exists()
+        else None,
         eval_results=eval_results or None,
-    )  # fmt: skip
+    )
     return ModelCard.from_template(
         card_data,
         template_str=TEMPLATE,

@@ -66,8 +66,12 @@ def evaluate_classifier(
     references = [int(label) for label in labels]
     scores = load_metric("classification").compute(predictions=predictions, references=references)
     correct = [int(p == r) for p, r in zip(predictions, references, strict=True)]
-    return {**scores, "accuracy_ci95": list(wilson_interval(sum(correct), len(references))),
-            "examples": len(references), "correct": correct}  # fmt: skip
+    return {
+        **scores,
+        "accuracy_ci95": list(wilson_interval(sum(correct), len(references))),
+        "examples": len(references),
+        "correct": correct,
+    }
 
 
 def compute_metrics(eval_prediction) -> dict:
@@ -92,13 +96,17 @@ def labelled_rows_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
     the model's `label2id` (by its text: a csv's integer labels are the class names "0", "1", ...); a label the
     model has no class for is refused."""
     if not {"text", "label"} <= set(rows.column_names):
-        raise ValueError(f"a classifier is scored on labelled text (columns text and label); the split has the "
-                         f"columns {sorted(rows.column_names)}")  # fmt: skip
+        raise ValueError(
+            f"a classifier is scored on labelled text (columns text and label); the split has the "
+            f"columns {sorted(rows.column_names)}"
+        )
     label2id = {str(name): index for name, index in model.config.label2id.items()}
     unknown = sorted({str(v) for v in rows["label"]} - label2id.keys())
     if unknown:
-        raise ValueError(f"the held-out split has labels the model has no class for: {unknown[:5]} (its labels: "
-                         f"{sorted(label2id)[:20]})")  # fmt: skip
+        raise ValueError(
+            f"the held-out split has labels the model has no class for: {unknown[:5]} (its labels: "
+            f"{sorted(label2id)[:20]})"
+        )
     pairs = list(rows["text_pair"]) if "text_pair" in rows.column_names else None
     labels = [label2id[str(v)] for v in rows["label"]]
     return evaluate_classifier(model, tokenizer, list(rows["text"]), labels, batch_size, pairs)

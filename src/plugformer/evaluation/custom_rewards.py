@@ -36,15 +36,22 @@ def resolve_reward_function(spec: str):
     module_name, _, attribute = spec.partition(":") if ":" in spec else spec.rpartition(".")
     module_name, attribute = module_name.strip(), attribute.strip()
     if not module_name or not attribute:
-        raise ValueError(f"{FLAG} {spec!r}: expected pkg.module:function (or pkg.module.function), a function "
-                         "importable from the Python path")  # fmt: skip
+        raise ValueError(
+            f"{FLAG} {spec!r}: expected pkg.module:function (or pkg.module.function), a function "
+            "importable from the Python path"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # a missing module, or one that fails as it imports: either way, one line
-        reason = "no such module" if isinstance(error, ModuleNotFoundError) and error.name == module_name else (
-            f"importing it raised {type(error).__name__}: {error}")  # fmt: skip
-        raise ValueError(f"{FLAG} {spec!r}: cannot import {module_name!r} ({reason}); put the folder that holds it "
-                         "on PYTHONPATH, or pip install it") from None  # fmt: skip
+        reason = (
+            "no such module"
+            if isinstance(error, ModuleNotFoundError) and error.name == module_name
+            else (f"importing it raised {type(error).__name__}: {error}")
+        )
+        raise ValueError(
+            f"{FLAG} {spec!r}: cannot import {module_name!r} ({reason}); put the folder that holds it "
+            "on PYTHONPATH, or pip install it"
+        ) from None
     function = module
     for part in attribute.split("."):
         if not hasattr(function, part):
@@ -52,8 +59,10 @@ def resolve_reward_function(spec: str):
             raise ValueError(f"{FLAG} {spec!r}: {module_name!r} has no {attribute!r}; it defines {public}")
         function = getattr(function, part)
     if not callable(function) or inspect.isclass(function):
-        raise ValueError(f"{FLAG} {spec!r}: {attribute!r} is of type {type(function).__name__}, not a function; expected "
-                         "f(prompts, completions, **kwargs) -> list[float]")  # fmt: skip
+        raise ValueError(
+            f"{FLAG} {spec!r}: {attribute!r} is of type {type(function).__name__}, not a function; expected "
+            "f(prompts, completions, **kwargs) -> list[float]"
+        )
     check_reward_signature(function, spec)
     return function
 
@@ -70,12 +79,16 @@ def check_reward_signature(function, spec: str) -> None:
     parameters = list(signature.parameters.values())
     shown = f"{getattr(function, '__name__', type(function).__name__)}{signature}"
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        raise ValueError(f"{FLAG} {spec!r}: {shown} takes no **kwargs; TRL calls reward functions as f(prompts=..., "
-                         "completions=..., completion_ids=..., **columns): add **kwargs")  # fmt: skip
+        raise ValueError(
+            f"{FLAG} {spec!r}: {shown} takes no **kwargs; TRL calls reward functions as f(prompts=..., "
+            "completions=..., completion_ids=..., **columns): add **kwargs"
+        )
     by_position = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is p.empty]
     if by_position:
-        raise ValueError(f"{FLAG} {spec!r}: {shown} takes {by_position} by position only; TRL passes every argument "
-                         "by keyword (prompts, completions, completion_ids and the data's columns)")  # fmt: skip
+        raise ValueError(
+            f"{FLAG} {spec!r}: {shown} takes {by_position} by position only; TRL passes every argument "
+            "by keyword (prompts, completions, completion_ids and the data's columns)"
+        )
 
 
 def reward_name(function) -> str:

@@ -75,26 +75,36 @@ def data_source(args) -> dict | None:
     if args.dataset_name is None and recorded is None:
         info = Path(args.model, "run_info.json")
         if info.is_file() and "data" not in json.loads(info.read_text()):  # before runs recorded their source
-            logger.warning("%s records no data source (a run older than the record): scoring the embedded task; if "
-                           "it trained on your own data, give --dataset_name and --data_files", info)  # fmt: skip
+            logger.warning(
+                "%s records no data source (a run older than the record): scoring the embedded task; if "
+                "it trained on your own data, give --dataset_name and --data_files",
+                info,
+            )
         return None
     if args.dataset_name is None:
         source = dict(recorded)
     else:
         from ..data.identity import files_record
 
-        source = {"dataset_name": args.dataset_name, "dataset_config": args.dataset_config,
-                  "data_files": args.data_files, "dataset_seed": args.dataset_seed, "streaming": False,
-                  "rename_columns": args.rename_columns,
-                  "files": files_record(args.dataset_name, args.data_files)}  # fmt: skip
+        source = {
+            "dataset_name": args.dataset_name,
+            "dataset_config": args.dataset_config,
+            "data_files": args.data_files,
+            "dataset_seed": args.dataset_seed,
+            "streaming": False,
+            "rename_columns": args.rename_columns,
+            "files": files_record(args.dataset_name, args.data_files),
+        }
     for split in ("dev", "test"):
         given = getattr(args, f"{split}_examples")
         fallback = (recorded or {}).get(f"{split}_examples", DEFAULT_HELD_OUT)
         if args.dataset_name is None and given is not None and given != fallback and recorded.get("held_out"):
-            raise ValueError(f"--{split}_examples {given}: the run held out {fallback} {split} rows of its data "
-                             f"({args.model}/run_info.json); another count carves other rows, some of which it "
-                             "trained on. Drop the flag (--examples scores fewer), or give the data to score with "
-                             "--dataset_name")  # fmt: skip
+            raise ValueError(
+                f"--{split}_examples {given}: the run held out {fallback} {split} rows of its data "
+                f"({args.model}/run_info.json); another count carves other rows, some of which it "
+                "trained on. Drop the flag (--examples scores fewer), or give the data to score with "
+                "--dataset_name"
+            )
         source[f"{split}_examples"] = fallback if given is None else given
     return source
 
@@ -112,8 +122,13 @@ def held_out_rows(source: dict, split: str, examples: int):
     splits = None
     if source.get("streaming"):  # the stream's first `dev` documents, then the next `test`
         with refusing_hub_ids_offline(source["dataset_name"]):
-            stream = load_dataset(source["dataset_name"], source["dataset_config"], data_files=source["data_files"],
-                                  split="train", streaming=True)  # fmt: skip
+            stream = load_dataset(
+                source["dataset_name"],
+                source["dataset_config"],
+                data_files=source["data_files"],
+                split="train",
+                streaming=True,
+            )
             held = list(stream.take(dev + test))
         rows = Dataset.from_list(held[:dev] if split == "dev" else held[dev:])
         if source.get("rename_columns"):
@@ -121,17 +136,29 @@ def held_out_rows(source: dict, split: str, examples: int):
     else:
         carving = "content" if "files" in source else "position"  # a record older than the files' digests
         if carving == "position":
-            logger.warning("%s: its run recorded no digests (a run older than them): scoring the %s rows carved by "
-                           "position, as that run carved them; they cannot be checked against the data as it is now",
-                           source["dataset_name"], split)  # fmt: skip
+            logger.warning(
+                "%s: its run recorded no digests (a run older than them): scoring the %s rows carved by "
+                "position, as that run carved them; they cannot be checked against the data as it is now",
+                source["dataset_name"],
+                split,
+            )
         with refusing_hub_ids_offline(source["dataset_name"]):
-            splits = load_user_splits("conversation", source["dataset_name"], source["dataset_config"],
-                                      source["data_files"], {"dev": dev, "test": test}, source["dataset_seed"],
-                                      source.get("rename_columns"), bool(source.get("keep_duplicates")),
-                                      carving=carving)  # fmt: skip
+            splits = load_user_splits(
+                "conversation",
+                source["dataset_name"],
+                source["dataset_config"],
+                source["data_files"],
+                {"dev": dev, "test": test},
+                source["dataset_seed"],
+                source.get("rename_columns"),
+                bool(source.get("keep_duplicates")),
+                carving=carving,
+            )
         if split not in splits:
-            raise ValueError(f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
-                             f"(--{split}_examples 0)")  # fmt: skip
+            raise ValueError(
+                f"--split {split}: {source['dataset_name']} holds no {split} split and none was carved "
+                f"(--{split}_examples 0)"
+            )
         rows = splits[split]
     recorded = (source.get("held_out") or {}).get(split)
     if recorded:
@@ -161,17 +188,24 @@ def recorded_rows(rows, splits, recorded: dict, source: dict, split: str):
             index.setdefault(key[:KEY_HEX], position)
         found = [index.get(key) for key in recorded["row_keys"]]
         if None not in found:
-            logger.warning("%s changed since the run (%s): scoring the %d %s rows it held out, found by content",
-                           source["dataset_name"], changed, len(found), split)  # fmt: skip
+            logger.warning(
+                "%s changed since the run (%s): scoring the %d %s rows it held out, found by content",
+                source["dataset_name"],
+                changed,
+                len(found),
+                split,
+            )
             return everything.select(found)
         missing = found.count(None)
     else:
         missing = "some"
-    raise ValueError(f"--split {split}: the data changed since the run ({changed}); {missing} of the "
-                     f"{len(recorded['row_keys'])} {split} rows it held out (sha256 {recorded['sha256'][:12]}) are no "
-                     f"longer in it (its {split} split now: sha256 {split_digest(keys)[:12]}), so another split would "
-                     "score rows the model may have trained on. Restore the files, or give the data to score with "
-                     "--dataset_name/--data_files")  # fmt: skip
+    raise ValueError(
+        f"--split {split}: the data changed since the run ({changed}); {missing} of the "
+        f"{len(recorded['row_keys'])} {split} rows it held out (sha256 {recorded['sha256'][:12]}) are no "
+        f"longer in it (its {split} split now: sha256 {split_digest(keys)[:12]}), so another split would "
+        "score rows the model may have trained on. Restore the files, or give the data to score with "
+        "--dataset_name/--data_files"
+    )
 
 
 def changed_files(source: dict) -> str:
@@ -180,12 +214,17 @@ def changed_files(source: dict) -> str:
 
     recorded = {record["path"]: record["sha256"] for record in source.get("files") or []}
     try:
-        now = {record["path"]: record["sha256"]
-               for record in files_record(source["dataset_name"], source.get("data_files"))}  # fmt: skip
+        now = {
+            record["path"]: record["sha256"]
+            for record in files_record(source["dataset_name"], source.get("data_files"))
+        }
     except ValueError as error:
         return str(error)
-    parts = [f"{path}: sha256 {recorded.get(path, 'none')[:12]} then, {now.get(path, 'none')[:12]} now"
-             for path in sorted(set(recorded) | set(now)) if recorded.get(path) != now.get(path)]  # fmt: skip
+    parts = [
+        f"{path}: sha256 {recorded.get(path, 'none')[:12]} then, {now.get(path, 'none')[:12]} now"
+        for path in sorted(set(recorded) | set(now))
+        if recorded.get(path) != now.get(path)
+    ]
     return "; ".join(parts) or "its files are unchanged, but the rows read from them differ"
 
 
@@ -197,8 +236,10 @@ def prompts_and_completions(rows) -> tuple[list, list]:
     prompts, completions = [], []
     for number, messages in enumerate(rows["messages"]):
         if not messages or messages[-1].get("role") != "assistant":
-            raise ValueError(f"row {number} of the held-out split: its messages do not end with an assistant turn, "
-                             "so there is no reply to score")  # fmt: skip
+            raise ValueError(
+                f"row {number} of the held-out split: its messages do not end with an assistant turn, "
+                "so there is no reply to score"
+            )
         prompts.append(messages[:-1])
         completions.append(messages[-1:])
     return prompts, completions
@@ -215,8 +256,11 @@ def completion_perplexity(model, tokenizer, prompts: list, completions: list, ba
         ids, mask, starts = padded_batch(rows, tokenizer.pad_token_id)
         losses += (-completion_log_probs(model, ids, mask, starts)).tolist()
         counts += [len(row_ids) - begin for row_ids, begin in rows]
-    return {"completion_perplexity": math.exp(sum(losses) / max(sum(counts), 1)), "completion_losses": losses,
-            "completion_tokens": counts}  # fmt: skip
+    return {
+        "completion_perplexity": math.exp(sum(losses) / max(sum(counts), 1)),
+        "completion_losses": losses,
+        "completion_tokens": counts,
+    }
 
 
 def rows_digest(rows) -> str:

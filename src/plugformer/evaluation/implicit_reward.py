@@ -30,8 +30,12 @@ def dpo_record(path: str | Path) -> dict | None:
     record = json.loads(info.read_text())
     if "reference" not in record or "beta" not in record:
         return None
-    return {"reference": record["reference"], "reference_weights_sha256": record.get("reference_weights_sha256"),
-            "beta": float(record["beta"]), "last_step_model": record.get("last_step_model")}  # fmt: skip
+    return {
+        "reference": record["reference"],
+        "reference_weights_sha256": record.get("reference_weights_sha256"),
+        "beta": float(record["beta"]),
+        "last_step_model": record.get("last_step_model"),
+    }
 
 
 def reward_policy(path: str | Path, record: dict) -> str:
@@ -48,15 +52,19 @@ def verified_reference(path: str | Path, record: dict) -> str:
 
     reference, recorded = record["reference"], record.get("reference_weights_sha256")
     if not Path(reference).is_absolute() or recorded is None:
-        raise ValueError(f"{path}/run_info.json records its DPO reference as {reference!r} without an absolute path "
-                         "and a weights sha256 (reference_weights_sha256), so which model it is cannot be checked; "
-                         "retrain the dpo stage, which records both")  # fmt: skip
+        raise ValueError(
+            f"{path}/run_info.json records its DPO reference as {reference!r} without an absolute path "
+            "and a weights sha256 (reference_weights_sha256), so which model it is cannot be checked; "
+            "retrain the dpo stage, which records both"
+        )
     current = weights_sha256(reference) if Path(reference).is_dir() else None
     if current != recorded:
         found = f"weights sha256 {current[:12]}" if current else "no weights"
-        raise ValueError(f"{path}: its DPO reference {reference} holds {found}, but the dpo stage trained against "
-                         f"weights sha256 {recorded[:12]} (run_info.json); restore that model there, or retrain "
-                         "the dpo stage")  # fmt: skip
+        raise ValueError(
+            f"{path}: its DPO reference {reference} holds {found}, but the dpo stage trained against "
+            f"weights sha256 {recorded[:12]} (run_info.json); restore that model there, or retrain "
+            "the dpo stage"
+        )
     return reference
 
 
@@ -133,10 +141,12 @@ class ImplicitReward:
         self.policy = AutoModelForCausalLM.from_pretrained(policy).eval()
         self.reference = AutoModelForCausalLM.from_pretrained(reference).eval()
         if same_weights(self.policy, self.reference):
-            raise ZeroReward(f"implicit reward: the policy {policy} holds its reference's weights ({reference}), so "
-                             "the reward is 0 for every answer (a DPO stage whose dev selection handed on step 0 and "
-                             "kept no last step); retrain the dpo stage, which keeps its last step in last_step/, or "
-                             "reward with the reward stage's classifier")  # fmt: skip
+            raise ZeroReward(
+                f"implicit reward: the policy {policy} holds its reference's weights ({reference}), so "
+                "the reward is 0 for every answer (a DPO stage whose dev selection handed on step 0 and "
+                "kept no last step); retrain the dpo stage, which keeps its last step in last_step/, or "
+                "reward with the reward stage's classifier"
+            )
         self.tokenizer = load_tokenizer(policy)
         self.beta, self.batch_size = beta, batch_size
 

@@ -59,9 +59,15 @@ def masked_token_scores(model, tokenizer, texts: list[str], seed: int = 0, rate:
         counts += (labels != -100).sum(dim=1).tolist()
         correct += int(((logits.argmax(-1) == labels) & (labels != -100)).sum())
     total = max(sum(counts), 1)
-    return {"masked_token_perplexity": math.exp(sum(losses) / total), "masked_token_accuracy": correct / total,
-            "masked_tokens": sum(counts), "masked_losses": losses, "masked_counts": counts, "mask_rate": rate,
-            "mask_seed": seed}  # fmt: skip
+    return {
+        "masked_token_perplexity": math.exp(sum(losses) / total),
+        "masked_token_accuracy": correct / total,
+        "masked_tokens": sum(counts),
+        "masked_losses": losses,
+        "masked_counts": counts,
+        "mask_rate": rate,
+        "mask_seed": seed,
+    }
 
 
 def masked_lm_scores(args, tokenizer, rows) -> dict:

@@ -41,8 +41,10 @@ def sinusoidal_matrix(positions: int, dim: int) -> torch.Tensor:
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
         raise ValueError(f"dim={dim!r} must be an even int >= 2 (sine and cosine pairs)")
     if positions * dim > MAX_CELLS:  # 2**63 positions overflowed torch's allocation with a RuntimeError traceback
-        raise ValueError(f"positions={positions} x dim={dim}: {positions * dim} values, more than a heatmap shows "
-                         f"(at most {MAX_CELLS}); choose fewer positions or a smaller dim")  # fmt: skip
+        raise ValueError(
+            f"positions={positions} x dim={dim}: {positions * dim} values, more than a heatmap shows "
+            f"(at most {MAX_CELLS}); choose fewer positions or a smaller dim"
+        )
     return sinusoidal_table(torch.arange(positions)[None], dim)[0]  # (1, P, d) -> (P, d)
 
 
@@ -58,8 +60,11 @@ def plot_sinusoidal(
     table = sinusoidal_matrix(positions, dim)
     fig, ax = plt.subplots(figsize=figsize, layout="constrained")
     image = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    ax.set(xlabel="dimension i (even: sin, odd: cos)", ylabel="position",
-           title=f"sinusoidal position encoding, d = {dim} (Vaswani et al. 2017)")  # fmt: skip
+    ax.set(
+        xlabel="dimension i (even: sin, odd: cos)",
+        ylabel="position",
+        title=f"sinusoidal position encoding, d = {dim} (Vaswani et al. 2017)",
+    )
     fig.colorbar(image, ax=ax)
     drawn = np.asarray(image.get_array())
     save_figure(fig, path, dpi)
@@ -264,8 +269,14 @@ def plot_training_curves(
     for color, (name, series) in enumerate(curves.items()):
         for metric, (steps, values) in series.items():
             style = "--" if metric.startswith("eval_") else "-"
-            ax.plot(steps, values, style, color=f"C{color % 10}", marker="." if len(steps) < 30 else None,
-                    label=f"{name}: {metric}")  # fmt: skip
+            ax.plot(
+                steps,
+                values,
+                style,
+                color=f"C{color % 10}",
+                marker="." if len(steps) < 30 else None,
+                label=f"{name}: {metric}",
+            )
     ax.set(xlabel="step", ylabel=" / ".join(metrics), title="training curves")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=7)
@@ -279,8 +290,9 @@ def plot_training_curves(
 def parser() -> argparse.ArgumentParser:
     from ..runtime.arguments import REPEATED_FLAGS_RULE
 
-    main_parser = argparse.ArgumentParser(prog="plugformer plot", description=__doc__.splitlines()[0],
-                                          allow_abbrev=False, epilog=REPEATED_FLAGS_RULE)  # fmt: skip
+    main_parser = argparse.ArgumentParser(
+        prog="plugformer plot", description=__doc__.splitlines()[0], allow_abbrev=False, epilog=REPEATED_FLAGS_RULE
+    )
     commands = main_parser.add_subparsers(dest="command", required=True)
     rule = {"allow_abbrev": False, "epilog": REPEATED_FLAGS_RULE}
     positions = commands.add_parser("positions", help="score bias per head vs key − query distance", **rule)
@@ -339,8 +351,9 @@ def plot_comparison(summary: dict, path: Path) -> None:
     axis.invert_yaxis()
     direction = "higher" if summary["higher_is_better"] else "lower"
     axis.set_xlabel(f"test {summary['metric']} ({direction} is better)")
-    axis.set_title("mean and 95% CI over seeds (grey dots: seeds); red: selected on dev; *: significantly different",
-                   fontsize=9)  # fmt: skip
+    axis.set_title(
+        "mean and 95% CI over seeds (grey dots: seeds); red: selected on dev; *: significantly different", fontsize=9
+    )
     axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

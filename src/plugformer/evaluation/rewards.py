@@ -89,9 +89,11 @@ def ground_truths(answer: list | None, solution: list | None, reward: str) -> li
         return [parse_number(str(truth)) for truth in answer]
     if solution is not None:
         return [extract_answer(str(truth)) for truth in solution]
-    raise ValueError(f"reward {reward!r} compares completions with the ground truth in an `answer` or a `solution` "
-                     "column; your data has neither: add one (--rename_columns OLD=answer), or reward with your own "
-                     "function (--reward_funcs pkg.module:function)")  # fmt: skip
+    raise ValueError(
+        f"reward {reward!r} compares completions with the ground truth in an `answer` or a `solution` "
+        "column; your data has neither: add one (--rename_columns OLD=answer), or reward with your own "
+        "function (--reward_funcs pkg.module:function)"
+    )
 
 
 def exact_match_reward(

@@ -73,9 +73,15 @@ def pass_at_k(samples: int, correct: int, k: int) -> float:
 
 
 def sampled_pass_at_k(
-    model, tokenizer, rows, samples: int = 8, ks: tuple[int, ...] = (1, 8), temperature: float = 1.0,
-    max_new_tokens: int = 32, batch_size: int = 64,
-) -> dict:  # fmt: skip
+    model,
+    tokenizer,
+    rows,
+    samples: int = 8,
+    ks: tuple[int, ...] = (1, 8),
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+) -> dict:
     """pass@k on `rows` (`prompt` and `answer` columns) from `samples` completions per prompt at `temperature`,
     averaged over prompts; the headroom RL has over greedy decoding.
 
@@ -85,8 +91,15 @@ def sampled_pass_at_k(
     from .rewards import exact_match_reward
 
     prompts, answers = list(rows["prompt"]), [str(a) for a in rows["answer"]]
-    completions = generate_answers(model, tokenizer, prompts, max_new_tokens, max(1, batch_size // samples),
-                                   samples=samples, temperature=temperature)  # fmt: skip
+    completions = generate_answers(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        max(1, batch_size // samples),
+        samples=samples,
+        temperature=temperature,
+    )
     right = exact_match_reward(completions, answer=[a for a in answers for _ in range(samples)])
     per_prompt = [int(sum(right[i * samples : (i + 1) * samples])) for i in range(len(prompts))]
     results = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_prompt) / max(len(prompts), 1) for k in ks}
@@ -159,22 +172,28 @@ class EvalArguments:
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (the pipeline's splits: 0)"})
     direct_answer_fraction: float | None = field(
         default=None,
-        metadata={"help": "reward model (or a DPO policy's implicit reward): the share of rejected answers that are "
-                          "bare near misses in the scored pairs (default: the share it was trained with, from its "
-                          "run_info.json; 0 without one)"},
-    )  # fmt: skip
+        metadata={
+            "help": "reward model (or a DPO policy's implicit reward): the share of rejected answers that are "
+            "bare near misses in the scored pairs (default: the share it was trained with, from its "
+            "run_info.json; 0 without one)"
+        },
+    )
     max_new_tokens: int | None = field(
         default=None,
-        metadata={"help": "tokens each generated answer may take (default: the budget the model's run scored its dev "
-                          "answers with, from its run_info.json; 32 without one)"},
-    )  # fmt: skip
+        metadata={
+            "help": "tokens each generated answer may take (default: the budget the model's run scored its dev "
+            "answers with, from its run_info.json; 32 without one)"
+        },
+    )
     batch_size: int = 64
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "score your own data: the split held out of this datasets source (json, csv, text, parquet "
-                          "with --data_files, a local folder), carved as a stage carves it; default: the source the "
-                          "model's run trained on (its run_info.json), else the embedded task"},
-    )  # fmt: skip
+        metadata={
+            "help": "score your own data: the split held out of this datasets source (json, csv, text, parquet "
+            "with --data_files, a local folder), carved as a stage carves it; default: the source the "
+            "model's run trained on (its run_info.json), else the embedded task"
+        },
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
     data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
     rename_columns: str | None = field(
@@ -186,17 +205,24 @@ class EvalArguments:
     test_examples: int | None = field(
         default=None, metadata={"help": "your own data: test rows carved from train (default: as the run carved)"}
     )
-    output: str | None = field(default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"})  # fmt: skip
+    output: str | None = field(
+        default=None, metadata={"help": "JSON file of results (default: <model>/eval_<split>.json)"}
+    )
     overwrite_output: bool = field(
         default=False,
-        metadata={"help": "replace --output even if it holds another model's results or a file that is no result of "
-                          "plugformer eval (by default refused; an earlier result of the same model is replaced)"},
-    )  # fmt: skip
+        metadata={
+            "help": "replace --output even if it holds another model's results or a file that is no result of "
+            "plugformer eval (by default refused; an earlier result of the same model is replaced)"
+        },
+    )
 
     def __post_init__(self):
-        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
-                                               dataset_config=self.dataset_config,
-                                               rename_columns=self.rename_columns)  # fmt: skip
+        refuse_source_options_without_a_source(
+            self.dataset_name,
+            data_files=self.data_files,
+            dataset_config=self.dataset_config,
+            rename_columns=self.rename_columns,
+        )
 
 
 def check_model_dir(model: str) -> None:
@@ -205,12 +231,15 @@ def check_model_dir(model: str) -> None:
     for sentencepiece."""
     path = Path(model)
     if not path.is_dir():
-        raise ValueError(f"--model {model}: no such folder; give a trained stage's output directory "
-                         "(e.g. outputs/pipeline/sft)")  # fmt: skip
+        raise ValueError(
+            f"--model {model}: no such folder; give a trained stage's output directory (e.g. outputs/pipeline/sft)"
+        )
     missing = [name for name in ("config.json", "tokenizer_config.json") if not (path / name).is_file()]
     if missing:
-        raise ValueError(f"--model {model} is not a saved model folder (no {' or '.join(missing)}); give a trained "
-                         "stage's output directory (e.g. outputs/pipeline/sft)")  # fmt: skip
+        raise ValueError(
+            f"--model {model} is not a saved model folder (no {' or '.join(missing)}); give a trained "
+            "stage's output directory (e.g. outputs/pipeline/sft)"
+        )
 
 
 def with_generation_budget(args: EvalArguments) -> EvalArguments:
@@ -239,8 +268,9 @@ def scored_pairs(args: EvalArguments):
     fraction = (
         trained_direct_fraction(args.model) if args.direct_answer_fraction is None else args.direct_answer_fraction
     )
-    rows = load_stage_dataset("preference", sizes={args.split: args.examples}, seed=args.dataset_seed,
-                              direct_fraction=fraction)[args.split]  # fmt: skip
+    rows = load_stage_dataset(
+        "preference", sizes={args.split: args.examples}, seed=args.dataset_seed, direct_fraction=fraction
+    )[args.split]
     return rows, fraction
 
 
@@ -262,8 +292,9 @@ def evaluate_directory(args: EvalArguments) -> dict:
     if args.split not in ("train", "dev", "test"):
         raise ValueError(f"split={args.split!r}: choose train, dev or test")
     if isinstance(args.examples, bool) or not isinstance(args.examples, int) or args.examples < 1:
-        raise ValueError(f"--examples {args.examples!r}: expected an integer >= 1 (problems of the {args.split} "
-                         "split to score)")  # fmt: skip
+        raise ValueError(
+            f"--examples {args.examples!r}: expected an integer >= 1 (problems of the {args.split} split to score)"
+        )
     check_model_dir(args.model)
     args = with_generation_budget(args)
     config = AutoConfig.from_pretrained(args.model)
@@ -332,9 +363,11 @@ def language_model_scores(model, tokenizer, rows, args) -> dict:
         else:
             results["implicit_reward_pairwise_accuracy"] = reward_function_accuracy(reward, rows)
     if not results:
-        raise ValueError(f"the held-out split's columns {sorted(columns)} give a language model nothing to score: "
-                         "it needs text, prompt + completion, messages, prompt + answer, or (a DPO stage) prompt + "
-                         "chosen + rejected")  # fmt: skip
+        raise ValueError(
+            f"the held-out split's columns {sorted(columns)} give a language model nothing to score: "
+            "it needs text, prompt + completion, messages, prompt + answer, or (a DPO stage) prompt + "
+            "chosen + rejected"
+        )
     return results
 
 
@@ -390,9 +423,11 @@ def user_data_scores(args, source: dict, kind: str) -> dict:
         return {**results, **seq2seq.directory_scores(args, tokenizer, rows)}
     if kind == "scalar":
         if not {"prompt", "chosen", "rejected"} <= set(rows.column_names):
-            raise ValueError(f"a reward model is scored on preference pairs; the held-out split has the columns "
-                             f"{sorted(rows.column_names)}, not chosen and rejected (with a prompt, or with the "
-                             "prompt implicit in both)")  # fmt: skip
+            raise ValueError(
+                f"a reward model is scored on preference pairs; the held-out split has the columns "
+                f"{sorted(rows.column_names)}, not chosen and rejected (with a prompt, or with the "
+                "prompt implicit in both)"
+            )
         model = load_checked(AutoModelForSequenceClassification, args.model)
         return {**results, "pairwise_accuracy": preference_accuracy(model, tokenizer, rows, args.batch_size)}
     model = load_checked(AutoModelForCausalLM, args.model)
@@ -415,8 +450,12 @@ def results_key(args: EvalArguments, output: Path) -> dict:
     reader (or a later evaluation deciding whether it may replace them) sees which model and settings they are of."""
     options = {name: getattr(args, name) for name in args.__dataclass_fields__ if name not in NOT_KEYED}
     environment = environment_record(world_size=1)  # `plugformer eval` runs in one process
-    return {"options": options, "model_dir": portable_path(args.model, output.parent), **model_sha256(args.model),
-            "environment": environment}  # fmt: skip
+    return {
+        "options": options,
+        "model_dir": portable_path(args.model, output.parent),
+        **model_sha256(args.model),
+        "environment": environment,
+    }
 
 
 NOT_KEYED = ("model", "output", "overwrite_output")  # the model is keyed by its folder and digests
@@ -435,11 +474,15 @@ def output_problem(args: EvalArguments, output: Path) -> str | None:
     unwritable = writable_folder_problem(output.parent)
     if unwritable is not None:  # found now, not after all the scoring
         where = "" if args.output else f" (the default, in --model {args.model})"
-        return (f"--output {output}{where}: {unwritable}, so the results could not be written; give --output "
-                "FILE.json in a folder you can write")  # fmt: skip
+        return (
+            f"--output {output}{where}: {unwritable}, so the results could not be written; give --output "
+            "FILE.json in a folder you can write"
+        )
     if any(fnmatch(output.name, pattern) for pattern in NOT_RESULTS):
-        return (f"--output {output}: {output.name} is the name of a model's or a run's own file; results written "
-                "there would read as the model's. Choose another file name (default: <model>/eval_<split>.json)")  # fmt: skip
+        return (
+            f"--output {output}: {output.name} is the name of a model's or a run's own file; results written "
+            "there would read as the model's. Choose another file name (default: <model>/eval_<split>.json)"
+        )
     if args.overwrite_output or not output.exists():
         return None
     try:
@@ -447,13 +490,17 @@ def output_problem(args: EvalArguments, output: Path) -> str | None:
     except (OSError, ValueError):
         earlier = None
     if not isinstance(earlier, dict) or not {"model", "split"} <= earlier.keys():
-        return (f"--output {output} already holds a file that is no result of plugformer eval; choose another "
-                "--output, or replace it with --overwrite_output true")  # fmt: skip
+        return (
+            f"--output {output} already holds a file that is no result of plugformer eval; choose another "
+            "--output, or replace it with --overwrite_output true"
+        )
     # recorded relative to the results' folder (`portable_path`); absolute in files of earlier versions
     theirs = recorded_path((earlier.get("key") or {}).get("model_dir") or earlier["model"], output.parent)
     if theirs != Path(args.model).resolve():
-        return (f"--output {output} holds the results of another model ({theirs}), not of --model {args.model}; "
-                "choose another --output, or replace them with --overwrite_output true")  # fmt: skip
+        return (
+            f"--output {output} holds the results of another model ({theirs}), not of --model {args.model}; "
+            "choose another --output, or replace them with --overwrite_output true"
+        )
     return None
 
 

@@ -42,9 +42,14 @@ def padded(tokenizer, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def generate_targets(
-    model, tokenizer, sources: list[str], max_new_tokens: int = 32, batch_size: int = 64, num_beams: int = 1,
+    model,
+    tokenizer,
+    sources: list[str],
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+    num_beams: int = 1,
     max_source_length: int = 128,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """The model's target for each source: greedy (`num_beams=1`) or beam search, up to end of text."""
     was_training = model.training
     model.eval()
@@ -53,8 +58,14 @@ def generate_targets(
     try:
         for start in range(0, len(encoded), batch_size):
             batch = padded(tokenizer, encoded[start : start + batch_size], model.device)
-            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=num_beams,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            generated = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=num_beams,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
             outputs += tokenizer.batch_decode(generated, skip_special_tokens=True)  # (B, 1 + new): start token first
     finally:
         model.train(was_training)
@@ -78,8 +89,9 @@ def target_losses(
             labels = padded(tokenizer, targets[start : start + batch_size], model.device)
             labels = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)  # (B, T)
             logits = model(**batch, labels=labels).logits.float()  # (B, T, V): labels shifted right inside
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
-                                                     reduction="none")  # (B, T), 0 at pads  # fmt: skip
+            loss = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), labels, ignore_index=-100, reduction="none"
+            )  # (B, T), 0 at pads
             losses += loss.sum(dim=1).tolist()
             counts += (labels != -100).sum(dim=1).tolist()
     finally:
@@ -88,9 +100,15 @@ def target_losses(
 
 
 def seq2seq_scores(
-    model, tokenizer, rows, max_new_tokens: int = 32, batch_size: int = 64, num_beams: int = 1,
-    max_source_length: int = 128, max_target_length: int = 128,
-) -> dict:  # fmt: skip
+    model,
+    tokenizer,
+    rows,
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+    num_beams: int = 1,
+    max_source_length: int = 128,
+    max_target_length: int = 128,
+) -> dict:
     """Every score of an encoder-decoder on `rows` (`source`, `target`).
 
     Returns:
@@ -102,8 +120,9 @@ def seq2seq_scores(
     from .stats import wilson_interval
 
     references = [str(target).strip() for target in rows["target"]]
-    generated = generate_targets(model, tokenizer, list(rows["source"]), max_new_tokens, batch_size, num_beams,
-                                 max_source_length)  # fmt: skip
+    generated = generate_targets(
+        model, tokenizer, list(rows["source"]), max_new_tokens, batch_size, num_beams, max_source_length
+    )
     correct = [int(g == r) for g, r in zip(generated, references, strict=True)]
     chrf = load_metric("chrf").compute(predictions=generated, references=references)
     losses, counts = target_losses(model, tokenizer, rows, batch_size, max_source_length, max_target_length)
@@ -135,8 +154,10 @@ def directory_scores(args, tokenizer, rows) -> dict:
 
     missing = [column for column in ("source", "target") if column not in rows.column_names]
     if missing:
-        raise ValueError(f"an encoder-decoder is scored on source -> target pairs; the held-out split lacks "
-                         f"{missing} (it has {sorted(rows.column_names)})")  # fmt: skip
+        raise ValueError(
+            f"an encoder-decoder is scored on source -> target pairs; the held-out split lacks "
+            f"{missing} (it has {sorted(rows.column_names)})"
+        )
     model = load_checked(AutoModelForSeq2SeqLM, args.model)
     return seq2seq_scores(
         model, tokenizer, rows, batch_size=args.batch_size, **saved_budget(model, args.max_new_tokens)
@@ -149,5 +170,9 @@ def saved_budget(model, max_new_tokens: int) -> dict:
     sources and reference targets up to its position table."""
     generation = model.generation_config
     longest = model.config.max_position_embeddings
-    return {"max_new_tokens": max(max_new_tokens, generation.max_new_tokens or 0), "num_beams": generation.num_beams or 1,
-            "max_source_length": longest, "max_target_length": longest}  # fmt: skip
+    return {
+        "max_new_tokens": max(max_new_tokens, generation.max_new_tokens or 0),
+        "num_beams": generation.num_beams or 1,
+        "max_source_length": longest,
+        "max_target_length": longest,
+    }

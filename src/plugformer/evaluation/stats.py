@@ -94,12 +94,15 @@ def check_significance_options(alpha: float, bootstrap_samples: int | None = Non
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise ValueError(f"--alpha {alpha!r}: expected a significance level strictly between 0 and 1 (e.g. 0.05)")
     if bootstrap_samples is not None and (
-        isinstance(bootstrap_samples, bool) or not isinstance(bootstrap_samples, int)
+        isinstance(bootstrap_samples, bool)
+        or not isinstance(bootstrap_samples, int)
         or bootstrap_samples < MIN_BOOTSTRAP_SAMPLES
-    ):  # fmt: skip
-        raise ValueError(f"--bootstrap_samples {bootstrap_samples!r}: expected an integer of at least "
-                         f"{MIN_BOOTSTRAP_SAMPLES} (p-values resolve to 1/(1 + samples); fewer give intervals and "
-                         "p-values too coarse to report)")  # fmt: skip
+    ):
+        raise ValueError(
+            f"--bootstrap_samples {bootstrap_samples!r}: expected an integer of at least "
+            f"{MIN_BOOTSTRAP_SAMPLES} (p-values resolve to 1/(1 + samples); fewer give intervals and "
+            "p-values too coarse to report)"
+        )
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
@@ -173,8 +176,10 @@ def paired_bootstrap(
     if (weight <= 0).any():
         raise ValueError("weights: every example needs a positive weight (e.g. its token count)")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_BOOTSTRAP_SAMPLES:
-        raise ValueError(f"samples={samples!r}: expected at least {MIN_BOOTSTRAP_SAMPLES} bootstrap resamples "
-                         "(MIN_BOOTSTRAP_SAMPLES: p-values resolve to 1/(1 + samples))")  # fmt: skip
+        raise ValueError(
+            f"samples={samples!r}: expected at least {MIN_BOOTSTRAP_SAMPLES} bootstrap resamples "
+            "(MIN_BOOTSTRAP_SAMPLES: p-values resolve to 1/(1 + samples))"
+        )
     observed = first.sum() / weight.sum() - second.sum() / weight.sum()
     rng = np.random.default_rng(seed)
     indices = rng.integers(0, first.size, size=(samples, first.size))  # (samples, n) examples drawn with replacement

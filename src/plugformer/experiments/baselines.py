@@ -19,10 +19,12 @@ def over_runs_text(test) -> str:
     return f"{test.difference * 100:+.1f} ({test.low * 100:+.1f}, {test.high * 100:+.1f}), p {test.p_value:.2g}"
 
 
-COMPUTE_RULE = ("compute: optimizer steps and tokens processed = tokens trained on + tokens sampled (TRL's counts: "
-                "prompt and completion tokens, padding excluded); a compute-matched baseline trains on as many tokens "
-                "as its matched stage and that stage's ancestors down to the baseline's parent processed, a sampled "
-                "token counted as a trained one")  # fmt: skip
+COMPUTE_RULE = (
+    "compute: optimizer steps and tokens processed = tokens trained on + tokens sampled (TRL's counts: "
+    "prompt and completion tokens, padding excluded); a compute-matched baseline trains on as many tokens "
+    "as its matched stage and that stage's ancestors down to the baseline's parent processed, a sampled "
+    "token counted as a trained one"
+)
 
 
 def ancestors(stage: str) -> set[str]:
@@ -60,8 +62,11 @@ def baseline_gains_text(result: dict) -> str:
     gains = result.get("baseline_gains") or {}
     if not gains:
         return "—"
-    return "; ".join(f"vs {baseline} {g['difference'] * 100:+.1f} ({g['low'] * 100:+.1f}, {g['high'] * 100:+.1f}), "
-                     f"p {g['p_value']:.3g}" for baseline, g in gains.items())  # fmt: skip
+    return "; ".join(
+        f"vs {baseline} {g['difference'] * 100:+.1f} ({g['low'] * 100:+.1f}, {g['high'] * 100:+.1f}), "
+        f"p {g['p_value']:.3g}"
+        for baseline, g in gains.items()
+    )
 
 
 def compute_text(result: dict) -> str | None:
@@ -74,8 +79,10 @@ def compute_text(result: dict) -> str | None:
         text += f" + {tokens_text(compute['sampling_tokens'])} sampled"
     sampled = result.get("sampling")
     if sampled:
-        text += (f" (kept {sampled['kept']} distinct verified of {sampled['sampled']} samples, sampled in "
-                 f"{sampled.get('sampling_seconds', 0):.0f} s)")  # fmt: skip
+        text += (
+            f" (kept {sampled['kept']} distinct verified of {sampled['sampled']} samples, sampled in "
+            f"{sampled.get('sampling_seconds', 0):.0f} s)"
+        )
     matched = result.get("matched_compute")
     if matched:
         chain = " + ".join(record["stage"] for record in reversed(matched["stages"]))

@@ -78,9 +78,11 @@ class CompareArguments(CorpusArguments):
     stage_configs: str = field(default="configs/{stage}/tiny.yaml", metadata={"help": "each stage's YAML"})
     set: list[str] = field(
         default_factory=list,
-        metadata={"help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once; a --grid KEY "
-                          "replaces it; stage.KEY wins over KEY for its stage)"},
-    )  # fmt: skip
+        metadata={
+            "help": "KEY=VALUE for every run (a repeated --set adds its entries; each KEY once; a --grid KEY "
+            "replaces it; stage.KEY wins over KEY for its stage)"
+        },
+    )
     metric: str = field(
         default="perplexity",
         metadata={
@@ -91,7 +93,9 @@ class CompareArguments(CorpusArguments):
     dev_examples: int = field(default=200, metadata={"help": "dev examples scored for selection"})
     test_examples: int = field(default=300, metadata={"help": "test examples scored once for the report"})
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded data (fixes the splits)"})
-    significance: str = field(default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"})  # fmt: skip
+    significance: str = field(
+        default="bootstrap", metadata={"help": "bootstrap (over test examples) | ttest (over seeds)"}
+    )
     bootstrap_samples: int = field(default=10_000, metadata={"help": f"resamples, at least {MIN_BOOTSTRAP_SAMPLES}"})
     alpha: float = field(default=0.05, metadata={"help": "significance level in (0, 1), Holm-corrected"})
     max_new_tokens: int = field(default=48, metadata={"help": "tokens a scored answer may take (embedded: 48 at most)"})
@@ -99,13 +103,17 @@ class CompareArguments(CorpusArguments):
 
     def __post_init__(self):
         if self.dataset_name is not None and self.metric == "exact_match":
-            raise ValueError(f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
-                             f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify or nli "
-                             "stage's accuracy")  # fmt: skip
+            raise ValueError(
+                f"metric={self.metric!r} scores the embedded arithmetic task's answers; on your corpus "
+                f"(--dataset_name {self.dataset_name}) compare scores perplexity, or a classify or nli "
+                "stage's accuracy"
+            )
         if self.rename_columns and self.dataset_name is None:
-            raise ValueError(f"--rename_columns {self.rename_columns!r} renames your corpus's columns: give "
-                             "--dataset_name (a classify, nli or seq2seq stage's own data: --set "
-                             "<stage>.rename_columns)")  # fmt: skip
+            raise ValueError(
+                f"--rename_columns {self.rename_columns!r} renames your corpus's columns: give "
+                "--dataset_name (a classify, nli or seq2seq stage's own data: --set "
+                "<stage>.rename_columns)"
+            )
         super().__post_init__()  # the other corpus options (`CorpusArguments`)
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: choose one of {list(METRICS)}")
@@ -115,8 +123,10 @@ class CompareArguments(CorpusArguments):
             raise ValueError(f"seeds={self.seeds}: give at least one seed, each once")
         for name in ("dev_examples", "test_examples"):  # selection is on dev, the report on test (0: KeyError)
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
-                                 "examples and reports on test examples)")  # fmt: skip
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: expected at least 1 (compare selects on dev "
+                    "examples and reports on test examples)"
+                )
         check_significance_options(self.alpha, self.bootstrap_samples)
         refuse_unscorable_stage(self.stages, self.metric)
         if self.significance == "ttest" and len(self.seeds) < 2:
@@ -133,17 +143,23 @@ def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> No
     classifier = last is not None and last.data_format in CLASSIFIER_FORMATS
     if last is not None and last.data_format == "source_target":  # its generated targets, or their perplexity
         if metric == "accuracy":
-            raise ValueError(f"stages={stages}, metric={metric!r}: a seq2seq stage is scored by exact match of its "
-                             "generated targets or by their perplexity; accuracy scores a classify stage")  # fmt: skip
+            raise ValueError(
+                f"stages={stages}, metric={metric!r}: a seq2seq stage is scored by exact match of its "
+                "generated targets or by their perplexity; accuracy scores a classify stage"
+            )
         return
     if last is not None and classifier != (metric == "accuracy"):
-        raise ValueError(f"stages={stages}, metric={metric!r}: accuracy scores a classifier and a classifier is "
-                         f"scored by accuracy; end --stages with classify or nli and set --metric accuracy, or score "
-                         f"{stages[-1]!r} by perplexity or exact match")  # fmt: skip
+        raise ValueError(
+            f"stages={stages}, metric={metric!r}: accuracy scores a classifier and a classifier is "
+            f"scored by accuracy; end --stages with classify or nli and set --metric accuracy, or score "
+            f"{stages[-1]!r} by perplexity or exact match"
+        )
     if last is not None and not classifier and last.card.pipeline_tag != "text-generation":
-        raise ValueError(f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
-                         f"match), and {stages[-1]!r} trains a {last.card.pipeline_tag} model; end --stages with a "
-                         f"policy stage, or score it with `plugformer eval` (pairwise accuracy)")  # fmt: skip
+        raise ValueError(
+            f"stages={stages}: compare scores the last stage as a language model (perplexity or exact "
+            f"match), and {stages[-1]!r} trains a {last.card.pipeline_tag} model; end --stages with a "
+            f"policy stage, or score it with `plugformer eval` (pairwise accuracy)"
+        )
 
 
 def run_plan(args: CompareArguments, variant: dict[str, str]) -> tuple[Path, dict[str, list[str]]]:
@@ -181,12 +197,15 @@ def add_corpus_options(args: CompareArguments, settings: dict[str, str], options
     for key, value in settings.items():
         name = key.rpartition(".")[2]
         if name in HELD_OUT:
-            raise ValueError(f"{key}={value}: on your corpus the documents pretraining holds out are those compare "
-                             f"scores; set compare's {HELD_OUT[name]} instead")  # fmt: skip
+            raise ValueError(
+                f"{key}={value}: on your corpus the documents pretraining holds out are those compare "
+                f"scores; set compare's {HELD_OUT[name]} instead"
+            )
     readers = [stage for stage in args.stages if STAGES[stage].data_format == "text"]
     if not readers:
-        raise ValueError(f"--dataset_name {args.dataset_name}: none of stages={args.stages} trains on plain text; "
-                         "include pretrain")  # fmt: skip
+        raise ValueError(
+            f"--dataset_name {args.dataset_name}: none of stages={args.stages} trains on plain text; include pretrain"
+        )
     held_out = ["--dev_examples", str(args.dev_examples), "--test_examples", str(args.test_examples)]
     for stage in readers:
         options[stage] = [*args.corpus_flags(), *held_out, *options[stage]]
@@ -248,8 +267,14 @@ def example_scores(args: CompareArguments, model_dir: Path, split: str) -> dict:
         if cached.get("key") == key:
             return cached
     scores, weights = _score(args, model_dir, split, size)
-    result = {"key": key, "examples": len(scores), "dataset_seed": args.dataset_seed, "corpus": args.corpus_key(),
-              "scores": scores, "weights": weights}  # fmt: skip
+    result = {
+        "key": key,
+        "examples": len(scores),
+        "dataset_seed": args.dataset_seed,
+        "corpus": args.corpus_key(),
+        "scores": scores,
+        "weights": weights,
+    }
     write_json_atomic(cache, result)
     return result
 
@@ -315,11 +340,22 @@ def seq2seq_example_scores(args: CompareArguments, model_dir: Path, tokenizer, s
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
     budget = saved_budget(model, args.max_new_tokens)  # as plugformer eval scores it
     if args.metric == "perplexity":
-        losses, counts = target_losses(model, tokenizer, rows, max_source_length=budget["max_source_length"],
-                                       max_target_length=budget["max_target_length"])  # fmt: skip
+        losses, counts = target_losses(
+            model,
+            tokenizer,
+            rows,
+            max_source_length=budget["max_source_length"],
+            max_target_length=budget["max_target_length"],
+        )
         return losses, [float(c) for c in counts]
-    generated = generate_targets(model, tokenizer, list(rows["source"]), budget["max_new_tokens"],
-                                 num_beams=budget["num_beams"], max_source_length=budget["max_source_length"])  # fmt: skip
+    generated = generate_targets(
+        model,
+        tokenizer,
+        list(rows["source"]),
+        budget["max_new_tokens"],
+        num_beams=budget["num_beams"],
+        max_source_length=budget["max_source_length"],
+    )
     references = [str(target).strip() for target in rows["target"]]
     return [float(g == r) for g, r in zip(generated, references, strict=True)], [1.0] * len(references)
 
@@ -354,13 +390,16 @@ def summarize(args: CompareArguments, results: dict[str, dict[int, dict[str, dic
 def _paired_test(args: CompareArguments, best: dict[int, dict], other: dict[int, dict]):
     """best − other, paired by test example (scores averaged over seeds) or by seed."""
     if args.significance == "ttest":
-        return paired_t_test([statistic(best[s]["test"]) for s in args.seeds],
-                             [statistic(other[s]["test"]) for s in args.seeds])  # fmt: skip
+        return paired_t_test(
+            [statistic(best[s]["test"]) for s in args.seeds], [statistic(other[s]["test"]) for s in args.seeds]
+        )
     weights = best[args.seeds[0]]["test"]["weights"]
     for by_seed in (best, other):
         if any(by_seed[s]["test"]["weights"] != weights for s in args.seeds):
-            raise ValueError("the variants tokenise the test set differently, so per-token losses are not paired; "
-                             "compare with --significance ttest or keep the tokenizer fixed")  # fmt: skip
+            raise ValueError(
+                "the variants tokenise the test set differently, so per-token losses are not paired; "
+                "compare with --significance ttest or keep the tokenizer fixed"
+            )
 
     def averaged(by_seed):  # (examples,) mean over seeds
         return [sum(by_seed[s]["test"]["scores"][i] for s in args.seeds) / len(args.seeds) for i in range(len(weights))]
@@ -371,8 +410,7 @@ def _paired_test(args: CompareArguments, best: dict[int, dict], other: dict[int,
 def table(args: CompareArguments, summary: dict) -> str:
     metric = summary["metric"]
     direction = "higher" if summary["higher_is_better"] else "lower"
-    method = ("paired bootstrap over test examples" if args.significance == "bootstrap"
-              else "paired t-test over seeds")  # fmt: skip
+    method = "paired bootstrap over test examples" if args.significance == "bootstrap" else "paired t-test over seeds"
     lines = [
         f"{metric} ({direction} is better); {len(args.seeds)} seeds {args.seeds}; best selected on dev "
         f"({args.dev_examples} examples), reported on test ({args.test_examples}); "

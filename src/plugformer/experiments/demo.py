@@ -37,8 +37,10 @@ class DemoArguments:
     output_dir: str = field(default="outputs/demo", metadata={"help": "Where the model and tokenizer are saved."})
     preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset the model starts from."})
     attention_score: str = field(default="scaled_dot", metadata={"help": ATTENTION_SCORES.choices()})
-    position_scheme: str = field(default="alibi", metadata={"help": POSITION_SCHEMES.choices()})  # fmt: skip
-    attn_implementation: str | None = field(default=None, metadata={"help": "eager | sdpa | flex_attention (default: best valid)"})  # fmt: skip
+    position_scheme: str = field(default="alibi", metadata={"help": POSITION_SCHEMES.choices()})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "eager | sdpa | flex_attention (default: best valid)"}
+    )
     hidden_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -53,9 +55,11 @@ class DemoArguments:
     prompts: list[str] = field(default_factory=lambda: ["12 plus 7 is", "The sum of 30 and 12 is", "45 + 5 ="])
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "save into an output_dir that holds another run (its checkpoints and records are removed); "
-                          "without it such a folder is refused, as by the train stages"},
-    )  # fmt: skip
+        metadata={
+            "help": "save into an output_dir that holds another run (its checkpoints and records are removed); "
+            "without it such a folder is refused, as by the train stages"
+        },
+    )
 
 
 def build_model(args: DemoArguments, tokenizer) -> PlugformerForCausalLM:
@@ -90,8 +94,10 @@ def training_arguments(args: DemoArguments) -> TrainingArguments:
     check_counts(args, {"batch_size": 1, "train_sentences": 1, "eval_sentences": 1})
     for name in ("train_sentences", "eval_sentences"):  # generated in memory before the folder is claimed
         if getattr(args, name) > MAX_SENTENCES:
-            raise ValueError(f"--{name} {getattr(args, name)}: at most {MAX_SENTENCES} (the demo generates them in "
-                             "memory; `plugformer train pretrain --train_examples N` prepares a corpus of any size)")  # fmt: skip
+            raise ValueError(
+                f"--{name} {getattr(args, name)}: at most {MAX_SENTENCES} (the demo generates them in "
+                "memory; `plugformer train pretrain --train_examples N` prepares a corpus of any size)"
+            )
     training_args = TrainingArguments(
         output_dir=str(Path(args.output_dir) / "checkpoints"),
         max_steps=args.max_steps,
@@ -155,8 +161,10 @@ def train_and_show(args: DemoArguments, training_args: TrainingArguments, starte
         text = generator(tokenizer.bos_token + prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
         completions[prompt] = text.removeprefix(tokenizer.bos_token)
         print(f"  {completions[prompt]!r}")
-    print(f"saved to {args.output_dir} (load with AutoModelForCausalLM after `import plugformer`) "
-          f"in {time.perf_counter() - started:.0f}s")  # fmt: skip
+    print(
+        f"saved to {args.output_dir} (load with AutoModelForCausalLM after `import plugformer`) "
+        f"in {time.perf_counter() - started:.0f}s"
+    )
     return {"initial_eval_loss": initial, "final_eval_loss": final, "completions": completions}
 
 

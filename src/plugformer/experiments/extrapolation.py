@@ -72,13 +72,17 @@ class ExtrapolationArguments(CorpusArguments):
         if not self.factors or any(not math.isfinite(f) or f <= 0 for f in self.factors):
             raise ValueError(f"factors={self.factors}: expected positive multiples of train_length")
         if max(self.factors) * self.train_length > MAX_EVAL_LENGTH:  # 1e308 x L ended in an OverflowError traceback
-            raise ValueError(f"factors={self.factors}: {max(self.factors):g} x train_length {self.train_length} is "
-                             f"longer than {MAX_EVAL_LENGTH} tokens, the longest evaluation length")  # fmt: skip
+            raise ValueError(
+                f"factors={self.factors}: {max(self.factors):g} x train_length {self.train_length} is "
+                f"longer than {MAX_EVAL_LENGTH} tokens, the longest evaluation length"
+            )
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows={self.eval_windows}: expected at least 1")
         if self.test_examples < 1:  # the perplexity stream is cut from test documents (0 ended in KeyError: 'test')
-            raise ValueError(f"test_examples={self.test_examples}: expected at least 1 (the evaluation stream is "
-                             "made of test documents)")  # fmt: skip
+            raise ValueError(
+                f"test_examples={self.test_examples}: expected at least 1 (the evaluation stream is "
+                "made of test documents)"
+            )
         for entry in self.set:  # `--set block_size=32` replaced --train_length's 64 in the runs the table calls 64
             name = entry.partition("=")[0].strip().rpartition(".")[2]
             if name in FIXED:
@@ -112,8 +116,10 @@ def token_stream(tokenizer, texts: list[str], length: int) -> torch.Tensor:
     documents = tokenizer([tokenizer.bos_token + t + tokenizer.eos_token for t in texts], add_special_tokens=False)
     tokens = [token for document in documents["input_ids"] for token in document]
     if len(tokens) < length:
-        raise ValueError(f"test_examples: the test documents hold {len(tokens)} tokens, {length} are needed; "
-                         "raise test_examples or lower eval_windows")  # fmt: skip
+        raise ValueError(
+            f"test_examples: the test documents hold {len(tokens)} tokens, {length} are needed; "
+            "raise test_examples or lower eval_windows"
+        )
     return torch.tensor(tokens[:length])
 
 
@@ -140,8 +146,12 @@ def evaluation_key(args: ExtrapolationArguments, model_dir: Path) -> dict:
     scored, and the digests of the model scored (`runtime.files.model_sha256`: its weights, config and tokenizer)."""
     lengths = args.lengths()
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in NOT_SCORING}
-    key = {"options": options, "lengths": lengths, "tokens": max(lengths) * args.eval_windows,
-           **model_sha256(model_dir)}  # fmt: skip
+    key = {
+        "options": options,
+        "lengths": lengths,
+        "tokens": max(lengths) * args.eval_windows,
+        **model_sha256(model_dir),
+    }
     return json.loads(json.dumps(key, default=str))  # as it reads back from the cache
 
 
@@ -174,10 +184,11 @@ def evaluate_run(args: ExtrapolationArguments, model_dir: Path) -> tuple[int | N
     stream = token_stream(tokenizer, list(texts), key["tokens"])
     limit = POSITION_SCHEMES.get(model.config.position_scheme).max_length(model.config)
     results = {
-        length: None if limit is not None and length > limit else window_perplexity(model, stream, length,
-                                                                                     args.batch_size)
+        length: None
+        if limit is not None and length > limit
+        else window_perplexity(model, stream, length, args.batch_size)
         for length in lengths
-    }  # fmt: skip
+    }
     write_json_atomic(cache, {"key": key, "limit": limit, "perplexity": results}, indent=2)
     return limit, results
 
@@ -244,8 +255,14 @@ def plot(summary: dict, path: Path) -> None:
             axis.fill_between(lengths, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
         if len(points) < len(result["perplexity"]):
             axis.plot(lengths[-1:], values[-1:], marker="x", markersize=12, color=line.get_color(), linestyle="")
-            axis.annotate(f"{scheme}: not supported\nbeyond {result['max_length']}", (lengths[-1], values[-1]),
-                          textcoords="offset points", xytext=(8, 8), fontsize=8, color=line.get_color())  # fmt: skip
+            axis.annotate(
+                f"{scheme}: not supported\nbeyond {result['max_length']}",
+                (lengths[-1], values[-1]),
+                textcoords="offset points",
+                xytext=(8, 8),
+                fontsize=8,
+                color=line.get_color(),
+            )
     axis.axvline(
         summary["train_length"], color="grey", linestyle="--", label=f"training length {summary['train_length']}"
     )

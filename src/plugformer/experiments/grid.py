@@ -63,8 +63,9 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
         raise ValueError(f"--stages {' '.join(map(str, stages))}: unknown stage {unknown[0]!r}; stages: {list(STAGES)}")
     options = {stage: stage_options(stage) for stage in stages}
     # a stage that builds a PlugformerConfig (pretrain, seq2seq); nli builds a decomposable model, with flags of its own
-    builder = next((s for s in stages if s in STAGES and STAGES[s].parent is None and "config_overrides" in options[s]),
-                   None)  # fmt: skip
+    builder = next(
+        (s for s in stages if s in STAGES and STAGES[s].parent is None and "config_overrides" in options[s]), None
+    )
     argv = {stage: [] for stage in stages}
     named = {stage: [] for stage in stages}  # the options of keys that name their stage, applied over `argv`
     config_overrides = []
@@ -82,15 +83,19 @@ def route(settings: dict[str, str], stages: list[str]) -> dict[str, list[str]]:
         elif name in config_fields and builder is not None:
             config_overrides.append(f"{name}={value}")
         else:
-            raise ValueError(f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
-                             "PlugformerConfig field set at pretraining")  # fmt: skip
+            raise ValueError(
+                f"{key}={value}: no stage in {stages} has an option {name!r}, and it is not a "
+                "PlugformerConfig field set at pretraining"
+            )
     argv = {stage: override_flags(argv[stage], named[stage]) for stage in stages}
     if config_overrides:
         fields = [item.partition("=")[0].strip() for item in config_overrides]
         twice = sorted({field for field in fields if fields.count(field) > 1})
         if twice:
-            raise ValueError(f"config_overrides {','.join(config_overrides)}: {twice} set more than once (a grid key "
-                             "and --set config_overrides, or twice); set each PlugformerConfig field once")  # fmt: skip
+            raise ValueError(
+                f"config_overrides {','.join(config_overrides)}: {twice} set more than once (a grid key "
+                "and --set config_overrides, or twice); set each PlugformerConfig field once"
+            )
         argv[builder] += ["--config_overrides", ",".join(config_overrides)]
     return argv
 
@@ -103,8 +108,10 @@ def parse_settings(entries: list[str]) -> dict[str, str]:
         if not separator or not key.strip():
             raise ValueError(f"--set {entry!r}: expected KEY=VALUE")
         if key.strip() in settings:
-            raise ValueError(f"--set {key.strip()} given twice (--set {key.strip()}={settings[key.strip()]}, then "
-                             f"--set {entry}); give it once")  # fmt: skip
+            raise ValueError(
+                f"--set {key.strip()} given twice (--set {key.strip()}={settings[key.strip()]}, then "
+                f"--set {entry}); give it once"
+            )
         settings[key.strip()] = value.strip()
     return settings
 
@@ -152,8 +159,11 @@ def refuse_controlled(settings: dict[str, str], source: str) -> None:
         if labelled and source == "--set":
             continue
         if labelled:
-            raise ValueError(f"{source} {key}={value}: variants scored on different data cannot be paired; set "
-                             f"{stage}'s data for every run with --set {key}=...")  # fmt: skip
+            raise ValueError(
+                f"{source} {key}={value}: variants scored on different data cannot be paired; set "
+                f"{stage}'s data for every run with --set {key}=..."
+            )
         if name in CONTROLLED:
-            raise ValueError(f"{source} {key}={value}: compare sets {name!r} itself for every run; use "
-                             f"{CONTROLLED[name]} instead")  # fmt: skip
+            raise ValueError(
+                f"{source} {key}={value}: compare sets {name!r} itself for every run; use {CONTROLLED[name]} instead"
+            )

@@ -68,8 +68,15 @@ def train_command(stage: str, argv: list[str], processes: int, log_dir: Path) ->
     config = Path(log_dir, f"accelerate_{processes}proc.yaml")
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump({**CPU_DATA_PARALLEL, "num_processes": processes}))
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-              "--main_process_port", str(free_port())]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+    ]
     return [*launch, *train]
 
 
@@ -171,8 +178,11 @@ def run_jobs(
                     continue
                 job.log = log_dir / f"{stage}.log"
                 job._log_file = job.log.open("w")
-                print(f"=== {stage}: started on {job.processes} process{'es' if job.processes > 1 else ''} "
-                      f"(log: {job.log})", flush=True)  # fmt: skip
+                print(
+                    f"=== {stage}: started on {job.processes} process{'es' if job.processes > 1 else ''} "
+                    f"(log: {job.log})",
+                    flush=True,
+                )
                 _start_next(job, env)
                 running.append(job)
                 free -= job.processes
@@ -205,8 +215,9 @@ def run_jobs(
                 job.process.kill()
         raise
     if failed:
-        shown = "\n\n".join(f"--- {job.stage} (exit {job.returncode}), last lines of {job.log}:\n{_tail(job.log)}"
-                            for job in failed)  # fmt: skip
+        shown = "\n\n".join(
+            f"--- {job.stage} (exit {job.returncode}), last lines of {job.log}:\n{_tail(job.log)}" for job in failed
+        )
         not_started = f"; not started: {waiting}" if waiting else ""
         raise RuntimeError(f"pipeline stage(s) {[job.stage for job in failed]} failed{not_started}\n{shown}")
     return finished

@@ -58,20 +58,26 @@ class PipelineArguments:
     prompt: str = field(default="What is 27 + 58?", metadata={"help": "question answered by the final model"})
     rlhf_reward: str = field(
         default="reward",
-        metadata={"help": "what rewards the rlhf stage: reward (the reward stage's classifier) or dpo (the dpo stage's "
-                          "implicit reward, beta * (log pi - log pi_ref))"},
-    )  # fmt: skip
+        metadata={
+            "help": "what rewards the rlhf stage: reward (the reward stage's classifier) or dpo (the dpo stage's "
+            "implicit reward, beta * (log pi - log pi_ref))"
+        },
+    )
     matched_stage: str = field(
         default="grpo",
-        metadata={"help": "the stage whose compute the sft_matched baseline matches (with its ancestors down to "
-                          "sft_matched's parent: sft + grpo by default)"},
-    )  # fmt: skip
+        metadata={
+            "help": "the stage whose compute the sft_matched baseline matches (with its ancestors down to "
+            "sft_matched's parent: sft + grpo by default)"
+        },
+    )
     jobs: int = field(
         default=1,
-        metadata={"help": "CPU cores used at once. 1: every stage in this process, one after the other. N > 1: each "
-                          "stage its own process, independent ones side by side, and a stage that is the only one "
-                          "able to run data-parallel over the idle cores (same effective batch)"},
-    )  # fmt: skip
+        metadata={
+            "help": "CPU cores used at once. 1: every stage in this process, one after the other. N > 1: each "
+            "stage its own process, independent ones side by side, and a stage that is the only one "
+            "able to run data-parallel over the idle cores (same effective batch)"
+        },
+    )
 
     def __post_init__(self):
         from ..training.arguments import check_counts
@@ -79,8 +85,9 @@ class PipelineArguments:
         check_counts(self, {"test_examples": 0, "max_new_tokens": 1, "jobs": 1})  # 0 test examples: no scores
         cores = available_cores()
         if self.jobs > cores:  # `--jobs 1000` on 2 cores was accepted: a process per stage, each wanting a core
-            raise ValueError(f"--jobs {self.jobs}: this machine lets plugformer use {cores} CPU cores; expected "
-                             f"1 to {cores}")  # fmt: skip
+            raise ValueError(
+                f"--jobs {self.jobs}: this machine lets plugformer use {cores} CPU cores; expected 1 to {cores}"
+            )
         for stage in STAGES.values():
             for needed in stage.inputs:
                 source = input_source(self, needed)
@@ -121,8 +128,10 @@ def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
     for needed in STAGES[stage].inputs:  # rlhf: the stage that rewards it
         source = input_source(args, needed)
         if source not in args.stages:
-            raise ValueError(f"stage {stage!r} reads the {source!r} stage through {needed.flag} ({needed.option}="
-                             f"{source!r}), which is not in stages={args.stages}")  # fmt: skip
+            raise ValueError(
+                f"stage {stage!r} reads the {source!r} stage through {needed.flag} ({needed.option}="
+                f"{source!r}), which is not in stages={args.stages}"
+            )
         if args.stages.index(source) > args.stages.index(stage):
             raise ValueError(f"stages={args.stages}: {source!r} ({needed.option}) must come before {stage!r}")
         argv += [needed.flag, stage_dir(args, source)]
@@ -144,9 +153,15 @@ def held_out(args: PipelineArguments, stage: str) -> dict:
 def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
     """The `plugformer eval` arguments of a stage's test scores, in this process (`--jobs 1`) or its own (which
     writes them to the stage's own `eval_test.json`, replacing the earlier pipeline run's: `overwrite_output`)."""
-    return EvalArguments(model=stage_dir(args, stage), split="test", examples=args.test_examples,
-                         dataset_seed=args.dataset_seed, max_new_tokens=args.max_new_tokens,
-                         output=str(scores_path(args, stage)), overwrite_output=True)  # fmt: skip
+    return EvalArguments(
+        model=stage_dir(args, stage),
+        split="test",
+        examples=args.test_examples,
+        dataset_seed=args.dataset_seed,
+        max_new_tokens=args.max_new_tokens,
+        output=str(scores_path(args, stage)),
+        overwrite_output=True,
+    )
 
 
 RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json
@@ -172,9 +187,11 @@ def refuse_replaced_weights(folder: Path, stage: str, trained: str) -> None:
     current = weights_sha256(folder)
     if current != trained:
         found = f"weights sha256 {current[:12]}" if current else "no weights"
-        raise ValueError(f"stage {stage!r}: {folder} now holds {found}, but the stage saved weights sha256 "
-                         f"{trained[:12]} ({RECORD}); the pipeline does not reuse replaced weights: restore them, or "
-                         "--rerun true to retrain")  # fmt: skip
+        raise ValueError(
+            f"stage {stage!r}: {folder} now holds {found}, but the stage saved weights sha256 "
+            f"{trained[:12]} ({RECORD}); the pipeline does not reuse replaced weights: restore them, or "
+            "--rerun true to retrain"
+        )
 
 
 def digest_text(digest: str | None) -> str:
@@ -186,12 +203,17 @@ def refuse_changed_files(folder: Path, stage: str, saved: dict[str, str]) -> Non
     from what it saved (`saved`: `model_file_digests` then), with both digests: the same weights under an edited
     config.json (rope -> alibi) or another tokenizer compute something other than what was trained and scored."""
     current = model_file_digests(folder)
-    changed = [f"{name} ({digest_text(saved.get(name))} when it finished, now {digest_text(current.get(name))})"
-               for name in sorted(saved.keys() | current.keys()) if saved.get(name) != current.get(name)]  # fmt: skip
+    changed = [
+        f"{name} ({digest_text(saved.get(name))} when it finished, now {digest_text(current.get(name))})"
+        for name in sorted(saved.keys() | current.keys())
+        if saved.get(name) != current.get(name)
+    ]
     if changed:
-        raise ValueError(f"stage {stage!r}: {folder} changed since the stage finished: {', '.join(changed)} "
-                         f"({RECORD}); the pipeline does not reuse a folder that computes something other than "
-                         "what it trained and scored: restore the file, or --rerun true to retrain")  # fmt: skip
+        raise ValueError(
+            f"stage {stage!r}: {folder} changed since the stage finished: {', '.join(changed)} "
+            f"({RECORD}); the pipeline does not reuse a folder that computes something other than "
+            "what it trained and scored: restore the file, or --rerun true to retrain"
+        )
 
 
 def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
@@ -225,10 +247,15 @@ def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, 
             return "--rerun true", ["--overwrite_output_dir", "true"]
         if saved == record and trained_weights is None:
             return f"retraining: its {RECORD} records no weights sha256 to check the folder's weights against", [
-                "--overwrite_output_dir", "true"]  # fmt: skip
+                "--overwrite_output_dir",
+                "true",
+            ]
         if saved == record and trained_files is None:  # recorded before the config and tokenizer were checked
-            return (f"retraining: its {RECORD} records no sha256 of config.json and the tokenizer files to check the "
-                    "folder's against", ["--overwrite_output_dir", "true"])  # fmt: skip
+            return (
+                f"retraining: its {RECORD} records no sha256 of config.json and the tokenizer files to check the "
+                "folder's against",
+                ["--overwrite_output_dir", "true"],
+            )
         if saved == record:
             refuse_replaced_weights(folder, stage, trained_weights)
             refuse_changed_files(folder, stage, trained_files)
@@ -252,12 +279,16 @@ def validate_stages(args: PipelineArguments) -> None:
         try:
             parse_stage_arguments(stage, stage_argv(args, stage))
         except ValueError as error:
-            raise ValueError(f"--stage_configs {args.stage_configs}: stage {stage!r} "
-                             f"({stage_config(args.stage_configs, stage)}): {error}") from error  # fmt: skip
+            raise ValueError(
+                f"--stage_configs {args.stage_configs}: stage {stage!r} "
+                f"({stage_config(args.stage_configs, stage)}): {error}"
+            ) from error
         except SystemExit as error:  # argparse has printed what it refused; name the stage and its YAML
-            raise ValueError(f"--stage_configs {args.stage_configs}: stage {stage!r} "
-                             f"({stage_config(args.stage_configs, stage)}): its arguments do not "
-                             "parse (argparse's message above says which)") from error  # fmt: skip
+            raise ValueError(
+                f"--stage_configs {args.stage_configs}: stage {stage!r} "
+                f"({stage_config(args.stage_configs, stage)}): its arguments do not "
+                "parse (argparse's message above says which)"
+            ) from error
 
 
 RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run, the speed of the machine and what it ran on
@@ -279,8 +310,12 @@ def run_speed(before: dict, after: dict) -> dict:
     """The rate beside a run, measured before and after it: `matmul_gflops` is their mean, and both are kept (one
     5-product probe read 92 GFLOP/s before a run that took as long as its twin, whose probe read 216)."""
     mean = round((before["matmul_gflops"] + after["matmul_gflops"]) / 2, 1)
-    return {**before, "matmul_gflops": mean, "matmul_gflops_before": before["matmul_gflops"],
-            "matmul_gflops_after": after["matmul_gflops"]}  # fmt: skip
+    return {
+        **before,
+        "matmul_gflops": mean,
+        "matmul_gflops_before": before["matmul_gflops"],
+        "matmul_gflops_after": after["matmul_gflops"],
+    }
 
 
 def run(args: PipelineArguments) -> dict:
@@ -290,8 +325,10 @@ def run(args: PipelineArguments) -> dict:
     validate_stages(args)
     if args.jobs > 1:
         if state.num_processes > 1:
-            raise ValueError(f"--jobs {args.jobs} starts its own processes; run `plugformer pipeline` without "
-                             f"accelerate launch (this is one of {state.num_processes} processes), or with --jobs 1")  # fmt: skip
+            raise ValueError(
+                f"--jobs {args.jobs} starts its own processes; run `plugformer pipeline` without "
+                f"accelerate launch (this is one of {state.num_processes} processes), or with --jobs 1"
+            )
         results = run_side_by_side(args)
     else:
         results = run_in_order(args, state)
@@ -300,12 +337,19 @@ def run(args: PipelineArguments) -> dict:
         report(args, results)
         seconds = time.perf_counter() - started_pipeline
         speed = run_speed(speed, machine_speed())
-        record = {"wall_seconds": round(seconds, 1), "jobs": args.jobs, "seed": args.seed, "machine": speed,
-                  "environment": environment_record(state.num_processes)}  # fmt: skip
+        record = {
+            "wall_seconds": round(seconds, 1),
+            "jobs": args.jobs,
+            "seed": args.seed,
+            "machine": speed,
+            "environment": environment_record(state.num_processes),
+        }
         write_json_atomic(Path(args.output_dir, RUN_RECORD), record, indent=2)
-        print(f"pipeline finished in {seconds:.0f}s (torch.mm here: {speed['matmul_gflops']:.0f} GFLOP/s on "
-              f"{speed['threads']} thread(s), {speed['matmul_gflops_before']:.0f} before the run and "
-              f"{speed['matmul_gflops_after']:.0f} after); results in {args.output_dir}")  # fmt: skip
+        print(
+            f"pipeline finished in {seconds:.0f}s (torch.mm here: {speed['matmul_gflops']:.0f} GFLOP/s on "
+            f"{speed['threads']} thread(s), {speed['matmul_gflops_before']:.0f} before the run and "
+            f"{speed['matmul_gflops_after']:.0f} after); results in {args.output_dir}"
+        )
     return results
 
 
@@ -325,8 +369,10 @@ def run_in_order(args: PipelineArguments, state: PartialState) -> dict:
             if state.is_main_process:
                 write_json_atomic(Path(stage_dir(args, stage), RECORD), finished_record(args, stage, record), indent=2)
         else:
-            print(f"\n=== {stage}: reusing {info_path.parent}: same YAML, seeds and parents (--rerun true retrains)",
-                  flush=True)  # fmt: skip
+            print(
+                f"\n=== {stage}: reusing {info_path.parent}: same YAML, seeds and parents (--rerun true retrains)",
+                flush=True,
+            )
         state.wait_for_everyone()
         if state.is_main_process:
             results[stage] = stage_result(args, stage, results, held_out(args, stage))
@@ -347,8 +393,12 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         stage, _, test = task.partition(".")
         if test:  # held-out scores of a finished stage: the arguments `held_out` uses in-process, as flags
             scoring = held_out_arguments(args, stage)
-            flags = [x for f in fields(scoring) if getattr(scoring, f.name) is not None
-                     for x in (f"--{f.name}", str(getattr(scoring, f.name)))]  # fmt: skip
+            flags = [
+                x
+                for f in fields(scoring)
+                if getattr(scoring, f.name) is not None
+                for x in (f"--{f.name}", str(getattr(scoring, f.name)))
+            ]
             return Job(task, [[sys.executable, "-m", "plugformer", "eval", *flags]])
         argv = stage_argv(args, stage)
         batch = parsed[stage][2].per_device_train_batch_size
@@ -359,8 +409,11 @@ def run_side_by_side(args: PipelineArguments) -> dict:
         record.update({"processes": processes} if processes > 1 else {})
         decision = plan_stage(args, stage, record)
         if decision is None:
-            print(f"\n=== {stage}: reusing {stage_dir(args, stage)}: same YAML, seeds and parents (--rerun true "
-                  "retrains)", flush=True)  # fmt: skip
+            print(
+                f"\n=== {stage}: reusing {stage_dir(args, stage)}: same YAML, seeds and parents (--rerun true "
+                "retrains)",
+                flush=True,
+            )
             return Job(stage, [], processes=processes)  # as it trained (its record says so)
         why, flags = decision
         print(f"\n=== {stage} ({why}): plugformer train {stage} {' '.join(argv + flags)}", flush=True)
@@ -403,8 +456,11 @@ def stage_result(args: PipelineArguments, stage: str, results: dict, held: dict,
         result["dev_pass_at_k"] = info["dev_pass_at_k"]
     if "selection" in info:
         selection = info["selection"]  # its signal: exact match on answers, else the stage's own (DPO's accuracy, ...)
-        result["selection"] = {"signal": selection.get("signal", "dev_exact_match"), "selected": selection["selected"],
-                               "last": selection["last"]}  # fmt: skip
+        result["selection"] = {
+            "signal": selection.get("signal", "dev_exact_match"),
+            "selected": selection["selected"],
+            "last": selection["last"],
+        }
     if processes > 1:
         result["processes"] = processes
     return result
@@ -416,8 +472,11 @@ def report(args: PipelineArguments, results: dict) -> None:
     from transformers import pipeline
 
     # what "held out" means is the data's: the embedded tasks split by fact, sentence, date or premise; user data by row
-    heading = (f"held-out test split ({args.test_examples} examples per stage)"
-               if args.test_examples else "no held-out test scores (--test_examples 0)")  # fmt: skip
+    heading = (
+        f"held-out test split ({args.test_examples} examples per stage)"
+        if args.test_examples
+        else "no held-out test scores (--test_examples 0)"
+    )
     lines = [
         f"{heading}, seed {args.seed}",
         "",
@@ -430,8 +489,10 @@ def report(args: PipelineArguments, results: dict) -> None:
         if "pretraining_format" in result:  # a pretrained model, also asked as its corpus asks
             match += f"; {result['pretraining_format']['exact_match']:.1%} asked as in pretraining"
         form = f"{result['format']:.1%}" if "format" in result else "—"
-        row = (f"| {stage} | {STAGES[stage].parent or '—'} | {result['train_seconds']:.0f} | {match} | "
-               f"{gain_text(result.get('gain'))} | {baseline_gains_text(result)} | {form} | {other_text(result)} |")  # fmt: skip
+        row = (
+            f"| {stage} | {STAGES[stage].parent or '—'} | {result['train_seconds']:.0f} | {match} | "
+            f"{gain_text(result.get('gain'))} | {baseline_gains_text(result)} | {form} | {other_text(result)} |"
+        )
         lines.append(row)
     if any(result.get("compute") for result in results.values()):
         lines += ["", COMPUTE_RULE]
@@ -445,8 +506,10 @@ def report(args: PipelineArguments, results: dict) -> None:
     final = stage_dir(args, generating[-1])
     generator = pipeline("text-generation", model=final)
     reply = generator([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens, do_sample=False)
-    print(f"\npipeline('text-generation', model={final!r}):\n  user: {args.prompt}\n  assistant: "
-          f"{reply[0]['generated_text'][-1]['content']!r}")  # fmt: skip
+    print(
+        f"\npipeline('text-generation', model={final!r}):\n  user: {args.prompt}\n  assistant: "
+        f"{reply[0]['generated_text'][-1]['content']!r}"
+    )
 
 
 def main(argv: list[str]) -> dict:

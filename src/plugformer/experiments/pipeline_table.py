@@ -23,18 +23,23 @@ def gain_over_parent(results: dict, stage: str) -> dict | None:
 def gain_text(gain: dict | None) -> str:
     if gain is None:
         return "—"
-    return (f"{gain['difference'] * 100:+.1f} ({gain['low'] * 100:+.1f}, {gain['high'] * 100:+.1f}), "
-            f"p {gain['p_value']:.3g}")  # fmt: skip
+    return (
+        f"{gain['difference'] * 100:+.1f} ({gain['low'] * 100:+.1f}, {gain['high'] * 100:+.1f}), "
+        f"p {gain['p_value']:.3g}"
+    )
 
 
 def other_text(result: dict) -> str:
     parts = []
     if "macro_f1" in result:  # a classifier's (classify), on its own held-out rows
-        parts.append(f"accuracy {result['accuracy']:.1%}, macro F1 {result['macro_f1']:.3f} ({result['examples']} "
-                     "held-out rows)")  # fmt: skip
+        parts.append(
+            f"accuracy {result['accuracy']:.1%}, macro F1 {result['macro_f1']:.3f} ({result['examples']} held-out rows)"
+        )
     if "chrf" in result:  # an encoder-decoder's (seq2seq), on its own held-out pairs
-        parts.append(f"chrF {result['chrf']:.1f}, target perplexity {result['perplexity']:.3f} ({result['examples']} "
-                     "held-out pairs)")  # fmt: skip
+        parts.append(
+            f"chrF {result['chrf']:.1f}, target perplexity {result['perplexity']:.3f} ({result['examples']} "
+            "held-out pairs)"
+        )
     if "pairwise_accuracy" in result:
         parts.append(f"pairwise accuracy {result['pairwise_accuracy']:.1%}")
     if result.get("implicit_reward_pairwise_accuracy") is not None:
@@ -53,6 +58,8 @@ def other_text(result: dict) -> str:
         selection = result["selection"]
         chosen, last, signal = selection["selected"], selection["last"], selection["signal"]
         value = "{:.1%}" if signal.endswith(("exact_match", "accuracy")) else "{:.3f}"
-        parts.append(f"dev ({signal}): step {chosen['step']} selected ({value.format(chosen[signal])}), "
-                     f"last step {last['step']} {value.format(last[signal])}")  # fmt: skip
+        parts.append(
+            f"dev ({signal}): step {chosen['step']} selected ({value.format(chosen[signal])}), "
+            f"last step {last['step']} {value.format(last[signal])}"
+        )
     return "; ".join(parts)

@@ -35,11 +35,15 @@ def load_runs(directories: list[str]) -> list[dict]:
         for earlier in range(later):
             why = same_run(directories[earlier], directories[later])
             if why is not None:
-                raise ValueError(f"plugformer seeds: {directories[earlier]} and {directories[later]} are the same run "
-                                 f"({why}): give each run once; intervals and tests over seeds count distinct runs")  # fmt: skip
+                raise ValueError(
+                    f"plugformer seeds: {directories[earlier]} and {directories[later]} are the same run "
+                    f"({why}): give each run once; intervals and tests over seeds count distinct runs"
+                )
     if len(runs) < 2:
-        raise ValueError(f"plugformer seeds: {len(runs)} run given ({', '.join(directories)}); intervals and paired "
-                         "tests over seeds need at least two distinct runs (pipeline runs with different --seed)")  # fmt: skip
+        raise ValueError(
+            f"plugformer seeds: {len(runs)} run given ({', '.join(directories)}); intervals and paired "
+            "tests over seeds need at least two distinct runs (pipeline runs with different --seed)"
+        )
     check_test_sets(runs, directories)
     return runs
 
@@ -91,10 +95,12 @@ def check_test_sets(runs: list[dict], directories: list[str]) -> None:
             if (size != first_size and None not in (size, first_size)) or (
                 digest != first_digest and None not in (digest, first_digest)
             ):
-                raise ValueError(f"plugformer seeds: stage {stage!r} was scored on different test sets: "
-                                 f"{present[0][1]} {_test_set_text(first_size, first_digest)}, {directory} "
-                                 f"{_test_set_text(size, digest)}; score every run with the same --test_examples "
-                                 "and --dataset_seed")  # fmt: skip
+                raise ValueError(
+                    f"plugformer seeds: stage {stage!r} was scored on different test sets: "
+                    f"{present[0][1]} {_test_set_text(first_size, first_digest)}, {directory} "
+                    f"{_test_set_text(size, digest)}; score every run with the same --test_examples "
+                    "and --dataset_seed"
+                )
 
 
 def _test_set_text(size: int | None, digest: str | None) -> str:
@@ -178,8 +184,10 @@ def wall_times(directories: list[str]) -> str | None:
         path = Path(directory, RUN_RECORD)
         if path.is_file():
             record = json.loads(path.read_text())
-            parts.append(f"{Path(directory).name} {record['wall_seconds']:.0f} s "
-                         f"({record['machine']['matmul_gflops']:.0f} GFLOP/s)")  # fmt: skip
+            parts.append(
+                f"{Path(directory).name} {record['wall_seconds']:.0f} s "
+                f"({record['machine']['matmul_gflops']:.0f} GFLOP/s)"
+            )
     return "wall time per run (torch.mm rate of the machine): " + ", ".join(parts) if parts else None
 
 
@@ -199,8 +207,10 @@ def machines(directories: list[str]) -> str | None:
         return None
     if len(set(texts.values())) == 1 and len(texts) == len(directories):
         return f"every run on {next(iter(texts.values()))}"
-    return ("runs on different or unrecorded machines (the spread mixes seeds and machines' floating-point "
-            "rounding): " + "; ".join(f"{name} {text}" for name, text in texts.items()))  # fmt: skip
+    return (
+        "runs on different or unrecorded machines (the spread mixes seeds and machines' floating-point "
+        "rounding): " + "; ".join(f"{name} {text}" for name, text in texts.items())
+    )
 
 
 def main(argv: list[str]) -> str:
@@ -209,8 +219,9 @@ def main(argv: list[str]) -> str:
 
     from ..runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
 
-    parser = argparse.ArgumentParser(prog="plugformer seeds", description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog=REPEATED_FLAGS_RULE)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="plugformer seeds", description=__doc__.split("\n")[0], allow_abbrev=False, epilog=REPEATED_FLAGS_RULE
+    )
     parser.add_argument("directories", nargs="+", help="pipeline output directories, each holding results.json")
     parser.add_argument("--output", default=None, help="also write the table to this markdown file")
     args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))

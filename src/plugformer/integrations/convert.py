@@ -33,8 +33,10 @@ def check_output_dir(source: str | Path, output_dir: str | Path) -> None:
     (`training.outputs.claim_folder`)."""
     source, output = Path(source).resolve(), Path(output_dir).resolve()
     if output == source or source in output.parents:
-        raise ValueError(f"output_dir={str(output_dir)!r} is {'the source' if output == source else 'inside the source'} "
-                         f"{str(source)!r}: converting would overwrite or mix with it; choose a folder outside it")  # fmt: skip
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} is {'the source' if output == source else 'inside the source'} "
+            f"{str(source)!r}: converting would overwrite or mix with it; choose a folder outside it"
+        )
     if output.exists() and not output.is_dir():
         raise ValueError(f"output_dir={str(output_dir)!r} is an existing file, not a folder; choose a new folder")
 
@@ -70,8 +72,9 @@ def convert(
     # refused while another run or model is there, or a live run; a failure hands the folder back for a retry
     with claimed_folder(str(output_dir), "convert", overwrite):
         model = build_converted(source, config, to_weights, overrides)
-        with naming_a_full_disk(output_dir, "the converted model", f"its partly written files are removed; the "
-                                f"source {source} is untouched"):  # fmt: skip
+        with naming_a_full_disk(
+            output_dir, "the converted model", f"its partly written files are removed; the source {source} is untouched"
+        ):
             model.save_pretrained(output_dir)
         weights_with_umask_mode(output_dir)  # safetensors writes 0600: a shared folder stays readable
     return model
@@ -85,20 +88,26 @@ def source_checkpoint_config(source: str | Path) -> PreTrainedConfig:
 
     path = Path(source).expanduser()
     if path.exists() and not path.is_dir():
-        raise ValueError(f"convert {source}: a file, not a folder; give a transformers checkpoint folder "
-                         "(config.json and the weights)")  # fmt: skip
+        raise ValueError(
+            f"convert {source}: a file, not a folder; give a transformers checkpoint folder "
+            "(config.json and the weights)"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"convert {source}: the folder holds no config.json, so it is no transformers checkpoint; "
-                         "give the folder save_pretrained wrote")  # fmt: skip
+        raise ValueError(
+            f"convert {source}: the folder holds no config.json, so it is no transformers checkpoint; "
+            "give the folder save_pretrained wrote"
+        )
     if not path.exists() and looks_local(source):
         raise ValueError(f"convert {source}: no such folder ({path.absolute()}); give a transformers checkpoint folder")
     try:
         return AutoConfig.from_pretrained(path if path.exists() else source)
     except OSError as error:  # a Hub id: not found, or offline and not in the local cache
         offline = " and the Hugging Face Hub is offline (plugformer sets HF_HUB_OFFLINE=1 unless you set it)"
-        raise ValueError(f"convert {source}: no local folder of that name{offline if constants.HF_HUB_OFFLINE else ''}"
-                         f", and no Hub checkpoint could be read ({' '.join(str(error).split())[:200]}); give a "
-                         "transformers checkpoint folder") from error  # fmt: skip
+        raise ValueError(
+            f"convert {source}: no local folder of that name{offline if constants.HF_HUB_OFFLINE else ''}"
+            f", and no Hub checkpoint could be read ({' '.join(str(error).split())[:200]}); give a "
+            "transformers checkpoint folder"
+        ) from error
 
 
 def converted_config(source: str | Path, overrides: dict[str, Any]) -> tuple[PlugformerConfig, Callable]:
@@ -129,8 +138,15 @@ def build_converted(source, config: PlugformerConfig, to_weights: Callable, over
         raise RuntimeError(f"conversion bug: missing {missing}, unexpected {unexpected}")
     if missing or unexpected:
         fresh = [name for name in missing if name not in resized]
-        logger.warning("after overrides %s: %d source tensors of another shape initialised anew %s; newly "
-                       "initialised %s; dropped %s", overrides, len(resized), resized, fresh, unexpected)  # fmt: skip
+        logger.warning(
+            "after overrides %s: %d source tensors of another shape initialised anew %s; newly "
+            "initialised %s; dropped %s",
+            overrides,
+            len(resized),
+            resized,
+            fresh,
+            unexpected,
+        )
     model.generation_config = reference.generation_config
     model.eval()
     return model

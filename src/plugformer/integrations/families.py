@@ -123,8 +123,10 @@ def gemma2_config(source: PreTrainedConfig) -> dict[str, Any]:
     times sqrt(hidden_size), capped attention and head logits, GeGLU (`hidden_activation`), sliding layers where its
     `layer_types` says; its query scale `query_pre_attn_scalar`^-1/2 is folded into `q_proj` (`gemma2_weights`)."""
     if getattr(source, "use_bidirectional_attention", None):
-        raise ValueError("model_type='gemma2' with use_bidirectional_attention=True (an embedding model): plugformer "
-                         "converts Gemma 2's causal language models")  # fmt: skip
+        raise ValueError(
+            "model_type='gemma2' with use_bidirectional_attention=True (an embedding model): plugformer "
+            "converts Gemma 2's causal language models"
+        )
     return {
         **llama_config(source, rope_parameters=dict(source.rope_parameters)),
         "norm_placement": "sandwich",
@@ -161,17 +163,21 @@ def gemma2_weights(state: StateDict, config: PlugformerConfig, source: PreTraine
 def phi_config(source: PreTrainedConfig) -> dict[str, Any]:
     """Phi-1 and Phi-2 run attention and the MLP in parallel on one LayerNorm's output and add both to the residual;
     plugformer's blocks are sequential: refused (Phi-3 and Phi-4-mini, `model_type` phi3, convert)."""
-    raise ValueError("model_type='phi' (Phi-1, Phi-2): its blocks add attention and the MLP computed in parallel from "
-                     "one LayerNorm, which plugformer's sequential blocks cannot reproduce; Phi-3 and later "
-                     "(model_type 'phi3') convert")  # fmt: skip
+    raise ValueError(
+        "model_type='phi' (Phi-1, Phi-2): its blocks add attention and the MLP computed in parallel from "
+        "one LayerNorm, which plugformer's sequential blocks cannot reproduce; Phi-3 and later "
+        "(model_type 'phi3') convert"
+    )
 
 
 def gpt_oss_config(source: PreTrainedConfig) -> dict[str, Any]:
     """gpt-oss: attention sinks and alternating sliding layers plugformer has, but every layer's MLP is a
     mixture of experts (with a clamped SwiGLU), which it has not: refused."""
-    raise ValueError(f"model_type='gpt_oss': every layer's MLP is a mixture of {source.num_local_experts} experts, "
-                     "which plugformer has not (its MLPs are dense); its attention (sinks, sliding layers) is "
-                     "available as use_attention_sinks and sliding_window/layer_types on a new model")  # fmt: skip
+    raise ValueError(
+        f"model_type='gpt_oss': every layer's MLP is a mixture of {source.num_local_experts} experts, "
+        "which plugformer has not (its MLPs are dense); its attention (sinks, sliding layers) is "
+        "available as use_attention_sinks and sliding_window/layer_types on a new model"
+    )
 
 
 def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
@@ -180,12 +186,16 @@ def qwen3_next_config(source: PreTrainedConfig) -> dict[str, Any]:
     layers have no plugformer equivalent: refused."""
     other = [i for i, kind in enumerate(source.layer_types) if kind not in ("full_attention", "linear_attention")]
     if other:
-        raise ValueError(f"layer_types of Qwen3-Next has {source.layer_types[other[0]]!r} layers {other}; plugformer "
-                         "converts only 'full_attention' and 'linear_attention' layers")  # fmt: skip
+        raise ValueError(
+            f"layer_types of Qwen3-Next has {source.layer_types[other[0]]!r} layers {other}; plugformer "
+            "converts only 'full_attention' and 'linear_attention' layers"
+        )
     sparse = [i for i in range(source.num_hidden_layers) if i not in source.mlp_only_layers]
     if sparse and source.num_experts > 0:
-        raise ValueError(f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
-                         "plugformer converts Qwen3-Next only with a dense MLP in every layer")  # fmt: skip
+        raise ValueError(
+            f"mlp_only_layers={source.mlp_only_layers} leaves layers {sparse} mixture-of-experts; "
+            "plugformer converts Qwen3-Next only with a dense MLP in every layer"
+        )
     # unlike Llama's, Qwen3-Next's RoPE honours `partial_rotary_factor` (a quarter of each head by default): kept whole
     config = llama_config(source, rope_parameters=dict(source.rope_parameters))
     return {**config, "use_qk_norm": True, "use_gated_attention": True, **_qwen3_next_linear_fields(source)}
@@ -195,8 +205,13 @@ def _qwen3_next_linear_fields(source: PreTrainedConfig) -> dict[str, Any]:
     """`layer_types` and the Gated DeltaNet's fields (same names in both configs), where linear layers exist."""
     if "linear_attention" not in source.layer_types:
         return {}
-    fields = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-              "linear_num_value_heads")  # fmt: skip
+    fields = (
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    )
     return {"layer_types": list(source.layer_types), **{name: getattr(source, name) for name in fields}}
 
 
@@ -222,11 +237,16 @@ def llama_rope_parameters(source: PreTrainedConfig) -> dict[str, Any]:
         return rope
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"rope_parameters partial_rotary_factor={factor} with rope_type={rope_type!r}: transformers' "
-                         "Llama computes that share of the frequencies but rotates the whole head, which convert "
-                         "cannot reproduce; remove the field from the source's config.json")  # fmt: skip
-    logger.warning("partial_rotary_factor=%s not carried over: transformers' Llama ignores it with rope_type 'default' "
-                   "(it rotates all of head_dim), and so does the converted model", factor)  # fmt: skip
+        raise ValueError(
+            f"rope_parameters partial_rotary_factor={factor} with rope_type={rope_type!r}: transformers' "
+            "Llama computes that share of the frequencies but rotates the whole head, which convert "
+            "cannot reproduce; remove the field from the source's config.json"
+        )
+    logger.warning(
+        "partial_rotary_factor=%s not carried over: transformers' Llama ignores it with rope_type 'default' "
+        "(it rotates all of head_dim), and so does the converted model",
+        factor,
+    )
     return rope
 
 

@@ -65,8 +65,17 @@ def register_vllm_kernel() -> None:
     (`num_key_value_heads` of `head_dim`: multi-head latent attention is refused). Not `available` outside vLLM's
     engine, so no suite or `supported_kernels` picks it."""
     if VLLM_KERNEL not in KERNELS:
-        KERNELS.register(KernelSpec(VLLM_KERNEL, scores="dot_product", bias="none", sliding_window=False,
-                                    windows_layer_types=True, head_shapes=False, available=lambda: False))  # fmt: skip
+        KERNELS.register(
+            KernelSpec(
+                VLLM_KERNEL,
+                scores="dot_product",
+                bias="none",
+                sliding_window=False,
+                windows_layer_types=True,
+                head_shapes=False,
+                available=lambda: False,
+            )
+        )
 
 
 def register_alibi_kernel() -> None:
@@ -97,11 +106,15 @@ def refuse_unsupported_layers(config: PlugformerConfig) -> None:
     here)."""
     linear = [i for i, kind in enumerate(config.layer_types or ()) if kind == "linear_attention"]
     if linear:
-        raise ValueError(f"layer_types has 'linear_attention' layers {linear}, whose recurrent state vLLM's "
-                         "Transformers backend does not keep: serve this model with transformers' generate()")  # fmt: skip
+        raise ValueError(
+            f"layer_types has 'linear_attention' layers {linear}, whose recurrent state vLLM's "
+            "Transformers backend does not keep: serve this model with transformers' generate()"
+        )
     if config.final_logit_softcapping is not None:
-        raise ValueError(f"final_logit_softcapping={config.final_logit_softcapping}: vLLM computes the logits with its "
-                         "own head, whose cap is not verified for plugformer: serve with transformers' generate()")  # fmt: skip
+        raise ValueError(
+            f"final_logit_softcapping={config.final_logit_softcapping}: vLLM computes the logits with its "
+            "own head, whose cap is not verified for plugformer: serve with transformers' generate()"
+        )
 
 
 _PRIVATE_DECODER: type | None = None
@@ -113,8 +126,9 @@ def private_decoder_class() -> type:
     if _PRIVATE_DECODER is None:
         from ..modeling import PlugformerModel
 
-        _PRIVATE_DECODER = type("PlugformerModel", (PlugformerModel,), {"__module__": __name__,
-                                                                         "__qualname__": "PlugformerModel"})  # fmt: skip
+        _PRIVATE_DECODER = type(
+            "PlugformerModel", (PlugformerModel,), {"__module__": __name__, "__qualname__": "PlugformerModel"}
+        )
     return _PRIVATE_DECODER
 
 

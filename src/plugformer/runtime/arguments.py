@@ -50,8 +50,10 @@ def config_path(path: str | Path, flag: str = "--config") -> str:
     if shipped is not None and shipped.is_file():
         return str(shipped)
     where = f"{Path.cwd()}" + (f" or among the shipped configs in {SHIPPED_CONFIGS}" if shipped else "")
-    raise FileNotFoundError(f"{flag} {path}: no such file (looked in {where}); the shipped YAMLs are named "
-                            "configs/<stage>/<name>.yaml and configs/demo.yaml (accelerate's: `plugformer accelerate-config`)")  # fmt: skip
+    raise FileNotFoundError(
+        f"{flag} {path}: no such file (looked in {where}); the shipped YAMLs are named "
+        "configs/<stage>/<name>.yaml and configs/demo.yaml (accelerate's: `plugformer accelerate-config`)"
+    )
 
 
 def stage_config(template: str, stage: str) -> str:
@@ -65,8 +67,10 @@ def stage_config(template: str, stage: str) -> str:
     try:
         return template.format(stage=stage)
     except (KeyError, IndexError, ValueError, AttributeError) as error:
-        raise ValueError(f"--stage_configs {template!r}: {type(error).__name__} {error} in its placeholders; the "
-                         "only placeholder is {stage} (e.g. configs/{stage}/tiny.yaml)") from None  # fmt: skip
+        raise ValueError(
+            f"--stage_configs {template!r}: {type(error).__name__} {error} in its placeholders; the "
+            "only placeholder is {stage} (e.g. configs/{stage}/tiny.yaml)"
+        ) from None
 
 
 def load_yaml(path: str | Path, allowed: set[str], classes: tuple[type, ...] = ()) -> dict:
@@ -113,8 +117,10 @@ def check_yaml_types(
     for key, value in values.items():
         if key in hints and not _matches(value, hints[key]):
             hint = " (YAML reads unquoted yes/no/on/off as booleans: quote it)" if isinstance(value, bool) else ""
-            raise ValueError(f"--config {path}: {key}: {value!r} is a YAML {_yaml_type(value)}; expected "
-                             f"{_type_name(hints[key])}{hint}")  # fmt: skip
+            raise ValueError(
+                f"--config {path}: {key}: {value!r} is a YAML {_yaml_type(value)}; expected "
+                f"{_type_name(hints[key])}{hint}"
+            )
 
 
 def _origin(hint) -> tuple[Any, tuple]:
@@ -383,16 +389,20 @@ def naming_the_option(error: Exception, argv: list[str]) -> ValueError | None:
     """
     given = option_values(argv)
     text = " ".join(str(error).split())
-    if any(re.search(rf"{re.escape(name)}\b", text) or re.search(rf"\b{re.escape(name[2:])}\b", text)
-           for name, _ in given):  # fmt: skip
+    if any(
+        re.search(rf"{re.escape(name)}\b", text) or re.search(rf"\b{re.escape(name[2:])}\b", text) for name, _ in given
+    ):
         return None
     if isinstance(error, OverflowError):
         fits = [
             (name, value) for name, value in given if value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan")
         ]
     else:
-        fits = [(name, value) for name, value in given
-                if re.search(rf"(?<![\w.+-]){re.escape(value)}(?!\w|\.\d)", text) or (not value and "''" in text)]  # fmt: skip
+        fits = [
+            (name, value)
+            for name, value in given
+            if re.search(rf"(?<![\w.+-]){re.escape(value)}(?!\w|\.\d)", text) or (not value and "''" in text)
+        ]
     if len(fits) != 1:
         return None
     name, value = fits[0]

@@ -87,5 +87,7 @@ def environment_text(record: dict) -> str:
     2024.2), 1 thread`."""
     threads = record.get("torch_threads")
     blas = f" ({record['blas']})" if record.get("blas") else ""
-    return (f"{record.get('cpu') or 'an unnamed CPU'} ({record.get('cpu_capability')}), torch {record.get('torch')}"
-            f"{blas}" + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""))  # fmt: skip
+    return (
+        f"{record.get('cpu') or 'an unnamed CPU'} ({record.get('cpu_capability')}), torch {record.get('torch')}"
+        f"{blas}" + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+    )

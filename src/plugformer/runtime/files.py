@@ -82,8 +82,10 @@ def naming_a_full_disk(path: str | Path, what: str, intact: str | Callable[[], s
 def disk_full(path: str | Path, what: str, intact: str, cause: BaseException) -> DiskFullError:
     free, folder = free_space(path)
     reason = "disk quota exceeded" if getattr(cause, "errno", None) == errno.EDQUOT else "No space left on device"
-    message = (f"writing {what} to {path}: the disk is full ({reason}); {size_text(free)} free on the file system of "
-               f"{folder}" + (f"; {intact}" if intact else ""))  # fmt: skip
+    message = (
+        f"writing {what} to {path}: the disk is full ({reason}); {size_text(free)} free on the file system of "
+        f"{folder}" + (f"; {intact}" if intact else "")
+    )
     return DiskFullError(getattr(cause, "errno", None) or errno.ENOSPC, message)
 
 
@@ -119,8 +121,10 @@ def model_source_problem(source: str) -> str | None:
     except HFValidationError:
         return f"{source!r} is neither a local folder nor a Hub id (org/name: letters, digits, '-', '_', '.')"
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(source, "config.json"), str):
-        return (f"{source} is no local folder, and as a Hub id it is not in the local cache while the Hub is offline "
-                "(plugformer sets HF_HUB_OFFLINE=1 unless you set it; HF_HUB_OFFLINE=0 downloads)")  # fmt: skip
+        return (
+            f"{source} is no local folder, and as a Hub id it is not in the local cache while the Hub is offline "
+            "(plugformer sets HF_HUB_OFFLINE=1 unless you set it; HF_HUB_OFFLINE=0 downloads)"
+        )
     return None
 
 

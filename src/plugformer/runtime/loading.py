@@ -36,7 +36,9 @@ def load_checked(auto_class, path: str | Path, **kwargs):
             shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
             problems.append(f"{kind.replace('_keys', '')}: {shown}")
     if problems:
-        raise ValueError(f"{path}: the checkpoint does not match its model ({'; '.join(problems)}); a missing "
-                         "tensor would be freshly initialised and an unexpected one ignored: it is damaged or "
-                         "another model's")  # fmt: skip
+        raise ValueError(
+            f"{path}: the checkpoint does not match its model ({'; '.join(problems)}); a missing "
+            "tensor would be freshly initialised and an unexpected one ignored: it is damaged or "
+            "another model's"
+        )
     return model

@@ -23,8 +23,10 @@ def _span(text: str, path: str | Path, name: str) -> tuple[int, int]:
     begin_line, end_line = markers(name)
     counts = {marker: text.count(marker) for marker in (begin_line, end_line)}
     if counts != {begin_line: 1, end_line: 1}:
-        raise ValueError(f"{path}: expected one line {begin_line} and one line {end_line}, found {counts[begin_line]} "
-                         f"and {counts[end_line]}")  # fmt: skip
+        raise ValueError(
+            f"{path}: expected one line {begin_line} and one line {end_line}, found {counts[begin_line]} "
+            f"and {counts[end_line]}"
+        )
     begin, end = text.index(begin_line) + len(begin_line), text.index(end_line)
     if end < begin:
         raise ValueError(f"{path}: {end_line} comes before {begin_line}")

@@ -67,8 +67,10 @@ def summary(variant: type) -> str:
     """The first paragraph of `variant`'s own docstring (not one it inherits), on one line."""
     doc = variant.__dict__.get("__doc__")
     if not doc or not doc.strip():
-        raise ValueError(f"{variant.__name__} has no docstring of its own: its first paragraph describes it in the "
-                         "README's variant table")  # fmt: skip
+        raise ValueError(
+            f"{variant.__name__} has no docstring of its own: its first paragraph describes it in the "
+            "README's variant table"
+        )
     return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
 
 

@@ -33,10 +33,12 @@ class YamlLoader(yaml.SafeLoader):
                 key = self.construct_object(key_node)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
+                        None,
+                        None,
+                        f"key {key!r} is given twice (lines {seen[key] + 1} and "
                         f"{key_node.start_mark.line + 1}); PyYAML would keep the last silently: keep one",
                         key_node.start_mark,
-                    )  # fmt: skip
+                    )
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -85,8 +87,10 @@ def load_yaml_text(text: str, source: str) -> Any:
             return None
         values = _expanded_values(node, {})
         if values > MAX_YAML_VALUES:
-            raise ValueError(f"{source}: its aliases expand to {values} values (at most {MAX_YAML_VALUES}); an alias "
-                             "bomb? write the values out")  # fmt: skip
+            raise ValueError(
+                f"{source}: its aliases expand to {values} values (at most {MAX_YAML_VALUES}); an alias "
+                "bomb? write the values out"
+            )
         return loader.construct_document(node)
     except yaml.YAMLError as error:
         message = " ".join(str(error).split())
@@ -111,6 +115,8 @@ def read_yaml(path: str | Path) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"--config {path}: not UTF-8 text (byte {raw[error.start : error.start + 1]!r} at offset "
-                         f"{error.start}); save it as UTF-8") from None  # fmt: skip
+        raise ValueError(
+            f"--config {path}: not UTF-8 text (byte {raw[error.start : error.start + 1]!r} at offset "
+            f"{error.start}); save it as UTF-8"
+        ) from None
     return load_yaml_text(text, f"--config {path}")

@@ -58,8 +58,13 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     prog = f"plugformer train {stage}"
     # never abbreviated (`--max_step 1` is not `--max_steps 1`); a repeated list option accumulates, any other
     # repeated option is refused (a key of the --config YAML given on the command line is no repeat: it wins)
-    parser = StageParser((entry.script_arguments, ModelConfig, entry.config_type()), prog=prog, allow_abbrev=False,
-                         description=entry.description, epilog=STAGE_FLAGS_RULE)  # fmt: skip
+    parser = StageParser(
+        (entry.script_arguments, ModelConfig, entry.config_type()),
+        prog=prog,
+        allow_abbrev=False,
+        description=entry.description,
+        epilog=STAGE_FLAGS_RULE,
+    )
     accept_renamed_trainer_options(parser)
     if deepspeed_on_cpu():
         # DeepSpeed's CPU accelerator (configs/accelerate/cpu_zero2.yaml, cpu_zero3.yaml): use_cpu would make accelerate
@@ -153,8 +158,9 @@ def check_stage_yaml(path: str, classes) -> None:
     if isinstance(values, dict):
         if not isinstance(values.get("env", {}), dict):
             raise ValueError(f"--config {path}: env: {values['env']!r}: expected a mapping of variable: value")
-        check_yaml_types(path, {k: v for k, v in values.items() if k != "env"}, tuple(classes),
-                         aliases=trainer_option_aliases())  # fmt: skip
+        check_yaml_types(
+            path, {k: v for k, v in values.items() if k != "env"}, tuple(classes), aliases=trainer_option_aliases()
+        )
 
 
 def run_stage(stage: str, argv: list[str]) -> dict:

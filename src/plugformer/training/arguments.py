@@ -20,9 +20,11 @@ class StageArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "datasets.load_dataset source (local dir, json/csv/text/parquet with --data_files, Hub id); "
-                          "default: the embedded arithmetic generator"},
-    )  # fmt: skip
+        metadata={
+            "help": "datasets.load_dataset source (local dir, json/csv/text/parquet with --data_files, Hub id); "
+            "default: the embedded arithmetic generator"
+        },
+    )
     dataset_config: str | None = field(default=None, metadata={"help": "the dataset's configuration name"})
     data_files: list[str] | None = field(default=None, metadata={"help": "local files for a builder such as json"})
     train_examples: int = field(default=4000, metadata={"help": "embedded generator: training examples"})
@@ -32,59 +34,82 @@ class StageArguments:
     )
     held_out_fraction: float = field(
         default=HELD_OUT_FRACTION,
-        metadata={"help": "your data: dev and test carved from train each hold at most this share of its distinct rows "
-                          "(at least 1 from 1/share rows on), --dev_examples / --test_examples being the most; 1: "
-                          "those counts as given (refused where train keeps no row)"},
-    )  # fmt: skip
+        metadata={
+            "help": "your data: dev and test carved from train each hold at most this share of its distinct rows "
+            "(at least 1 from 1/share rows on), --dev_examples / --test_examples being the most; 1: "
+            "those counts as given (refused where train keeps no row)"
+        },
+    )
     dataset_seed: int = field(default=0, metadata={"help": "seed of the embedded generator and of carved splits"})
     rename_columns: str | None = field(
         default=None,
-        metadata={"help": "your data's columns under the names the stage reads, OLD=NEW pairs: "
-                          "'document=source,summary=target', 'question=prompt', 'content=text'"},
-    )  # fmt: skip
+        metadata={
+            "help": "your data's columns under the names the stage reads, OLD=NEW pairs: "
+            "'document=source,summary=target', 'question=prompt', 'content=text'"
+        },
+    )
     keep_duplicates: bool = field(
         default=False,
-        metadata={"help": "your data: keep the training rows identical to a dev or test row (by default they are "
-                          "dropped, counted in run_info.json and the card: a held-out row's twin in train leaks it)"},
-    )  # fmt: skip
+        metadata={
+            "help": "your data: keep the training rows identical to a dev or test row (by default they are "
+            "dropped, counted in run_info.json and the card: a held-out row's twin in train leaks it)"
+        },
+    )
     direct_answer_fraction: float = field(
         default=0.0,
-        metadata={"help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "
-                          "give the bare answer ('#### 432') without the working, as writers who skip steps do; in "
-                          "pretraining, of the corpus's problems told without the column method (a bare answer, or "
-                          "the one-digit facts alone in random order)"},
-    )  # fmt: skip
+        metadata={
+            "help": "embedded generator: the fraction of SFT answers and of rejected preference answers that "
+            "give the bare answer ('#### 432') without the working, as writers who skip steps do; in "
+            "pretraining, of the corpus's problems told without the column method (a bare answer, or "
+            "the one-digit facts alone in random order)"
+        },
+    )
     exact_match_examples: int = field(
         default=200, metadata={"help": "dev examples scored by greedy exact match after training (0: skip)"}
     )
     max_new_tokens: int = field(default=32, metadata={"help": "generation budget of the exact-match evaluation"})
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "train into an output_dir that holds another run's model/checkpoints (they are removed); "
-                          "without it such a folder is refused unless --resume_from_checkpoint resumes that run"},
-    )  # fmt: skip
+        metadata={
+            "help": "train into an output_dir that holds another run's model/checkpoints (they are removed); "
+            "without it such a folder is refused unless --resume_from_checkpoint resumes that run"
+        },
+    )
 
     def __post_init__(self):
-        check_counts(self, {"train_examples": 1, "dev_examples": 0, "test_examples": 0, "exact_match_examples": 0,
-                            "max_new_tokens": 1})  # fmt: skip
+        check_counts(
+            self,
+            {
+                "train_examples": 1,
+                "dev_examples": 0,
+                "test_examples": 0,
+                "exact_match_examples": 0,
+                "max_new_tokens": 1,
+            },
+        )
         share = self.held_out_fraction
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ValueError(f"--held_out_fraction {share!r}: expected a share of the rows in (0, 1]")
         if not isinstance(self.direct_answer_fraction, (int, float)) or not 0 <= self.direct_answer_fraction <= 1:
             raise ValueError(f"--direct_answer_fraction {self.direct_answer_fraction!r}: expected a number in [0, 1]")
         if self.rename_columns and self.dataset_name is None:
-            raise ValueError(f"--rename_columns {self.rename_columns!r} renames your data's columns; the embedded data "
-                             "has the names the stage reads: give --dataset_name (and --data_files), or drop it")  # fmt: skip
-        refuse_source_options_without_a_source(self.dataset_name, data_files=self.data_files,
-                                               dataset_config=self.dataset_config)  # fmt: skip
+            raise ValueError(
+                f"--rename_columns {self.rename_columns!r} renames your data's columns; the embedded data "
+                "has the names the stage reads: give --dataset_name (and --data_files), or drop it"
+            )
+        refuse_source_options_without_a_source(
+            self.dataset_name, data_files=self.data_files, dataset_config=self.dataset_config
+        )
 
     def sizes(self) -> dict[str, int]:
         return {"train": self.train_examples, "dev": self.dev_examples, "test": self.test_examples}
 
 
-FUSED_LOSS_HELP = ("compute the training loss from the hidden states in chunks, never holding the (batch, tokens, "
-                   "vocab) logits or their gradient (plugformer.losses); false: the full logits, as transformers' "
-                   "heads")  # fmt: skip
+FUSED_LOSS_HELP = (
+    "compute the training loss from the hidden states in chunks, never holding the (batch, tokens, "
+    "vocab) logits or their gradient (plugformer.losses); false: the full logits, as transformers' "
+    "heads"
+)
 
 
 @dataclass
@@ -93,7 +118,7 @@ class ArchitectureArguments(StageArguments):
 
     preset: str = field(default="tiny", metadata={"help": "PlugformerConfig preset; the fields below override it"})
     attention_score: str = field(default="scaled_dot", metadata={"help": ATTENTION_SCORES.choices()})
-    position_scheme: str = field(default="rope", metadata={"help": POSITION_SCHEMES.choices()})  # fmt: skip
+    position_scheme: str = field(default="rope", metadata={"help": POSITION_SCHEMES.choices()})
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_hidden_layers: int | None = None
@@ -106,9 +131,11 @@ class ArchitectureArguments(StageArguments):
     vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "any other PlugformerConfig fields, as in transformers' run_clm: "
-                          "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"},
-    )  # fmt: skip
+        metadata={
+            "help": "any other PlugformerConfig fields, as in transformers' run_clm: "
+            "'norm_type=layernorm,ffn_type=mlp' (values parsed as YAML)"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,12 +145,22 @@ class ArchitectureArguments(StageArguments):
         for name, value in parse_overrides(self.config_overrides, "config_overrides").items():
             given = getattr(self, name) if name in unset else None
             if given is not None and given != value:
-                raise ValueError(f"--{name} {given!r} and --config_overrides {name}={value!r} contradict each other; "
-                                 f"give {name} once")  # fmt: skip
+                raise ValueError(
+                    f"--{name} {given!r} and --config_overrides {name}={value!r} contradict each other; "
+                    f"give {name} once"
+                )
 
     # the flags that set a PlugformerConfig field directly (`--config_overrides` sets the others)
-    ARCHITECTURE = ("attention_score", "position_scheme", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+    ARCHITECTURE = (
+        "attention_score",
+        "position_scheme",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    )
 
     def architecture(self) -> dict:
         fields = {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}
@@ -139,17 +176,21 @@ class PretrainArguments(ArchitectureArguments):
     mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
     document_positions: bool = field(
         default=True,
-        metadata={"help": "causal packing: positions restart at each document (and at the block's start for a "
-                          "document continued from the previous block) and documents do not see each other; False: "
-                          "positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi paper's "
-                          "training)"},
-    )  # fmt: skip
+        metadata={
+            "help": "causal packing: positions restart at each document (and at the block's start for a "
+            "document continued from the previous block) and documents do not see each other; False: "
+            "positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi paper's "
+            "training)"
+        },
+    )
     streaming: bool = field(
         default=False,
-        metadata={"help": "read --dataset_name lazily and tokenize and pack on the fly, for corpora that do not fit "
-                          "on disk (needs --max_steps); dev and test are the stream's first --dev_examples and next "
-                          "--test_examples documents, never trained on"},
-    )  # fmt: skip
+        metadata={
+            "help": "read --dataset_name lazily and tokenize and pack on the fly, for corpora that do not fit "
+            "on disk (needs --max_steps); dev and test are the stream's first --dev_examples and next "
+            "--test_examples documents, never trained on"
+        },
+    )
     preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "processes that tokenize and pack a corpus (default: every core available)"}
     )
@@ -159,16 +200,20 @@ class PretrainArguments(ArchitectureArguments):
     )
     data_cache_dir: str | None = field(
         default=None,
-        metadata={"help": "where a prepared corpus (its tokenizer, its packed blocks) is kept and reused; default: "
-                          "$PLUGFORMER_CACHE or ~/.cache/plugformer"},
-    )  # fmt: skip
+        metadata={
+            "help": "where a prepared corpus (its tokenizer, its packed blocks) is kept and reused; default: "
+            "$PLUGFORMER_CACHE or ~/.cache/plugformer"
+        },
+    )
     fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
     chat_template: str | None = field(
         default=None,
-        metadata={"help": f"the chat template every later stage formats conversations with: {' | '.join(CHAT_TEMPLATES)} "
-                          "(question_answer: `<|bos|>Question: {user}\\nAnswer: {assistant}<|endoftext|>`, the "
-                          "embedded corpus's own documents); default: a new tokenizer's chatml, a loaded one's own"},
-    )  # fmt: skip
+        metadata={
+            "help": f"the chat template every later stage formats conversations with: {' | '.join(CHAT_TEMPLATES)} "
+            "(question_answer: `<|bos|>Question: {user}\\nAnswer: {assistant}<|endoftext|>`, the "
+            "embedded corpus's own documents); default: a new tokenizer's chatml, a loaded one's own"
+        },
+    )
 
     ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "is_causal")
 
@@ -180,8 +225,10 @@ class PretrainArguments(ArchitectureArguments):
         ):
             raise ValueError(f"--tokenizer_sample_mb {self.tokenizer_sample_mb!r}: expected a positive number of MB")
         if self.streaming and self.dataset_name is None:
-            raise ValueError("--streaming true reads a --dataset_name source lazily; the embedded generator is "
-                             "already in memory: give --dataset_name (and --data_files), or drop --streaming")  # fmt: skip
+            raise ValueError(
+                "--streaming true reads a --dataset_name source lazily; the embedded generator is "
+                "already in memory: give --dataset_name (and --data_files), or drop --streaming"
+            )
         if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"--chat_template {self.chat_template!r}: expected one of {' | '.join(CHAT_TEMPLATES)}")
         if not 0.0 < self.mlm_probability < 1.0:
@@ -192,8 +239,10 @@ def refuse_bare_answers(arguments, stage: str) -> None:
     """Raises `ValueError` for `--direct_answer_fraction` above 0 in a stage whose data is no arithmetic (classify,
     seq2seq): it shapes the embedded arithmetic's answers only, and there it would be accepted and do nothing."""
     if arguments.direct_answer_fraction:
-        raise ValueError(f"--direct_answer_fraction {arguments.direct_answer_fraction!r}: the {stage} stage's data has "
-                         "no worked answers to skip (it shapes the embedded arithmetic only); drop it")  # fmt: skip
+        raise ValueError(
+            f"--direct_answer_fraction {arguments.direct_answer_fraction!r}: the {stage} stage's data has "
+            "no worked answers to skip (it shapes the embedded arithmetic only); drop it"
+        )
 
 
 def check_counts(arguments, minimums: dict[str, int]) -> None:
@@ -234,11 +283,15 @@ def check_trainer_arguments(training_args) -> None:
     (gradient ascent) or gradient-clipping norm, and the counts in `TRAINER_COUNTS`."""
     max_steps = training_args.max_steps
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or (max_steps != -1 and max_steps < 1):
-        raise ValueError(f"--max_steps {max_steps!r}: expected a positive number of optimizer steps, or -1 to train "
-                         f"num_train_epochs ({training_args.num_train_epochs})")  # fmt: skip
+        raise ValueError(
+            f"--max_steps {max_steps!r}: expected a positive number of optimizer steps, or -1 to train "
+            f"num_train_epochs ({training_args.num_train_epochs})"
+        )
     if max_steps == -1 and not training_args.num_train_epochs > 0:
-        raise ValueError(f"--num_train_epochs {training_args.num_train_epochs!r}: expected a positive number "
-                         "(or a positive --max_steps)")  # fmt: skip
+        raise ValueError(
+            f"--num_train_epochs {training_args.num_train_epochs!r}: expected a positive number "
+            "(or a positive --max_steps)"
+        )
     for name in ("logging_steps", "eval_steps", "save_steps"):
         value = getattr(training_args, name, None)
         if value is not None and value < 0:
@@ -255,17 +308,21 @@ def check_trainer_arguments(training_args) -> None:
 
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         if constants.HF_HUB_OFFLINE or offline:  # else a 61-line traceback from the Hub client
-            raise ValueError("--push_to_hub true needs the Hub, but this run is offline (HF_HUB_OFFLINE=1, "
-                             "plugformer's default): run with HF_HUB_OFFLINE=0 to push, or drop --push_to_hub")  # fmt: skip
+            raise ValueError(
+                "--push_to_hub true needs the Hub, but this run is offline (HF_HUB_OFFLINE=1, "
+                "plugformer's default): run with HF_HUB_OFFLINE=0 to push, or drop --push_to_hub"
+            )
 
 
 def refuse_liger_kernel(training_args) -> None:
     """`--use_liger_kernel true` would fuse nothing on a plugformer model (Liger's patch table does not know its
     model type, and says so at info level only): refused, naming plugformer's own fused loss."""
     if getattr(training_args, "use_liger_kernel", False):
-        raise ValueError("--use_liger_kernel true: Liger's kernels do not patch plugformer models; the fused "
-                         "linear cross-entropy is plugformer's own --fused_loss (on by default): drop "
-                         "--use_liger_kernel")  # fmt: skip
+        raise ValueError(
+            "--use_liger_kernel true: Liger's kernels do not patch plugformer models; the fused "
+            "linear cross-entropy is plugformer's own --fused_loss (on by default): drop "
+            "--use_liger_kernel"
+        )
 
 
 def parse_overrides(text: str | None, name: str) -> dict:
@@ -293,11 +350,13 @@ class SelectionArguments(StageArguments):
 
     selection_steps: int = field(
         default=0,
-        metadata={"help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
-                          "the last): exact match against an answer or solution column, else the stage's own signal "
-                          "(sft: completion log-likelihood; reward: pairwise accuracy; dpo: implicit-reward accuracy; "
-                          "grpo, rlhf: mean reward)"},
-    )  # fmt: skip
+        metadata={
+            "help": "score dev every N steps (and at the start) and hand on the best weights, not the last (0: "
+            "the last): exact match against an answer or solution column, else the stage's own signal "
+            "(sft: completion log-likelihood; reward: pairwise accuracy; dpo: implicit-reward accuracy; "
+            "grpo, rlhf: mean reward)"
+        },
+    )
     selection_examples: int = field(default=200, metadata={"help": "dev rows scored for selection"})
 
     def __post_init__(self):
@@ -337,11 +396,13 @@ class GRPOArguments(PolicyArguments):
     )
     reward_funcs: list[str] = field(
         default_factory=list,
-        metadata={"help": "your own reward functions (TRL's option): pkg.module:function (or pkg.module.function) "
-                          "on the Python path, each f(prompts, completions, **kwargs) -> list[float | None] with the "
-                          "data's other columns as keywords; scored after --reward_functions, --reward_weights "
-                          "weighing all of them in that order"},
-    )  # fmt: skip
+        metadata={
+            "help": "your own reward functions (TRL's option): pkg.module:function (or pkg.module.function) "
+            "on the Python path, each f(prompts, completions, **kwargs) -> list[float | None] with the "
+            "data's other columns as keywords; scored after --reward_functions, --reward_weights "
+            "weighing all of them in that order"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -352,8 +413,10 @@ class GRPOArguments(PolicyArguments):
         self.reward_funcs = list(self.reward_funcs or [])
         unknown = [name for name in self.reward_functions if name not in REWARD_FUNCTIONS]
         if unknown or not (self.reward_functions or self.reward_funcs):
-            raise ValueError(f"--reward_functions {self.reward_functions}: choose one or more of "
-                             f"{sorted(REWARD_FUNCTIONS)}, or give your own with --reward_funcs pkg.module:function")  # fmt: skip
+            raise ValueError(
+                f"--reward_functions {self.reward_functions}: choose one or more of "
+                f"{sorted(REWARD_FUNCTIONS)}, or give your own with --reward_funcs pkg.module:function"
+            )
         for spec in self.reward_funcs:  # imported and checked now, before any model or data loads
             resolve_reward_function(spec)
 
@@ -362,9 +425,11 @@ class GRPOArguments(PolicyArguments):
 class SFTArguments(PolicyArguments):
     fused_loss: bool = field(
         default=True,
-        metadata={"help": FUSED_LOSS_HELP + "; true is TRL's own chunked LM head (SFTTrainer's loss and its entropy "
-                          "and token-accuracy metrics), false the model's unfused loss (without those metrics)"},
-    )  # fmt: skip
+        metadata={
+            "help": FUSED_LOSS_HELP + "; true is TRL's own chunked LM head (SFTTrainer's loss and its entropy "
+            "and token-accuracy metrics), false the model's unfused loss (without those metrics)"
+        },
+    )
 
 
 @dataclass
@@ -377,14 +442,17 @@ class RFTArguments(SFTArguments):
     sampling_batch_size: int = field(default=256, metadata={"help": "sequences generated per `generate` call"})
     max_kept_per_prompt: int = field(
         default=0,
-        metadata={"help": "verified completions kept per prompt after removing duplicates; 0: every distinct one "
-                          "(Yuan et al. 2023's RFT), 1: best-of-k (one right answer per prompt)"},
-    )  # fmt: skip
+        metadata={
+            "help": "verified completions kept per prompt after removing duplicates; 0: every distinct one "
+            "(Yuan et al. 2023's RFT), 1: best-of-k (one right answer per prompt)"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        check_counts(self, {"num_samples": 1, "sampling_max_new_tokens": 1, "sampling_batch_size": 1,
-                            "max_kept_per_prompt": 0})  # fmt: skip
+        check_counts(
+            self, {"num_samples": 1, "sampling_max_new_tokens": 1, "sampling_batch_size": 1, "max_kept_per_prompt": 0}
+        )
         temperature = self.sampling_temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < 1e6:
             raise ValueError(f"--sampling_temperature {temperature!r}: expected a positive number")
@@ -396,10 +464,12 @@ class MatchedSFTArguments(SFTArguments):
 
     match_compute_of: str | None = field(
         default=None,
-        metadata={"help": "output directory of the stage whose compute this run matches (e.g. grpo): the tokens "
-                          "trained on and sampled by it and by each stage it descends from down to this run's parent "
-                          "(run_info.json's compute records) set --max_steps"},
-    )  # fmt: skip
+        metadata={
+            "help": "output directory of the stage whose compute this run matches (e.g. grpo): the tokens "
+            "trained on and sampled by it and by each stage it descends from down to this run's parent "
+            "(run_info.json's compute records) set --max_steps"
+        },
+    )
 
 
 @dataclass
@@ -444,9 +514,11 @@ class NLIArguments(StageArguments):
     )
     intra_attention: bool | None = field(
         default=None,
-        metadata={"help": "intra-sentence attention with a learned bias per distance (§3.3), which sees word order; "
-                          "unset or false: each sentence is a bag of words"},
-    )  # fmt: skip
+        metadata={
+            "help": "intra-sentence attention with a learned bias per distance (§3.3), which sees word order; "
+            "unset or false: each sentence is a bag of words"
+        },
+    )
     max_intra_distance: int | None = field(
         default=None, metadata={"help": "distances beyond this share one bias (unset: 10)"}
     )
@@ -462,16 +534,24 @@ class NLIArguments(StageArguments):
     exact_match_examples: int = field(default=0, metadata={"help": "unused: a classifier generates no answers"})
 
     # the flags that set a DecomposableAttentionConfig field of a new model
-    ARCHITECTURE = ("embedding_size", "hidden_size", "intra_attention", "max_intra_distance", "hidden_act",
-                    "hidden_dropout")  # fmt: skip
+    ARCHITECTURE = (
+        "embedding_size",
+        "hidden_size",
+        "intra_attention",
+        "max_intra_distance",
+        "hidden_act",
+        "hidden_dropout",
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        check_counts(self, {"embedding_size": 1, "hidden_size": 1, "max_intra_distance": 1, "vocab_size": 1,
-                            "max_length": 3})  # fmt: skip
+        check_counts(
+            self, {"embedding_size": 1, "hidden_size": 1, "max_intra_distance": 1, "vocab_size": 1, "max_length": 3}
+        )
         dropout = self.hidden_dropout
-        if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
-                                    or not 0 <= dropout < 1):  # fmt: skip
+        if dropout is not None and (
+            isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1
+        ):
             raise ValueError(f"--hidden_dropout {dropout!r}: expected a number in [0, 1)")
         refuse_bare_answers(self, "nli")
 

@@ -114,8 +114,7 @@ def intact_checkpoint(run_dir: str | Path) -> str:
     steps = sorted(((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT.match(p.name))), reverse=True)
     for step, path in steps:
         if (path / MANIFEST).is_file() and verify_checkpoint(path) is None:
-            return (f"{path.name} (step {step}) is intact: free some space and resume with --resume_from_checkpoint "
-                    "last")  # fmt: skip
+            return f"{path.name} (step {step}) is intact: free some space and resume with --resume_from_checkpoint last"
     return "no earlier checkpoint was saved, so the training steps so far are lost; free some space and train again"
 
 
@@ -198,8 +197,12 @@ def _check_unmanifested(path: Path) -> str | None:
                     handle.get_slice(key)
     except Exception as error:  # json, OS and safetensors' own error types alike mean "do not resume from it"
         return f"unreadable without a manifest ({type(error).__name__}: {error})"
-    logger.warning("%s has no %s (not written by plugformer, or edited): checked that its trainer state and weights "
-                   "read, not its optimizer, scheduler or random states", path, MANIFEST)  # fmt: skip
+    logger.warning(
+        "%s has no %s (not written by plugformer, or edited): checked that its trainer state and weights "
+        "read, not its optimizer, scheduler or random states",
+        path,
+        MANIFEST,
+    )
     return None
 
 
@@ -218,8 +221,10 @@ def last_good_checkpoint(output_dir: str | Path) -> str | None:
     chosen = None
     for step in sorted(steps, reverse=True):
         if not (steps[step] / MANIFEST).is_file():
-            problem = (f"it has no {MANIFEST} (not published by plugformer, or edited); pass its path to "
-                       "--resume_from_checkpoint to resume from it anyway")  # fmt: skip
+            problem = (
+                f"it has no {MANIFEST} (not published by plugformer, or edited); pass its path to "
+                "--resume_from_checkpoint to resume from it anyway"
+            )
         else:
             problem = verify_checkpoint(steps[step])
         if problem is None:
@@ -231,8 +236,13 @@ def last_good_checkpoint(output_dir: str | Path) -> str | None:
         logger.warning(
             "RESUMING FROM AN OLDER STATE: this run had reached step %d (%s), but the newest intact checkpoint is %s; "
             "the checkpoints after it were deleted or damaged, so steps %s-%d are trained again and the result will "
-            "differ from an uninterrupted run", reached, source, f"checkpoint-{chosen}" if chosen else "none (a "
-            "fresh start)", (chosen or 0) + 1, reached)  # fmt: skip
+            "differ from an uninterrupted run",
+            reached,
+            source,
+            f"checkpoint-{chosen}" if chosen else "none (a fresh start)",
+            (chosen or 0) + 1,
+            reached,
+        )
     return None if chosen is None else str(steps[chosen])
 
 

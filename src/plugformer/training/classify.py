@@ -40,8 +40,10 @@ def label_names(values: list) -> list[str]:
     if all(isinstance(v, str) for v in distinct):
         return sorted(distinct)
     kinds = sorted({type(v).__name__ for v in distinct})
-    raise ValueError(f"column 'label' holds {' and '.join(kinds)} values; give every label as an integer or as text "
-                     "(a float or a list is no class)")  # fmt: skip
+    raise ValueError(
+        f"column 'label' holds {' and '.join(kinds)} values; give every label as an integer or as text "
+        "(a float or a list is no class)"
+    )
 
 
 def check_labels(splits, names: list[str]) -> None:
@@ -53,8 +55,10 @@ def check_labels(splits, names: list[str]) -> None:
         if split in splits:
             unseen = sorted({str(v) for v in splits[split]["label"]} - set(names))
             if unseen:
-                raise ValueError(f"the {split} split has labels the training split never has: {unseen[:5]} "
-                                 f"(training labels: {names[:20]})")  # fmt: skip
+                raise ValueError(
+                    f"the {split} split has labels the training split never has: {unseen[:5]} "
+                    f"(training labels: {names[:20]})"
+                )
 
 
 def label_fields(data) -> dict:
@@ -62,8 +66,11 @@ def label_fields(data) -> dict:
     classifier's config fields: `num_labels`, `id2label`, `label2id`."""
     names = label_names(list(data["train"]["label"]))
     check_labels(data, names)
-    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
-            "label2id": {name: index for index, name in enumerate(names)}}  # fmt: skip
+    return {
+        "num_labels": len(names),
+        "id2label": dict(enumerate(names)),
+        "label2id": {name: index for index, name in enumerate(names)},
+    }
 
 
 def head_options(path: str, labels: dict, columns: list[str]) -> dict:
@@ -78,9 +85,11 @@ def head_options(path: str, labels: dict, columns: list[str]) -> dict:
 
     config = AutoConfig.from_pretrained(path)
     if config.model_type == DecomposableAttentionConfig.model_type and "text_pair" not in columns:
-        raise ValueError(f"--model_name_or_path {path} is the nli stage's decomposable attention model, which reads "
-                         f"sentence pairs; your data has no text_pair column (it has {columns}): give pairs as text "
-                         "and text_pair, or start from a language model (a pretrain run)")  # fmt: skip
+        raise ValueError(
+            f"--model_name_or_path {path} is the nli stage's decomposable attention model, which reads "
+            f"sentence pairs; your data has no text_pair column (it has {columns}): give pairs as text "
+            "and text_pair, or start from a language model (a pretrain run)"
+        )
     if not any(name.endswith("ForSequenceClassification") for name in config.architectures or ()):
         return {}  # a language model: its classification head is new anyway
     theirs, ours = [str(name) for name in config.id2label.values()], list(labels["id2label"].values())
@@ -88,11 +97,13 @@ def head_options(path: str, labels: dict, columns: list[str]) -> dict:
         return {}  # the same classes: the head is fine-tuned further
     shown = f"{path} is a classifier of {len(theirs)} labels {theirs[:10]}; your data has {len(ours)}: {ours[:10]}"
     if len(theirs) == len(ours):
-        logger.warning("%s: its head is kept and fine-tuned, each of its rows now standing for your label in its "
-                       "place", shown)  # fmt: skip
+        logger.warning(
+            "%s: its head is kept and fine-tuned, each of its rows now standing for your label in its place", shown
+        )
         return {}
-    logger.warning("%s: its head is replaced by a new %d-way head, trained from scratch; the rest is kept", shown,
-                   len(ours))  # fmt: skip
+    logger.warning(
+        "%s: its head is replaced by a new %d-way head, trained from scratch; the rest is kept", shown, len(ours)
+    )
     return {"ignore_mismatched_sizes": True}
 
 

@@ -84,8 +84,10 @@ def preset_config(script_args, model_args, tokenizer, stage: str, **fields):
     known = {f.name for f in dataclasses.fields(PlugformerConfig)}
     unknown = sorted(set(architecture) - known)
     if unknown:
-        raise ValueError(f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
-                         f"fields; fields: {sorted(known)}")  # fmt: skip
+        raise ValueError(
+            f"config_overrides={script_args.config_overrides!r}: {unknown} are not PlugformerConfig "
+            f"fields; fields: {sorted(known)}"
+        )
     if script_args.hidden_size is not None and script_args.intermediate_size is None:
         architecture["intermediate_size"] = None  # derived from hidden_size, not the preset's
     config = PlugformerConfig.from_preset(
@@ -124,8 +126,11 @@ def resume_checkpoint(training_args) -> str | None:
     elif value is not None:
         checkpoint = last_good_checkpoint(training_args.output_dir)
         if checkpoint is None:
-            logger.warning("--resume_from_checkpoint %s: no intact checkpoint in %s, starting fresh", value,
-                           training_args.output_dir)  # fmt: skip
+            logger.warning(
+                "--resume_from_checkpoint %s: no intact checkpoint in %s, starting fresh",
+                value,
+                training_args.output_dir,
+            )
     return agreed_checkpoint(checkpoint, problem, value)
 
 
@@ -199,8 +204,10 @@ def evaluate_saved(trainer, stage: str, saved: str = "the trained model is saved
     try:
         return trainer.evaluate()
     except Exception as error:
-        where = (f"stage {stage!r}: the dev evaluation after training failed; {saved} "
-                 f"{trainer.args.output_dir} (no run_info.json was written)")  # fmt: skip
+        where = (
+            f"stage {stage!r}: the dev evaluation after training failed; {saved} "
+            f"{trainer.args.output_dir} (no run_info.json was written)"
+        )
         logger.error("%s: %s: %s", where, type(error).__name__, error)
         error.add_note(where)
         raise
@@ -232,9 +239,14 @@ def compute_record(trainer, compute: Callable | None = None) -> dict:
 
 
 def train_and_save(
-    trainer, stage: str, script_args, tokenizer, extra: dict | None = None, selection: DevSelection | None = None,
+    trainer,
+    stage: str,
+    script_args,
+    tokenizer,
+    extra: dict | None = None,
+    selection: DevSelection | None = None,
     compute: Callable | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`.
 
     With `selection` (a `DevSelection` callback of the trainer) the saved model is the best dev step's, and
@@ -247,9 +259,11 @@ def train_and_save(
     if checkpoint is not None:
         changed = config_mismatch(checkpoint, trainer.accelerator.unwrap_model(trainer.model).config)
         if changed:
-            raise ValueError(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {checkpoint} was trained with "
-                             f"another model ({changed}); resume it with its own settings, or train the new one "
-                             "into a new --output_dir (or --overwrite_output_dir true)")  # fmt: skip
+            raise ValueError(
+                f"--resume_from_checkpoint {args.resume_from_checkpoint}: {checkpoint} was trained with "
+                f"another model ({changed}); resume it with its own settings, or train the new one "
+                "into a new --output_dir (or --overwrite_output_dir true)"
+            )
     if trainer.is_world_process_zero():  # before training writes anything: no record of the model it replaces
         begin_run(args.output_dir, stage)
     with interrupted_run(args.output_dir, stage):
@@ -260,9 +274,15 @@ def train_and_save(
 
 
 def train_and_record(
-    trainer, stage: str, script_args, tokenizer, checkpoint: str | None, extra: dict | None,
-    selection: DevSelection | None, compute: Callable | None,
-) -> dict:  # fmt: skip
+    trainer,
+    stage: str,
+    script_args,
+    tokenizer,
+    checkpoint: str | None,
+    extra: dict | None,
+    selection: DevSelection | None,
+    compute: Callable | None,
+) -> dict:
     """The body of `train_and_save`: trains from `checkpoint`, saves the model, scores it and writes the records
     (`write_records`, main process); returns `run_info.json`'s content."""
     args = trainer.args
@@ -315,8 +335,10 @@ def train_and_record(
             info["dev_pass_at_k"] = pass_at_k
         write_records(trainer, info, script_args)
         summary = info["dev_exact_match"] or {}
-        print(f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
-              + (f", dev exact match {summary['exact_match']:.1%}" if summary else ""))  # fmt: skip
+        print(
+            f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
+            + (f", dev exact match {summary['exact_match']:.1%}" if summary else "")
+        )
     return info
 
 
@@ -325,8 +347,9 @@ def write_records(trainer, info: dict, script_args) -> None:
     its presence says that the files beside it are this run's (`outputs.finish_run`)."""
     output_dir = trainer.args.output_dir
     # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
-    write_json_atomic(Path(output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2,
-                      sort_keys=True)  # fmt: skip
+    write_json_atomic(
+        Path(output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2, sort_keys=True
+    )
     with naming_a_full_disk(Path(output_dir, "README.md"), "the model card", "the trained model is saved"):
         write_card(trainer, info, script_args)
     # written whole or not at all: a torn run_info.json broke every later pipeline run
@@ -388,7 +411,7 @@ VERIFIABLE = ("answer", "solution")
 
 def dev_selection(
     script_args, tokenizer, model, keep_last: bool = False, data=None, signal: Callable | None = None
-) -> DevSelection | None:  # fmt: skip
+) -> DevSelection | None:
     """The dev-selection callback asked for by `--selection_steps`, on the first `--selection_examples` dev rows;
     None when off. Its signal is chosen by the data's columns: exact match where they hold a verifiable answer
     (`VERIFIABLE`, or the embedded task) and the model generates, else the stage's own, `signal(script_args,
@@ -401,8 +424,9 @@ def dev_selection(
     verifiable = script_args.dataset_name is None or any(c in columns for c in VERIFIABLE)
     if signal is None or (verifiable and model.can_generate()):
         if not model.can_generate():
-            raise ValueError(f"--selection_steps {steps}: dev selection scores generated answers; this model cannot "
-                             "generate")  # fmt: skip
+            raise ValueError(
+                f"--selection_steps {steps}: dev selection scores generated answers; this model cannot generate"
+            )
         rows = verifiable_dev_rows(script_args, steps)
         chosen = ExactMatchSignal(rows, tokenizer, script_args.max_new_tokens)
     else:
@@ -412,8 +436,9 @@ def dev_selection(
         rows = rows.select(range(min(script_args.selection_examples, len(rows))))
         chosen = signal(script_args, tokenizer, rows)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[selection] every {steps} steps: {chosen.description} on {len(rows)} dev rows ({chosen.name})",
-              flush=True)  # fmt: skip
+        print(
+            f"[selection] every {steps} steps: {chosen.description} on {len(rows)} dev rows ({chosen.name})", flush=True
+        )
     return DevSelection(None, tokenizer, steps, keep_last=keep_last, signal=chosen)
 
 
@@ -424,9 +449,11 @@ def verifiable_dev_rows(script_args, steps: int):
     except ValueError as error:  # your own data without a ground truth: say which flag asked for one
         if script_args.dataset_name is None:
             raise
-        raise ValueError(f"--selection_steps {steps}: dev selection scores greedy answers against the `answer` "
-                         f"column (or the final answer of a `solution`) of your data's dev split: {error}. Add or "
-                         "mend that column, or train without dev selection: --selection_steps 0") from error  # fmt: skip
+        raise ValueError(
+            f"--selection_steps {steps}: dev selection scores greedy answers against the `answer` "
+            f"column (or the final answer of a `solution`) of your data's dev split: {error}. Add or "
+            "mend that column, or train without dev selection: --selection_steps 0"
+        ) from error
     if rows is None or len(rows) == 0:
         raise ValueError(f"--selection_steps {steps}: dev selection needs dev problems (--dev_examples > 0)")
     return rows.select(range(min(script_args.selection_examples, len(rows))))
@@ -438,8 +465,15 @@ def write_card(trainer, info: dict, script_args) -> None:
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     parent = model.config._name_or_path or None
-    card = stage_card(model, info, trainer.args, script_args, parent=parent, model_path=trainer.args.output_dir,
-                      card=STAGES.get_stage(info["stage"]).card)  # fmt: skip
+    card = stage_card(
+        model,
+        info,
+        trainer.args,
+        script_args,
+        parent=parent,
+        model_path=trainer.args.output_dir,
+        card=STAGES.get_stage(info["stage"]).card,
+    )
     card.save(Path(trainer.args.output_dir) / "README.md")
 
 

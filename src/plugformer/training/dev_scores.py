@@ -74,7 +74,13 @@ def dev_seq2seq_scores(model, tokenizer, script_args) -> dict | None:
     if rows is None or len(rows) == 0:
         return None
     rows = rows.select(range(min(script_args.exact_match_examples, len(rows))))
-    scores = seq2seq_scores(model, tokenizer, rows, max_new_tokens=script_args.max_target_length,
-                            num_beams=script_args.num_beams, max_source_length=script_args.max_source_length,
-                            max_target_length=script_args.max_target_length)  # fmt: skip
+    scores = seq2seq_scores(
+        model,
+        tokenizer,
+        rows,
+        max_new_tokens=script_args.max_target_length,
+        num_beams=script_args.num_beams,
+        max_source_length=script_args.max_source_length,
+        max_target_length=script_args.max_target_length,
+    )
     return {key: value for key, value in scores.items() if key not in PER_EXAMPLE or key == "samples"}

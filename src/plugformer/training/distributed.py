@@ -224,8 +224,9 @@ def checkpoint_disagreement(choices: list[dict], asked: str | None) -> str | Non
             return choice.get("problem") or "none, a fresh start"
         # weights first: a machine whose checkpoint lacks them is the usual case (see `checkpoint_files`)
         missing = sorted(every - files, key=lambda name: (not name.endswith((".safetensors", ".bin")), name))
-        return choice["checkpoint"] + (f" (lacks {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
-                                       if missing else "")  # fmt: skip
+        return choice["checkpoint"] + (
+            f" (lacks {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})" if missing else ""
+        )
 
     ranks = "; ".join(
         f"rank {rank}{' on ' + choice['host'] if choice.get('host') else ''}: {described(choice, files[rank])}"

@@ -23,8 +23,17 @@ def train(script_args, model_args, training_args) -> dict:
     # path beside its weights' sha256: a relative path was read against the consumer's working folder. Dev selection
     # picks the policy handed on; the last step is kept as the reward (`keep_last_step`)
     implicit = {**reference_record(model_args.model_name_or_path), "beta": training_args.beta}
-    return run_trainer("dpo", DPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args, extra=implicit,
-                       keep_last_step=True, selection_signal=implicit_reward_signal(model_args, training_args))  # fmt: skip
+    return run_trainer(
+        "dpo",
+        DPOTrainer,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        extra=implicit,
+        keep_last_step=True,
+        selection_signal=implicit_reward_signal(model_args, training_args),
+    )
 
 
 def implicit_reward_signal(model_args, training_args):
@@ -34,8 +43,9 @@ def implicit_reward_signal(model_args, training_args):
     def signal(script_args, tokenizer, rows):
         from .selection_signals import ImplicitRewardAccuracy
 
-        return ImplicitRewardAccuracy(rows, tokenizer, model_args.model_name_or_path, training_args.beta,
-                                      max_length=training_args.max_length)  # fmt: skip
+        return ImplicitRewardAccuracy(
+            rows, tokenizer, model_args.model_name_or_path, training_args.beta, max_length=training_args.max_length
+        )
 
     return signal
 

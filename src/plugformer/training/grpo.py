@@ -20,16 +20,20 @@ def reward_functions(names: list[str], specs: list[str] | None = None) -> list:
     logs each under its name: `rewards/<name>/mean`)."""
     unknown = [name for name in names if name not in REWARD_FUNCTIONS]
     if unknown or not (names or specs):
-        raise ValueError(f"--reward_functions {names}: choose one or more of {sorted(REWARD_FUNCTIONS)}, or give your "
-                         "own with --reward_funcs pkg.module:function")  # fmt: skip
+        raise ValueError(
+            f"--reward_functions {names}: choose one or more of {sorted(REWARD_FUNCTIONS)}, or give your "
+            "own with --reward_funcs pkg.module:function"
+        )
     functions = [REWARD_FUNCTIONS[name] for name in names] + [resolve_reward_function(s) for s in specs or []]
     given = [*names, *(specs or [])]
     seen: dict[str, str] = {}
     for value, function in zip(given, functions, strict=True):
         name = reward_name(function)
         if name in seen:
-            raise ValueError(f"--reward_funcs {value!r}: its function is named {name!r}, as {seen[name]!r} is; TRL "
-                             "logs each reward under its name (rewards/<name>/mean): rename one")  # fmt: skip
+            raise ValueError(
+                f"--reward_funcs {value!r}: its function is named {name!r}, as {seen[name]!r} is; TRL "
+                "logs each reward under its name (rewards/<name>/mean): rename one"
+            )
         seen[name] = value
     return functions
 
@@ -39,9 +43,11 @@ def check_reward_weights(weights: list[float] | None, script_args) -> None:
     TRL refuses a mismatch only after the model has loaded."""
     given = [*script_args.reward_functions, *script_args.reward_funcs]
     if weights is not None and len(weights) != len(given):
-        raise ValueError(f"--reward_weights {list(weights)}: {len(weights)} weights for {len(given)} reward functions "
-                         f"({', '.join(given)}: --reward_functions, then --reward_funcs); give one weight each, in "
-                         "that order")  # fmt: skip
+        raise ValueError(
+            f"--reward_weights {list(weights)}: {len(weights)} weights for {len(given)} reward functions "
+            f"({', '.join(given)}: --reward_functions, then --reward_funcs); give one weight each, in "
+            "that order"
+        )
 
 
 def rewards_record(script_args, training_args) -> list[dict]:
@@ -64,11 +70,18 @@ def train(script_args, model_args, training_args) -> dict:
     rewards = reward_functions(script_args.reward_functions, script_args.reward_funcs)
     check_reward_weights(training_args.reward_weights, script_args)
     return run_trainer(
-        "grpo", GRPOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
-        evaluate=False, compute=sampled_tokens, reward_funcs=rewards,
+        "grpo",
+        GRPOTrainer,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        evaluate=False,
+        compute=sampled_tokens,
+        reward_funcs=rewards,
         extra={"rewards": rewards_record(script_args, training_args)},
         selection_signal=mean_reward_signal(rewards, training_args.reward_weights),
-    )  # fmt: skip
+    )
 
 
 # the built-in rewards that compare completions with a ground truth (`answer` or `solution`)
@@ -85,9 +98,11 @@ def mean_reward_signal(rewards: list, weights: list[float] | None):
 
         needing = [name for name in script_args.reward_functions if name in NEED_GROUND_TRUTH]
         if needing:
-            raise ValueError(f"--reward_functions {script_args.reward_functions}: {needing} compare completions with "
-                             f"an `answer` or `solution` column, which your data lacks (it has {rows.column_names}); "
-                             "add one, or reward with --reward_functions format and your own --reward_funcs")  # fmt: skip
+            raise ValueError(
+                f"--reward_functions {script_args.reward_functions}: {needing} compare completions with "
+                f"an `answer` or `solution` column, which your data lacks (it has {rows.column_names}); "
+                "add one, or reward with --reward_functions format and your own --reward_funcs"
+            )
         return MeanReward(rows, tokenizer, rewards, weights, max_new_tokens=script_args.max_new_tokens)
 
     return signal

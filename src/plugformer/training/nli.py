@@ -27,21 +27,26 @@ def check_parent(script_args, model_args) -> None:
     from .common import require_model_path
 
     if model_args.attn_implementation is not None:
-        raise ValueError(f"--attn_implementation {model_args.attn_implementation}: the decomposable attention model "
-                         "computes its alignments itself, with no attention kernel to choose; drop it")  # fmt: skip
+        raise ValueError(
+            f"--attn_implementation {model_args.attn_implementation}: the decomposable attention model "
+            "computes its alignments itself, with no attention kernel to choose; drop it"
+        )
     if model_args.model_name_or_path is None:
         DecomposableAttentionConfig(**script_args.architecture())  # an invalid field is refused before any work
         return
     path = require_model_path(model_args, "nli")
     saved = AutoConfig.from_pretrained(path)
     if saved.model_type != DecomposableAttentionConfig.model_type:
-        raise ValueError(f"--model_name_or_path {path} is a {saved.model_type!r} model; the nli stage trains a "
-                         "decomposable attention model: leave --model_name_or_path out to build a new one")  # fmt: skip
+        raise ValueError(
+            f"--model_name_or_path {path} is a {saved.model_type!r} model; the nli stage trains a "
+            "decomposable attention model: leave --model_name_or_path out to build a new one"
+        )
     changed = {name: value for name, value in script_args.architecture().items() if getattr(saved, name) != value}
     if changed:
         flags = ", ".join(f"--{name} {value} (saved: {getattr(saved, name)})" for name, value in changed.items())
-        raise ValueError(f"{flags}: --model_name_or_path {path} keeps its own architecture; drop them or give its "
-                         "values")  # fmt: skip
+        raise ValueError(
+            f"{flags}: --model_name_or_path {path} keeps its own architecture; drop them or give its values"
+        )
 
 
 def build_tokenizer(script_args, model_args, data):
@@ -69,13 +74,17 @@ def build_model(script_args, model_args, tokenizer, labels: dict):
         saved = [model.config.id2label[index] for index in range(model.config.num_labels)]
         wanted = list(labels["id2label"].values())
         if saved != wanted:
-            raise ValueError(f"--model_name_or_path {model_args.model_name_or_path} classifies into {saved}; the "
-                             f"data's labels are {wanted}: continue it on data with its labels, or train a new "
-                             "model")  # fmt: skip
+            raise ValueError(
+                f"--model_name_or_path {model_args.model_name_or_path} classifies into {saved}; the "
+                f"data's labels are {wanted}: continue it on data with its labels, or train a new "
+                "model"
+            )
         return model
     if tokenizer.sep_token_id is None:
-        raise ValueError(f"the tokenizer of {script_args.tokenizer_name_or_path} has no separator token; the model "
-                         "splits each pair at it")  # fmt: skip
+        raise ValueError(
+            f"the tokenizer of {script_args.tokenizer_name_or_path} has no separator token; the model "
+            "splits each pair at it"
+        )
     config = DecomposableAttentionConfig(
         **script_args.architecture(),
         vocab_size=len(tokenizer),

@@ -131,15 +131,19 @@ def resume_problem(output_dir: str, resume: str, stage: str) -> str | None:
     folder = Path(resume).parent if explicit else Path(output_dir)
     found, source = recorded_stage(folder)
     if found is not None and found != stage:
-        return (f"--resume_from_checkpoint {resume}: {folder} holds a {found!r} run ({source}), not a {stage!r} one; "
-                f"resuming would continue its trainer state (optimizer, schedule, step) as stage {stage!r} and "
-                f"rewrite its record. Choose a new --output_dir, or replace it with --overwrite_output_dir true "
-                "(without --resume_from_checkpoint)")  # fmt: skip
+        return (
+            f"--resume_from_checkpoint {resume}: {folder} holds a {found!r} run ({source}), not a {stage!r} one; "
+            f"resuming would continue its trainer state (optimizer, schedule, step) as stage {stage!r} and "
+            f"rewrite its record. Choose a new --output_dir, or replace it with --overwrite_output_dir true "
+            "(without --resume_from_checkpoint)"
+        )
     finished = Path(output_dir, "run_info.json").is_file()
     if not explicit and finished and not any(p.is_dir() for p in Path(output_dir).glob("checkpoint-*")):
-        return (f"--resume_from_checkpoint {resume}: nothing to resume in {output_dir}: its {found or stage!r} run "
-                "finished (run_info.json) and saved no checkpoint, so a resume would train again from scratch over "
-                "the finished model; choose a new --output_dir, or replace it with --overwrite_output_dir true")  # fmt: skip
+        return (
+            f"--resume_from_checkpoint {resume}: nothing to resume in {output_dir}: its {found or stage!r} run "
+            "finished (run_info.json) and saved no checkpoint, so a resume would train again from scratch over "
+            "the finished model; choose a new --output_dir, or replace it with --overwrite_output_dir true"
+        )
     return None
 
 
@@ -160,8 +164,10 @@ def occupied_problem(
         return f"--output_dir {output_dir}: {existing} is not writable by this user; choose a folder you can write"
     own = resume is not None and own_checkpoint(output_dir, resume)
     if overwrite and own:
-        return (f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: the "
-                "overwrite removes the folder's checkpoints; resume the run in the folder, or overwrite it, not both")  # fmt: skip
+        return (
+            f"--overwrite_output_dir true and --resume_from_checkpoint {resume} contradict each other: the "
+            "overwrite removes the folder's checkpoints; resume the run in the folder, or overwrite it, not both"
+        )
     problem = overwrite_problem(output_dir) if overwrite else None
     if problem is None and resume is not None and stage is not None:
         problem = resume_problem(output_dir, resume, stage)
@@ -170,13 +176,17 @@ def occupied_problem(
         return problem
     shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
     if resume is not None:  # another folder's checkpoint
-        return (f"--resume_from_checkpoint {resume}: the checkpoint is of another folder ({Path(resume).parent}), "
-                f"and --output_dir {output_dir} holds another run ({shown}), whose model and records the resumed "
-                "run would replace; resume into a new or empty --output_dir, or replace that run with "
-                "--overwrite_output_dir true")  # fmt: skip
+        return (
+            f"--resume_from_checkpoint {resume}: the checkpoint is of another folder ({Path(resume).parent}), "
+            f"and --output_dir {output_dir} holds another run ({shown}), whose model and records the resumed "
+            "run would replace; resume into a new or empty --output_dir, or replace that run with "
+            "--overwrite_output_dir true"
+        )
     resume_it = "resume that run with --resume_from_checkpoint last, " if resumable else ""
-    return (f"--output_dir {output_dir} already holds another run ({shown}); choose a new folder, {resume_it}or "
-            "replace it with --overwrite_output_dir true")  # fmt: skip
+    return (
+        f"--output_dir {output_dir} already holds another run ({shown}); choose a new folder, {resume_it}or "
+        "replace it with --overwrite_output_dir true"
+    )
 
 
 def overwrite_problem(output_dir: str) -> str | None:
@@ -187,11 +197,12 @@ def overwrite_problem(output_dir: str) -> str | None:
     if not foreign:
         return None
     shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-    why = ("the folder holds no plugformer run" if recorded_stage(output_dir)[0] is None
-           else f"no {MANIFEST}")  # fmt: skip
-    return (f"--overwrite_output_dir true: {output_dir} holds {shown}, which plugformer did not write ({why}); "
-            "the overwrite removes only plugformer's files. Move or delete them yourself, or choose a new "
-            "--output_dir")  # fmt: skip
+    why = "the folder holds no plugformer run" if recorded_stage(output_dir)[0] is None else f"no {MANIFEST}"
+    return (
+        f"--overwrite_output_dir true: {output_dir} holds {shown}, which plugformer did not write ({why}); "
+        "the overwrite removes only plugformer's files. Move or delete them yourself, or choose a new "
+        "--output_dir"
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -245,11 +256,15 @@ def _judge_holder(path: Path, mine: dict, output_dir) -> str | None:
         logger.warning("%s is unreadable (torn by a kill?); taking it over", path)
         return None
     if host != mine["host"]:
-        return (f"--output_dir {output_dir} is locked by pid {pid} on host {host} (since {holder.get('started')}); "
-                f"if no run is live there, delete {path}")  # fmt: skip
+        return (
+            f"--output_dir {output_dir} is locked by pid {pid} on host {host} (since {holder.get('started')}); "
+            f"if no run is live there, delete {path}"
+        )
     if pid != mine["pid"] and _alive(pid):
-        return (f"--output_dir {output_dir} is in use by a live run (pid {pid}, since {holder.get('started')}); wait "
-                f"for it or choose another folder (if pid {pid} is no plugformer run, delete {path})")  # fmt: skip
+        return (
+            f"--output_dir {output_dir} is in use by a live run (pid {pid}, since {holder.get('started')}); wait "
+            f"for it or choose another folder (if pid {pid} is no plugformer run, delete {path})"
+        )
     if pid != mine["pid"]:
         logger.warning("%s was left by pid %d, which is no longer running; taking it over", path, pid)
     return None
@@ -316,8 +331,9 @@ def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
     if overwrite:
         replaced = overwritten(output_dir)
         if replaced:
-            logger.warning("--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced),
-                           output_dir)  # fmt: skip
+            logger.warning(
+                "--overwrite_output_dir true: removing %s from %s", sorted(p.name for p in replaced), output_dir
+            )
         for path in replaced:
             _remove(path)
     if stage is not None:
@@ -341,8 +357,11 @@ def begin_run(output_dir: str | Path, stage: str) -> None:
     write_json_atomic(folder / RUN_RECORD, {"stage": stage, "status": IN_PROGRESS})
     stale = [path for path in [*(folder / name for name in RECORDS), *eval_results(folder)] if path.exists()]
     if stale:
-        logger.warning("%s: removing %s of the finished run it replaces; this run writes its own when it finishes",
-                       output_dir, [path.name for path in stale])  # fmt: skip
+        logger.warning(
+            "%s: removing %s of the finished run it replaces; this run writes its own when it finishes",
+            output_dir,
+            [path.name for path in stale],
+        )
     for path in stale:
         path.unlink(missing_ok=True)
 
@@ -403,8 +422,9 @@ def claimed_folder(output_dir: str, stage: str, overwrite: bool = False):
         added = [path for path in folder.iterdir() if path.name not in before and path.name not in (LOCK, TAKEOVER)]
         for path in [*added, folder / RUN_RECORD]:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        logger.warning("%s failed: removed %s from %s", stage, sorted({p.name for p in added} | {RUN_RECORD}),
-                       output_dir)  # fmt: skip
+        logger.warning(
+            "%s failed: removed %s from %s", stage, sorted({p.name for p in added} | {RUN_RECORD}), output_dir
+        )
         raise
     finally:
         release_lock(output_dir)

@@ -37,10 +37,12 @@ def check_tokenizer_source(script_args, model_args) -> None:
     another `--tokenizer_name_or_path` (ignored before) is refused."""
     model, tokenizer = model_args.model_name_or_path, script_args.tokenizer_name_or_path
     if model is not None and tokenizer is not None and Path(tokenizer).resolve() != Path(model).resolve():
-        raise ValueError(f"--tokenizer_name_or_path {tokenizer} beside --model_name_or_path {model}: continued "
-                         "pretraining uses the model's own tokenizer (its embeddings are indexed by it); drop "
-                         "--tokenizer_name_or_path, or drop --model_name_or_path to train a new model with that "
-                         "tokenizer")  # fmt: skip
+        raise ValueError(
+            f"--tokenizer_name_or_path {tokenizer} beside --model_name_or_path {model}: continued "
+            "pretraining uses the model's own tokenizer (its embeddings are indexed by it); drop "
+            "--tokenizer_name_or_path, or drop --model_name_or_path to train a new model with that "
+            "tokenizer"
+        )
 
 
 def load_corpus(script_args) -> Corpus:
@@ -48,16 +50,24 @@ def load_corpus(script_args) -> Corpus:
     source loaded into Arrow once (`datasets`' own cache) and identified for the corpus cache, or a stream."""
     if script_args.streaming:
         check_data_files(script_args.dataset_name, script_args.data_files)
-        source = {"path": script_args.dataset_name, "name": script_args.dataset_config,
-                  "data_files": script_args.data_files}  # fmt: skip
+        source = {
+            "path": script_args.dataset_name,
+            "name": script_args.dataset_config,
+            "data_files": script_args.data_files,
+        }
         corpus = stream_corpus(source, script_args.dev_examples, script_args.test_examples, script_args.rename_columns)
         script_args.data_identity = stream_identity(script_args, corpus)
         return corpus
     data = stage_data("pretrain", script_args)
     if script_args.dataset_name is None:
         return Corpus(data)
-    source = {"dataset_name": script_args.dataset_name, "dataset_config": script_args.dataset_config,
-              "data_files": script_args.data_files, "sizes": script_args.sizes(), "seed": script_args.dataset_seed}  # fmt: skip
+    source = {
+        "dataset_name": script_args.dataset_name,
+        "dataset_config": script_args.dataset_config,
+        "data_files": script_args.data_files,
+        "sizes": script_args.sizes(),
+        "seed": script_args.dataset_seed,
+    }
     if script_args.rename_columns:  # an unrenamed corpus keeps the cache key it had before the option
         source["rename_columns"] = script_args.rename_columns
     return Corpus(data, corpus_fingerprint(source, data, script_args.data_cache_dir))
@@ -86,27 +96,35 @@ def source_tokenizer(script_args, model_args, corpus: Corpus):
     if corpus.fingerprint is None:
         return train_tokenizer(corpus.splits["train"]["text"], vocab_size=script_args.vocab_size, split_digits=True)
     root = corpus_cache_root(script_args.data_cache_dir)
-    return prepared_tokenizer(corpus, script_args.vocab_size, script_args.tokenizer_sample_mb,
-                              script_args.dataset_seed, root)  # fmt: skip
+    return prepared_tokenizer(
+        corpus, script_args.vocab_size, script_args.tokenizer_sample_mb, script_args.dataset_seed, root
+    )
 
 
 def pack_corpus(corpus: Corpus, tokenizer, script_args, causal: bool) -> dict:
     """The corpus's splits packed into blocks (`pack`): prepared on every core and cached for a loaded corpus, in
     this process for the embedded data, on the fly for a stream's training split."""
-    options = {"tokenizer": tokenizer, "block_size": script_args.block_size, "causal": causal,
-               "document_positions": script_args.document_positions}  # fmt: skip
+    options = {
+        "tokenizer": tokenizer,
+        "block_size": script_args.block_size,
+        "causal": causal,
+        "document_positions": script_args.document_positions,
+    }
     if corpus.fingerprint is None:
-        blocks = corpus.splits.map(pack, batched=True, remove_columns=corpus.splits["train"].column_names,
-                                   fn_kwargs=options)  # fmt: skip
+        blocks = corpus.splits.map(
+            pack, batched=True, remove_columns=corpus.splits["train"].column_names, fn_kwargs=options
+        )
     else:
         root = corpus_cache_root(script_args.data_cache_dir)
-        blocks = prepared_blocks(corpus.splits, corpus.fingerprint, root=root,
-                                 num_proc=script_args.preprocessing_num_workers, **options)  # fmt: skip
+        blocks = prepared_blocks(
+            corpus.splits, corpus.fingerprint, root=root, num_proc=script_args.preprocessing_num_workers, **options
+        )
     blocks = dict(blocks)
     if corpus.stream is not None:
         columns = corpus.stream.column_names or list(next(iter(corpus.stream.take(1))))
-        blocks["train"] = corpus.stream.map(pack, batched=True, batch_size=200, remove_columns=columns,
-                                            fn_kwargs=options)  # fmt: skip
+        blocks["train"] = corpus.stream.map(
+            pack, batched=True, batch_size=200, remove_columns=columns, fn_kwargs=options
+        )
     return blocks
 
 
@@ -125,9 +143,11 @@ def check_blocks(data, blocks, block_size: int) -> None:
     for split in ("train", "dev"):
         if isinstance(blocks.get(split), Dataset) and len(blocks[split]) == 0:  # a stream's length is unknown
             flag = "--dev_examples 0 (no dev loss), " if split == "dev" else ""
-            raise ValueError(f"the {split} split ({len(data[split])} documents) holds fewer than block_size="
-                             f"{block_size} tokens, so it packs into no block; give more {split} text (--"
-                             f"{split}_examples), {flag}or a smaller --block_size")  # fmt: skip
+            raise ValueError(
+                f"the {split} split ({len(data[split])} documents) holds fewer than block_size="
+                f"{block_size} tokens, so it packs into no block; give more {split} text (--"
+                f"{split}_examples), {flag}or a smaller --block_size"
+            )
 
 
 def train(script_args, model_args, training_args) -> dict:

@@ -16,9 +16,15 @@ def train(script_args, model_args, training_args) -> dict:
 
     # the language-model head is dropped; the scalar `score` head is new
     return run_trainer(
-        "reward", RewardTrainer, AutoModelForSequenceClassification, script_args, model_args, training_args,
-        model_kwargs={"num_labels": 1}, selection_signal=pairwise_accuracy_signal,
-    )  # fmt: skip
+        "reward",
+        RewardTrainer,
+        AutoModelForSequenceClassification,
+        script_args,
+        model_args,
+        training_args,
+        model_kwargs={"num_labels": 1},
+        selection_signal=pairwise_accuracy_signal,
+    )
 
 
 def pairwise_accuracy_signal(script_args, tokenizer, rows):

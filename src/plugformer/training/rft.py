@@ -50,9 +50,16 @@ def verified_rows(
         seen.add((key, text))
         kept[key] = kept.get(key, 0) + 1
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": text}]})
-    record = {"prompts": len(prompts), "samples_per_prompt": samples, "sampled": len(completions),
-              "verified": sum(reward == 1 for reward in right), "duplicates": duplicates, "over_cap": over_cap, "kept": len(rows),
-              "prompts_kept": len(kept)}  # fmt: skip
+    record = {
+        "prompts": len(prompts),
+        "samples_per_prompt": samples,
+        "sampled": len(completions),
+        "verified": sum(reward == 1 for reward in right),
+        "duplicates": duplicates,
+        "over_cap": over_cap,
+        "kept": len(rows),
+        "prompts_kept": len(kept),
+    }
     return rows, record
 
 
@@ -71,18 +78,31 @@ def sampled_data(script_args, counts: dict):
         prompts, answers, k = list(problems["prompt"]), list(problems["answer"]), script_args.num_samples
         model.to(PartialState().device)
         started = time.perf_counter()
-        completions = generate_answers(model, tokenizer, prompts, script_args.sampling_max_new_tokens,
-                                       batch_size=max(1, script_args.sampling_batch_size // k), samples=k,
-                                       temperature=script_args.sampling_temperature, counts=counts)  # fmt: skip
+        completions = generate_answers(
+            model,
+            tokenizer,
+            prompts,
+            script_args.sampling_max_new_tokens,
+            batch_size=max(1, script_args.sampling_batch_size // k),
+            samples=k,
+            temperature=script_args.sampling_temperature,
+            counts=counts,
+        )
         rows, record = verified_rows(prompts, answers, completions, k, script_args.max_kept_per_prompt)
-        record.update(temperature=script_args.sampling_temperature,
-                      sampling_seconds=round(time.perf_counter() - started, 1))  # fmt: skip
+        record.update(
+            temperature=script_args.sampling_temperature, sampling_seconds=round(time.perf_counter() - started, 1)
+        )
         counts["sampling"] = record
-        print(f"[rft] kept {len(rows)} verified answers of {len(completions)} sampled ({record['verified']} right, "
-              f"{record['prompts_kept']} of {len(prompts)} prompts, {record['sampling_seconds']:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"[rft] kept {len(rows)} verified answers of {len(completions)} sampled ({record['verified']} right, "
+            f"{record['prompts_kept']} of {len(prompts)} prompts, {record['sampling_seconds']:.0f} s)",
+            flush=True,
+        )
         if not rows:
-            raise ValueError(f"stage 'rft': none of the {len(completions)} sampled answers was verified right; nothing "
-                             "to fine-tune on: sample more (--num_samples) or start from a better parent")  # fmt: skip
+            raise ValueError(
+                f"stage 'rft': none of the {len(completions)} sampled answers was verified right; nothing "
+                "to fine-tune on: sample more (--num_samples) or start from a better parent"
+            )
         dev = format_data("conversation", script_args, "stage 'rft'").get("dev")
         return DatasetDict({"train": Dataset.from_list(rows), **({"dev": dev} if dev is not None else {})})
 
@@ -103,9 +123,17 @@ def train(script_args, model_args, training_args) -> dict:
         return {**trained_tokens(trainer), "sampling_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
 
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
-    return run_trainer("rft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
-                       data=sampled_data(script_args, counts), prepare=lambda trainer: {"sampling": counts["sampling"]},
-                       compute=compute)  # fmt: skip
+    return run_trainer(
+        "rft",
+        trainer_class,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        data=sampled_data(script_args, counts),
+        prepare=lambda trainer: {"sampling": counts["sampling"]},
+        compute=compute,
+    )
 
 
 STAGE = register_stage(

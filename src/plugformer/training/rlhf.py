@@ -23,8 +23,10 @@ def load_reward_model(path: str | None):
     from .common import load_tokenizer
 
     if not path:
-        raise ValueError("stage 'rlhf' needs --reward_model_path: the output directory of the reward stage (a "
-                         "num_labels=1 classifier) or of a dpo stage (its implicit reward)")  # fmt: skip
+        raise ValueError(
+            "stage 'rlhf' needs --reward_model_path: the output directory of the reward stage (a "
+            "num_labels=1 classifier) or of a dpo stage (its implicit reward)"
+        )
     if dpo_record(path) is not None:
         return ImplicitReward.from_dpo_stage(path), None
     refuse_untrained_reward_head(path)
@@ -38,15 +40,19 @@ def refuse_untrained_reward_head(path: str) -> None:
     from transformers import AutoConfig
 
     if not Path(path, "config.json").is_file():
-        raise ValueError(f"--reward_model_path {path}: no config.json there; give the output directory of the reward "
-                         "stage or of a dpo stage")  # fmt: skip
+        raise ValueError(
+            f"--reward_model_path {path}: no config.json there; give the output directory of the reward "
+            "stage or of a dpo stage"
+        )
     config = AutoConfig.from_pretrained(path)
     architectures = config.architectures or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures) or config.num_labels != 1:
-        raise ValueError(f"--reward_model_path {path}: a {'/'.join(architectures) or 'model'} with "
-                         f"num_labels={config.num_labels}, no trained reward head (a ForSequenceClassification with "
-                         "num_labels=1) and no dpo record (run_info.json: reference, beta); give the reward stage's "
-                         "output or a dpo stage's")  # fmt: skip
+        raise ValueError(
+            f"--reward_model_path {path}: a {'/'.join(architectures) or 'model'} with "
+            f"num_labels={config.num_labels}, no trained reward head (a ForSequenceClassification with "
+            "num_labels=1) and no dpo record (run_info.json: reference, beta); give the reward stage's "
+            "output or a dpo stage's"
+        )
 
 
 def reward_model_signal(reward_model, reward_tokenizer):
@@ -74,11 +80,19 @@ def train(script_args, model_args, training_args) -> dict:
 
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
     info = run_trainer(
-        "rlhf", RLOOTrainer, AutoModelForCausalLM, script_args, model_args, training_args,
-        evaluate=False, extra={"reward_model": script_args.reward_model_path}, compute=sampled_tokens,
-        reward_funcs=reward_model, reward_processing_classes=reward_tokenizer,
+        "rlhf",
+        RLOOTrainer,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        evaluate=False,
+        extra={"reward_model": script_args.reward_model_path},
+        compute=sampled_tokens,
+        reward_funcs=reward_model,
+        reward_processing_classes=reward_tokenizer,
         selection_signal=reward_model_signal(reward_model, reward_tokenizer),
-    )  # fmt: skip
+    )
     if "selection" in info and PartialState().is_main_process:
         path = plot_overoptimisation(
             info["selection"]["history"], Path(training_args.output_dir, "overoptimisation.png")

@@ -88,13 +88,21 @@ class DevSelection(TrainerCallback):
             reshard(model)
             # a copy, not a view: the optimiser updates the parameters in place
             self._best_weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-        logger.info("dev selection: step %d, %s %.3f (best %.3f at step %d)", step, key, entry[key], self.best[key],
-                    self.best["step"])  # fmt: skip
+        logger.info(
+            "dev selection: step %d, %s %.3f (best %.3f at step %d)",
+            step,
+            key,
+            entry[key],
+            self.best[key],
+            self.best["step"],
+        )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if any(hasattr(p, "ds_id") for p in model.parameters()):
-            raise ValueError("--selection_steps: dev selection cannot copy and restore DeepSpeed ZeRO-3's partitioned "
-                             "weights; use --selection_steps 0 (the last step) or ZeRO-2 / FSDP2")  # fmt: skip
+            raise ValueError(
+                "--selection_steps: dev selection cannot copy and restore DeepSpeed ZeRO-3's partitioned "
+                "weights; use --selection_steps 0 (the last step) or ZeRO-2 / FSDP2"
+            )
         if not self.history:
             self.score(model, state.global_step)
 
@@ -120,15 +128,26 @@ class DevSelection(TrainerCallback):
                 for name, value in self._best_weights.items():
                     parameters[name].copy_(value)
             key = self.signal.name
-            logger.warning("dev selection: handing on step %d (%s %.3f), not the last step %d (%.3f)",
-                           self.best["step"], key, self.best[key], state.global_step, self.history[-1][key])  # fmt: skip
+            logger.warning(
+                "dev selection: handing on step %d (%s %.3f), not the last step %d (%.3f)",
+                self.best["step"],
+                key,
+                self.best[key],
+                state.global_step,
+                self.history[-1][key],
+            )
         self._best_weights = None
 
     def summary(self) -> dict:
         """What `run_info.json` records: the signal's name, the selected and the last step with their dev scores, and
         the history."""
-        return {"signal": self.signal.name, "selected": self.best, "last": self.history[-1], "every": self.every,
-                "history": self.history}  # fmt: skip
+        return {
+            "signal": self.signal.name,
+            "selected": self.best,
+            "last": self.history[-1],
+            "every": self.every,
+            "history": self.history,
+        }
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -156,8 +175,10 @@ def save_last_step(trainer, tokenizer, selection: DevSelection, output_dir: str)
         if trainer.is_world_process_zero() and stale.is_dir():  # an earlier run's, in a folder being overwritten
             shutil.rmtree(stale)
         if selection.keep_last and selection.best["step"] != selection.history[-1]["step"]:
-            logger.warning("dev selection: the last step's weights were not kept (LoRA); %s holds the selected step "
-                           "only", output_dir)  # fmt: skip
+            logger.warning(
+                "dev selection: the last step's weights were not kept (LoRA); %s holds the selected step only",
+                output_dir,
+            )
         return None
     if trainer.is_world_process_zero():
         from transformers import AutoModelForCausalLM
@@ -166,8 +187,10 @@ def save_last_step(trainer, tokenizer, selection: DevSelection, output_dir: str)
         parameters = dict(model.named_parameters())
         unknown = sorted(set(selection.last_weights) - set(parameters))
         if unknown:
-            raise ValueError(f"dev selection: the last step's parameters {unknown[:3]} are not in the saved model "
-                             f"{output_dir}; its last step cannot be written")  # fmt: skip
+            raise ValueError(
+                f"dev selection: the last step's parameters {unknown[:3]} are not in the saved model "
+                f"{output_dir}; its last step cannot be written"
+            )
         with torch.no_grad():
             for name, value in selection.last_weights.items():
                 parameters[name].copy_(value)
@@ -209,7 +232,9 @@ def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy r
     if len(logged) < 2 or any("dev_exact_match" not in entry for entry in history):
         return None
     plt = pyplot()
-    panels = [("step", "optimiser step")] + ([("kl", "KL(policy ‖ reference), nats per token")] if all("kl" in e for e in logged) else [])  # fmt: skip
+    panels = [("step", "optimiser step")] + (
+        [("kl", "KL(policy ‖ reference), nats per token")] if all("kl" in e for e in logged) else []
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
     # the start (step 0, the reference itself: KL 0) has a gold score but no logged reward yet
     start = [entry for entry in history if entry.get("step") == 0 and "reward" not in entry]
@@ -219,8 +244,13 @@ def plot_overoptimisation(history: list[dict], path, title: str = "RLHF: proxy r
         axis.set_xlabel(label)
         axis.set_ylabel("reward model score", color="tab:orange")
         gold = axis.twinx()
-        gold.plot([0.0] * len(start) + xs, [100 * entry["dev_exact_match"] for entry in start + logged], "s-",
-                  color="tab:blue", label="gold: dev exact match")  # fmt: skip
+        gold.plot(
+            [0.0] * len(start) + xs,
+            [100 * entry["dev_exact_match"] for entry in start + logged],
+            "s-",
+            color="tab:blue",
+            label="gold: dev exact match",
+        )
         gold.set_ylabel("dev exact match (%)", color="tab:blue")
         axis.grid(alpha=0.3)
     fig.suptitle(title)

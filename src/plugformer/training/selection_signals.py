@@ -90,8 +90,9 @@ class ImplicitRewardAccuracy:
     name = "dev_implicit_reward_accuracy"
     description = "pairwise accuracy of the implicit reward (chosen above rejected) on the dev pairs"
 
-    def __init__(self, rows, tokenizer, reference: str, beta: float, max_length: int | None = None,
-                 batch_size: int = 32):  # fmt: skip
+    def __init__(
+        self, rows, tokenizer, reference: str, beta: float, max_length: int | None = None, batch_size: int = 32
+    ):
         rows = explicit_prompts(rows)
         self.reference, self.beta, self.batch_size = reference, beta, batch_size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -132,12 +133,17 @@ def completion_pairs(rows, eos: str | None) -> list[tuple]:
     if "completion" in columns:  # TRL reads a prompt and a completion before anything else
         return [(p, with_eos(c, eos)) for p, c in zip(rows["prompt"], rows["completion"], strict=True)]
     if "messages" in columns:
-        return [(messages[:k], messages[k : k + 1]) for messages in rows["messages"]
-                for k, turn in enumerate(messages) if turn["role"] == "assistant"]  # fmt: skip
+        return [
+            (messages[:k], messages[k : k + 1])
+            for messages in rows["messages"]
+            for k, turn in enumerate(messages)
+            if turn["role"] == "assistant"
+        ]
     if "text" in columns:
         return [("", with_eos(text, eos)) for text in rows["text"]]
-    raise ValueError(f"dev completion log-likelihood: rows with columns {columns}; expected prompt and completion, "
-                     "messages, or text")  # fmt: skip
+    raise ValueError(
+        f"dev completion log-likelihood: rows with columns {columns}; expected prompt and completion, messages, or text"
+    )
 
 
 class CompletionLikelihood:
@@ -167,8 +173,10 @@ class CompletionLikelihood:
         # the tokens `completion_log_probs` sums over: from the completion's start, never the first token
         self.tokens = sum(max(len(ids) - max(start, 1), 0) for ids, start in sequences)
         if self.tokens == 0:
-            raise ValueError(f"dev completion log-likelihood: the {len(rows)} dev rows hold no completion token "
-                             f"within --max_length {max_length}")  # fmt: skip
+            raise ValueError(
+                f"dev completion log-likelihood: the {len(rows)} dev rows hold no completion token "
+                f"within --max_length {max_length}"
+            )
 
     def __call__(self, model, step: int) -> dict:
         with evaluating(model):
@@ -226,12 +234,15 @@ class MeanReward:
 
     name = "dev_mean_reward"
 
-    def __init__(self, rows, tokenizer, reward_funcs: list, weights: list[float] | None = None,
-                 max_new_tokens: int = 32):  # fmt: skip
+    def __init__(
+        self, rows, tokenizer, reward_funcs: list, weights: list[float] | None = None, max_new_tokens: int = 32
+    ):
         weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
-            raise ValueError(f"--reward_weights {weights}: {len(weights)} weights for {len(reward_funcs)} reward "
-                             "functions; give one weight each")  # fmt: skip
+            raise ValueError(
+                f"--reward_weights {weights}: {len(weights)} weights for {len(reward_funcs)} reward "
+                "functions; give one weight each"
+            )
         self.rows, self.tokenizer, self.max_new_tokens = rows, tokenizer, max_new_tokens
         self.reward_funcs, self.weights = reward_funcs, weights
         names = ", ".join(getattr(f, "__name__", type(f).__name__) for f in reward_funcs)
@@ -240,8 +251,10 @@ class MeanReward:
     def __call__(self, model, step: int) -> dict:
         prompts = list(self.rows["prompt"])
         texts = generate_answers(model, self.tokenizer, prompts, self.max_new_tokens, synced_gpus=is_sharded(model))
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for p, t in zip(prompts, texts, strict=True)]  # fmt: skip
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts, strict=True)
+        ]
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         columns = {c: list(self.rows[c]) for c in self.rows.column_names if c not in ("prompt", "completion")}
         total = [0.0] * len(prompts)
@@ -264,15 +277,18 @@ class ClassifierReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
-        texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) if isinstance(p, list) else p + c
-                 for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
+        texts = [
+            self.tokenizer.apply_chat_template(p + c, tokenize=False) if isinstance(p, list) else p + c
+            for p, c in zip(prompts, completions, strict=True)
+        ]
         device = next(self.model.parameters()).device
         side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
         scores = []
         try:
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                                       add_special_tokens=False).to(device)  # fmt: skip
+                batch = self.tokenizer(
+                    texts[start : start + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(device)
                 scores += self.model(**batch).logits[:, 0].float().cpu().tolist()  # (B, 1) -> (B,)
         finally:
             self.tokenizer.padding_side = side

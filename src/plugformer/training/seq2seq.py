@@ -51,8 +51,10 @@ def check_parent(model_args) -> None:
         return
     path = require_model_path(model_args, "seq2seq")
     if not getattr(AutoConfig.from_pretrained(path), "is_encoder_decoder", False):
-        raise ValueError(f"--model_name_or_path {path} is no encoder-decoder (a decoder or encoder stack); the "
-                         "seq2seq stage trains one: leave --model_name_or_path out to build it from --preset")  # fmt: skip
+        raise ValueError(
+            f"--model_name_or_path {path} is no encoder-decoder (a decoder or encoder stack); the "
+            "seq2seq stage trains one: leave --model_name_or_path out to build it from --preset"
+        )
 
 
 def build_model(script_args, model_args, tokenizer):

@@ -32,8 +32,15 @@ def train(script_args, model_args, training_args) -> dict:
 
     refuse_liger_kernel(training_args)
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
-    return run_trainer("sft", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
-                       selection_signal=completion_likelihood_signal(training_args))  # fmt: skip
+    return run_trainer(
+        "sft",
+        trainer_class,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        selection_signal=completion_likelihood_signal(training_args),
+    )
 
 
 def completion_likelihood_signal(training_args):

@@ -32,16 +32,22 @@ def compute_chain(matched: str, parent: str) -> list[dict]:
     while folder != stop:
         info_path = folder / "run_info.json"
         if not info_path.is_file():
-            raise ValueError(f"--match_compute_of {matched}: {folder} holds no run_info.json; give a finished stage's "
-                             "output directory")  # fmt: skip
+            raise ValueError(
+                f"--match_compute_of {matched}: {folder} holds no run_info.json; give a finished stage's "
+                "output directory"
+            )
         info = json.loads(info_path.read_text())
         compute = info.get("compute") or {}
         if (compute and compute.get("parent") is None) or len(chain) > 64:
-            raise ValueError(f"--match_compute_of {matched}: its chain of parents ends at {folder} without reaching "
-                             f"this run's parent {stop}; match a stage that descends from it")  # fmt: skip
+            raise ValueError(
+                f"--match_compute_of {matched}: its chain of parents ends at {folder} without reaching "
+                f"this run's parent {stop}; match a stage that descends from it"
+            )
         if compute.get("train_tokens") is None:
-            raise ValueError(f"--match_compute_of {matched}: {info_path} records no token count (its 'compute'); "
-                             "retrain that stage with this version of plugformer")  # fmt: skip
+            raise ValueError(
+                f"--match_compute_of {matched}: {info_path} records no token count (its 'compute'); "
+                "retrain that stage with this version of plugformer"
+            )
         chain.append({"stage": info.get("stage"), "folder": str(folder), **compute})
         folder = Path(compute["parent"]).resolve()
     if not chain:
@@ -79,12 +85,22 @@ def match_steps(script_args, model_args):
         batch *= trainer.accelerator.num_processes
         trainer.args.max_steps = matched_steps(budget, per_example, batch)
         chain_text = " + ".join(record["stage"] for record in reversed(chain))
-        print(f"[sft_matched] {budget} tokens processed by {chain_text}: {trainer.args.max_steps} steps of {batch} "
-              f"examples (~{per_example:.1f} tokens each)", flush=True)  # fmt: skip
-        chained = [{key: r.get(key) for key in ("stage", "folder", "steps", "train_tokens", "sampling_tokens")}
-                   for r in chain]  # fmt: skip
-        return {"matched_compute": {"stages": chained, "token_budget": budget, "tokens_per_example": per_example,
-                                    "steps": trainer.args.max_steps}}  # fmt: skip
+        print(
+            f"[sft_matched] {budget} tokens processed by {chain_text}: {trainer.args.max_steps} steps of {batch} "
+            f"examples (~{per_example:.1f} tokens each)",
+            flush=True,
+        )
+        chained = [
+            {key: r.get(key) for key in ("stage", "folder", "steps", "train_tokens", "sampling_tokens")} for r in chain
+        ]
+        return {
+            "matched_compute": {
+                "stages": chained,
+                "token_budget": budget,
+                "tokens_per_example": per_example,
+                "steps": trainer.args.max_steps,
+            }
+        }
 
     return prepare
 
@@ -98,22 +114,34 @@ def train(script_args, model_args, training_args) -> dict:
 
     refuse_liger_kernel(training_args)
     if not script_args.match_compute_of:
-        raise ValueError("stage 'sft_matched' needs --match_compute_of: the output directory of the stage whose "
-                         "compute it matches (plugformer pipeline: matched_stage)")  # fmt: skip
+        raise ValueError(
+            "stage 'sft_matched' needs --match_compute_of: the output directory of the stage whose "
+            "compute it matches (plugformer pipeline: matched_stage)"
+        )
     if training_args.max_steps != -1:
-        raise ValueError(f"--max_steps {training_args.max_steps}: stage 'sft_matched' computes its steps from the "
-                         "compute of --match_compute_of; drop --max_steps (plugformer train sft instead trains a "
-                         "chosen number of steps)")  # fmt: skip
+        raise ValueError(
+            f"--max_steps {training_args.max_steps}: stage 'sft_matched' computes its steps from the "
+            "compute of --match_compute_of; drop --max_steps (plugformer train sft instead trains a "
+            "chosen number of steps)"
+        )
     compute_chain(script_args.match_compute_of, require_model_path(model_args, "sft_matched"))  # before any work
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
-    return run_trainer("sft_matched", trainer_class, AutoModelForCausalLM, script_args, model_args, training_args,
-                       prepare=match_steps(script_args, model_args),
-                       selection_signal=completion_likelihood_signal(training_args))  # fmt: skip
+    return run_trainer(
+        "sft_matched",
+        trainer_class,
+        AutoModelForCausalLM,
+        script_args,
+        model_args,
+        training_args,
+        prepare=match_steps(script_args, model_args),
+        selection_signal=completion_likelihood_signal(training_args),
+    )
 
 
 # the stage whose compute (with its ancestors' down to this stage's parent) sets the steps
-MATCHED = StageInput(flag="--match_compute_of", option="matched_stage", sources=("grpo", "rlhf", "dpo", "rft"),
-                     default="grpo")  # fmt: skip
+MATCHED = StageInput(
+    flag="--match_compute_of", option="matched_stage", sources=("grpo", "rlhf", "dpo", "rft"), default="grpo"
+)
 
 STAGE = register_stage(
     Stage(

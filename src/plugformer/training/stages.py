@@ -140,17 +140,23 @@ def refuse_unhonoured_options(stage: Stage, model_args) -> None:
     random initialisation adapts nothing: seq2seq trained it), and a `--lora_*` option without `--use_peft true`."""
     if model_args.use_peft and not stage.adapters:
         honouring = [name for name, entry in STAGES.items() if entry.adapters]
-        raise ValueError(f"--use_peft true: the {stage.name} stage trains every weight of its model, no LoRA adapters "
-                         f"(the stages that train adapters: {', '.join(honouring)}); drop --use_peft")  # fmt: skip
+        raise ValueError(
+            f"--use_peft true: the {stage.name} stage trains every weight of its model, no LoRA adapters "
+            f"(the stages that train adapters: {', '.join(honouring)}); drop --use_peft"
+        )
     if model_args.use_peft and model_args.model_name_or_path is None:
         trained = f"a finished {stage.parent} run" if stage.parent else f"a trained model, e.g. a {stage.name} run"
-        raise ValueError(f"--use_peft true without --model_name_or_path: LoRA adapts a trained model, and the "
-                         f"{stage.name} stage would start from a random initialisation; give --model_name_or_path "
-                         f"({trained}) or drop --use_peft")  # fmt: skip
+        raise ValueError(
+            f"--use_peft true without --model_name_or_path: LoRA adapts a trained model, and the "
+            f"{stage.name} stage would start from a random initialisation; give --model_name_or_path "
+            f"({trained}) or drop --use_peft"
+        )
     if not model_args.use_peft:
         defaults = {field.name: field.default for field in dataclasses.fields(model_args)}
         for name in LORA_OPTIONS:
             value = getattr(model_args, name, defaults.get(name))
             if name in defaults and value != defaults[name]:
-                raise ValueError(f"--{name} {value!r} shapes LoRA adapters, which the {stage.name} stage trains only "
-                                 "with --use_peft true; add --use_peft true or drop it")  # fmt: skip
+                raise ValueError(
+                    f"--{name} {value!r} shapes LoRA adapters, which the {stage.name} stage trains only "
+                    "with --use_peft true; add --use_peft true or drop it"
+                )

@@ -84,5 +84,7 @@ class Chrf(evaluate.Metric):
         )
 
     def _compute(self, predictions, references):
-        return {"chrf": corpus_chrf(predictions, references),
-                "chrf_per_example": [f_score(statistics(p, r)) for p, r in zip(predictions, references, strict=True)]}  # fmt: skip
+        return {
+            "chrf": corpus_chrf(predictions, references),
+            "chrf_per_example": [f_score(statistics(p, r)) for p, r in zip(predictions, references, strict=True)],
+        }
