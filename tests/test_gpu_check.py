@@ -13,7 +13,7 @@ from tolerances import model_tolerance
 
 import plugformer
 from plugformer import KERNELS, PlugformerConfig, combination_matrix
-from plugformer.bench import gpu
+from plugformer.bench import gpu, gpu_arithmetic, gpu_checks
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_dry_run_passes_and_writes_both_reports(dry_run):
     table = (output / "gpu_check.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| section")]
     assert len(rows) == len(report["checks"])
-    assert {c["section"] for c in report["checks"]} == set(gpu.SECTIONS)
+    assert {c["section"] for c in report["checks"]} == set(gpu_checks.SECTIONS)
 
 
 def test_dry_run_lists_every_kernel_cell_as_the_capabilities_decide(dry_run):
@@ -59,7 +59,7 @@ def test_dry_run_lists_every_kernel_cell_as_the_capabilities_decide(dry_run):
 def test_dry_run_trains_decodes_and_fuses_each_stage_critical_variant(dry_run):
     _, report, _ = dry_run
     passed = {(c["section"], c["case"]) for c in report["checks"] if c["status"] == "passed"}
-    for score, scheme in gpu.TRAINING_VARIANTS:
+    for score, scheme in gpu_checks.TRAINING_VARIANTS:
         for kernel in ("eager", "sdpa"):  # the kernels with a CPU backward
             assert ("training", f"{score}+{scheme} {kernel} bf16") in passed
             assert ("decode", f"{score}+{scheme} {kernel} fp64") in passed
@@ -75,15 +75,15 @@ def test_dry_run_trains_decodes_and_fuses_each_stage_critical_variant(dry_run):
 
 def test_mfu_arithmetic_by_hand():
     # 6·N + 12·L·H·d·T = 6·1000 + 12·2·4·8·16 = 6000 + 12288
-    assert gpu.model_flops_per_token(1000, 2, 4, 8, 16) == 18288
+    assert gpu_arithmetic.model_flops_per_token(1000, 2, 4, 8, 16) == 18288
     # GPT-2 small in nanoGPT's `estimate_mfu`: 12 layers, 12 heads of 64, T = 1024
-    assert gpu.model_flops_per_token(124_000_000, 12, 12, 64, 1024) == 6 * 124_000_000 + 12 * 12 * 12 * 64 * 1024
-    assert gpu.mfu(18288, 1000.0, 1e9) == pytest.approx(0.018288)
-    assert gpu.mfu(18288, 1000.0, None) is None
+    assert gpu_arithmetic.model_flops_per_token(124_000_000, 12, 12, 64, 1024) == 6 * 124_000_000 + 12 * 12 * 12 * 64 * 1024
+    assert gpu_arithmetic.mfu(18288, 1000.0, 1e9) == pytest.approx(0.018288)
+    assert gpu_arithmetic.mfu(18288, 1000.0, None) is None
     # 300k tokens/s of GPT-2 small on an H100 SXM: 300e3 · (744,000,000 + 113,246,208) / 989e12 ≈ 26.00 %
-    per_token = gpu.model_flops_per_token(124_000_000, 12, 12, 64, 1024)
+    per_token = gpu_arithmetic.model_flops_per_token(124_000_000, 12, 12, 64, 1024)
     assert per_token == 857_246_208
-    assert gpu.mfu(per_token, 300e3, gpu.peak_bf16_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(0.2600342, rel=1e-6)
+    assert gpu_arithmetic.mfu(per_token, 300e3, gpu_arithmetic.peak_bf16_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(0.2600342, rel=1e-6)
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -91,17 +91,17 @@ def test_mfu_arithmetic_by_hand():
                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-PCIE-40GB", 312e12),
                                        ("Tesla T4", None), (None, None)])  # fmt: skip
 def test_peak_table(name, peak):
-    assert gpu.peak_bf16_flops(name) == peak
+    assert gpu_arithmetic.peak_bf16_flops(name) == peak
 
 
 def test_bound_is_the_tests_model_tolerance():
     config = PlugformerConfig.from_preset("tiny")
     logits = torch.randn(2, 12, config.vocab_size) * 3
     magnitude = max(logits.abs().max().item(), 1.0)
-    assert gpu.model_bound(config, 12, magnitude, torch.float32) == pytest.approx(model_tolerance(config, logits))
+    assert gpu_arithmetic.model_bound(config, 12, magnitude, torch.float32) == pytest.approx(model_tolerance(config, logits))
     # float64 models still round in float32 (eager's softmax, the unfused loss): float32's bound
-    bound = gpu.model_bound(config, 12, magnitude, torch.float32)
-    assert gpu.model_bound(config, 12, magnitude, torch.float64) == bound
+    bound = gpu_arithmetic.model_bound(config, 12, magnitude, torch.float32)
+    assert gpu_arithmetic.model_bound(config, 12, magnitude, torch.float64) == bound
 
 
 def test_budget_skips_the_remaining_checks(tmp_path):
