@@ -4,17 +4,14 @@ Each chunk of query rows i scores the keys j as s_ij = Σ_a v_a tanh(q_ia + k_ja
 no GEMM forms, so its elementwise passes are the cost. `AdditiveScores` computes them with one allocation, an in-place
 tanh and one contraction, and its backward forms the gradients directly from the kept tanh t (sums of ds·t and of
 ds·t²: one (c, K, A) temporary, where autograd's graph made several). On the CPU the contraction with v runs in numpy
-(its gemv: 0.6 ms for a 16 MiB chunk where torch's bmm took 1.3 ms on one thread), and so does the tanh where numpy's
-is clearly the faster of the two on the machine (`numpy_tanh_is_faster`): its SIMD tanh runs on one thread and is
-faithfully rounded (< 1 ulp, against torch's correctly rounded one). An AMD EPYC measured it ~10x faster than torch's;
-a 2-core Intel Xeon (AVX-512) as fast on one thread and half as fast as torch's two threads, where the training step
-of `small` at N = 512 on two threads took 1.80–1.84 s with torch's tanh and 2.10 s with numpy's (one thread: 3.0–3.1 s
-either way, 3.5 s with torch's contraction too). Elsewhere the kernel runs in torch.
+(its gemv beats torch's bmm on one thread), and so does the tanh where numpy's is clearly the faster of the two on the
+machine (`numpy_tanh_is_faster`): its SIMD tanh runs on one thread and is faithfully rounded (< 1 ulp, against torch's
+correctly rounded one); which one wins depends on the CPU (model_cards/BENCHMARKS.md, "Design measurements").
+Elsewhere the kernel runs in torch.
 
 Where the fp32 CPU tensors meet the native kernel (`kernels_additive_native`, built at first use), it computes
 instead: no (c, K, A) tensor, chunks sized by their (B, H, c, K) scores (`NATIVE_CHUNK_BYTES`), and in training
-without dropout, attention weights or a query-dependent bias, no checkpoint (`NativeAdditiveAttention`). The same
-step took 1.18 s there (1.74 s on the torch path in the same run).
+without dropout, attention weights or a query-dependent bias, no checkpoint (`NativeAdditiveAttention`).
 """
 
 from __future__ import annotations
@@ -42,8 +39,8 @@ from .kernels import (
 from .kernels_additive_native import NativeAdditiveAttention, NativeAdditiveScores, masked_scores, native_applies
 
 
-# Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once: 16 MiB measured faster than 64
-# (training step of one layer at N = 512 on the CPU), whose buffers glibc maps and unmaps afresh for every chunk.
+# Bytes of (B, H, chunk, K, A) tanh activations the additive kernel may hold at once: larger chunks are slower, as
+# glibc maps and unmaps their buffers afresh for every chunk (BENCHMARKS.md, "Design measurements").
 ADDITIVE_CHUNK_BYTES = 16 * 2**20
 # Bytes of (B, H, chunk, K) fp32 scores a chunk of `NativeAdditiveAttention` may hold (its forward makes about three)
 NATIVE_CHUNK_BYTES = 4 * 2**20
@@ -69,8 +66,7 @@ def numpy_tanh_is_faster(threads: int) -> bool:
     timed on one thread (a 64 KiB fp32 buffer; the best of 15 interleaved samples of 20 calls each, ~3 ms once per
     process and thread count) with torch's time divided by `threads`. Timed on one thread, the two are properties of
     the CPU that other work on the machine moves alike, and the wide margin keeps torch's tanh wherever the two are
-    anywhere near, so a rerun on the same machine takes the same path (the two differ by at most an ulp): on the
-    Intel Xeon numpy's took 0.86-0.89x of torch's time, where the AMD EPYC's was reported ~10x faster."""
+    anywhere near, so a rerun on the same machine takes the same path (the two differ by at most an ulp)."""
     values = torch.randn(TIMED_ELEMENTS, generator=torch.Generator().manual_seed(0), device="cpu")  # any default
     result = torch.empty_like(values)
     source, target = values.numpy(), result.numpy()
@@ -82,8 +78,8 @@ def numpy_tanh_is_faster(threads: int) -> bool:
             tanh()
         return time.perf_counter() - start
 
-    # torch's on one thread: even a 64 KiB tanh enters its thread pool, whose threads wait for a busy core (5 ms a
-    # call on the 2-core Xeon while another process ran); the count is restored at once
+    # torch's on one thread: even a 64 KiB tanh enters its thread pool, whose threads wait for a busy core when
+    # another process runs; the count is restored at once
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -3,8 +3,7 @@
 f(x) = W₂ relu(w x + b) + b₂, with w, b `(U,)` and W₂ `(H, U)`, is linear between its kinks −b_u / w_u: on each
 piece one set of units is active, so f_h(x) = slope_h[p]·x + intercept_h[p] for x on piece p. Evaluated that way a
 score costs a binary search among the U kinks and two table lookups per head, where the MLP computes U hidden units
-per score and keeps them for its backward. FIRE's f_θ (U = 32, H = 6) on a block of 256 queries over 2048 keys,
-fp32, 1 thread, no-grad forward + forward + backward: 224 ms as the MLP, 51 ms here.
+per score and keeps them for its backward (timed in BENCHMARKS.md, "Design measurements").
 
 The numbers are the MLP's up to rounding (slope and intercept sum the active units in another order); at a kink the
 gradient is one of the two sides', a subgradient as relu's own at 0 is.

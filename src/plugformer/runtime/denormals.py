@@ -1,9 +1,8 @@
 """Flush-to-zero for the command line's processes: x86 CPUs (Intel's most) compute on subnormal floats (below 1.2e-38
 in fp32) through microcode assists, tens of times slower than on normal ones, and attention with a position bias makes
-them in bulk: exp(score + bias − lse) of the keys a large bias pushes far down, and every product with those weights.
-On a 2-core Intel Xeon (AVX-512), `small`, N = 2048, fp32, 1 thread, training tokens/s against the same model without
-a bias: ALiBi 0.50x with subnormals, 0.96x flushed; one fused flash backward over a block of 256 queries and 1792
-earlier keys with ALiBi's mask took 156 ms, flushed 31 ms, without a mask 27 ms. AMD's EPYC runs them at full speed.
+them in bulk: exp(score + bias − lse) of the keys a large bias pushes far down, and every product with those weights
+(on an Intel Xeon they halved ALiBi's training speed; AMD's EPYC runs them at full speed: BENCHMARKS.md, "Design
+measurements").
 
 Flushing (FTZ and DAZ, `torch.set_flush_denormal`) reads and writes those numbers as 0: a weight below 1.2e-38 beside
 the row's largest, 1, which no fp32 sum can register, as GPU attention kernels do. The mode belongs to each thread and

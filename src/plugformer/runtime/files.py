@@ -1,6 +1,6 @@
 """Files written whole or not at all: a kill or a full disk mid-write leaves the previous version, never a torn one.
 
-A torn `run_info.json` broke every later pipeline run (issue 18): state files are written to a temporary file in
+A torn `run_info.json` would break every later pipeline run: state files are written to a temporary file in
 the same folder, flushed to disk, and renamed over the target (`os.replace` is atomic within a file system). The
 file gets the mode a plain `open` would give it (`0o666` less the umask), not the temporary file's 0600, so that a
 model folder or a cache shared by a group stays readable; `with_umask_mode` does the same for other such writers.
