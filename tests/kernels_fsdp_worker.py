@@ -19,27 +19,28 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from worker_exit import finish
 
-import plugformer.kernels_sdpa as kernels_sdpa
 from plugformer import PlugformerConfig, PlugformerForCausalLM
 from plugformer.kernels_alibi import LinearBiasAttention
 from plugformer.kernels_banded import BandedBiasAttention
 from plugformer.kernels_query_bias import QueryBiasAttention
 from plugformer.kernels_relative import RelativeBiasAttention
+from plugformer.kernels_sdpa import SDPA_PATHS
 
 
 STEPS = 3
 LR = 1e-3
 LENGTH = 16  # > the far distance 8 of clamped_bias (the tiny preset's) and of t5_bias (set below): banded applies
-# scheme -> (config overrides, the entry point in kernels_sdpa its calls must take, that kernel's autograd Function)
+# scheme -> (config overrides, the sdpa path (`kernels_sdpa.SDPA_PATHS`) its calls must take, that path's autograd
+# Function)
+T5_BUCKETS = {"relative_attention_num_buckets": 8, "relative_attention_max_distance": 8}
 CASES = {
-    "kerple_log": ({}, "relative_bias_attention_forward", RelativeBiasAttention),
-    "alibi": ({}, "linear_bias_attention_forward", LinearBiasAttention),
-    "clamped_bias": ({}, "banded_bias_attention_forward", BandedBiasAttention),
-    "t5_bias": ({"relative_attention_num_buckets": 8, "relative_attention_max_distance": 8},
-                "banded_bias_attention_forward", BandedBiasAttention),
-    "fire": ({}, "query_bias_attention_forward", QueryBiasAttention),
-    "forgetting": ({}, "query_bias_attention_forward", QueryBiasAttention),
-}  # fmt: skip
+    "kerple_log": ({}, "relative_bias", RelativeBiasAttention),
+    "alibi": ({}, "linear_bias", LinearBiasAttention),
+    "clamped_bias": ({}, "banded_bias", BandedBiasAttention),
+    "t5_bias": (T5_BUCKETS, "banded_bias", BandedBiasAttention),
+    "fire": ({}, "query_bias", QueryBiasAttention),
+    "forgetting": ({}, "query_bias", QueryBiasAttention),
+}
 CALLS: Counter = Counter()
 
 
@@ -54,10 +55,10 @@ def counted(function, name: str):
 
 
 def count_kernel_calls() -> None:
-    """Wraps the entry points `sdpa_forward` looks up in its module's globals at each call, and each kernel's
-    `backward` (which autograd's node looks up on the Function class when it runs), with counters."""
-    for name in {entry for _, entry, _ in CASES.values()}:
-        setattr(kernels_sdpa, name, counted(getattr(kernels_sdpa, name), name))
+    """Swaps each path's record in `SDPA_PATHS` (which `sdpa_forward` reads at each call) for one whose `forward`
+    counts, and wraps each kernel's `backward` (which autograd's node looks up on the Function class when it runs)."""
+    for name in {path for _, path, _ in CASES.values()}:
+        SDPA_PATHS.replace(name, forward=counted(SDPA_PATHS[name].forward, name))
     for function in {function for _, _, function in CASES.values()}:
         function.backward = staticmethod(counted(function.backward, f"{function.__name__}.backward"))
 

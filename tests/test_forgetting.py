@@ -22,17 +22,16 @@ from bias_kind_checks import (
     recording_kernels,
 )
 from conftest import build, left_padded, on_kernel, random_ids, tiny_config, training_step
+from test_sdpa_paths import count_path_calls
 from tolerances import assert_same_step, model_tolerance, softmax_spread, tolerance
 from transformers import DynamicCache, StaticCache
 
-import plugformer.kernels_sdpa as kernels_sdpa
 from plugformer import (
     PlugformerForCausalLM,
     PlugformerForConditionalGeneration,
 )
 from plugformer.attention import PlugformerAttention
 from plugformer.capabilities import unsupported_reason
-from plugformer.kernels_query_bias import query_bias_attention_forward
 from plugformer.positions import ForgettingAttention, alibi_slopes
 
 
@@ -107,13 +106,7 @@ def test_a_constant_gate_is_alibi():
 def test_sdpa_training_step_equals_eager_gates_included(score, small_blocks, monkeypatch):
     """sdpa computes each block's rows from F (`kernels_query_bias`), in its backward again, three 16-row blocks, with
     left padding: logits and every gradient equal eager's, and every layer's gate gets its gradient."""
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return query_bias_attention_forward(*args, **kwargs)
-
-    monkeypatch.setattr(kernels_sdpa, "query_bias_attention_forward", counted)
+    calls = count_path_calls(monkeypatch, "query_bias")
     eager = fox_model(score=score)
     tokens, mask = left_padded(length=40, pad=7)
     logits_eager, grads_eager = training_step(eager, tokens, mask)

@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import left_padded, tiny_config
 from test_fire import with_small_threshold
+from test_sdpa_paths import count_path_calls
 from tolerances import assert_same_step, attention_tolerances
 
 import plugformer.kernels as kernels
-import plugformer.kernels_sdpa as kernels_sdpa
 from plugformer import PlugformerForCausalLM, PlugformerForMaskedLM
 from plugformer.biases import QueryPositionBias
-from plugformer.kernels_query_bias import query_bias_applies, query_bias_attention_forward
+from plugformer.kernels_query_bias import query_bias_applies
+from plugformer.kernels_sdpa import SDPA_PATHS
 from plugformer.positions import POSITION_SCHEMES
 from plugformer.positions_bias import FireBias
 
@@ -155,8 +156,8 @@ def test_outputs_and_every_gradient_equal_the_eager_computation_in_fp64(name, sm
     scaling, upstream = DIM**-0.5, torch.randn(batch, queries, HEADS, DIM, generator=generator, dtype=torch.float64)
     recipe = fire.bias_recipe(query_offset, queries, 0, key_length, positions, torch.float64)
     bias = QueryPositionBias(recipe, queries, key_length)
-    assert query_bias_applies(query, key, bias)
-    output, _ = query_bias_attention_forward(Attention(causal), query, key, value, mask, scaling, 0.0, bias)
+    assert query_bias_applies(query, key, value, mask, 0.0, bias, causal)
+    output, _ = SDPA_PATHS["query_bias"](Attention(causal), query, key, value, mask, scaling, 0.0, bias, causal)
     expected = reference(fire, query, key, value, allowed, query_offset, positions, scaling).transpose(1, 2)
     atol = fire_tolerances(fire, query, key, value, upstream, allowed, query_offset, positions, scaling)
     torch.testing.assert_close(output, expected, atol=atol["output"], rtol=0)
@@ -206,12 +207,7 @@ def test_a_training_step_equals_the_path_with_the_dense_bias(kind, dtype, small_
     """Logits and every gradient (θ, c, L included) as with the stack's dense values, which SDPA took as a float
     mask requiring grad (its math path). bf16: within twice the dense path's own distance from fp32, plus 2 ulp."""
     tokens, mask, positions = inputs(kind)
-    calls = []
-    monkeypatch.setattr(
-        kernels_sdpa,
-        "query_bias_attention_forward",
-        lambda *args, **kwargs: calls.append(1) or query_bias_attention_forward(*args, **kwargs),
-    )
+    calls = count_path_calls(monkeypatch, "query_bias")
     blockwise = train_step(fire_lm(kind, dtype), tokens, mask, positions)
     assert len(calls) == 2  # the new path ran, in both layers
     monkeypatch.setattr(FireBias, "bias_recipe", lambda self, *args: None)
@@ -269,7 +265,7 @@ def test_attention_dropout_drops_the_weights_of_a_seeded_keep_mask():
     )
     bias = QueryPositionBias(fire.bias_recipe(0, key_length, 0, key_length, positions, torch.float64), 40, 40)
     torch.manual_seed(5)
-    output, _ = query_bias_attention_forward(Attention(True), query, key, value, mask, DIM**-0.5, dropout, bias)
+    output, _ = SDPA_PATHS["query_bias"](Attention(True), query, key, value, mask, DIM**-0.5, dropout, bias, True)
     torch.manual_seed(5)
     seed = int(torch.randint(2**62, (), device="cpu"))
     keep = torch.empty(2, HEADS, 40, 40, dtype=torch.float64)
@@ -298,6 +294,6 @@ def test_the_dense_values_serve_inference_and_a_frozen_bias():
     query, key = torch.zeros(1, HEADS, 8, DIM), torch.zeros(1, KV_HEADS, 8, DIM)
     bias = QueryPositionBias(fire.bias_recipe(0, 8, 0, 8, positions, torch.float32), 8, 8)
     with torch.no_grad():
-        assert not query_bias_applies(query, key, bias)
+        assert not query_bias_applies(query, key, key, None, 0.0, bias, True)
     fire.requires_grad_(False)
     assert fire.bias_recipe(0, 8, 0, 8, positions, torch.float32) is None

@@ -14,6 +14,7 @@ import plugformer.kernels_relative_native as native
 from plugformer.bench.measure import profile_call
 from plugformer.biases import RelativeBias
 from plugformer.kernels_band_native import native_band
+from plugformer.kernels_sdpa import SDPA_PATHS
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +104,7 @@ def test_a_profile_names_the_path():
     bias = RelativeBias(torch.randn(4, 79, generator=torch.Generator().manual_seed(1)), 40, 40)
 
     def step():
-        output, _ = native.native_relative_attention_forward(query, key, value, 0.25, bias)
+        output, _ = SDPA_PATHS["relative_native"](None, query, key, value, None, 0.25, 0.0, bias, True)
         output.sum().backward()
 
     assert profile_call(step, "cpu").sdpa_backends == ["band-native", "relative-native"]

@@ -32,8 +32,6 @@ from .kernels_fixed import flash_operands
 # machine): 256 rows 0.96-0.99x at N = 2048, 0.89-0.96x at 4096; 128: 0.94x, 0.86x; 512: 0.88x, 0.90x; 1024: 0.81x,
 # 0.90x (the square's mask, H·ROWS² numbers, is read for each block).
 ROWS = 256
-# what a profile (`plugformer bench`) names this path by
-PROFILER_NAME = "plugformer::linear_bias"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -164,8 +162,17 @@ def linear_bias_applies(query, key, value, attention_mask, dropout: float, posit
     return query.dtype in (torch.float32, torch.bfloat16, torch.float64)
 
 
-def linear_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
-    """`LinearBiasAttention` as the sdpa kernel returns it: `(output (B, N, H, D), None)` (no attention weights)."""
-    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = LinearBiasAttention.apply(query, key, value, position_bias.values, scaling)
-    return output.transpose(1, 2).contiguous(), None  # (B, N, H, D)
+def linear_bias_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float,
+    position_bias: RelativeBias,
+    is_causal: bool,
+) -> torch.Tensor:
+    """`LinearBiasAttention` on a call of the sdpa kernel (the `linear_bias` path of `kernels_sdpa.SDPA_PATHS`):
+    the output `(B, H, N, D)`."""
+    return LinearBiasAttention.apply(query, key, value, position_bias.values, scaling)

@@ -47,8 +47,6 @@ from .kernels_relative_native import native_forward
 # 8192 (one run each).
 FORWARD_ROWS = 64
 BAND_ROWS = 32
-# what a profile (`plugformer bench`) names this path by
-PROFILER_NAME = "plugformer::banded_bias"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -298,10 +296,17 @@ def banded_bias_applies(query, key, value, attention_mask, dropout: float, posit
     return query.shape[2] > position_bias.constant_beyond
 
 
-def banded_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
-    """`BandedBiasAttention` as the sdpa kernel returns it: `(output (B, N, H, D), None)` (no attention weights)."""
-    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = BandedBiasAttention.apply(
-            query, key, value, position_bias.values, position_bias.constant_beyond, scaling
-        )
-    return output.transpose(1, 2).contiguous(), None  # (B, N, H, D)
+def banded_bias_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float,
+    position_bias: RelativeBias,
+    is_causal: bool,
+) -> torch.Tensor:
+    """`BandedBiasAttention` on a call of the sdpa kernel (the `banded_bias` path of `kernels_sdpa.SDPA_PATHS`):
+    the output `(B, H, N, D)`."""
+    return BandedBiasAttention.apply(query, key, value, position_bias.values, position_bias.constant_beyond, scaling)

@@ -34,15 +34,12 @@ from .kernels import (
 )
 
 
-# what a profile (`plugformer bench`) names this path by
-PROFILER_NAME = "plugformer::query_bias"
-
-
-def query_bias_applies(query: torch.Tensor, key: torch.Tensor, position_bias) -> bool:
-    """Whether `query_bias_attention_forward` computes this call: a bias with a recipe (a `QueryPositionBias` given as
-    one, a `DecayBias`) whose parameters need a gradient, autograd on, outside torch.compile / export tracing (the
-    backward calls autograd) and at concrete sizes. Otherwise `kernels.sdpa_attention_forward` asks the bias for its
-    rows, which the recipe computes under autograd: the same numbers, with the rows kept."""
+def query_bias_applies(query, key, value, attention_mask, dropout: float, position_bias, is_causal: bool) -> bool:
+    """Whether `query_bias_attention` computes this call of the sdpa kernel: a bias with a recipe (a
+    `QueryPositionBias` given as one, a `DecayBias`) whose parameters need a gradient, autograd on, outside
+    torch.compile / export tracing (the backward calls autograd) and at concrete sizes; any mask, dropout and
+    direction. Otherwise `kernels.sdpa_attention_forward` asks the bias for its rows, which the recipe computes under
+    autograd: the same numbers, with the rows kept."""
     if getattr(position_bias, "recipe", None) is None:  # (a `RelativeBias` has none)
         return False
     if torch.compiler.is_compiling() or symbolic_sizes(query, key):
@@ -145,7 +142,7 @@ class QueryBiasAttention(torch.autograd.Function):
         return *grads, None, None, None, None, None, None, *grad_parameters
 
 
-def query_bias_attention_forward(
+def query_bias_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -154,18 +151,17 @@ def query_bias_attention_forward(
     scaling: float,
     dropout: float,
     position_bias: QueryPositionBias,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """SDPA with a recipe's bias, by blocks of query rows in one `QueryBiasAttention` (where `query_bias_applies`).
+    is_causal: bool,
+) -> torch.Tensor:
+    """SDPA with a recipe's bias, by blocks of query rows in one `QueryBiasAttention` (where `query_bias_applies`;
+    the `query_bias` path of `kernels_sdpa.SDPA_PATHS`).
 
     Blocks as in `kernels.sdpa_relative_bias_forward`: a causal block skips the keys after its last query
     (`causal_keys`; with a mask, when `mask_blocks_the_future`); a block holds the larger of its (B, H, r, K) weights
     and the recipe's (B', r, K, width) intermediate within `kernels.BIAS_BLOCK_BYTES`.
 
-    Returns `(output (B, Q, H, D), None)`.
+    Returns the output `(B, H, Q, D)`.
     """
-    is_causal = module.is_causal if is_causal is None else is_causal
     batch, heads, query_length, _ = query.shape
     key_length = key.shape[2]
     recipe = position_bias.recipe
@@ -179,8 +175,6 @@ def query_bias_attention_forward(
     for start in range(0, query_length, block):
         stop = min(start + block, query_length)
         blocks.append((start, stop, causal_keys(query_length, key_length, stop) if skip_future else key_length))
-    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = QueryBiasAttention.apply(
-            query, key, value, attention_mask, recipe, tuple(blocks), is_causal, scaling, dropout, *recipe.parameters
-        )
-    return output.transpose(1, 2).contiguous(), None  # (B, Q, H, D)
+    return QueryBiasAttention.apply(
+        query, key, value, attention_mask, recipe, tuple(blocks), is_causal, scaling, dropout, *recipe.parameters
+    )

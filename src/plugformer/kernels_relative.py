@@ -42,8 +42,6 @@ HAND_ROWS = 64
 # touch costs more than the arithmetic on them. Forward + backward against causal SDPA (B=2, H=6, D=64, fp32, 1 thread,
 # 5 repeats interleaved, 2-4 runs): hand backward 0.74-0.85x -> 0.79-0.88x at N = 2048, 0.63-0.75x -> 0.74-0.80x at
 # 4096 (64 rows still the best of 32, 64, 128); fused backward 0.92 -> 0.96x at 2048, 0.96 -> 0.97x at 4096 (one run).
-# what a profile (`plugformer bench`) names this path by
-PROFILER_NAME = "plugformer::relative_bias"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -251,8 +249,17 @@ def relative_bias_applies(query, key, value, attention_mask, dropout: float, pos
     )
 
 
-def relative_bias_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
-    """`RelativeBiasAttention` as the sdpa kernel returns it: `(output (B, N, H, D), None)` (no attention weights)."""
-    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = RelativeBiasAttention.apply(query, key, value, position_bias.values, scaling)
-    return output.transpose(1, 2).contiguous(), None  # (B, N, H, D)
+def relative_bias_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float,
+    position_bias: RelativeBias,
+    is_causal: bool,
+) -> torch.Tensor:
+    """`RelativeBiasAttention` on a call of the sdpa kernel (the `relative_bias` path of `kernels_sdpa.SDPA_PATHS`):
+    the output `(B, H, N, D)`."""
+    return RelativeBiasAttention.apply(query, key, value, position_bias.values, scaling)

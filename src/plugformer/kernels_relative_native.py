@@ -28,8 +28,6 @@ from .kernels_band_native import native_band_applies, native_band_backward, nati
 # whose backward calls torch's fused kernel for the far keys (its forward runs here either way). Backward per call,
 # B=2, H=6, D=64, W=128, fp32, 1 thread: 165 against 191 ms at N = 2048, 657 / 642 ms at 4096, 2702 / 2384 ms at 8192.
 BANDED_FROM = 4096
-# what a profile (`plugformer bench`) names this path by
-PROFILER_NAME = "plugformer::relative_native"
 
 
 def native_forward(query, key_heads, value_heads, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +109,17 @@ def native_relative_applies(query, key, value, attention_mask, dropout: float, p
     return native_band_applies(query, key, value, position_bias.values)
 
 
-def native_relative_attention_forward(query, key, value, scaling: float, position_bias: RelativeBias):
-    """`NativeRelativeAttention` as the sdpa kernel returns it: `(output (B, N, H, D), None)` (no attention weights)."""
-    with torch.profiler.record_function(PROFILER_NAME):  # so a profile (`plugformer bench`) names the path
-        output = NativeRelativeAttention.apply(query, key, value, position_bias.values, scaling)
-    return output.transpose(1, 2).contiguous(), None  # (B, N, H, D)
+def native_relative_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float,
+    position_bias: RelativeBias,
+    is_causal: bool,
+) -> torch.Tensor:
+    """`NativeRelativeAttention` on a call of the sdpa kernel (the `relative_native` path of
+    `kernels_sdpa.SDPA_PATHS`): the output `(B, H, N, D)`."""
+    return NativeRelativeAttention.apply(query, key, value, position_bias.values, scaling)
