@@ -3,18 +3,14 @@ as a `biases.QueryBiasRecipe`) in training: no `(B, H, Q, K)` bias is kept. Forg
 its own recipe (its rows are differences of its values, the gradient of a block's rows reaches them by autograd).
 
 With the bias values computed once per forward under autograd, autograd keeps them (B', H, Q, K), and SDPA, handed
-rows that require grad as its mask, takes its math path (scores and weights kept per layer): FIRE measured 1.24–1.33×
-the memory of no bias. Here each block of query rows computes its bias rows from the positions without autograd and
+rows that require grad as its mask, takes its math path (scores and weights kept per layer). Here each block of query rows computes its bias rows from the positions without autograd and
 runs the fused kernel with them as its mask (`kernels.block_output`); the backward computes each block's rows again,
 under autograd from detached copies of the scheme's parameters, takes the score gradient dS of the block
 (`kernels.block_gradients`, the softmax backward from the recomputed weights) as their gradient, and autograd of that
 recomputation gives the parameters' gradients (θ, c and L for FIRE). FIRE's f_θ thus runs three times per layer and
-block (forward, recomputation, its backward), which its evaluation by pieces (`piecewise`) makes cheap.
-
-Measured (`small`, fp32, batch 2, CPU, against scaled_dot + none on sdpa): peak memory 2.11× -> 1.04× at N = 2048
-and 3.64× -> 1.05× at N = 4096 (`plugformer bench --sections variants`). One attention call at N = 2048 (B 2, H 6,
-D 64, 1 thread, forward + backward): 673 ms, where each block as its own autograd Function (a zeroed full-size
-gradient per sliced input) and `block_gradients` without in-place updates took 823 ms; causal SDPA 207 ms.
+block (forward, recomputation, its backward), which its evaluation by pieces (`piecewise`) makes cheap. One autograd
+Function for all blocks (not one per block, which zeroes a full-size gradient per sliced input) and in-place updates
+in `block_gradients` keep the backward fast (BENCHMARKS.md, "Design measurements").
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ strides). The rows go in blocks of `ROWS` from slot c, each in two parts merged 
 Every bias number is one of the values, added once: the same scores as the materialised softmax's. The bias gradient
 needs the score gradient dS summed along the diagonals, which no fused kernel returns: `hand_backward` computes dS per
 block of `HAND_ROWS` reversed rows from the saved log-sum-exp (P = exp(s·QKᵀ + bias − lse), the bias again a Hankel
-view) and with it dQ, dK, dV (0.62x of causal SDPA's forward + backward at N = 2048, 0.47x at 4096: B=2, H=6, D=64,
-fp32, 1 thread). In fp32 with heads a multiple of 16 wide the sdpa entry point gives the call to
+view) and with it dQ, dK, dV. In fp32 with heads a multiple of 16 wide the sdpa entry point gives the call to
 `kernels_relative_native` instead (all in C); this kernel keeps fp64 and other head sizes. `kernels_banded` (a bias
 constant beyond a distance) calls the fused backward for its far keys and computes dS on the band only.
 """
@@ -34,8 +33,8 @@ from .kernels_fixed import flash_operands
 # 1 thread, shared machine): 256 rows 0.98-0.99x at N = 2048; 128: 0.92x (the pattern of `kernels_alibi.ROWS`).
 ROWS = 256
 # Query rows per block of the hand backward: (B, H, rows, keys) weights in fp32. Forward + backward with bias gradient
-# against causal SDPA (same setting, before dK/dV were accumulated in place, which gives 0.83-0.85x and 0.76x): 64 rows
-# 0.75x at N = 2048, 0.66x at 4096; 32: 0.65x, 0.56x; 128: 0.74x.
+# against causal SDPA (same setting, dK/dV not yet accumulated in place): 64 rows 0.75x at N = 2048, 0.66x at 4096;
+# 32: 0.65x, 0.56x; 128: 0.74x.
 HAND_ROWS = 64
 # Block order: the backward loops walk the query blocks from the last. A block's temporaries grow with the keys before
 # it; glibc's allocator reuses a freed larger block, where growing sizes map fresh pages every block, and their first

@@ -9,10 +9,8 @@ torch's fused flash kernel split a linear bias (`kernels_alibi`) or merge a band
 (`kernels_banded`).
 
 It takes a call first where it applies (fp32 on the CPU, heads a multiple of 16 wide, the library built); the kernels
-on torch's fused kernel keep bf16, fp64 and other head sizes. Forward + backward against causal flash SDPA (B=2, H=6,
-D=64, fp32, (B, N, H, D) layout, interleaved repeats): on 1 thread 0.98-1.00x at N = 2048 and 0.92-0.93x at 4096,
-where ALiBi's kernel gave 0.85x / 0.78x and KERPLE's (C backward) 0.93x / 0.86x; on 2 threads 1.43x at 512, 1.00x at
-2048. A bias constant beyond a distance over `BANDED_FROM` tokens or more goes to `kernels_banded`.
+on torch's fused kernel keep bf16, fp64 and other head sizes (their speeds side by side: BENCHMARKS.md, "Design
+measurements"). A bias constant beyond a distance over `BANDED_FROM` tokens or more goes to `kernels_banded`.
 """
 
 from __future__ import annotations
