@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -459,7 +460,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def llama_source(tmp_path):
-    """A tiny `LlamaForCausalLM` saved under `tmp_path/source` (convert's source in the red-team tests)."""
+    """A tiny `LlamaForCausalLM` saved under `tmp_path/source` (a source for `convert`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -475,3 +476,83 @@ def llama_source(tmp_path):
     )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "source")
     return tmp_path / "source"
+
+
+# --- finished runs and folders, for the tests of what a command does with a folder it is given -----------------------
+
+
+def refuse_training(*_, **__):
+    """Stands in for training (or model loading): a test that must be refused before it patches it in."""
+    raise AssertionError("training started")
+
+
+def refuse_work(*_, **__):
+    """Stands in for a command's work (a tokenizer, an evaluation): a test that must be refused first patches it in."""
+    raise AssertionError("work started")
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file under `directory`, by its path relative to it: its bytes (to show that a folder was left alone)."""
+    directory = Path(directory)
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# 2 optimizer steps of tests/test_training.py's tiny pretraining (TINY, PRETRAIN), no evaluation
+QUICK_PRETRAIN = ["--eval_strategy", "no", "--dev_examples", "0", "--exact_match_examples", "0", "--max_steps", "2"]
+SAVE_EVERY_2 = ["--save_strategy", "steps", "--save_steps", "2"]
+
+
+def tiny_pretraining(output_dir, defaults: list[str], extra: tuple[str, ...]) -> dict:
+    from test_training import PRETRAIN, TINY
+
+    from plugformer.runtime.arguments import override_flags
+    from plugformer.training import run_stage
+
+    base = ["--output_dir", str(output_dir), *TINY, *PRETRAIN]
+    return run_stage("pretrain", override_flags(base, defaults, list(extra)))
+
+
+def pretrain_tiny(output_dir, *extra: str) -> dict:
+    """`plugformer train pretrain` into `output_dir`: `QUICK_PRETRAIN` (no checkpoint), any of it overridden by
+    `extra`; returns the stage's run info."""
+    return tiny_pretraining(output_dir, QUICK_PRETRAIN, extra)
+
+
+def pretrain_checkpointed(output_dir, *extra: str) -> dict:
+    """`pretrain_tiny` with a checkpoint every 2 steps (`SAVE_EVERY_2`), any of it overridden by `extra`."""
+    return tiny_pretraining(output_dir, SAVE_EVERY_2 + QUICK_PRETRAIN, extra)
+
+
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory) -> Path:
+    """A finished 2-step pretraining run with checkpoint-2 (`pretrain_checkpointed`): copied or read, never written
+    to."""
+    directory = tmp_path_factory.mktemp("finished") / "run"
+    pretrain_checkpointed(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Path:
+    """Two finished 2-step pretraining runs (`pretrain_tiny`): `checkpointed` (checkpoint-2) and `final_only` (no
+    checkpoint); copied or read, never written to."""
+    root = tmp_path_factory.mktemp("runs")
+    pretrain_tiny(root / "checkpointed", "--save_strategy", "steps", "--save_steps", "2")
+    pretrain_tiny(root / "final_only")
+    return root
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of the run folder `run` at `tmp_path/run`."""
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def copy_run(runs: Path, name: str, tmp_path: Path) -> Path:
+    """A copy of the run `runs/name` at `tmp_path/name`."""
+    import shutil
+
+    shutil.copytree(runs / name, tmp_path / name)
+    return tmp_path / name

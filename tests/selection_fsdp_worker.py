@@ -1,4 +1,4 @@
-"""Run by tests/test_reliability_round3.py under `torchrun --nproc_per_node 2` (gloo): FSDP2 (`fully_shard` on every
+"""Run by tests/test_fsdp.py under `torchrun --nproc_per_node 2` (gloo): FSDP2 (`fully_shard` on every
 decoder layer, then the root) with `DevSelection` scoring a scripted dev curve (best at step 0), three AdamW steps,
 then the restore at the end of training. Writes whether every parameter (gathered whole) equals its step-0 value."""
 

@@ -252,7 +252,7 @@ def finish(args, stage, digests=(1,)):
 
 
 def test_a_finished_stage_whose_weights_were_replaced_is_not_reused(tmp_path):
-    """Issue 35: the recorded digests were never compared with the folder's weights, so a stage whose weights were
+    """The recorded digests were never compared with the folder's weights, so a stage whose weights were
     replaced after training was reused (and scored, and trained on) as if it were the trained model."""
     from plugformer.experiments.pipeline import RECORD, plan_stage, stage_argv, stage_record
 

@@ -1,4 +1,4 @@
-"""Issue 32's baselines: rejection-sampling fine-tuning (rft) and compute-matched SFT (sft_matched), the compute each
+"""The baselines: rejection-sampling fine-tuning (rft) and compute-matched SFT (sft_matched), the compute each
 stage records, and the gains against the baselines in the pipeline's and `plugformer seeds`' tables.
 
 Contracts, not accuracy: which samples rft keeps, the token budget and step arithmetic, the paired statistics
@@ -22,7 +22,8 @@ from plugformer.evaluation.answers import generated_lengths
 from plugformer.evaluation.stats import paired_bootstrap
 from plugformer.experiments import baselines, seeds
 from plugformer.experiments.pipeline import PipelineArguments, stage_argv
-from plugformer.training import STAGES, rft, sft_matched
+from plugformer.training import STAGES
+from plugformer.training.stages import rft, sft_matched
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def test_the_shipped_compute_matched_baseline_trains_on_the_demonstrations_sft_h
         argv = ["--config", str(ROOT / f"configs/{stage}/tiny.yaml"), "--output_dir", "o"]
         script_args = parse_stage_arguments(stage, argv)[0]
         script_args.dev_examples = script_args.test_examples = 0
-        return stage_data(stage, script_args)["train"]
+        return stage_data(STAGES[stage], script_args)["train"]
 
     sft_rows, matched_rows = train_rows("sft"), train_rows("sft_matched")
     assert len(matched_rows) >= len(sft_rows) == 3200

@@ -516,7 +516,7 @@ def test_modifier_fields_repeat_a_per_layer_pattern_with_the_fields_it_needs():
     )
 
 
-THIRD_WAVE = [  # issue 33's variants: per-layer attention types, gated attention, value residuals, latent attention
+THIRD_WAVE = [  # the modifiers' variants: per-layer attention types, gated attention, value residuals, latent attention
     "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated",
     "use_gated_attention=True",
     "value_residual='fixed'",
@@ -527,7 +527,7 @@ THIRD_WAVE = [  # issue 33's variants: per-layer attention types, gated attentio
 
 def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
     """One tiny run of `--sections variants` on the baseline pair: a row for each attention modifier's each value (the
-    third-wave variants among them), each with a ratio against the baseline and its kernel; no timing asserted."""
+    `THIRD_WAVE` rows among them), each with a ratio against the baseline and its kernel; no timing asserted."""
     argv = [
         "bench",
         "--sizes",

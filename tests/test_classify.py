@@ -20,7 +20,7 @@ from plugformer.evaluation.scoring import main as eval_main
 from plugformer.experiments.pipeline import PipelineArguments
 from plugformer.runtime.arguments import override_flags
 from plugformer.training import run_stage
-from plugformer.training.classify import check_labels, label_names
+from plugformer.training.stages.classify import check_labels, label_names
 
 
 FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no",

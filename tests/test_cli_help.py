@@ -33,9 +33,9 @@ def test_top_level_help_lists_every_command_with_its_description(capsys):
 
 
 def test_a_stage_registered_later_appears_without_an_edit(capsys, monkeypatch):
-    from plugformer.training import stages
+    from plugformer.training import stage_table
 
-    table = stages.StageTable()
+    table = stage_table.StageTable()
     for stage in STAGES.values():
         table.register(stage)
     import dataclasses
@@ -43,3 +43,19 @@ def test_a_stage_registered_later_appears_without_an_edit(capsys, monkeypatch):
     table.register(dataclasses.replace(STAGES["sft"], name="my_stage", description="a user's stage"))
     monkeypatch.setattr("plugformer.training.STAGES", table)
     assert "my_stage" in top_level_help(capsys)
+
+
+def test_every_command_names_a_function_that_takes_its_arguments():
+    """The table maps each name to what runs it ("module:function", imported when the command runs), no wrapper."""
+    import importlib
+    import inspect
+
+    import plugformer.cli as cli
+
+    for name, (target, _) in COMMANDS.items():
+        if isinstance(target, str):
+            module, _, function = target.partition(":")
+            target = getattr(importlib.import_module(f"plugformer.{module}"), function)
+        assert list(inspect.signature(target).parameters)[:1] == ["argv"], name
+    wrappers = [name for name, value in vars(cli).items() if inspect.isfunction(value) and name.startswith("_")]
+    assert wrappers == ["_usage", "_version"]

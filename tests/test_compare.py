@@ -1,4 +1,6 @@
-"""Statistics checked against scipy, and `plugformer compare` end to end on a tiny grid."""
+"""Statistics checked against scipy, and `plugformer compare`: end to end on a tiny grid, the options it refuses in
+`--set` and `--grid` because it sets them per run, config fields routed into one `--config_overrides`, and score
+caches keyed by the model's config and tokenizer too."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import refuse_training
 from scipy import stats
 
 from plugformer.evaluation.stats import mean_interval, paired_bootstrap, paired_t_test
@@ -200,3 +203,55 @@ def test_command_line_options_are_not_abbreviated():
     with pytest.raises(ValueError, match=r"unknown arguments \['--seed'"):  # not silently read as --seeds
         parse_arguments(CompareArguments, ["--seed", "3"], prog="plugformer compare")
     assert parse_arguments(CompareArguments, ["--seeds", "3"], prog="plugformer compare").seeds == [3]
+
+
+@pytest.mark.parametrize(
+    ("where", "entry", "allowed"),
+    [
+        ("set", "seed=7", "--seeds"),
+        ("set", "pretrain.seed=7", "--seeds"),
+        ("set", "output_dir=/tmp/one", "--output_dir"),
+        ("set", "dataset_seed=3", "--dataset_seed"),
+        ("set", "model_name_or_path=/tmp/x", "--stages"),
+        ("grid", "seed=1,2", "--seeds"),
+    ],
+)
+def test_compare_refuses_options_it_sets_per_run(tmp_path, monkeypatch, where, entry, allowed):
+    from plugformer.experiments import compare
+
+    monkeypatch.setattr("plugformer.training.run_stage", refuse_training)
+    kwargs = {"set": [entry]} if where == "set" else {"grid": [entry]}
+    args = compare.CompareArguments(output_dir=str(tmp_path), seeds=[0, 1], stage_configs=CONFIGS, **kwargs)
+    name = entry.partition("=")[0].rpartition(".")[2]
+    with pytest.raises(ValueError, match=rf"--{where} {entry.split(',')[0]}.*compare sets {name!r} itself.*{allowed}"):
+        compare.run(args)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_compare_merges_config_overrides_with_config_fields_of_the_grid():
+    from plugformer.experiments.grid import route
+
+    argv = route({"config_overrides": "ffn_type=mlp", "norm_type": "layernorm"}, ["pretrain"])
+    assert argv["pretrain"] == ["--config_overrides", "ffn_type=mlp,norm_type=layernorm"]  # one flag, both fields
+    with pytest.raises(ValueError, match=r"\['norm_type'\] set more than once"):
+        route({"config_overrides": "norm_type=rmsnorm", "norm_type": "layernorm"}, ["pretrain"])
+
+
+def test_the_score_caches_are_keyed_by_the_models_config_and_tokenizer_too(tmp_path):
+    from plugformer.experiments.compare import CompareArguments, score_key
+    from plugformer.experiments.extrapolation import ExtrapolationArguments, evaluation_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text('{"position_scheme": "rope"}')
+    (tmp_path / "tokenizer.json").write_text('{"vocab": 1}')
+    keys = lambda: (score_key(CompareArguments(), tmp_path, "test"), evaluation_key(ExtrapolationArguments(), tmp_path))  # noqa: E731
+    first = keys()
+    assert keys() == first
+    (tmp_path / "run_info.json").write_text("{}")  # a record beside the model changes no score
+    assert keys() == first
+    (tmp_path / "config.json").write_text('{"position_scheme": "nope"}')  # same weights, another model
+    second = keys()
+    assert second[0] != first[0] and second[1] != first[1]
+    (tmp_path / "tokenizer.json").write_text('{"vocab": 2}')
+    third = keys()
+    assert third[0] != second[0] and third[1] != second[1]

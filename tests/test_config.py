@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build, tiny_config
+from conftest import SCHEMES, build, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import plugformer
-from plugformer import PRESETS, PlugformerConfig, PlugformerForCausalLM
+from plugformer import POSITION_SCHEMES, PRESETS, PlugformerConfig, PlugformerForCausalLM
 from plugformer.configuration import VARIANT_REGISTRIES
 
 
@@ -110,10 +110,15 @@ def test_config_round_trips_through_auto_config(tmp_path):
 
 
 def test_auto_map_names_every_registered_head():
+    """Each Auto class maps to the registered class, by a module a checkpoint holds (`modeling`, `modeling_seq2seq`)."""
+    import importlib
+
     config = tiny_config()
-    expected = {"AutoConfig": "configuration.PlugformerConfig"}
-    expected.update({auto.__name__: f"modeling.{cls.__name__}" for auto, cls in plugformer.AUTO_CLASSES.items()})
-    assert config.auto_map == expected
+    classes = {"AutoConfig": PlugformerConfig} | {auto.__name__: cls for auto, cls in plugformer.AUTO_CLASSES.items()}
+    assert set(config.auto_map) == set(classes)
+    for auto, entry in config.auto_map.items():
+        module, _, name = entry.partition(".")
+        assert getattr(importlib.import_module(f"plugformer.{module}"), name) is classes[auto], entry
 
 
 def test_kernel_defaults_to_sdpa_and_to_eager_for_additive():
@@ -243,3 +248,69 @@ def test_rope_parameters_assigned_after_construction_are_honoured_or_refused():
     with pytest.raises(ValueError, match=r"rope_parameters=.*position_scheme='alibi' has none"):
         alibi.rope_parameters = {"rope_type": "linear", "factor": 10.0, "rope_theta": 10000.0}
     assert alibi.rope_parameters == before
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_a_forward_never_writes_the_shared_config(monkeypatch, kernel):
+    """A seq2seq decoder shares its encoder's config (`is_causal=False`) and builds causal masks from a causal view
+    of it: no forward assigns a config attribute (a concurrent call reading it would see the other direction)."""
+    import copy
+
+    from plugformer import PlugformerForConditionalGeneration
+
+    config = copy.deepcopy(tiny_config(is_encoder_decoder=True, is_causal=False, pad_token_id=0, eos_token_id=1))
+    config._attn_implementation = kernel
+    model = PlugformerForConditionalGeneration(config).eval()
+    assigned = []
+    original = PlugformerConfig.__setattr__
+
+    def recorded(self, name, value):
+        if self is config:  # generate() edits copies of its own (`get_text_config`)
+            assigned.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(PlugformerConfig, "__setattr__", recorded)
+    source = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=source, decoder_input_ids=source[:, :5])
+        model.generate(source, max_new_tokens=3, do_sample=False)
+    assert assigned == [] and config.is_causal is False
+
+
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [("attention_scor", "attention_score"), ("positon_scheme", "position_scheme"), ("hiden_size", "hidden_size")],
+)
+def test_config_refuses_a_near_miss_of_a_field(key, meant, tmp_path):
+    import json
+
+    from plugformer import PlugformerConfig
+
+    with pytest.raises(ValueError, match=rf"{key}=.*did you mean '{meant}'"):
+        PlugformerConfig(**{key: "additive"})
+    tiny_config().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved[key] = saved.pop(meant)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=rf"{key}=.*did you mean '{meant}'"):
+        PlugformerConfig.from_pretrained(tmp_path)
+
+
+# the schemes that do not own rope_parameters (every one but rope)
+WITHOUT_ROTARY = [name for name in SCHEMES if "rope_parameters" not in POSITION_SCHEMES.get(name).config_fields]
+
+
+@pytest.mark.parametrize("scheme", WITHOUT_ROTARY)
+def test_rope_settings_on_a_scheme_without_rotary_positions_are_refused(scheme, tmp_path, caplog):
+    from plugformer import PlugformerConfig
+
+    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=rf"rope_parameters=.*position_scheme='{scheme}' has none"):
+        tiny_config(scheme=scheme, rope_parameters=scaled)
+    with pytest.raises(ValueError, match=r"rope_parameters="):
+        tiny_config(scheme=scheme, rope_scaling={"rope_type": "dynamic", "factor": 2.0})  # the legacy name
+    # what transformers writes into every config (the default fill) loads, and a preset's theta goes with its scheme
+    tiny_config(scheme=scheme).save_pretrained(tmp_path)
+    assert PlugformerConfig.from_pretrained(tmp_path).rope_parameters["rope_type"] == "default"
+    assert PlugformerConfig.from_preset("llama", position_scheme=scheme).rope_parameters["rope_theta"] == 10000.0
+    tiny_config(scheme=scheme, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # warns only

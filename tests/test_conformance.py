@@ -1,6 +1,8 @@
 """What transformers' common model tests require of every model, checked on plugformer's heads for every
 attention_score x position_scheme (read from the registries): causal LM, the encoder heads (masked LM, sequence and
-token classification) and the seq2seq model.
+token classification) and the seq2seq model; and what transformers' testers and other outside clients rely on:
+`inputs_embeds` as the ids' embeddings, a cache by its deprecated name, attention weights in the graph, the config's
+signature and bookkeeping kwargs, and capability flags that follow the config.
 
 Written for plugformer, modelled on what transformers' per-model tests check (ModelTesterMixin, the causal-LM tester,
 the configuration tests); none of their code. Tiny configs and one model per class and variant (class-scoped
@@ -15,7 +17,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import tiny_config, variants
+from conftest import SCORES, build, tiny_config, variants
 from tolerances import model_tolerance, tolerance
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
@@ -397,3 +399,112 @@ def test_main_input_name_and_embeddings_accessors():
     replacement = torch.nn.Embedding(128, 32)
     model.set_input_embeddings(replacement)
     assert model.get_input_embeddings() is replacement is model.model.embed_tokens
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_sinusoidal_inputs_embeds_equal_input_ids_and_generate_alike(score):
+    """The sqrt(d) token scale applies to `inputs_embeds` too: embeddings of the ids give the ids' logits, and
+    generation continued from `inputs_embeds` picks the tokens generation from the ids picks."""
+    model = build(tiny_config(score, "sinusoidal"))
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        from_ids = model(input_ids=ids).logits
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+        torch.testing.assert_close(from_embeds, from_ids, atol=model_tolerance(model.config, from_ids), rtol=0)
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+        continued = model.generate(
+            inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False
+        )  # returns the new tokens only
+    assert torch.equal(continued, generated[:, ids.shape[1] :])
+
+
+def test_sequence_classification_takes_a_cache_by_its_deprecated_name():
+    """`past_key_values=` is the deprecated alias of `cache` on every head that keeps one (it was ignored here)."""
+    from transformers.cache_utils import DynamicCache
+
+    from plugformer import PlugformerForSequenceClassification
+
+    torch.manual_seed(0)
+    model = PlugformerForSequenceClassification(tiny_config(pad_token_id=0, num_labels=3)).eval()
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        output = model(ids, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 5 and output.cache is cache
+
+
+@pytest.mark.parametrize("scheme", ["none", "alibi"])
+@pytest.mark.parametrize("training", [False, True])
+def test_additive_attention_weights_stay_in_the_graph(scheme, training):
+    """The weights eager returns for additive scores are those the output is computed from: a gradient reaches them
+    (they were a padded copy cut off from the graph), and the output equals the one without weights."""
+    model = build(tiny_config("additive", scheme, additive_chunk_size=3))
+    model.train(training)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    reference = model(ids).logits
+    output = model(ids, output_attentions=True)
+    torch.testing.assert_close(output.logits, reference, atol=model_tolerance(model.config, reference), rtol=0)
+    attentions = output.attentions[0]
+    attentions.retain_grad()
+    output.logits.sum().backward()
+    assert attentions.grad is not None and attentions.grad.abs().sum() > 0
+
+
+def test_config_signature_shows_the_fields():
+    """Tools that build a config from `inspect.signature` (transformers' tester) see the fields, not `**kwargs`."""
+    import inspect
+
+    from plugformer import PlugformerConfig
+
+    parameters = inspect.signature(PlugformerConfig.__init__).parameters
+    assert {"attention_score", "position_scheme", "hidden_size", "use_cache"} <= set(parameters)
+    assert parameters["attention_score"].default == "scaled_dot"
+
+
+def test_config_keeps_transformers_bookkeeping_kwargs(tmp_path):
+    """What transformers passes or writes (labels, dtype, legacy names, generation settings, custom attributes)
+    still loads."""
+    from plugformer import PlugformerConfig
+
+    config = tiny_config(
+        num_labels=3,
+        problem_type="single_label_classification",
+        torch_dtype="float32",
+        output_attentions=True,
+        name_or_path="x",
+        my_own_note="kept",
+    )
+    config.save_pretrained(tmp_path)
+    loaded = PlugformerConfig.from_pretrained(tmp_path, attn_implementation="eager")
+    assert loaded.num_labels == 3 and loaded.my_own_note == "kept"
+    unnamed = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}  # noqa: E731
+    assert unnamed(loaded) == unnamed(config)
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("scheme", ["rope", "alibi"])
+def test_capability_flags_follow_the_config(score, scheme):
+    """`_supports_sdpa` / `_supports_flex_attn` / `_supports_flash_attn` answer for the model's config (the kernel
+    table), so transformers and its tests skip what the config cannot run; an explicit request of such a kernel
+    raises, the default resolves to eager; a supported sdpa can be set at run time."""
+    from plugformer import ATTENTION_SCORES, KERNELS, PlugformerForCausalLM
+
+    torch.manual_seed(0)
+    model = PlugformerForCausalLM(tiny_config(score, scheme))
+    config = model.config
+    for flag, kernel in (
+        ("_supports_sdpa", "sdpa"),
+        ("_supports_flex_attn", "flex_attention"),
+        ("_supports_flash_attn", "flash_attention_2"),
+    ):
+        assert getattr(model, flag) is (KERNELS.get(kernel).unsupported_reason(config) is None), flag
+    dot_product = ATTENTION_SCORES.get(score).dot_product
+    assert model.config._attn_implementation == ("sdpa" if dot_product else "eager")
+    if dot_product:
+        model.set_attn_implementation("eager")
+        model.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == "sdpa"
+    else:
+        with pytest.raises(ValueError, match=f"attention_score={score!r}"):
+            model.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == "eager"

@@ -203,7 +203,7 @@ def test_padding_holes_and_pad_rows_match_llama_under_generate_positions(kernel,
 
 
 def test_a_llama_field_the_source_ignores_is_not_carried_over(tmp_path, tokens):
-    """Issue 35: transformers' Llama ignores `partial_rotary_factor` with the default RoPE (it rotates all of
+    """transformers' Llama ignores `partial_rotary_factor` with the default RoPE (it rotates all of
     head_dim); carried over, it made the converted model rotate half of each head (logits 1.25e-3 off)."""
     torch.manual_seed(0)
     source = llama(False)
@@ -212,7 +212,7 @@ def test_a_llama_field_the_source_ignores_is_not_carried_over(tmp_path, tokens):
     model = convert(tmp_path / "source")
     assert "partial_rotary_factor" not in model.config.rope_parameters
     with torch.no_grad():
-        expected = source(tokens).logits  # `model_tolerance`: ~7e-6 here, the issue's rotation was 1.25e-3 off
+        expected = source(tokens).logits  # `model_tolerance`: ~7e-6 here, rotating half of each head was 1.25e-3 off
         torch.testing.assert_close(model(tokens).logits, expected, atol=model_tolerance(model.config, expected), rtol=0)
     # another rope type shortens the frequencies by it while Llama rotates the whole head: refused
     source.config.rope_parameters.update(rope_type="linear", factor=2.0)
@@ -238,7 +238,7 @@ def test_convert_command_imports_a_dense_deepseek_v3(tmp_path, capsys, tokens):
 def test_a_convert_that_fails_after_its_claim_hands_the_folder_back_for_a_retry(tmp_path, llama_source, monkeypatch):
     import json
 
-    from plugformer.training.outputs import LOCK, RUN_RECORD, TAKEOVER
+    from plugformer.runtime.run_folders import LOCK, RUN_RECORD, TAKEOVER
 
     output = tmp_path / "out"
 

@@ -23,7 +23,7 @@ from plugformer.data.prepare import corpus_fingerprint, prepared_blocks, prepare
 from plugformer.data.tokenization import train_tokenizer
 from plugformer.runtime.arguments import override_flags
 from plugformer.training import parse_stage_arguments
-from plugformer.training.pretrain import build_tokenizer, load_corpus, pack_corpus
+from plugformer.training.stages.pretrain import build_tokenizer, load_corpus, pack_corpus
 
 
 ROOT = Path(__file__).resolve().parents[1]

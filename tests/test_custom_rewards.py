@@ -1,6 +1,6 @@
 """`plugformer train grpo --reward_funcs pkg.module:function`: your own verifier, imported and checked before any work,
 trains beside the built-in rewards, reaches TRL (its logged `rewards/<name>/mean`), and is named in run_info.json and
-the model card (issue 60)."""
+the model card."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@
   — that loads with `trust_remote_code` where plugformer is not installed.
 - The stages (`accelerate launch --config_file configs/accelerate/cpu_fsdp2.yaml`): run sharded (not DDP in
   disguise), end with the weights the DDP topology reaches, score dev on rank 0 without hanging, and resume from a
-  sharded checkpoint to the uninterrupted run's weights. An FSDP request that would fall back to DDP is refused.
+  sharded checkpoint to the uninterrupted run's weights. An FSDP request that would fall back to DDP is refused, and
+  so is transformers' own `--fsdp` on CPU, which plugformer shards only under accelerate's FSDP2 launch.
+- Dev selection (`tests/selection_fsdp_worker.py`): the step selected is handed on whole, root module included.
 """
 
 from __future__ import annotations
@@ -306,3 +308,45 @@ def test_a_trainer_that_did_not_shard_as_asked_is_refused_before_training(monkey
         refuse_unsharded_fallback(trainer)
     trainer.accelerator.distributed_type = DistributedType.FSDP
     refuse_unsharded_fallback(trainer)
+
+
+def test_a_transformers_fsdp_request_on_cpu_names_version_2(monkeypatch):
+    from types import SimpleNamespace
+
+    from plugformer.training.sharding import refuse_unshardable_request
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    args = SimpleNamespace(fsdp=["full_shard"], fsdp_config={}, deepspeed=None, use_cpu=True)
+    with pytest.raises(ValueError, match=r"--fsdp full_shard asks transformers for FSDP version 2 on CPU"):
+        refuse_unshardable_request(args)
+
+
+def test_dev_selection_under_fsdp2_hands_on_the_selected_step_whole(tmp_path):
+    """The root module's parameters (embeddings, final norm, LM head) were the last step's, the layers the selected
+    step's: FSDP2 leaves the root unsharded after a forward, and the restore wrote into the unsharded copies."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_fsdp import ENV, free_port
+
+    worker = Path(__file__).with_name("selection_fsdp_worker.py")
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    result = subprocess.run(
+        [*torchrun, str(worker), str(tmp_path / "out.json")], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads((tmp_path / "out.json").read_text())
+    assert outcome["parameters"] > 10 and outcome["differ"] == []

@@ -77,13 +77,18 @@ def test_mfu_arithmetic_by_hand():
     # 6·N + 12·L·H·d·T = 6·1000 + 12·2·4·8·16 = 6000 + 12288
     assert gpu_arithmetic.model_flops_per_token(1000, 2, 4, 8, 16) == 18288
     # GPT-2 small in nanoGPT's `estimate_mfu`: 12 layers, 12 heads of 64, T = 1024
-    assert gpu_arithmetic.model_flops_per_token(124_000_000, 12, 12, 64, 1024) == 6 * 124_000_000 + 12 * 12 * 12 * 64 * 1024
+    assert (
+        gpu_arithmetic.model_flops_per_token(124_000_000, 12, 12, 64, 1024)
+        == 6 * 124_000_000 + 12 * 12 * 12 * 64 * 1024
+    )
     assert gpu_arithmetic.mfu(18288, 1000.0, 1e9) == pytest.approx(0.018288)
     assert gpu_arithmetic.mfu(18288, 1000.0, None) is None
     # 300k tokens/s of GPT-2 small on an H100 SXM: 300e3 · (744,000,000 + 113,246,208) / 989e12 ≈ 26.00 %
     per_token = gpu_arithmetic.model_flops_per_token(124_000_000, 12, 12, 64, 1024)
     assert per_token == 857_246_208
-    assert gpu_arithmetic.mfu(per_token, 300e3, gpu_arithmetic.peak_bf16_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(0.2600342, rel=1e-6)
+    assert gpu_arithmetic.mfu(
+        per_token, 300e3, gpu_arithmetic.peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    ) == pytest.approx(0.2600342, rel=1e-6)
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -98,7 +103,9 @@ def test_bound_is_the_tests_model_tolerance():
     config = PlugformerConfig.from_preset("tiny")
     logits = torch.randn(2, 12, config.vocab_size) * 3
     magnitude = max(logits.abs().max().item(), 1.0)
-    assert gpu_arithmetic.model_bound(config, 12, magnitude, torch.float32) == pytest.approx(model_tolerance(config, logits))
+    assert gpu_arithmetic.model_bound(config, 12, magnitude, torch.float32) == pytest.approx(
+        model_tolerance(config, logits)
+    )
     # float64 models still round in float32 (eager's softmax, the unfused loss): float32's bound
     bound = gpu_arithmetic.model_bound(config, 12, magnitude, torch.float32)
     assert gpu_arithmetic.model_bound(config, 12, magnitude, torch.float64) == bound

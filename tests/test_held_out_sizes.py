@@ -1,6 +1,6 @@
 """Held-out sizes scale with your data: the shipped configs' `--dev_examples 200 --test_examples 200` are caps, each
 carved split holding at most 10% of the distinct rows, so a 300-row chat or preference file trains with the README's
-own commands (issue 60), records the sizes it used, and `plugformer eval` scores the same test rows."""
+own commands, records the sizes it used, and `plugformer eval` scores the same test rows."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_the_readme_commands_train_on_300_rows_and_eval_scores_the_rows_held_out
     assert scores["examples"] == 30 and scores["data_sha256"] == rows_digest(expected["test"])
 
     preferences = write_jsonl(tmp_path / "pairs.jsonl", pairs(300))
-    # dev selection by exact match needs an `answer` column, which preference pairs lack (issue 60, item 2)
+    # dev selection by exact match needs an `answer` column, which preference pairs lack
     info = stage("dpo", tmp_path / "dpo", tmp_path / "sft", preferences, "--selection_steps", "0")
     assert (info["data"]["test_examples"], info["data"]["dev_examples"]) == (30, 30)
     assert info["data"]["held_out"]["test"]["rows"] == 30

@@ -357,3 +357,43 @@ def test_a_bare_stack_checkpoint_carries_the_code_of_every_auto_map_entry(tmp_pa
     )
     loaded = torch.load(tmp_path / "out.pt")
     assert loaded == {"AutoModel": "PlugformerModel", "AutoModelForCausalLM": "PlugformerForCausalLM"}
+
+
+PEFT_WITHOUT_THE_PACKAGE = """
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+assert not any(name.split(".")[0] == "plugformer" for name in sys.modules)
+peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2))
+trainable = sorted({name.split(".")[-4] for name, p in peft_model.named_parameters() if p.requires_grad})
+print("TARGETS", ",".join(trainable))
+"""
+
+
+def test_peft_default_targets_with_remote_code_alone(tmp_path):
+    """A checkpoint loaded by `trust_remote_code` without plugformer installed registers PEFT's default LoRA targets
+    from its own code files: `LoraConfig(task_type="CAUSAL_LM")` without `target_modules` finds them."""
+    import os
+    import subprocess
+    import sys
+
+    from test_hf_integration import HIDE_PLUGFORMER
+
+    from plugformer import LORA_TARGET_MODULES
+
+    build(tiny_config("multiplicative", "alibi")).save_pretrained(tmp_path / "model")
+    (tmp_path / "lora_defaults.py").write_text(HIDE_PLUGFORMER + PEFT_WITHOUT_THE_PACKAGE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "lora_defaults.py"), str(tmp_path / "model")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    targets = next(line for line in result.stdout.splitlines() if line.startswith("TARGETS ")).split()[1]
+    assert sorted(targets.split(",")) == sorted(LORA_TARGET_MODULES)

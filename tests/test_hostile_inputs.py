@@ -416,3 +416,55 @@ def test_validate_inputs_false_skips_the_checks():
     with pytest.raises(ValueError, match="attention_mask must hold 1"):
         model(tokens, attention_mask=half)
     model(tokens, attention_mask=half, validate_inputs=False)  # the caller vouches for its inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float32])
+def test_an_all_zero_mask_row_is_refused(dtype):
+    """A sequence with nothing to attend to has no defined softmax: refused, naming the argument and the row."""
+    from plugformer import PlugformerForConditionalGeneration
+
+    model = build(tiny_config())
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 5, dtype=dtype)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"attention_mask row 1 is all zeros"):
+        model(ids, attention_mask=mask)
+    seq2seq = PlugformerForConditionalGeneration(tiny_config(is_encoder_decoder=True, pad_token_id=0)).eval()
+    with pytest.raises(ValueError, match=r"^attention_mask row 1 is all zeros"):
+        seq2seq(ids, attention_mask=mask, decoder_input_ids=ids[:, :2])
+    with pytest.raises(ValueError, match=r"decoder_attention_mask row 1 is all zeros"):
+        seq2seq(ids, decoder_input_ids=ids, decoder_attention_mask=mask)
+
+
+@pytest.mark.parametrize("head", ["causal", "masked", "seq2seq", "classification"])
+def test_labels_out_of_range_name_labels(head):
+    """Labels past the vocabulary (or the classes) raised torch's IndexError naming neither."""
+    import torch
+
+    from plugformer import (
+        PlugformerForCausalLM,
+        PlugformerForConditionalGeneration,
+        PlugformerForMaskedLM,
+        PlugformerForSequenceClassification,
+    )
+    from tests.conftest import tiny_config
+
+    classes = {
+        "causal": PlugformerForCausalLM,
+        "masked": PlugformerForMaskedLM,
+        "seq2seq": PlugformerForConditionalGeneration,
+        "classification": PlugformerForSequenceClassification,
+    }
+    extra = {
+        "masked": {"is_causal": False},
+        "seq2seq": {"is_encoder_decoder": True, "pad_token_id": 0},
+        "classification": {"num_labels": 3, "pad_token_id": 0},
+    }.get(head, {})
+    model = classes[head](tiny_config(**extra)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 5))
+    limit = 3 if head == "classification" else model.config.vocab_size
+    good = torch.tensor([0, 2]) if head == "classification" else ids.index_fill(1, torch.tensor([0]), -100)
+    bad = torch.tensor([0, limit]) if head == "classification" else ids.clone().fill_(limit)
+    assert torch.isfinite(model(input_ids=ids, labels=good).loss)
+    with pytest.raises(ValueError, match=rf"labels holds {limit}, outside \[0, {limit - 1}\]"):
+        model(input_ids=ids, labels=bad)

@@ -67,7 +67,7 @@ def test_implicit_reward_is_beta_times_the_log_ratio_of_each_completion(tmp_path
 
 def test_the_reward_models_the_rlhf_stage_loads(tmp_path):
     from plugformer.evaluation.implicit_reward import ImplicitReward
-    from plugformer.training.rlhf import load_reward_model
+    from plugformer.training.stages.rlhf import load_reward_model
 
     paths, _, _ = save_dpo_like(tmp_path)
     reward, tokenizer = load_reward_model(str(paths["policy"]))
@@ -111,13 +111,13 @@ def test_the_pipeline_rewards_rlhf_with_the_stage_it_names(tmp_path):
 
 
 def test_a_dpo_reference_is_read_by_its_absolute_path_and_checked_by_its_weights(tmp_path, monkeypatch):
-    """Issue 35: a reference recorded as the relative path it was given (`"sft"`) was read against the reader's
+    """A reference recorded as the relative path it was given (`"sft"`) was read against the reader's
     working folder: another folder's `./sft` gave an implicit-reward accuracy of 0.0 instead of 0.4375, silently."""
     import shutil
 
     from plugformer.evaluation.implicit_reward import ImplicitReward
     from plugformer.evaluation.scoring import EvalArguments, evaluate_directory
-    from plugformer.training.rlhf import load_reward_model
+    from plugformer.training.stages.rlhf import load_reward_model
 
     paths, _, _ = save_dpo_like(tmp_path / "run")
     expected = evaluate_directory(EvalArguments(model=str(paths["policy"]), examples=8, max_new_tokens=2))
@@ -150,7 +150,7 @@ def test_a_dpo_reference_is_read_by_its_absolute_path_and_checked_by_its_weights
 
 def test_dpo_stage_records_its_reference_by_absolute_path_and_weights_digest(tmp_path, monkeypatch):
     from plugformer.runtime.files import weights_sha256
-    from plugformer.training.dpo import reference_record
+    from plugformer.training.stages.dpo import reference_record
 
     paths, _, _ = save_dpo_like(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -165,7 +165,7 @@ def test_dpo_stage_records_its_reference_by_absolute_path_and_weights_digest(tmp
 def test_rlhf_refuses_a_reward_source_without_a_trained_reward_head(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from plugformer.training.rlhf import load_reward_model
+    from plugformer.training.stages.rlhf import load_reward_model
 
     paths, tokenizer, _ = save_dpo_like(tmp_path)
     # a language model's folder (an sft stage) with no dpo record: its reward head would be freshly initialised
@@ -183,13 +183,13 @@ def test_rlhf_refuses_a_reward_source_without_a_trained_reward_head(tmp_path):
 
 
 def test_a_policy_that_is_its_reference_gives_no_reward_and_no_accuracy(tmp_path):
-    """Issue 32: a DPO stage whose dev selection handed on step 0 saved the SFT weights; its implicit reward was 0 for
+    """A DPO stage whose dev selection handed on step 0 saved the SFT weights; its implicit reward was 0 for
     every answer, the pipeline's table read "implicit reward pairwise accuracy 0.0%" and RLHF trained on no signal."""
     import shutil
 
     from plugformer.evaluation.implicit_reward import ImplicitReward, ZeroReward
     from plugformer.evaluation.scoring import EvalArguments, evaluate_directory
-    from plugformer.training.rlhf import load_reward_model
+    from plugformer.training.stages.rlhf import load_reward_model
 
     paths, _, _ = save_dpo_like(tmp_path)
     shutil.copy(paths["reference"] / "model.safetensors", paths["policy"] / "model.safetensors")  # step 0 handed on

@@ -1,6 +1,5 @@
-"""Issue 59's cases: a mistake in what the user gave (a flag, a file, a folder, a key press) is one line naming it and
-what is allowed, with exit status 2 (130 for Ctrl-C), before any work; or it works as a user expects, as documented.
-Each test failed before its fix."""
+"""A mistake in what the user gave (a flag, a file, a folder, a key press) is one line naming it and what is
+allowed, with exit status 2 (130 for Ctrl-C), before any work; or it works as a user expects, as documented."""
 
 from __future__ import annotations
 
@@ -209,7 +208,7 @@ def test_classify_from_a_classifier_of_other_labels_keeps_all_but_a_new_head(mod
     from plugformer.cli import main
 
     data = write_csv(tmp_path / "two.csv", ["text", "label"], [[sentence(i), "xy"[i % 2]] for i in range(40)])
-    with caplog.at_level("WARNING", logger="plugformer.training.classify"):
+    with caplog.at_level("WARNING", logger="plugformer.training.stages.classify"):
         main(
             [
                 "train",
@@ -517,7 +516,7 @@ def test_classify_names_a_row_without_its_text_pair(models, tmp_path, capsys, ki
 )
 def test_csv_labels_are_read_as_written_unless_all_are_integers(tmp_path, labels, expected):
     from plugformer.data.user_data import load_user_splits
-    from plugformer.training.classify import label_names
+    from plugformer.training.stages.classify import label_names
 
     data = write_csv(
         tmp_path / "labels.csv", ["text", "label"], [[sentence(i), labels[i % len(labels)]] for i in range(30)]
@@ -560,7 +559,7 @@ def test_a_dpi_that_is_not_positive_is_named(models, tmp_path, capsys, dpi):
     ids=["demo-huge", "demo-negative", "sinusoidal-huge"],
 )
 def test_a_huge_or_negative_count_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, pattern):
-    monkeypatch.setattr("plugformer.training.outputs.claim_folder", refuse_work)
+    monkeypatch.setattr("plugformer.runtime.run_folders.claim_folder", refuse_work)
     monkeypatch.setattr("plugformer.experiments.demo.claim_folder", refuse_work)
     line = cli_error(capsys, [*argv, "--output" + ("_dir" if argv[0] == "demo" else ""), str(tmp_path / "o")])
     assert re.search(pattern, line), line
@@ -583,12 +582,12 @@ def test_a_huge_or_negative_count_is_refused_before_any_work(tmp_path, capsys, m
          "unknown-stage", "huge-factor"],
 )  # fmt: skip
 def test_a_value_a_library_refuses_is_named_by_its_option(models, tmp_path, capsys, monkeypatch, argv, pattern):
-    from plugformer.evaluation import scoring
+    from plugformer.evaluation import evaluators
 
-    for claim in ("plugformer.training.outputs.claim_output_dir", "plugformer.training.run_stage"):
+    for claim in ("plugformer.training.distributed.claim_output_dir", "plugformer.training.run_stage"):
         if argv[0] != "train" or not claim.endswith("run_stage"):
             monkeypatch.setattr(claim, refuse_work)
-    monkeypatch.setattr(scoring, "language_model_scores", refuse_work)
+    monkeypatch.setattr(evaluators, "language_model_scores", refuse_work)
     argv = [value.replace("{tmp}", str(tmp_path)) for value in argv]
     where = {
         "train": ["--output_dir", str(tmp_path / "out")],

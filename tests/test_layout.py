@@ -10,6 +10,7 @@ entry points, nothing else.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,26 @@ def test_checkpoint_files_import_each_other_flat_and_relative(name):
         assert target.count(".") == 1 and "from ." in source and "from .." not in source, (
             f"{name}.py:{line} imports {target} by a path remote code cannot follow: {source.strip()}"
         )
+
+
+def test_a_saved_checkpoint_carries_the_closure_and_no_trainer_shim(tmp_path):
+    """The files `save_pretrained` copies are the closure above, and none of them imports or defines a trainer shim:
+    the shims for `Trainer`, TRL and accelerate are tooling (`training/trainer_options.py`), not checkpoint code."""
+    from conftest import build, tiny_config
+
+    build(tiny_config()).save_pretrained(tmp_path)
+    copied = {path.stem: ast.parse(path.read_text()) for path in tmp_path.glob("*.py")}
+    assert {f"plugformer.{name}" for name in copied} <= checkpoint_closure()
+    assert {"modeling", "compat"} <= set(copied)
+    trainer = re.compile(r"(^|\.)(trl|accelerate|trainer\w*)(\.|$)|Trainer|TrainingArguments|trainer_option", re.I)
+    found = []
+    for name, tree in copied.items():
+        for node in ast.walk(tree):  # imports anywhere, e.g. inside a function
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                modules = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
+                found += [f"{name}.py:{node.lineno} imports {m}" for m in modules if trainer.search(m)]
+        for node in tree.body:  # the module's own names
+            targets = getattr(node, "targets", [node.target] if isinstance(node, ast.AnnAssign) else [])
+            defined = [node.name] if hasattr(node, "name") else [ast.unparse(target) for target in targets]
+            found += [f"{name}.py:{node.lineno} defines {d}" for d in defined if trainer.search(d)]
+    assert not found, f"trainer shims travel with the checkpoint: {found}"

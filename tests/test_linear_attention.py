@@ -26,7 +26,7 @@ from plugformer.integrations.families import qwen3_next_config, qwen3_next_weigh
 from plugformer.linear_attention import PlugformerGatedDeltaNet, chunked_gated_delta_rule
 
 
-ATOL = 1e-5  # logits of two float32 models of the same weights (issue 61's bound)
+ATOL = 1e-5  # logits of two float32 models of the same weights
 HYBRID = ["linear_attention", "full_attention", "linear_attention"]
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # widths that differ from each other, so a swapped reshape or split fails: 2 key heads serving 4 value heads

@@ -1,12 +1,14 @@
 """`runtime.memory.parameter_count` (the model built on the meta device) against counts worked out independently:
 transformers' own models of the same shape, also built on the meta device, and hand formulas for the parameters of
-position schemes no transformers model has."""
+position schemes no transformers model has; the count equals real models of every variant and head, and a model
+too large for the memory available is refused before it is built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import pretrain_checkpointed as pretrain
+from conftest import refuse_training, tiny_config
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -181,3 +183,125 @@ def test_the_count_leaves_the_config_as_it_was():
     config._attn_implementation = "sdpa"
     parameter_count(config)
     assert config.to_dict() == tiny_config().to_dict() and config._attn_implementation == "sdpa"
+
+
+def size_variants():
+    """(head, config fields): every score function and position scheme, both norms, placements and feed-forwards,
+    biases, GQA, an explicit head_dim, untied heads, the encoder heads and the seq2seq model."""
+    from plugformer.positions import POSITION_SCHEMES
+    from plugformer.scores import ATTENTION_SCORES
+
+    variants = [("causal_lm", {"attention_score": score}) for score in ATTENTION_SCORES.names()]
+    variants += [("causal_lm", {"position_scheme": scheme}) for scheme in POSITION_SCHEMES.names()]
+    variants += [
+        (
+            "causal_lm",
+            {
+                "norm_type": "layernorm",
+                "norm_placement": "post",
+                "ffn_type": "mlp",
+                "attention_bias": True,
+                "mlp_bias": True,
+                "tie_word_embeddings": False,
+                "num_key_value_heads": 1,
+                "head_dim": 12,
+            },
+        ),
+        ("causal_lm", {"attention_score": "additive", "ffn_type": "glu", "mlp_bias": True, "num_key_value_heads": 2}),
+        ("masked_lm", {"is_causal": False, "position_scheme": "clamped_bias", "tie_word_embeddings": False}),
+        ("sequence_classification", {"is_causal": False, "num_labels": 3, "pad_token_id": 0}),
+        ("token_classification", {"is_causal": False, "num_labels": 5, "position_scheme": "learned"}),
+        (
+            "seq2seq",
+            {
+                "is_encoder_decoder": True,
+                "pad_token_id": 0,
+                "position_scheme": "t5_bias",
+                "num_decoder_layers": 3,
+                "attention_score": "multiplicative",
+            },
+        ),
+        (
+            "seq2seq",
+            {
+                "is_encoder_decoder": True,
+                "pad_token_id": 0,
+                "position_scheme": "clamped_bias",
+                "tie_word_embeddings": False,
+                "attention_score": "additive",
+                "attention_bias": True,
+            },
+        ),
+    ]
+    return variants
+
+
+def test_the_closed_form_parameter_count_equals_real_models():
+    from plugformer import (
+        PlugformerForCausalLM,
+        PlugformerForConditionalGeneration,
+        PlugformerForMaskedLM,
+        PlugformerForSequenceClassification,
+        PlugformerForTokenClassification,
+    )
+    from plugformer.runtime.memory import parameter_count
+    from tests.conftest import tiny_config
+
+    classes = {
+        "causal_lm": PlugformerForCausalLM,
+        "masked_lm": PlugformerForMaskedLM,
+        "sequence_classification": PlugformerForSequenceClassification,
+        "token_classification": PlugformerForTokenClassification,
+        "seq2seq": PlugformerForConditionalGeneration,
+    }
+    for head, fields in size_variants():
+        config = tiny_config(
+            **{
+                "score": fields.pop("attention_score", "scaled_dot"),
+                "scheme": fields.pop("position_scheme", "rope"),
+                **fields,
+            }
+        )
+        model = classes[head](config)
+        assert parameter_count(config, head) == sum(p.numel() for p in model.parameters()), (head, fields)
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_built(tmp_path, monkeypatch, llama_source):
+    """A config that would allocate tens of GB went ahead until the allocator failed, or the machine swapped."""
+    from transformers import Trainer
+
+    from plugformer.experiments.demo import DemoArguments, build_model
+    from plugformer.integrations.convert import convert
+    from plugformer.runtime import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2**30, "this machine has"))
+    monkeypatch.setattr(Trainer, "train", refuse_training)
+    big = ["--hidden_size", "8192", "--num_hidden_layers", "48", "--num_attention_heads", "64"]
+    with pytest.raises(
+        ValueError,
+        match=r"pretrain: vocab_size=300, hidden_size=8192, intermediate_size=21888, "
+        r"num_hidden_layers=48, .* make 32\.47B parameters, which need at least "
+        r"483\.8 GiB \(16 bytes each: fp32 weights, gradients and AdamW's two "
+        r"moments\) but this machine has 1\.0 GiB available; .*"
+        r"PLUGFORMER_SKIP_MEMORY_CHECK=1",
+    ):
+        pretrain(tmp_path / "run", *big)
+
+    class Tokenizer:  # what build_model reads of one
+        pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+        def __len__(self):
+            return 512
+
+    with pytest.raises(ValueError, match=r"plugformer demo: .*hidden_size=16384.*need at least"):
+        build_model(DemoArguments(hidden_size=16384, num_attention_heads=64, num_key_value_heads=8), Tokenizer())
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (1000, "this machine has"))
+    with pytest.raises(
+        ValueError,
+        match=r"convert \(the source model and its conversion\): .*4 bytes each: fp32 "
+        r"weights, 2 models\) but this machine has 1000 B available",
+    ):
+        convert(llama_source, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+    monkeypatch.setenv(memory.OVERRIDE, "1")  # the documented override builds it anyway
+    assert convert(llama_source, tmp_path / "converted").num_parameters() > 0

@@ -1,5 +1,5 @@
-"""The shared suites rerun with each of the third-wave attention modifiers set: per-layer attention types
-(`layer_types`, mixed sliding and full layers), gated attention and value residuals, and issue 61's exclusive
+"""The shared suites rerun with each of these attention modifiers set: per-layer attention types
+(`layer_types`, mixed sliding and full layers), gated attention, value residuals and exclusive
 self-attention, read from `variants.ATTENTION_MODIFIERS` (the README's and the bench's table) at the suites' sizes.
 Each modifier's reference test lives in its own file (test_layer_types, test_gated_attention, test_value_residual,
 test_exclusive_self_attention), with the causal suite's checks; here the encoder, packing and seq2seq suites, the
@@ -31,8 +31,8 @@ from plugformer import (
 from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields
 
 
-THIRD_WAVE = ("layer_types", "use_gated_attention", "value_residual")  # issue 33's modifiers
-ISSUE_61 = ("exclusive_self_attention",)  # issue 61's (its reference test: test_exclusive_self_attention)
+THIRD_WAVE = ("layer_types", "use_gated_attention", "value_residual")  # layer types, gated attention, value residual
+ISSUE_61 = ("exclusive_self_attention",)  # exclusive self-attention (its reference test: test_exclusive_self_attention)
 LAYERS, WINDOW = 3, 3  # a window shorter than the suites' 7-12 token inputs, so the sliding layers differ
 
 
@@ -70,8 +70,8 @@ def modified(names=MODIFIERS, **overrides) -> list:
 
 
 def test_the_suites_rerun_every_third_wave_modifier():
-    """Every third-wave field is a row of the modifier table, and the seq2seq reruns leave out only the mixed layer
-    kinds, which a seq2seq config refuses naming the field."""
+    """Every modifier these suites rerun is a row of the modifier table, and the seq2seq reruns leave out only the mixed
+    layer kinds, which a seq2seq config refuses naming the field."""
     assert set(THIRD_WAVE + ISSUE_61) <= set(ATTENTION_MODIFIERS)
     assert set(MODIFIERS) - set(SEQ2SEQ_MODIFIERS) == {"layer_types"}
     with pytest.raises(ValueError, match=r"layer_types=.* mixes kinds, which is_encoder_decoder=True"):

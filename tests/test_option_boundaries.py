@@ -30,7 +30,7 @@ def reach_work(*_, **__):
 
 # the stubs: where each command's work begins (imported lazily by the commands, so patched where they live)
 WORK = [
-    "plugformer.training.outputs.claim_output_dir",  # every stage claims its folder after its own checks
+    "plugformer.training.distributed.claim_output_dir",  # every stage claims its folder after its own checks
     "plugformer.training.run_stage",  # compare's, pipeline's and demo's runs (not `train`'s own)
     "transformers.modeling_utils.PreTrainedModel.from_pretrained",  # eval, attention-map, extrapolate, plot, convert
     "plugformer.evaluation.figures.save_figure",  # plot
@@ -71,7 +71,8 @@ def stub_work(monkeypatch, command: str) -> None:
             monkeypatch.setattr(getattr(sys.modules[owner_name], class_name), attribute, classmethod(reach_work))
         else:
             monkeypatch.setattr(target, reach_work)
-    import plugformer.training.outputs  # noqa: F401 (where the claims live)
+    import plugformer.runtime.run_folders  # where the claims live (a training run's: training.distributed)
+    import plugformer.training.distributed  # noqa: F401 (a training run's claim, every rank together)
 
     for name, module in list(sys.modules.items()):  # and wherever a module imported one by name
         for claim in CLAIMS:
@@ -252,7 +253,7 @@ def named(option: str, line: str) -> bool:
     """Whether a refusal names `option` (as --name, or the field name with its value), or the new name of a renamed
     option (`--gradient_checkpointing` is `--activation_checkpointing`, TRL's `--vllm_importance_sampling_cap` is
     `--vllm_importance_sampling_clip_max`)."""
-    from plugformer.compat import RENAMED_TRAINER_OPTIONS
+    from plugformer.training.trainer_options import RENAMED_TRAINER_OPTIONS
 
     renamed = {old: new for new, old in RENAMED_TRAINER_OPTIONS.items()}
     renamed["vllm_importance_sampling_cap"] = "vllm_importance_sampling_clip_max"

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import BIAS_SCHEMES, PLAIN_SCHEMES, build, projection_combinations, tiny_config
+from conftest import BIAS_SCHEMES, PLAIN_SCHEMES, SCORES, build, projection_combinations, tiny_config
 from tolerances import model_tolerance
 from transformers import DynamicCache
 
@@ -213,3 +213,30 @@ def test_pack_gives_masked_lm_blocks_document_positions(tokenizer):
     bidirectional = pack(examples, tokenizer, block_size=16, causal=False)
     assert bidirectional["position_ids"] == causal["position_ids"] and "labels" not in bidirectional
     assert "position_ids" not in pack(examples, tokenizer, block_size=16, causal=False, document_positions=False)
+
+
+def test_padding_free_position_ids_equal_separate_sequences():
+    """Packed sequences with restarting `position_ids` and no mask (transformers' padding-free format) attend only
+    within their own sequence, on every kernel each config supports (additive: eager)."""
+    import copy
+
+    from plugformer import POSITION_SCHEMES, PlugformerForCausalLM, supported_kernels
+
+    first, second = torch.randint(3, 128, (2, 1, 5), generator=torch.Generator().manual_seed(0)).unbind(0)
+    second = second[:, :4]
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    for score in SCORES:
+        for scheme in POSITION_SCHEMES.names():
+            config = tiny_config(score, scheme)
+            for kernel in supported_kernels(config):
+                if kernel == "flex_attention":  # compiled per shape: seconds each; covered by test_combinations
+                    continue
+                config = copy.deepcopy(config)
+                config._attn_implementation = kernel
+                torch.manual_seed(0)
+                model = PlugformerForCausalLM(config).eval()
+                with torch.no_grad():
+                    packed = model(torch.cat([first, second], 1), position_ids=position_ids, use_cache=False).logits
+                    atol = model_tolerance(config, packed)  # packed against alone
+                    torch.testing.assert_close(packed[:, :5], model(first).logits, atol=atol, rtol=0)
+                    torch.testing.assert_close(packed[:, 5:], model(second).logits, atol=atol, rtol=0)

@@ -1,4 +1,5 @@
-"""`plugformer pipeline --jobs N`: stages start only after what they need, never more than N cores busy, a stage that
+"""`plugformer pipeline --jobs N` (N at most the cores available): stages start only after what they need, never more
+than N cores busy, a stage that
 is the only one able to run gets the idle cores, a failure stops new starts and names the stage; and on the
 shipped configs the side-by-side run trains the weights the in-order run trains."""
 
@@ -196,3 +197,11 @@ def test_side_by_side_pipeline_trains_what_the_in_order_pipeline_trains(tmp_path
     capsys.readouterr()
     pipeline_main([*common, "--output_dir", str(tmp_path / "two"), "--jobs", "2"])  # unchanged: reused
     assert capsys.readouterr().out.count("reusing") == 2
+
+
+def test_pipeline_jobs_is_capped_at_the_cores_available():
+    from plugformer.experiments.pipeline import PipelineArguments, available_cores
+
+    with pytest.raises(ValueError, match=rf"--jobs 1000: this machine lets plugformer use {available_cores()} CPU"):
+        PipelineArguments(jobs=1000)
+    assert PipelineArguments(jobs=available_cores()).jobs == available_cores()

@@ -1,4 +1,4 @@
-"""Issue 58 (3): `plugformer pipeline` reuses a finished stage only while its folder computes what it computed when
+"""`plugformer pipeline` reuses a finished stage only while its folder computes what it computed when
 the stage finished: the same weights, config.json, generation defaults and tokenizer files. An edited config.json
 (position_scheme rope -> alibi) or tokenizer file is refused in one line naming the file, both digests and the
 remedy; a record written before those files were digested retrains, saying so."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import micro_stage_configs
 
-from plugformer.experiments import pipeline
+from plugformer.experiments import pipeline, pipeline_reuse
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,18 +63,18 @@ def test_an_unchanged_finished_stage_is_reused(stage, capsys):
     assert (stage / "model.safetensors").read_bytes() == before
     record = json.loads((stage / pipeline.RECORD).read_text())
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(
-        record[pipeline.MODEL_FILES_KEY]
+        record[pipeline_reuse.MODEL_FILES_KEY]
     )
 
 
 def test_a_finished_stage_whose_config_json_was_edited_is_refused_naming_it(stage, capsys):
     """Only the weights were hashed: a config.json edited from rope to alibi was reused, and the table reprinted the
     scores of a folder that now computes something else."""
-    recorded = json.loads((stage / pipeline.RECORD).read_text())[pipeline.MODEL_FILES_KEY]["config.json"]
+    recorded = json.loads((stage / pipeline.RECORD).read_text())[pipeline_reuse.MODEL_FILES_KEY]["config.json"]
     config = json.loads((stage / "config.json").read_text())
     assert config["position_scheme"] == "rope"
     (stage / "config.json").write_text(json.dumps({**config, "position_scheme": "alibi"}, indent=2))
-    now = pipeline.model_file_digests(stage)["config.json"]
+    now = pipeline_reuse.model_file_digests(stage)["config.json"]
     message = refused(capsys)
     assert message.startswith(
         f"stage 'pretrain': {Path('out/pretrain')} changed since the stage finished: "
@@ -120,7 +120,7 @@ def test_a_record_without_the_config_and_tokenizer_digests_retrains_saying_why(t
     args = pipeline_args(tmp_path)
     stage = finish(args, "pretrain")
     saved = json.loads((stage / pipeline.RECORD).read_text())
-    del saved[pipeline.MODEL_FILES_KEY]
+    del saved[pipeline_reuse.MODEL_FILES_KEY]
     (stage / pipeline.RECORD).write_text(json.dumps(saved))
     record = pipeline.stage_record(args, "pretrain", pipeline.stage_argv(args, "pretrain"))
     why, flags = pipeline.plan_stage(args, "pretrain", record)

@@ -1,4 +1,5 @@
-"""Attention heatmaps and plots: the numbers drawn equal an eager forward, the paper formulas and the Trainer's logs."""
+"""Attention heatmaps and plots: the numbers drawn equal an eager forward, the paper formulas and the Trainer's logs;
+a text or a figure too large to draw is refused before anything is drawn."""
 
 from __future__ import annotations
 
@@ -501,3 +502,23 @@ def test_example_script_runs_in_seconds(tmp_path, capsys):
     for key in first:  # the saved model reloaded: its weights read two ways (`weights_tolerance`)
         atol = weights_tolerance(config, first[key].shape[-1])
         torch.testing.assert_close(second[key], first[key], atol=atol, rtol=0)
+
+
+def test_attention_map_refuses_a_text_too_long_to_draw(runs, capsys):
+    from plugformer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["attention-map", "--model", str(runs / "final_only"), "--text", "12 plus 7 is 19. " * 180])
+    assert re.search(r"ValueError: the text is \d+ tokens; attention-map draws at most 512", capsys.readouterr().err)
+
+
+def test_an_attention_figure_too_large_is_refused_before_it_is_drawn(tmp_path):
+    import torch
+
+    from plugformer.evaluation.attention_maps import AttentionMap, plot_attention_map
+
+    tokens = [f"t{i}" for i in range(100)]
+    big = AttentionMap("self", torch.rand(4, 4, 100, 100), [0, 1, 2, 3], [0, 1, 2, 3], tokens, tokens)
+    with pytest.raises(ValueError, match=r"would be \d+ x \d+ pixels \(4 layers x 4 heads of 100 x 100 tokens"):
+        plot_attention_map(big, tmp_path / "a.png")
+    assert not (tmp_path / "a.png").exists()

@@ -233,7 +233,7 @@ def test_kerple_log_matches_the_papers_formula():
     atol = tolerance(torch.float32, magnitude=max(expected.abs().max().item(), max(r1)), steps=6)
     torch.testing.assert_close(bias, expected, atol=atol, rtol=0)
     # the per-distance values a kernel gets expand to the same matrix
-    values = kerple.bias_by_distance(3, 6, 0, 12, torch.device("cpu"))
+    values = kerple.bias_values(3, 6, 0, 12, torch.arange(3, 9)[None])
     torch.testing.assert_close(RelativeBias(values, 6, 12).dense()[0], expected, atol=atol, rtol=0)
 
 
@@ -364,8 +364,6 @@ def test_fire_interpolates_past_the_training_length_and_learns_c_and_l():
     fire.bias(torch.arange(12), torch.arange(12)).tril().sum().backward()
     grads = [fire.distance_scale.grad, fire.threshold_scale.grad, fire.mlp_in.weight.grad, fire.mlp_out.weight.grad]
     assert all(grad is not None and grad.abs().sum() > 0 for grad in grads)
-    with pytest.raises(ValueError, match="no bias per distance"):
-        fire.bias_by_distance(0, 4, 0, 4, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
@@ -517,3 +515,14 @@ def test_a_traced_rope_computes_its_angles():
     traced = torch.jit.trace(rope, (hidden, torch.tensor([[1, 2]])))
     positions = torch.tensor([[500, 9000]])  # past any table the trace could have captured
     assert torch.equal(traced(hidden, positions)[0], rope.cos_sin(positions)[0])
+
+
+def test_the_scheme_contract_has_one_method_per_bias_role():
+    """`distance_bias` (the hook of a bias of distance alone), `bias_values` and its lazy stand-in `bias_recipe` (what
+    the kernels get), `bias` (the dense tensor, to inspect), `layer_bias` (a per-layer scheme's); the class methods
+    describe a bias to the kernel records. A new synonym needs a role of its own."""
+    from plugformer.positions import PositionScheme
+
+    roles = {"distance_bias", "bias_values", "bias_recipe", "bias", "layer_bias"}
+    descriptions = {"has_bias", "bias_type", "linear_bias_slopes", "constant_bias_distance"}
+    assert {name for name in vars(PositionScheme) if "bias" in name} == roles | descriptions

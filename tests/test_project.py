@@ -108,7 +108,7 @@ def test_demo_learns_the_corpus_and_generates_through_the_pipeline(tmp_path):
 
 
 PACKAGE = ROOT / "src" / "plugformer"
-MAX_MODULE_LINES = 500  # issue 16 item 4: a module a reader can hold whole; split by concern past this
+MAX_MODULE_LINES = 500  # a module a reader can hold whole; split by concern past this
 
 
 def module_name(path: Path) -> str:

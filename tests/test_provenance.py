@@ -1,4 +1,4 @@
-"""Issue 35: the experiment tools identify runs and references by content and refuse what they cannot support —
+"""The experiment tools identify runs and references by content and refuse what they cannot support —
 `plugformer seeds` over duplicated or mismatched runs, compare's statistics options, repeated flags and cache key,
 a DPO stage's reference, rlhf's reward source, pipeline reuse of replaced weights."""
 
@@ -198,7 +198,7 @@ def test_stage_commands_take_no_abbreviated_flags_and_accumulate_repeated_lists(
 
 def test_a_repeated_flag_on_a_stage_command_is_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     from plugformer.cli import main
-    from plugformer.training import pretrain as pretrain_module
+    from plugformer.training.stages import pretrain as pretrain_module
 
     def refuse_work(*_, **__):
         raise AssertionError("work started")
@@ -379,7 +379,7 @@ def test_extrapolation_cache_key_covers_the_options_and_the_weights_scored(tmp_p
     assert evaluation_key(ExtrapolationArguments(), tmp_path) != key
 
 
-# --- issue 58 (5): what a number ran on -----------------------------------------------------------------------------
+# --- what a number ran on -------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT_KEYS = {"cpu", "cpu_capability", "aten_cpu_capability", "torch", "blas", "transformers", "trl",
@@ -507,7 +507,7 @@ def test_seeds_names_the_machines_and_says_when_runs_differ(tmp_path):
     assert "runs on different or unrecorded machines (the spread mixes seeds" in seeds.main(runs)
 
 
-# --- issue 58: GRPO's loss is set, not left to TRL's default ---------------------------------------------------------
+# --- GRPO's loss is set, not left to TRL's default -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs/grpo").glob("*.yaml")), ids=lambda path: path.name)

@@ -11,20 +11,16 @@ import stat
 from pathlib import Path
 
 import pytest
-import test_red_team
+from conftest import refuse_training
 from test_corpus import write_corpus
-from test_red_team import refuse_training
 from test_training import PRETRAIN, TINY, weights
 
 from plugformer.runtime.arguments import override_flags
-from plugformer.training.outputs import RUN_RECORD
+from plugformer.runtime.run_folders import RUN_RECORD
 
 
 STEPS = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no", "--dev_examples", "0",
          "--exact_match_examples", "0", "--max_steps", "2"]  # fmt: skip
-
-
-finished = test_red_team.finished  # the fixture: a finished 2-step pretraining run with checkpoint-2, copied only
 
 
 def flags(output_dir, *extra: str) -> list[str]:
@@ -121,7 +117,7 @@ def test_ctrl_c_after_the_final_save_prints_one_line_and_leaves_no_stale_record(
 
 
 def test_a_checkpoint_of_another_folder_is_refused_into_a_finished_folder(finished, tmp_path, monkeypatch):
-    from plugformer.training import pretrain as pretrain_module
+    from plugformer.training.stages import pretrain as pretrain_module
 
     target = copy_of(finished, tmp_path / "target")
     shutil.rmtree(target / "checkpoint-2")  # a finished run without checkpoints of its own
@@ -155,7 +151,7 @@ def test_a_checkpoint_of_another_folder_resumes_into_a_new_folder_or_with_overwr
 
 
 def test_overwrite_refuses_a_folder_of_another_tool_that_holds_checkpoints(tmp_path, monkeypatch):
-    from plugformer.training import pretrain as pretrain_module
+    from plugformer.training.stages import pretrain as pretrain_module
 
     other = tmp_path / "other"
     for name in ("checkpoint-5", "checkpoint-10"):

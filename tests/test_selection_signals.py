@@ -1,4 +1,4 @@
-"""Dev selection for every kind of data (issue 60): exact match where the data holds an `answer` or a `solution`,
+"""Dev selection for every kind of data: exact match where the data holds an `answer` or a `solution`,
 else the stage's own dev signal, chosen by the data's columns and recorded in run_info.json; the built-in rewards
 read TRL's `solution` column; `plugformer eval` scores preference pairs whose prompt is implicit, as training did."""
 
@@ -208,10 +208,10 @@ def chats(count: int) -> list[dict]:
 def dev_rows(stage_name: str, data: Path, **sizes):
     """The dev split the stage `stage_name` held out of the file `data` (its own arguments' defaults otherwise)."""
     from plugformer.training.data import stage_data
-    from plugformer.training.stages import STAGES
+    from plugformer.training.stage_table import STAGES
 
     arguments = STAGES.get_stage(stage_name).script_arguments(dataset_name="json", data_files=[str(data)], **sizes)
-    return stage_data(stage_name, arguments)["dev"]
+    return stage_data(STAGES.get_stage(stage_name), arguments)["dev"]
 
 
 def completion_log_likelihood_by_hand(model, tokenizer, conversations) -> float:

@@ -311,7 +311,7 @@ def test_two_cpu_processes_train_one_seq2seq_model(tmp_path):
 
 def test_a_new_model_has_positions_for_the_longest_source_and_target():
     from plugformer.data.tokenization import train_tokenizer
-    from plugformer.training.seq2seq import build_model
+    from plugformer.training.stages.seq2seq import build_model
 
     tokenizer = train_tokenizer(["a b c 1 2 3"] * 10, vocab_size=300)
     base = ["--position_scheme", "learned", "--max_source_length", "32", "--max_target_length", "16"]

@@ -61,7 +61,7 @@ def test_every_shipped_stage_record_is_complete(name):
         assert needed.default in needed.sources and set(needed.sources) <= set(STAGES)
         assert needed.option in {f.name for f in dataclasses.fields(PipelineArguments)}
     assert (ROOT / "configs" / name / "tiny.yaml").is_file()
-    assert Path(inspect.getfile(stage.train)) == PACKAGE / "training" / f"{name}.py"  # declared in its own module
+    assert Path(inspect.getfile(stage.train)) == PACKAGE / "training" / "stages" / f"{name}.py"  # in its own module
 
 
 def test_a_stage_name_registers_once(stage_table):
@@ -98,7 +98,7 @@ def assert_stage_is_picked_up(name: str, tmp_path: Path, capsys) -> None:
     assert isinstance(training_args, stage.config_type())
     # the data loader: the rows of its format, checked as its format's
     script_args = stage.script_arguments(train_examples=3, dev_examples=2, test_examples=0)
-    data = stage_data(name, script_args)
+    data = stage_data(stage, script_args)
     assert set(FORMAT_COLUMNS[stage.data_format]) <= set(data["train"].column_names) and len(data["dev"]) == 2
     # `plugformer pipeline --jobs N` splits its batch as its record says
     assert split_batch(name, 4, 2) == (2 if stage.data_parallel else 1)
@@ -108,7 +108,7 @@ def assert_stage_is_picked_up(name: str, tmp_path: Path, capsys) -> None:
     model = build(tiny_config())
     trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m), args=training_args)
     Path(trainer.args.output_dir).mkdir(parents=True)
-    write_card(trainer, {"stage": name, "world_size": 1, "train_seconds": 1.0}, script_args)
+    write_card(trainer, stage, {"stage": name, "world_size": 1, "train_seconds": 1.0}, script_args)
     card = (Path(trainer.args.output_dir) / "README.md").read_text()
     assert f"{stage.card.summary} — produced by the `{name}` stage" in card
     # (the trainer, then its config's loss where it has one: `cards.loss_text`)
@@ -157,7 +157,7 @@ def test_no_module_outside_a_stages_own_module_compares_a_stage_name():
             where = str(path.relative_to(PACKAGE))
             names = set(STAGES) - NOT_STAGE_NAMES.get(where, set())
             found += [f"{where}:{line}: {name!r}" for line, name in stage_name_comparisons(path.read_text(), names)]
-    assert found == [], "read the stage's record (plugformer.training.stages) instead of testing its name"
+    assert found == [], "read the stage's record (plugformer.training.stage_table) instead of testing its name"
 
 
 def readme_code(section: str) -> list[str]:

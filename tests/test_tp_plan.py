@@ -1,6 +1,8 @@
 """The tensor-parallel plan follows the modules a config builds: every rule names a module or parameter of the built
 model, for every attention projection (the latent one has no `k_proj`/`v_proj`) and every feed-forward (`mlp` has no
-`gate_proj`), read from their registries. Needs no process group: the plan is only read here."""
+`gate_proj`), read from their registries. A config tensor parallelism cannot run (attention sinks, or a transformers
+release whose plans compat does not vouch for) is refused at construction. Needs no process group: the plan is only
+read here."""
 
 from __future__ import annotations
 
@@ -56,3 +58,38 @@ def test_the_latent_plan_is_transformers_deepseek_v3_plan_for_the_modules_built(
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.self_attn.score": "embedding_rowwise",
     }
+
+
+def test_attention_sinks_under_tensor_parallelism_are_refused_at_load():
+    from transformers.distributed import DistributedConfig
+
+    from plugformer import PlugformerConfig, PlugformerForCausalLM
+
+    config = PlugformerConfig.from_preset(
+        "tiny",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        use_attention_sinks=True,
+    )
+    config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan="auto") sets
+    with pytest.raises(ValueError, match=r"use_attention_sinks=True cannot run with tensor parallelism \(tp_size=2\)"):
+        PlugformerForCausalLM(config)
+
+
+def test_tensor_parallel_is_refused_where_transformers_plans_are_not_verified(monkeypatch):
+    """transformers 5.19's plans shard plugformer's models wrongly (its TP runs failed): tp_size > 1 is refused at
+    construction, naming the release, wherever compat does not vouch for the plans."""
+    from conftest import tiny_config
+    from transformers.distributed import DistributedConfig
+
+    from plugformer import PlugformerForCausalLM, attention
+
+    monkeypatch.setattr(attention, "TENSOR_PARALLEL_VERIFIED", False)
+    config = tiny_config("scaled_dot", "rope")
+    config.distributed_config = DistributedConfig(tp_size=2)  # what from_pretrained(tp_plan=...) sets
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp_size=2\) needs transformers>=5.24"):
+        PlugformerForCausalLM(config)
+    config.distributed_config = DistributedConfig(tp_size=1)
+    PlugformerForCausalLM(config)

@@ -1,6 +1,7 @@
 """The stage YAMLs and trainer flags on every supported transformers (5.19-5.25): 5.23 renamed `TrainingArguments`'
 `gradient_checkpointing`/`_kwargs` to `activation_checkpointing`/`_kwargs`; the shipped configs and the CLI use the
-new names, which `plugformer.compat` maps to the old fields where the installed release has only those."""
+new names, which `plugformer.training.trainer_options` maps to the old fields where the installed release has only
+those."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import transformers
 import yaml
 
-from plugformer import compat
 from plugformer.experiments.grid import route
 from plugformer.training import STAGES, parse_stage_arguments
+from plugformer.training import trainer_options as compat
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,7 +74,7 @@ def test_pretrain_trains_a_tokenizer_and_a_model_that_loads(chain):
     # the generation config stops at the end of a chat turn, or online RL completions never end
     assert len(model.generation_config.eos_token_id) == 2
     assert (chain["pretrain"] / "tokenizer.json").exists()
-    # the Trainer turns the cache off for training; the saved configs keep the preset's (issue 17 item 9)
+    # the Trainer turns the cache off for training; the saved configs keep the preset's
     for stage in ("pretrain", "sft", "reward"):
         assert json.loads((chain[stage] / "config.json").read_text())["use_cache"] is True, stage
 
@@ -200,7 +200,7 @@ STAGE_YAMLS = [path for stage in STAGES for path in sorted(ROOT.glob(f"configs/{
 def test_every_stage_yaml_parses_into_its_stage(path):
     import yaml
 
-    from plugformer.compat import trainer_option_aliases
+    from plugformer.training.trainer_options import trainer_option_aliases
 
     values = yaml.safe_load(path.read_text())
     # transformers refuses bf16 without a GPU at construction: check the GPU recipes' other values on CPU

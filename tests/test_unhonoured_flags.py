@@ -1,6 +1,7 @@
 """A flag a command would accept and ignore is refused by one rule, read from each stage's record: `--use_peft` where
 the stage trains every weight or would adapt a random initialisation, `--lora_*` without `--use_peft`, and the demo's
-trainer counts (`--max_steps -5` trained 3 epochs), refused as `plugformer train` refuses them."""
+trainer counts (`--max_steps -5` trained 3 epochs), refused as `plugformer train` refuses them; and a
+`--tokenizer_name_or_path` beside a `--model_name_or_path`, which has a tokenizer of its own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 import time
 
 import pytest
+from conftest import pretrain_checkpointed as pretrain
+from conftest import refuse_training
 
 from plugformer.cli import main
 from plugformer.training import STAGES, parse_stage_arguments
@@ -76,3 +79,13 @@ def test_the_command_line_refuses_in_one_line_before_any_work(argv, message, tmp
     assert "\n" not in error and re.match(rf"ValueError: {message}", error), error
     assert time.monotonic() - start < 30  # refused while parsing: no tokenizer or corpus was built
     assert not (tmp_path / "run").exists()  # nor a folder claimed
+
+
+def test_a_tokenizer_beside_a_model_is_refused_not_ignored(finished, tmp_path, monkeypatch):
+    from plugformer.training.stages import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "stage_data", refuse_training)
+    with pytest.raises(ValueError, match=r"--tokenizer_name_or_path .*other beside --model_name_or_path .*model's own"):
+        pretrain(
+            tmp_path / "run", "--model_name_or_path", str(finished), "--tokenizer_name_or_path", str(tmp_path / "other")
+        )

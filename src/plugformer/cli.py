@@ -2,72 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 
 from .runtime.files import DiskFullError
 
 
-def _demo(argv: list[str]) -> None:
-    from .experiments.demo import main
-
-    main(argv)
-
-
-def _convert(argv: list[str]) -> None:
-    """plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite_output_dir true]"""
-    import argparse
-
-    from transformers.hf_argparser import string_to_bool as str_to_bool
-
-    from .integrations.convert import convert
-    from .runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
-    from .runtime.yaml_text import load_yaml_text
-
-    parser = argparse.ArgumentParser(
-        prog="plugformer convert",
-        allow_abbrev=False,
-        epilog=REPEATED_FLAGS_RULE,
-        description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 checkpoint.",
-    )
-    parser.add_argument(
-        "source",
-        help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next, gpt2 or deepseek_v3)",
-    )
-    parser.add_argument("output_dir", help="where the plugformer model is saved")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="config override (repeat it: the overrides accumulate)",
-    )
-    parser.add_argument(
-        "--overwrite_output_dir",
-        nargs="?",
-        const="true",
-        default="false",
-        type=str_to_bool,
-        metavar="BOOL",
-        help="replace the run or model already in OUTPUT_DIR (its checkpoints and "
-        "records removed), as for `plugformer train`",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="the same as --overwrite_output_dir true")
-    args = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
-    overrides = {}
-    for item in args.set:
-        field, separator, value = item.partition("=")
-        if not separator:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
-        overrides[field] = load_yaml_text(value, f"--set {field}")
-    model = convert(args.source, args.output_dir, overwrite=args.overwrite_output_dir or args.overwrite, **overrides)
-    print(
-        f"saved {type(model).__name__} ({model.config.attention_score}, {model.config.position_scheme}) to {args.output_dir}"
-    )
-
-
-def _train(argv: list[str]) -> None:
-    """plugformer train STAGE [--config FILE.yaml] [--key value ...]"""
+def train(argv: list[str]) -> None:
+    """`plugformer train STAGE [--config FILE.yaml] [--key value ...]`; without a known stage, the stages listed."""
     from .training import STAGES, run_stage
 
     if not argv or argv[0] not in STAGES:
@@ -77,83 +20,65 @@ def _train(argv: list[str]) -> None:
     run_stage(argv[0], argv[1:])
 
 
-def _pipeline(argv: list[str]) -> None:
-    from .experiments.pipeline import main
-
-    main(argv)
-
-
-def _eval(argv: list[str]) -> None:
-    from .evaluation.scoring import main
-
-    main(argv)
-
-
-def _seeds(argv: list[str]) -> None:
-    from .experiments.seeds import main
-
-    main(argv)
-
-
-def _compare(argv: list[str]) -> None:
-    from .experiments.compare import main
-
-    main(argv)
-
-
-def _extrapolate(argv: list[str]) -> None:
-    from .experiments.extrapolation import main
-
-    main(argv)
-
-
-def _attention_map(argv: list[str]) -> None:
-    from .evaluation.attention_maps import main
-
-    main(argv)
-
-
-def _plot(argv: list[str]) -> None:
-    from .evaluation.plots import main
-
-    main(argv)
-
-
-def _bench(argv: list[str]) -> None:
-    from .bench import main
-
-    main(argv)
-
-
-def _accelerate_config(argv: list[str]) -> None:
-    """plugformer accelerate-config [NAME]"""
-    from .runtime.launch import main
-
-    main(argv)
-
-
-def _info(argv: list[str]) -> None:
-    """plugformer info [--markdown | --readme README.md]"""
-    from .runtime.readme_tables import main
-
-    main(argv)
-
-
-COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
-    "demo": (_demo, "train a tokenizer and a small model offline, then generate through pipeline()"),
-    "convert": (_convert, "import a Llama, Qwen3, Qwen3-Next, GPT-2 or dense DeepSeek-V3 checkpoint (same logits)"),
-    "train": (_train, "train one stage (the stages listed below), also under accelerate launch"),
-    "pipeline": (_pipeline, "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy"),
-    "seeds": (_seeds, "one table over several pipeline runs: test exact match and gains, 95% CI over seeds"),
-    "eval": (_eval, "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy"),
-    "compare": (_compare, "train a grid of variants x seeds; mean ± 95% CI, paired significance tests, plot"),
-    "extrapolate": (_extrapolate, "perplexity vs evaluation length (0.5x-8x training length) per position scheme"),
-    "attention-map": (_attention_map, "heatmaps of attention weights (self and cross) for a text, as PNG"),
-    "plot": (_plot, "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves"),
-    "bench": (_bench, "plugformer vs transformers Llama/GPT-2 (A/B: train, decode, memory, MFU) and every variant"),
-    "info": (_info, "list which kernels run each attention_score x position_scheme; --readme: regenerate its tables"),
-    "accelerate-config": (_accelerate_config, "path of a shipped accelerate YAML, for --config_file (no NAME: list)"),
+# {command: (what runs it, description)}: "module:function" relative to this package, imported only when that command
+# runs (`plugformer --help` loads no trainer), or the function itself; it takes the command's arguments.
+COMMANDS: dict[str, tuple[str | Callable[[list[str]], object], str]] = {
+    "demo": ("experiments.demo:main", "train a tokenizer and a small model offline, then generate through pipeline()"),
+    "convert": (
+        "integrations.convert:main",
+        "import a Llama, Qwen3, Qwen3-Next, GPT-2 or dense DeepSeek-V3 checkpoint (same logits)",
+    ),
+    "train": (train, "train one stage (the stages listed below), also under accelerate launch"),
+    "pipeline": (
+        "experiments.pipeline:main",
+        "run pretrain -> sft -> reward -> rlhf / dpo / grpo and compare held-out accuracy",
+    ),
+    "seeds": (
+        "experiments.seeds:main",
+        "one table over several pipeline runs: test exact match and gains, 95% CI over seeds",
+    ),
+    "eval": (
+        "evaluation.scoring:main",
+        "score a trained stage on a split: exact match (95% CI), perplexity, pairwise accuracy",
+    ),
+    "compare": (
+        "experiments.compare:main",
+        "train a grid of variants x seeds; mean ± 95% CI, paired significance tests, plot",
+    ),
+    "extrapolate": (
+        "experiments.extrapolation:main",
+        "perplexity vs evaluation length (0.5x-8x training length) per position scheme",
+    ),
+    "attention-map": (
+        "evaluation.attention_maps:main",
+        "heatmaps of attention weights (self and cross) for a text, as PNG",
+    ),
+    "plot": (
+        "evaluation.plots:main",
+        "plots of position schemes (sinusoidal PE, learned bias vs distance, ALiBi) and training curves",
+    ),
+    "bench": (
+        "bench:main",
+        "plugformer vs transformers Llama/GPT-2 (A/B: train, decode, memory, MFU) and every variant",
+    ),
+    "info": (
+        "runtime.readme_tables:main",
+        "list which kernels run each attention_score x position_scheme; --readme: regenerate its tables",
+    ),
+    "accelerate-config": (
+        "runtime.launch:main",
+        "path of a shipped accelerate YAML, for --config_file (no NAME: list)",
+    ),
 }
+
+
+def run_command(name: str, argv: list[str]) -> None:
+    """Runs command `name` of `COMMANDS` with its arguments `argv`."""
+    target = COMMANDS[name][0]
+    if isinstance(target, str):
+        module, _, function = target.partition(":")
+        target = getattr(importlib.import_module(f".{module}", __package__), function)
+    target(argv)
 
 
 def _usage(text: str, argv: list[str]) -> None:
@@ -223,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     end_quiet_start()  # Ctrl-C while starting was answered by `runtime.interrupts`; from here, by the handler below
     try:
         with flushing_denormals():  # before any work, so that torch's thread pool starts in this mode
-            COMMANDS[argv[0]][0](argv[1:])
+            run_command(argv[0], argv[1:])
     except USER_ERRORS as error:
         if debug:
             raise

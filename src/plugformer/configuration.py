@@ -49,7 +49,7 @@ DEFAULT_AUTO_MAP = {
     "AutoModelForMaskedLM": "modeling.PlugformerForMaskedLM",
     "AutoModelForSequenceClassification": "modeling.PlugformerForSequenceClassification",
     "AutoModelForTokenClassification": "modeling.PlugformerForTokenClassification",
-    "AutoModelForSeq2SeqLM": "modeling.PlugformerForConditionalGeneration",
+    "AutoModelForSeq2SeqLM": "modeling_seq2seq.PlugformerForConditionalGeneration",
 }
 
 
@@ -63,6 +63,27 @@ def layer_type(config: "PlugformerConfig", layer_idx: int) -> str:
     return kind
 
 
+def _raising_builtin_errors(cls: type) -> type:
+    """`cls` with a constructor that raises `ValueError`/`TypeError` naming the field where huggingface_hub's strict
+    dataclasses raise their own exception types (for a field's type, from a `validate_*` method): users, and `except
+    ValueError` around config loading, expect the builtin ones. `inspect.signature` still shows the fields, so tools
+    that read it build the model asked for."""
+    strict_init = cls.__init__
+
+    @functools.wraps(strict_init)
+    def __init__(self, *args, **kwargs):
+        try:
+            strict_init(self, *args, **kwargs)
+        except StrictDataclassError as error:
+            cause = error.__cause__
+            kind = type(cause) if isinstance(cause, (ValueError, TypeError)) else TypeError
+            raise kind(str(cause or error)) from error
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_raising_builtin_errors  # outermost: `@strict` raises its own types from the constructor it wraps
 @strict
 class PlugformerConfig(PreTrainedConfig):
     r"""Configuration of a plugformer model: a transformer whose attention score function and position scheme are
@@ -264,6 +285,7 @@ class PlugformerConfig(PreTrainedConfig):
     is_encoder_decoder: bool = False  # declared again (transformers' own annotation is a string): type-checked
 
     def __post_init__(self, **kwargs):
+        _refuse_near_miss(kwargs)  # `kwargs` are the keys that are no field
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         check_choices(self)
@@ -382,8 +404,6 @@ class PlugformerConfig(PreTrainedConfig):
         return cls(**values)
 
 
-_strict_init = PlugformerConfig.__init__
-
 # Keyword arguments that are no field of PlugformerConfig but that transformers itself passes or reads back from a
 # config.json (bookkeeping such as `_name_or_path`, `architectures`, `torch_dtype`; legacy RoPE keys it converts;
 # generation settings it drops): never taken for a typo, however close to a field.
@@ -435,19 +455,3 @@ def _refuse_near_miss(kwargs: dict[str, Any]) -> None:
                 f"PlugformerConfig got {key}={kwargs[key]!r}, which is not a field; did you mean {meant!r}? (keys "
                 "of a config.json are read the same way; to keep such an attribute, assign it after construction)"
             )
-
-
-@functools.wraps(_strict_init)  # `inspect.signature` shows the fields: tools that read it build the model asked for
-def _init_with_builtin_errors(self, *args, **kwargs):
-    _refuse_near_miss(kwargs)
-    # huggingface_hub's strict dataclasses wrap validation errors in their own exception types; users (and
-    # `except ValueError` around config loading) expect the builtin ones, with the message naming the field.
-    try:
-        _strict_init(self, *args, **kwargs)
-    except StrictDataclassError as error:
-        cause = error.__cause__
-        kind = type(cause) if isinstance(cause, (ValueError, TypeError)) else TypeError
-        raise kind(str(cause or error)) from error
-
-
-PlugformerConfig.__init__ = _init_with_builtin_errors

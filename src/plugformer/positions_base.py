@@ -25,8 +25,8 @@ class PositionScheme(ConfigHooks, nn.Module):
     """Base class: no position information at all (the hooks all return `None`).
 
     Class attributes:
-        has_bias (`bool`): whether `bias()` returns a score bias (the model skips the call otherwise; flash kernels
-            refuse such schemes).
+        has_bias (`bool`): whether the scheme adds a score bias (`bias_values`; the stack skips the call otherwise,
+            flash kernels refuse such schemes).
         bias_type (`type`): the kind of bias object (`biases.BIAS_KINDS`) the kernels get from `bias_values`: a
             `RelativeBias` (per distance) by default; kernels whose record does not list its `kind` refuse the scheme.
         tp_plan (`dict[str, str]`): tensor-parallel styles of this scheme's own modules and parameters, keyed relative
@@ -97,34 +97,26 @@ class PositionScheme(ConfigHooks, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
+    # The score bias, in three roles: `distance_bias` is the hook a bias of distance alone implements; `bias_values`
+    # (or, in training on some kernels, its lazy stand-in `bias_recipe`) is what the stack hands the kernels once per
+    # forward; `bias` is the dense tensor of any slots, to inspect and to test against (the model never calls it).
+
     def distance_bias(self, distances: torch.Tensor) -> torch.Tensor | None:
-        """(M,) key slot − query slot -> the float score bias `(H, M)` at those distances, or `None`."""
+        """The hook of a bias of key slot − query slot alone: `distances` `(M,)` -> the float score bias `(H, M)` at
+        those distances. The base class derives `bias_values` and `bias` from it."""
         return None
-
-    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
-        """The dense score bias `(1, H, Q, K)` of queries at `query_slots` (Q,) over keys at `key_slots` (K,)."""
-        if not self.has_bias:
-            return None
-        distance = relative_distances(query_slots, key_slots)  # (Q, K)
-        return self.distance_bias(distance.flatten()).view(-1, *distance.shape)[None]  # (1, H, Q, K)
-
-    def bias_by_distance(
-        self, query_offset: int, query_length: int, key_offset: int, key_length: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """The values `(H, Q + K − 1)` of the `RelativeBias` of queries at slots `query_offset + i` (i < Q) over keys at
-        `key_offset + j` (j < K), or `None`."""
-        if not self.has_bias:
-            return None
-        lowest = key_offset - (query_offset + query_length - 1)  # the last query's distance to the first key
-        return self.distance_bias(torch.arange(query_length + key_length - 1, device=device) + lowest)
 
     def bias_values(
         self, query_offset: int, query_length: int, key_offset: int, key_length: int, position_ids: torch.Tensor
     ) -> torch.Tensor | None:
         """The values of the `bias_type` object the kernels get, for queries at slots `query_offset + i` (i < Q) whose
         positions are `position_ids` `(B or 1, Q)`, over keys at slots `key_offset + j` (j < K); `None` without a bias.
-        By default the per-distance values of `bias_by_distance` (the positions are not needed)."""
-        return self.bias_by_distance(query_offset, query_length, key_offset, key_length, position_ids.device)
+        By default the `RelativeBias` values `(H, Q + K − 1)` from `distance_bias`, from the last query's distance to
+        the first key up (the positions are not needed)."""
+        if not self.has_bias:
+            return None
+        lowest = key_offset - (query_offset + query_length - 1)  # the last query's distance to the first key
+        return self.distance_bias(torch.arange(query_length + key_length - 1, device=position_ids.device) + lowest)
 
     def bias_recipe(
         self,
@@ -139,6 +131,14 @@ class PositionScheme(ConfigHooks, nn.Module):
         the bias a block of rows at a time in training (`capabilities.KernelSpec.bias_recipe`); `None` (the default)
         when the scheme has none, or nothing needs a gradient: the stack then computes the values."""
         return None
+
+    def bias(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor | None:
+        """The dense score bias `(1, H, Q, K)` of queries at `query_slots` (Q,), taken as their positions, over keys at
+        `key_slots` (K,); `None` without a bias. For plots and reference tests."""
+        if not self.has_bias:
+            return None
+        distance = relative_distances(query_slots, key_slots)  # (Q, K)
+        return self.distance_bias(distance.flatten()).view(-1, *distance.shape)[None]  # (1, H, Q, K)
 
     def reset_parameters(self, config: PlugformerConfig) -> None:
         """(Re)initialises parameters and buffers the generic `_init_weights` does not know; uses

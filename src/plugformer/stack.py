@@ -38,6 +38,21 @@ from .pretrained import PlugformerPreTrainedModel
 logger = logging.get_logger(__name__)
 
 
+class CausalConfigView:
+    """`config` as transformers' causal mask builders read it, with `is_causal=True`; every other attribute is the
+    config's own at the time it is read (e.g. `_attn_implementation` after `set_attn_implementation`)."""
+
+    is_causal = True
+
+    def __init__(self, config: PlugformerConfig):
+        self.config = config
+
+    def __getattr__(self, name: str):  # only names the view itself lacks
+        if name == "config":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+
 def position_ids_from_mask(
     attention_mask: torch.Tensor | None, past_length: int | torch.Tensor, query_length: int, device: torch.device
 ) -> torch.Tensor:
@@ -183,16 +198,12 @@ class PlugformerModel(PlugformerPreTrainedModel):
             cache=cache,
             and_mask_function=documents,
         )
+        if not self.config.is_causal:
+            # a seq2seq decoder shares its encoder's config (is_causal=False), for which transformers' causal mask
+            # builders return a bidirectional mask: they read a view that is causal, the shared config stays as it is
+            arguments["config"] = CausalConfigView(self.config)
         functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        if self.config.is_causal:
-            return {kind: functions[kind](**arguments) for kind in kinds}
-        # A seq2seq decoder shares its encoder's config (is_causal=False), and transformers' causal mask turns
-        # bidirectional when config.is_causal is False: pin it for the call.
-        self.config.is_causal = True
-        try:
-            return {kind: functions[kind](**arguments) for kind in kinds}
-        finally:
-            self.config.is_causal = False
+        return {kind: functions[kind](**arguments) for kind in kinds}
 
     def _token_embeddings(self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """The token embeddings `(B, T, hidden)`, looked up from `input_ids` unless given, times the scheme's

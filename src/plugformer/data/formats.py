@@ -1,5 +1,5 @@
 """The data formats your files come in, as tables read by the loader (`user_data`), its checks (`validation`) and
-the stages (`training.stages.Stage.data_format` is a key of `FORMAT_COLUMNS`)."""
+the stages (`training.stage_table.Stage.data_format` is a key of `FORMAT_COLUMNS`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Training data for every stage: an embedded generator of arithmetic tasks with verifiable answers, or any
-`datasets` source.
+"""Training data for every stage: an embedded task (`data.tasks`: this module's generator of arithmetic with
+verifiable answers, or another task's), or any `datasets` source.
 
 The generator needs no network and is deterministic. A problem is an arithmetic fact (operation, a, b) told as
 a bare sum or as a short word problem; its split (train / dev / test) is a function of the fact alone, so a
@@ -13,8 +13,10 @@ Each stage gets the same problems in the format its record names (TRL's dataset 
 | preference | reward, dpo | `prompt`, `chosen`, `rejected` (correct vs wrong answer) |
 | prompt, prompt_answer | rlhf, grpo; dev selection and scoring | `prompt`, `answer`, `solution` (ground truth reaching the reward functions) |
 | classification | classify | `text`, `label` (and `text_pair` if given): the embedded data is a sentiment grammar instead |
-| source_target | seq2seq | `source`, `target`: the embedded data is dates normalised to ISO 8601 instead (`data.dates`) |
-| sentence_pair | nli | `text` (premise), `text_pair` (hypothesis), `label`: an inference grammar instead (`data.nli`) |
+| source_target | seq2seq | `source`, `target`: the embedded data is dates normalised to ISO 8601 instead |
+| sentence_pair | nli | `text` (premise), `text_pair` (hypothesis), `label`: an inference grammar instead |
+
+(The embedded data of a format is the task that registers it, `data.tasks.TASKS.task_of_format`.)
 
 An answer is a worked line followed by the final answer after `####` (the GSM8K convention):
 `37 + 45: 7+5=12, 3+4+1=8\\n#### 82`. With `direct_fraction` > 0, that share of the SFT answers is the bare result
@@ -31,8 +33,6 @@ from dataclasses import dataclass
 
 from datasets import Dataset, DatasetDict
 
-from .dates import date_rows
-from .nli import nli_rows
 from .splits import SPLITS, split_of_key
 from .user_data import load_user_splits
 from .validation import refusing_hub_ids_offline
@@ -316,30 +316,6 @@ FORMAT_ROWS: dict[str, Callable[[Problem, random.Random, float], dict]] = {
 }
 
 
-def sentiment_rows(count: int, split: str, seed: int = 0) -> list[dict]:
-    """Up to `count` distinct labelled sentences of the sentiment grammar (`corpus.sentiment_sentences`: "the food was
-    not really good" -> NEGATIVE) whose split (`split_of_key` of the sentence) is `split`, in an
-    order drawn from `seed`. The grammar has 1,792 sentences (about 10% each in dev and test): a larger `count` gets
-    every sentence of the split once."""
-    from .corpus import SENTIMENT_LABELS, sentiment_sentences
-
-    rows = [
-        {"text": text, "label": SENTIMENT_LABELS[label]}
-        for text, label in sentiment_sentences()
-        if split_of_key(text) == split
-    ]
-    random.Random(f"{seed}|{split}").shuffle(rows)
-    return rows[:count]
-
-
-# formats whose embedded data is a task of its own, not arithmetic: format -> rows(count, split, seed)
-OWN_TASKS: dict[str, Callable[[int, str, int], list[dict]]] = {
-    "classification": sentiment_rows,
-    "source_target": date_rows,
-    "sentence_pair": nli_rows,
-}
-
-
 def format_rows(data_format: str, problems: list[Problem], seed: int, direct_fraction: float = 0.0) -> list[dict]:
     """The rows of one data format (see the module docstring for the columns); `direct_fraction` of the SFT
     answers and of the rejected preference answers skip the working (see `StageArguments.direct_answer_fraction`)."""
@@ -352,22 +328,15 @@ def format_rows(data_format: str, problems: list[Problem], seed: int, direct_fra
 def embedded_dataset(
     data_format: str, sizes: dict[str, int], seed: int = 0, direct_fraction: float = 0.0
 ) -> DatasetDict:
-    """The embedded arithmetic task in `data_format`, with `sizes[split]` examples per split."""
+    """The embedded task that generates `data_format` (`data.tasks`), with `sizes[split]` examples per split."""
+    from .tasks import TASKS  # the task modules import this module's arithmetic generator
+
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_answer_fraction={direct_fraction!r} must lie in [0, 1]")
-    if data_format in OWN_TASKS:  # no arithmetic to classify or translate: the sentiment and NLI grammars, the dates
-        return DatasetDict(
-            {
-                split: Dataset.from_list(OWN_TASKS[data_format](count, split, seed))
-                for split, count in sizes.items()
-                if count > 0
-            }
-        )
+    task = TASKS.task_of_format(data_format)
     return DatasetDict(
         {
-            split: Dataset.from_list(
-                format_rows(data_format, generate_problems(count, split, seed), seed, direct_fraction)
-            )
+            split: Dataset.from_list(task.rows(data_format, count, split, seed, direct_fraction))
             for split, count in sizes.items()
             if count > 0
         }
@@ -394,7 +363,7 @@ def load_stage_dataset(
             `prompt_answer` (a stage's record names its format).
         dataset_name (`str`, *optional*): Anything `datasets.load_dataset` takes — a local directory, a builder name
             (`json`, `csv`, `text`, `parquet`) with `data_files`, or a Hub id when online. `None` uses the embedded
-            arithmetic generator.
+            task that generates `data_format` (`data.tasks`).
         dataset_config (`str`, *optional*): The dataset's configuration name.
         data_files (`list[str]`, *optional*): Local files for a builder such as `json`.
         sizes (`dict[str, int]`, *optional*): Examples per split for the embedded data; for other data, the

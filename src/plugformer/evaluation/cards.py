@@ -10,6 +10,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..capabilities import KERNELS
+from ..data.tasks import TASKS, EmbeddedTask
 from ..decomposable import DecomposableAttentionConfig
 from ..runtime.environment import environment_text
 from .stats import wilson_interval
@@ -57,14 +58,14 @@ model = {{ auto_class }}.from_pretrained("{{ model_path }}", trust_remote_code=T
 
 @dataclass(frozen=True)
 class StageCard:
-    """What a stage's model card says about it; each stage's record (`plugformer.training.stages.Stage`) holds one.
+    """What a stage's model card says about it; each stage's record (`plugformer.training.stage_table.Stage`) holds one.
 
     Args:
         summary (`str`): What the model is, after its head class: "pretrained from scratch on plain text".
         trainer (`str`): The trainer that trained it, e.g. `"trl.SFTTrainer"`.
         pipeline_tag (`str`, *optional*, defaults to `"text-generation"`): The Hub's pipeline tag of the model.
         embedded_task (`str`, *optional*, defaults to `"arithmetic"`): The embedded data it trains on without
-            `--dataset_name`, a key of `EMBEDDED_TASKS`.
+            `--dataset_name`, a registered task's name (`plugformer.data.tasks.TASKS`).
     """
 
     summary: str
@@ -72,22 +73,15 @@ class StageCard:
     pipeline_tag: str = "text-generation"
     embedded_task: str = "arithmetic"
 
+    def __post_init__(self):
+        TASKS.get_task(self.embedded_task)  # an unknown task is refused when the stage is built, naming the tasks
 
-# the embedded data of each kind: the model-index dataset type and name, and the card's description of it
-EMBEDDED_TASKS = {
-    "arithmetic": ("plugformer-arithmetic", "plugformer embedded arithmetic",
-                   "plugformer's embedded arithmetic generator (sums, differences, products and word problems; "
-                   "train/dev/test split by arithmetic fact"),
-    "sentiment": ("plugformer-sentiment", "plugformer embedded sentiment grammar",
-                  "plugformer's embedded sentiment grammar (\"the food was not really good\" -> NEGATIVE; "
-                  "train/dev/test split by sentence"),
-    "dates": ("plugformer-dates", "plugformer embedded dates",
-              "plugformer's embedded dates as people write them, normalised to ISO 8601 (\"the 3rd of may, 1999\" -> "
-              "1999-05-03; train/dev/test split by date"),
-    "nli": ("plugformer-nli", "plugformer embedded inference grammar",
-            "plugformer's embedded inference grammar (\"the man is helping the woman in the park\" / \"the woman is "
-            "helping the man in the park\" -> neutral; train/dev/test split by premise"),
-}  # fmt: skip
+    @property
+    def task(self) -> EmbeddedTask:
+        """The record of its embedded task."""
+        return TASKS.get_task(self.embedded_task)
+
+
 # the Auto class that loads a head, where it is not the head's name with Plugformer replaced by AutoModel
 AUTO_CLASSES = {
     "PlugformerForConditionalGeneration": "AutoModelForSeq2SeqLM",
@@ -123,29 +117,25 @@ LIMITATIONS = (
     "A research model for comparing attention and position variants, trained at small scale on the data named "
     "above; it is not a general assistant and its answers outside that task are not meaningful. "
 )
-HELD_OUT = {
-    "arithmetic": "Exact-match figures hold for the held-out split named in the evaluation, whose facts never occur "
-    "in training.",
-    "sentiment": "The figures hold for the held-out split named in the evaluation, whose sentences never occur in "
-    "training.",
-    "dates": "The figures hold for the held-out split named in the evaluation, whose dates never occur in training, "
-    "however written.",
-    "nli": "The figures hold for the held-out split named in the evaluation, whose premises never occur in training.",
-    "yours": "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test "
-    "split.",
-}
+# what the held-out figures of a model trained on your own data mean (an embedded task's record says it for its data)
+YOUR_DATA_HELD_OUT = (
+    "The figures are on rows held out of that data (dev), never trained on; `plugformer eval` scores its test split."
+)
 
 
 def scored_dataset(info: dict, task: str = "arithmetic", preferences: bool = False) -> dict:
     """The model-index `dataset_type` and `dataset_name` of a stage's dev scores: the source its run recorded
-    (`run_info.json`'s `data`), else the embedded `task`."""
+    (`run_info.json`'s `data`), else the embedded `task` (a registered task's name)."""
     data = info.get("data") or {}
     if data.get("dataset_name"):
         files = data.get("data_files")
         named = ", ".join(Path(f).name for f in files) if files else Path(data["dataset_name"]).name
         return {"dataset_type": Path(data["dataset_name"]).name, "dataset_name": named}
-    kind, name, _ = EMBEDDED_TASKS[task]
-    return {"dataset_type": kind, "dataset_name": name + (" preferences" if preferences else "")}
+    record = TASKS.get_task(task)
+    return {
+        "dataset_type": record.dataset_type,
+        "dataset_name": record.dataset_name + (" preferences" if preferences else ""),
+    }
 
 
 def evaluation_section(info: dict, task: str = "arithmetic") -> tuple[str, list[EvalResult]]:
@@ -273,7 +263,7 @@ def loss_text(training_args) -> str:
 
 def rewards_text(info: dict) -> str:
     """`, rewards exact_match_reward x1, my_verifier x0.5 (`verifiers:my_verifier`, sha256 ...)` from `run_info.json`'s
-    `rewards` (GRPO: `training.grpo.rewards_record`), `""` without them: your own functions are named on the card."""
+    `rewards` (GRPO: `training.stages.grpo.rewards_record`), `""` without them: your own functions are named on the card."""
     parts = [
         f"{r['name']} x{r['weight']:g}"
         + (
@@ -326,7 +316,7 @@ def stage_card(
         + (f" ({', '.join(script_args.data_files)})" if script_args.data_files else "")
         + identity_text(info.get("data") or {})
         if script_args.dataset_name
-        else EMBEDDED_TASKS[card.embedded_task][2]
+        else card.task.card_text
         + (
             f"; {script_args.train_examples:,} training examples"
             if getattr(script_args, "train_examples", None)
@@ -376,7 +366,7 @@ def stage_card(
         train_seconds=info.get("train_seconds"),
         machine=machine_text(info),
         evaluation=evaluation,
-        limitations=LIMITATIONS + HELD_OUT["yours" if script_args.dataset_name else card.embedded_task],
+        limitations=LIMITATIONS + (YOUR_DATA_HELD_OUT if script_args.dataset_name else card.task.held_out),
         auto_class=AUTO_CLASSES.get(type(model).__name__, type(model).__name__.replace("Plugformer", "AutoModel")),
         model_path=model_path,
     )

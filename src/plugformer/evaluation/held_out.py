@@ -1,6 +1,6 @@
 """Your own data in `plugformer eval`: what a stage's run read (`data_record`, in its `run_info.json`), the dev or test
 split it held out of that source (or of one given to `plugformer eval`), and the perplexity of completions given
-their prompts; `scoring.user_data_scores` scores the split by what its columns allow.
+their prompts; `evaluators.user_data_scores` scores the split by what its columns allow.
 
 The held-out rows are those the run never trained on: a split of the source's own (`test`, `validation`), else the
 rows carved from train with the run's sizes and seed (`data.sources.load_stage_dataset`), or, for a streamed corpus,

@@ -39,7 +39,7 @@ def pretraining_format_exact_match(model, tokenizer, rows, max_new_tokens: int =
     document).
 
     Returns:
-        `dict`: as `scoring.exact_match` (`exact_match`, `format`, `examples`, `correct`, `samples`) with
+        `dict`: as `language_scores.exact_match` (`exact_match`, `format`, `examples`, `correct`, `samples`) with
         `exact_match_ci95` (Wilson) and `prompt`, the question's wording with `{question}` in place of the question.
     """
     from ..data.sources import ANSWER_MARKER, pretraining_prompt

@@ -135,13 +135,15 @@ class CompareArguments(CorpusArguments):
 
 def refuse_unscorable_stage(stages: list[str], metric: str = "perplexity") -> None:
     """Compare scores the last stage: a language model by perplexity or exact match, a classifier (a stage reading
-    labelled text, `CLASSIFIER_FORMATS`: classify, nli) by accuracy; a reward classifier has neither."""
-    from ..data.formats import CLASSIFIER_FORMATS
+    labelled text, its embedded task scored by classification: classify, nli) by accuracy; a reward classifier has
+    neither."""
+    from ..data.tasks import TASKS
     from ..training import STAGES
 
     last = STAGES.get(stages[-1]) if stages else None
-    classifier = last is not None and last.data_format in CLASSIFIER_FORMATS
-    if last is not None and last.data_format == "source_target":  # its generated targets, or their perplexity
+    task = TASKS.task_of_format(last.data_format, missing_ok=True) if last is not None else None
+    classifier = task is not None and task.scorer == "classification"
+    if task is not None and task.scorer == "generated_targets":  # its generated targets, or their perplexity
         if metric == "accuracy":
             raise ValueError(
                 f"stages={stages}, metric={metric!r}: a seq2seq stage is scored by exact match of its "
@@ -213,8 +215,8 @@ def add_corpus_options(args: CompareArguments, settings: dict[str, str], options
 
 def train_run(args: CompareArguments, directory: Path, options: dict[str, list[str]], seed: int) -> Path:
     """Trains the stages of one (variant, seed) run, reusing finished stages; returns the last stage's directory."""
+    from ..runtime.run_folders import run_files
     from ..training import STAGES, run_stage
-    from ..training.outputs import run_files
 
     run_dir = directory / f"seed{seed}"
     for stage in args.stages:
@@ -283,6 +285,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from transformers import AutoModelForCausalLM
 
     from ..data.sources import load_stage_dataset
+    from ..data.tasks import TASKS
     from ..data.tokenization import load_tokenizer
     from ..evaluation.answers import generate_answers
     from ..evaluation.classification import labelled_rows_scores
@@ -292,7 +295,7 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from ..training import STAGES
 
     tokenizer = load_tokenizer(str(model_dir))
-    if STAGES[args.stages[-1]].data_format == "source_target":
+    if TASKS.task_of_format(STAGES[args.stages[-1]].data_format).scorer == "generated_targets":
         return seq2seq_example_scores(args, model_dir, tokenizer, split, size)
     if args.metric == "accuracy":  # 1/0 per held-out row: of the labelled data the run read, or the embedded grammar
         from transformers import AutoModelForSequenceClassification

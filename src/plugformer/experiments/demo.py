@@ -24,9 +24,9 @@ from ..positions import POSITION_SCHEMES
 from ..runtime.arguments import parse_arguments
 from ..runtime.files import naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
+from ..runtime.run_folders import claim_folder, release_lock
 from ..scores import ATTENTION_SCORES
 from ..training.arguments import check_counts, check_trainer_arguments
-from ..training.outputs import claim_folder, release_lock
 
 
 MAX_SENTENCES = 10**7  # the demo's generated sentences, held in memory: ~0.5 GB of text

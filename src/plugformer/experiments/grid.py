@@ -40,8 +40,8 @@ def stage_options(stage: str) -> set[str]:
     """Every option `plugformer train <stage>` accepts (either name of a renamed trainer option)."""
     from trl import ModelConfig
 
-    from ..compat import trainer_option_aliases
     from ..training import STAGES
+    from ..training.trainer_options import trainer_option_aliases
 
     entry = STAGES[stage]
     classes = (entry.script_arguments, ModelConfig, entry.config_type())

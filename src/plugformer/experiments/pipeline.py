@@ -6,7 +6,7 @@ the rlhf stage is rewarded by the dpo stage's implicit reward instead (sft -> dp
 listed: sft -> rft (rejection sampling) and pretrain -> sft_matched (SFT for the compute of `matched_stage`'s
 chain); the table reports the other stages' gains against them (`experiments/baselines.py`). Every stage's arguments
 are parsed before the first one trains. A finished stage (`run_info.json`) is reused only when its command line,
-its YAML and its parents' weights are those it was trained with (`pipeline_stage.json` records them); otherwise it
+its YAML and its parents' weights are those it was trained with (`pipeline_stage.json`: `pipeline_reuse`); otherwise it
 retrains and says why; its weights, config.json and tokenizer files must also be those it saved, or it is refused,
 naming the file. An interrupted stage resumes from its newest intact checkpoint, so an interrupted pipeline continues
 where it stopped.
@@ -19,7 +19,6 @@ the same effective batch (`plugformer.experiments.parallel`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -29,12 +28,12 @@ from pathlib import Path
 from accelerate import PartialState
 
 from ..evaluation.scoring import EvalArguments, evaluate_directory
-from ..runtime.arguments import config_path, stage_config
 from ..runtime.environment import environment_record
-from ..runtime.files import MODEL_FILES, files_sha256, weights_sha256, write_json_atomic, write_text_atomic
+from ..runtime.files import write_json_atomic, write_text_atomic
 from ..training import STAGES, run_stage
-from ..training.stages import StageInput
 from .baselines import COMPUTE_RULE, add_baseline_gains, baseline_gains_text
+from .pipeline_plan import available_cores, input_source, requirements, stage_argv, stage_dir, validate_stages
+from .pipeline_reuse import RECORD, finished_record, plan_stage, stage_record
 from .pipeline_table import gain_over_parent, gain_text, other_text
 
 
@@ -95,53 +94,6 @@ class PipelineArguments:
                     raise ValueError(f"--{needed.option} {source!r}: choose one of {', '.join(needed.sources)}")
 
 
-def input_source(args: PipelineArguments, needed: StageInput) -> str:
-    """The stage whose output goes to `needed.flag`: the pipeline option that chooses it, else the input's default."""
-    return getattr(args, needed.option, needed.default)
-
-
-def needed_stages(args: PipelineArguments, stage: str) -> list[str]:
-    """The stages `stage` reads: its parent, then the sources of its inputs (rlhf: the stage that rewards it)."""
-    record = STAGES[stage]
-    return [s for s in (record.parent, *(input_source(args, i) for i in record.inputs)) if s is not None]
-
-
-def requirements(args: PipelineArguments) -> dict[str, set[str]]:
-    """The stages of `args.stages` each stage needs finished first (`needed_stages`, within the run)."""
-    return {stage: set(needed_stages(args, stage)) & set(args.stages) for stage in args.stages}
-
-
-def stage_argv(args: PipelineArguments, stage: str) -> list[str]:
-    """The command line of one stage: its YAML, its directory, its parent's directory, the shared seeds."""
-    if stage not in STAGES:
-        raise ValueError(f"stages={args.stages}: {stage!r} is not one of {list(STAGES)}")
-    parent = STAGES[stage].parent
-    if parent is not None and parent not in args.stages:
-        raise ValueError(f"stage {stage!r} starts from {parent!r}, which is not in stages={args.stages}")
-    if parent is not None and args.stages.index(parent) > args.stages.index(stage):
-        raise ValueError(f"stages={args.stages}: {parent!r} must come before {stage!r}")
-    config = config_path(stage_config(args.stage_configs, stage), flag=f"--stage_configs {args.stage_configs}")
-    argv = ["--config", config, "--output_dir", stage_dir(args, stage)]
-    argv += ["--seed", str(args.seed), "--dataset_seed", str(args.dataset_seed)]
-    if parent is not None:
-        argv += ["--model_name_or_path", stage_dir(args, parent)]
-    for needed in STAGES[stage].inputs:  # rlhf: the stage that rewards it
-        source = input_source(args, needed)
-        if source not in args.stages:
-            raise ValueError(
-                f"stage {stage!r} reads the {source!r} stage through {needed.flag} ({needed.option}="
-                f"{source!r}), which is not in stages={args.stages}"
-            )
-        if args.stages.index(source) > args.stages.index(stage):
-            raise ValueError(f"stages={args.stages}: {source!r} ({needed.option}) must come before {stage!r}")
-        argv += [needed.flag, stage_dir(args, source)]
-    return argv
-
-
-def stage_dir(args: PipelineArguments, stage: str) -> str:
-    return str(Path(args.output_dir) / stage)
-
-
 def held_out(args: PipelineArguments, stage: str) -> dict:
     """Test-split results of a finished stage (`plugformer eval`): exact match for policies, pairwise accuracy for
     the reward model; none with `--test_examples 0`."""
@@ -162,133 +114,6 @@ def held_out_arguments(args: PipelineArguments, stage: str) -> EvalArguments:
         output=str(scores_path(args, stage)),
         overwrite_output=True,
     )
-
-
-RECORD = "pipeline_stage.json"  # what shaped a finished stage, beside its run_info.json
-WEIGHTS_KEY = "weights_sha256"  # in RECORD: the sha256 of the weights the stage saved (`runtime.files.weights_sha256`)
-MODEL_FILES_KEY = "model_files_sha256"  # in RECORD: {name: sha256} of its config and tokenizer files (`MODEL_FILES`)
-
-
-def model_file_digests(folder: str | Path) -> dict[str, str]:
-    """`{name: sha256}` of the config, generation and tokenizer files (`runtime.files.MODEL_FILES`) atop `folder`."""
-    names = sorted({path.name for pattern in MODEL_FILES for path in Path(folder).glob(pattern) if path.is_file()})
-    return {name: files_sha256(folder, (name,)) for name in names}
-
-
-def finished_record(args: PipelineArguments, stage: str, record: dict) -> dict:
-    """`record` with the digests of the weights, config and tokenizer files the stage saved: reuse checks them."""
-    folder = stage_dir(args, stage)
-    return {**record, WEIGHTS_KEY: weights_sha256(folder), MODEL_FILES_KEY: model_file_digests(folder)}
-
-
-def refuse_replaced_weights(folder: Path, stage: str, trained: str) -> None:
-    """Raises `ValueError` naming both digests when the weights in a finished stage's folder are no longer those it
-    saved (replaced after training): reusing it would report, and train the children of, another model."""
-    current = weights_sha256(folder)
-    if current != trained:
-        found = f"weights sha256 {current[:12]}" if current else "no weights"
-        raise ValueError(
-            f"stage {stage!r}: {folder} now holds {found}, but the stage saved weights sha256 "
-            f"{trained[:12]} ({RECORD}); the pipeline does not reuse replaced weights: restore them, or "
-            "--rerun true to retrain"
-        )
-
-
-def digest_text(digest: str | None) -> str:
-    return f"sha256 {digest[:12]}" if digest else "absent"
-
-
-def refuse_changed_files(folder: Path, stage: str, saved: dict[str, str]) -> None:
-    """Raises `ValueError` naming each config, generation or tokenizer file of a finished stage's folder that differs
-    from what it saved (`saved`: `model_file_digests` then), with both digests: the same weights under an edited
-    config.json (rope -> alibi) or another tokenizer compute something other than what was trained and scored."""
-    current = model_file_digests(folder)
-    changed = [
-        f"{name} ({digest_text(saved.get(name))} when it finished, now {digest_text(current.get(name))})"
-        for name in sorted(saved.keys() | current.keys())
-        if saved.get(name) != current.get(name)
-    ]
-    if changed:
-        raise ValueError(
-            f"stage {stage!r}: {folder} changed since the stage finished: {', '.join(changed)} "
-            f"({RECORD}); the pipeline does not reuse a folder that computes something other than "
-            "what it trained and scored: restore the file, or --rerun true to retrain"
-        )
-
-
-def stage_record(args: PipelineArguments, stage: str, argv: list[str]) -> dict:
-    """What shaped a stage: its command line (seeds, parents' folders), its YAML's sha256, and the weights it started
-    from (the parents' parameter digests); a finished stage is reused only when all of it is unchanged."""
-    config = Path(argv[argv.index("--config") + 1])
-    digests = {}
-    for parent in needed_stages(args, stage):
-        info = Path(stage_dir(args, parent), "run_info.json")
-        digests[parent] = json.loads(info.read_text()).get("parameter_digests") if info.exists() else None
-    sha = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
-    return {"argv": argv, "config_sha256": sha, "parent_digests": digests}
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def plan_stage(args: PipelineArguments, stage: str, record: dict) -> tuple[str, list[str]] | None:
-    """None to reuse the finished stage, else (why it trains, extra command-line flags)."""
-    folder = Path(stage_dir(args, stage))
-    saved_path = folder / RECORD
-    saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
-    trained_weights = saved.pop(WEIGHTS_KEY, None) if saved is not None else None
-    trained_files = saved.pop(MODEL_FILES_KEY, None) if saved is not None else None
-    if (folder / "run_info.json").exists():
-        if args.rerun:
-            return "--rerun true", ["--overwrite_output_dir", "true"]
-        if saved == record and trained_weights is None:
-            return f"retraining: its {RECORD} records no weights sha256 to check the folder's weights against", [
-                "--overwrite_output_dir",
-                "true",
-            ]
-        if saved == record and trained_files is None:  # recorded before the config and tokenizer were checked
-            return (
-                f"retraining: its {RECORD} records no sha256 of config.json and the tokenizer files to check the "
-                "folder's against",
-                ["--overwrite_output_dir", "true"],
-            )
-        if saved == record:
-            refuse_replaced_weights(folder, stage, trained_weights)
-            refuse_changed_files(folder, stage, trained_files)
-            return None
-        changed = [key for key in record if saved is None or saved.get(key) != record[key]]
-        why = f"its {RECORD} is missing" if saved is None else f"{', '.join(changed)} changed since it trained"
-        return f"retraining: {why}", ["--overwrite_output_dir", "true"]
-    if any(folder.glob("checkpoint-*")) and saved == record and not args.rerun:
-        return "resuming its newest intact checkpoint", ["--resume_from_checkpoint", "last"]
-    if folder.is_dir() and any(folder.iterdir()):
-        return "replacing an unfinished run", ["--overwrite_output_dir", "true"]
-    return "training", []
-
-
-def validate_stages(args: PipelineArguments) -> None:
-    """Parses every stage's YAML and command line before the first stage trains: a typo in the last stage's YAML
-    fails now, not after the others have trained."""
-    from ..training import parse_stage_arguments
-
-    for stage in args.stages:
-        try:
-            parse_stage_arguments(stage, stage_argv(args, stage))
-        except ValueError as error:
-            raise ValueError(
-                f"--stage_configs {args.stage_configs}: stage {stage!r} "
-                f"({stage_config(args.stage_configs, stage)}): {error}"
-            ) from error
-        except SystemExit as error:  # argparse has printed what it refused; name the stage and its YAML
-            raise ValueError(
-                f"--stage_configs {args.stage_configs}: stage {stage!r} "
-                f"({stage_config(args.stage_configs, stage)}): its arguments do not "
-                "parse (argparse's message above says which)"
-            ) from error
 
 
 RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run, the speed of the machine and what it ran on

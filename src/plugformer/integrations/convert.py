@@ -7,6 +7,7 @@ That is the path from a pretrained public checkpoint to a variant study: convert
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from ..configuration import PlugformerConfig
 from ..modeling import PlugformerForCausalLM
 from ..runtime.files import looks_local, naming_a_full_disk, weights_with_umask_mode
 from ..runtime.memory import check_model_fits
-from ..training.outputs import claimed_folder
+from ..runtime.run_folders import claimed_folder
 from .families import CONVERTERS
 
 
@@ -30,7 +31,7 @@ def check_output_dir(source: str | Path, output_dir: str | Path) -> None:
     """Raises `ValueError` before anything is loaded if saving to `output_dir` would destroy the source or save
     nothing: the source itself (or a folder inside it: the source's files would sit beside another model's), or an
     existing file. A folder holding another run or model is refused by the output-folder rule every command follows
-    (`training.outputs.claim_folder`)."""
+    (`runtime.run_folders.claim_folder`)."""
     source, output = Path(source).resolve(), Path(output_dir).resolve()
     if output == source or source in output.parents:
         raise ValueError(
@@ -52,7 +53,7 @@ def convert(
         output_dir (`str` or `Path`, *optional*): Where to save the converted model (safetensors + code). Never the
             source or a folder inside it, nor an existing file; a folder that holds another run or model only with
             `overwrite`, and never one a live run holds (the rule of every command that writes a model:
-            `training.outputs.claim_folder`; the folder is locked while converting and records stage `convert`).
+            `runtime.run_folders.claim_folder`; the folder is locked while converting and records stage `convert`).
         overwrite (`bool`, *optional*, defaults to `False`): Replace the run or model already in `output_dir` (its
             checkpoints and run records are removed first, as `--overwrite_output_dir true` does for a stage).
         overrides: Config fields to change after import, e.g. `position_scheme="alibi"`. Weights that still fit are
@@ -149,4 +150,66 @@ def build_converted(source, config: PlugformerConfig, to_weights: Callable, over
         )
     model.generation_config = reference.generation_config
     model.eval()
+    return model
+
+
+@dataclasses.dataclass
+class ConvertArguments:
+    """The options of `plugformer convert SOURCE_DIR OUTPUT_DIR` (the two folders are positional)."""
+
+    set: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "config override (repeat it: the overrides accumulate)", "metavar": "FIELD=VALUE"},
+    )
+    overwrite_output_dir: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "replace the run or model already in OUTPUT_DIR (its checkpoints and records removed), as for "
+            "`plugformer train`",
+            "metavar": "BOOL",
+        },
+    )
+    overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "the same as --overwrite_output_dir true", "metavar": "BOOL"}
+    )
+
+    def overrides(self) -> dict[str, Any]:
+        """The `--set` config overrides, each value read as YAML."""
+        from ..runtime.yaml_text import load_yaml_text
+
+        overrides = {}
+        for item in self.set:
+            field, separator, value = item.partition("=")
+            if not separator:
+                raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
+            overrides[field] = load_yaml_text(value, f"--set {field}")
+        return overrides
+
+
+def main(argv: list[str]) -> PlugformerForCausalLM:
+    """`plugformer convert SOURCE_DIR OUTPUT_DIR [--set field=value ...] [--overwrite_output_dir true]`."""
+    from transformers import HfArgumentParser
+
+    from ..runtime.arguments import REPEATED_FLAGS_RULE, merge_repeated_flags
+
+    parser = HfArgumentParser(
+        ConvertArguments,
+        prog="plugformer convert",
+        allow_abbrev=False,
+        epilog=REPEATED_FLAGS_RULE,
+        description="Import a Llama, Qwen3, Qwen3-Next, GPT-2 or DeepSeek-V3 checkpoint.",
+    )
+    parser.add_argument(
+        "source", help="transformers checkpoint directory (model_type llama, qwen3, qwen3_next, gpt2 or deepseek_v3)"
+    )
+    parser.add_argument("output_dir", help="where the plugformer model is saved")
+    # argparse's own refusal of an unknown option ("unrecognized arguments"), as the other positional commands
+    folders = parser.parse_args(merge_repeated_flags(parser, list(argv), parser.prog, extra=()))
+    args = ConvertArguments(
+        **{field.name: getattr(folders, field.name) for field in dataclasses.fields(ConvertArguments)}
+    )
+    overwrite = args.overwrite_output_dir or args.overwrite
+    model = convert(folders.source, folders.output_dir, overwrite=overwrite, **args.overrides())
+    config = model.config
+    print(f"saved {type(model).__name__} ({config.attention_score}, {config.position_scheme}) to {folders.output_dir}")
     return model

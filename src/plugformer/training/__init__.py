@@ -5,21 +5,12 @@
 output directory: pretrain -> sft -> reward -> rlhf, sft -> dpo, sft -> grpo; the baselines sft -> rft and
 pretrain -> sft_matched (compute-matched to an RL stage); pretrain -> classify (labelled text); seq2seq (an
 encoder-decoder on source -> target pairs) from a preset, as pretrain; nli (the decomposable attention model on
-sentence pairs) from scratch. A stage is one `Stage` record
-(`training/stages.py`) that its module registers.
+sentence pairs) from scratch. A stage is one `Stage` record (`training/stage_table.py`) that its module in
+`training/stages/` registers.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from ..compat import (
-    RENAMED_TRAINER_OPTIONS,
-    accept_renamed_trainer_options,
-    renamed_trainer_flags,
-    renamed_trainer_options,
-    trainer_option_aliases,
-)
 from ..runtime.arguments import (
     STAGE_FLAGS_RULE,
     check_numbers,
@@ -30,15 +21,18 @@ from ..runtime.arguments import (
     option_values,
     read_yaml,
 )
-from .stages import STAGES, Stage, StageInput, refuse_unhonoured_options, register_stage
+from . import stages  # noqa: F401 (registers the shipped stages)
+from .stage_table import STAGES, Stage, StageInput, refuse_unhonoured_options, register_stage
+from .trainer_options import (
+    RENAMED_TRAINER_OPTIONS,
+    accept_renamed_trainer_options,
+    renamed_trainer_flags,
+    renamed_trainer_options,
+    trainer_option_aliases,
+)
 
 
 __all__ = ["STAGES", "Stage", "StageInput", "check_stage_yaml", "parse_stage_arguments", "register_stage", "run_stage"]
-
-# the modules that register the shipped stages, in the pipeline's default order; each registers its record on import
-STAGE_MODULES = ("pretrain", "sft", "reward", "rlhf", "dpo", "grpo", "rft", "sft_matched", "classify", "seq2seq", "nli")
-for _module in STAGE_MODULES:
-    importlib.import_module(f".{_module}", __name__)
 
 
 def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
@@ -50,7 +44,7 @@ def parse_stage_arguments(stage: str, argv: list[str]) -> tuple:
     entry = STAGES.get_stage(stage)
 
     class StageParser(TrlParser):
-        """TRL's parser; a YAML's renamed trainer options go to the fields the installed trainer reads (compat)."""
+        """TRL's parser; a YAML's renamed trainer options go to the fields the installed trainer reads (`trainer_options`)."""
 
         def set_defaults_with_config(self, **values) -> list[str]:  # a YAML's keys, matched to options by dest
             return super().set_defaults_with_config(**renamed_trainer_options(values))

@@ -17,20 +17,15 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from functools import cache
 from pathlib import Path
 
 from ..runtime.files import naming_a_full_disk, with_umask_mode, write_json_atomic
+from ..runtime.run_folders import CHECKPOINT_NAME, MANIFEST, PROGRESS, STAGING, fsync, retire
 
 
 logger = logging.getLogger(__name__)
-
-MANIFEST = "checkpoint_manifest.json"
-PROGRESS = "last_checkpoint.json"  # in the output folder: the step of the newest checkpoint published
-STAGING = ".staging"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class AtomicCheckpointMixin:
@@ -111,7 +106,9 @@ def intact_checkpoint(run_dir: str | Path) -> str:
     """Which published checkpoint of `run_dir` is whole (the newest that passes `verify_checkpoint`), as advice after
     a failed write."""
     run_dir = Path(run_dir)
-    steps = sorted(((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    steps = sorted(
+        ((int(m.group(1)), p) for p in run_dir.iterdir() if (m := CHECKPOINT_NAME.match(p.name))), reverse=True
+    )
     for step, path in steps:
         if (path / MANIFEST).is_file() and verify_checkpoint(path) is None:
             return f"{path.name} (step {step}) is intact: free some space and resume with --resume_from_checkpoint last"
@@ -134,21 +131,11 @@ def publish(staged: Path, final: Path) -> None:
     }
     write_json_atomic(staged / MANIFEST, manifest, indent=1)
     for path in [*files, staged / MANIFEST]:
-        _fsync(path)
+        fsync(path)
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replaced as a whole
         retire(final)
     os.replace(staged, final)
-    _fsync(final.parent)
-
-
-def retire(checkpoint: Path) -> None:
-    """Deletes a checkpoint directory after renaming it into the staging area, so it vanishes in one step."""
-    trash = checkpoint.parent / STAGING / f"retired-{checkpoint.name}"
-    trash.parent.mkdir(exist_ok=True)
-    shutil.rmtree(trash, ignore_errors=True)
-    os.replace(checkpoint, trash)
-    _fsync(checkpoint.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    fsync(final.parent)
 
 
 def verify_checkpoint(path: str | Path) -> str | None:
@@ -217,7 +204,7 @@ def last_good_checkpoint(output_dir: str | Path) -> str | None:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
-    steps = {int(m.group(1)): p for p in output_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))}
+    steps = {int(m.group(1)): p for p in output_dir.iterdir() if p.is_dir() and (m := CHECKPOINT_NAME.match(p.name))}
     chosen = None
     for step in sorted(steps, reverse=True):
         if not (steps[step] / MANIFEST).is_file():
@@ -293,16 +280,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Flushes a file, or a directory entry, to disk (directories cannot be opened for writing on every OS)."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
-    try:
-        descriptor = os.open(path, flags)
-    except OSError:  # e.g. directories on Windows
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

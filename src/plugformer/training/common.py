@@ -21,15 +21,15 @@ from ..evaluation.held_out import data_record
 from ..runtime.environment import environment_record
 from ..runtime.files import model_source_problem, naming_a_full_disk, weights_with_umask_mode, write_json_atomic
 from ..runtime.loading import load_checked
+from ..runtime.run_folders import begin_run, finish_run, interrupted_run, release_lock
 from .arguments import check_trainer_arguments
 from .checkpoints import atomic_checkpoints, config_mismatch, last_good_checkpoint, verify_checkpoint
 from .data import evaluation_data, stage_data
 from .dev_scores import dev_policy_scores
-from .distributed import agreed_checkpoint, check_launch, log_effective_batch
-from .outputs import begin_run, claim_output_dir, finish_run, interrupted_run, release_lock
+from .distributed import agreed_checkpoint, check_launch, claim_output_dir, log_effective_batch
 from .selection import DevSelection, ExactMatchSignal, save_last_step
 from .sharding import refuse_unsharded_fallback
-from .stages import STAGES
+from .stage_table import Stage
 
 
 logger = logging.getLogger(__name__)
@@ -240,19 +240,20 @@ def compute_record(trainer, compute: Callable | None = None) -> dict:
 
 def train_and_save(
     trainer,
-    stage: str,
+    stage: Stage,
     script_args,
     tokenizer,
     extra: dict | None = None,
     selection: DevSelection | None = None,
     compute: Callable | None = None,
 ) -> dict:
-    """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`.
+    """Trains (resuming if asked), saves model + tokenizer, scores dev exact match, writes `run_info.json`; `stage` is
+    the record of the stage trained (its name, data format, loss and card go into the records).
 
     With `selection` (a `DevSelection` callback of the trainer) the saved model is the best dev step's, and
     `run_info.json` records the selected and the last step with the dev history. `compute` counts the run's
     tokens (`compute_record`). From the first step to `run_info.json`, written last, the folder's records say the run
-    is in progress (`outputs.begin_run`); Ctrl-C meanwhile ends in one line saying so (`outputs.interrupted_run`)."""
+    is in progress (`run_folders.begin_run`); Ctrl-C meanwhile ends in one line saying so (`run_folders.interrupted_run`)."""
     args = trainer.args
     refuse_unsharded_fallback(trainer)
     checkpoint = resume_checkpoint(args)
@@ -265,8 +266,8 @@ def train_and_save(
                 "into a new --output_dir (or --overwrite_output_dir true)"
             )
     if trainer.is_world_process_zero():  # before training writes anything: no record of the model it replaces
-        begin_run(args.output_dir, stage)
-    with interrupted_run(args.output_dir, stage):
+        begin_run(args.output_dir, stage.name)
+    with interrupted_run(args.output_dir, stage.name):
         info = train_and_record(trainer, stage, script_args, tokenizer, checkpoint, extra, selection, compute)
     trainer.accelerator.wait_for_everyone()
     release_lock(args.output_dir)
@@ -275,7 +276,7 @@ def train_and_save(
 
 def train_and_record(
     trainer,
-    stage: str,
+    stage: Stage,
     script_args,
     tokenizer,
     checkpoint: str | None,
@@ -301,7 +302,7 @@ def train_and_record(
         save_adapters(trainer, args.output_dir) if lora else save_final_model(trainer, tokenizer, args.output_dir)
     if trainer.eval_dataset is not None:
         saved = "the trained LoRA adapters are saved in adapter/ of" if lora else "the trained model is saved in"
-        metrics.update(evaluate_saved(trainer, stage, saved))
+        metrics.update(evaluate_saved(trainer, stage.name, saved))
     if lora:
         with naming_a_full_disk(args.output_dir, "the trained model", lambda: final_save_failed(args.output_dir)):
             save_final_model(trainer, tokenizer, args.output_dir)
@@ -311,10 +312,10 @@ def train_and_record(
         if last_step is not None and trainer.is_world_process_zero():
             weights_with_umask_mode(Path(args.output_dir, last_step))
         extra = {**(extra or {}), "last_step_model": last_step}
-    if "eval_loss" in metrics and STAGES.get_stage(stage).language_model_loss:  # exp of it is a perplexity
+    if "eval_loss" in metrics and stage.language_model_loss:  # exp of it is a perplexity
         metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
     info = {
-        "stage": stage,
+        "stage": stage.name,
         "train_seconds": round(seconds, 1),
         "world_size": trainer.accelerator.num_processes,
         "environment": environment_record(trainer.accelerator.num_processes),  # what its numbers ran on
@@ -322,7 +323,7 @@ def train_and_record(
         "parameter_digests": digests,
         "metrics": metrics,
         "data": data_record(script_args),  # what `plugformer eval` scores the model on by default
-        "data_format": STAGES.get_stage(stage).data_format,  # text: pretraining, scored in its corpus's format too
+        "data_format": stage.data_format,  # text: pretraining, scored in its corpus's format too
         "max_new_tokens": script_args.max_new_tokens,  # its dev answers' budget: `plugformer eval`'s default too
         "compute": compute_record(trainer, compute),
         **(extra or {}),
@@ -333,32 +334,32 @@ def train_and_record(
         info["dev_exact_match"], pass_at_k = dev_policy_scores(trainer, script_args, tokenizer, as_text)
         if pass_at_k is not None:
             info["dev_pass_at_k"] = pass_at_k
-        write_records(trainer, info, script_args)
+        write_records(trainer, stage, info, script_args)
         summary = info["dev_exact_match"] or {}
         print(
-            f"[{stage}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
+            f"[{stage.name}] {seconds:.0f}s, world size {info['world_size']}, saved to {args.output_dir}"
             + (f", dev exact match {summary['exact_match']:.1%}" if summary else "")
         )
     return info
 
 
-def write_records(trainer, info: dict, script_args) -> None:
+def write_records(trainer, stage: Stage, info: dict, script_args) -> None:
     """The trainer state, the model card and `run_info.json` (`info`) beside the saved model, `run_info.json` last:
-    its presence says that the files beside it are this run's (`outputs.finish_run`)."""
+    its presence says that the files beside it are this run's (`run_folders.finish_run`)."""
     output_dir = trainer.args.output_dir
     # the whole log history, as `TrainerState.save_to_json` writes it (which writes in place)
     write_json_atomic(
         Path(output_dir, "trainer_state.json"), dataclasses.asdict(trainer.state), indent=2, sort_keys=True
     )
     with naming_a_full_disk(Path(output_dir, "README.md"), "the model card", "the trained model is saved"):
-        write_card(trainer, info, script_args)
+        write_card(trainer, stage, info, script_args)
     # written whole or not at all: a torn run_info.json broke every later pipeline run
     write_json_atomic(Path(output_dir, "run_info.json"), info, indent=2, default=str)
-    finish_run(output_dir, info["stage"])
+    finish_run(output_dir, stage.name)
 
 
 def run_trainer(
-    stage: str,
+    stage: Stage,
     trainer_class,
     auto_class,
     script_args,
@@ -374,7 +375,7 @@ def run_trainer(
     selection_signal: Callable | None = None,
     **trainer_kwargs,
 ) -> dict:
-    """The body of every TRL stage: the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
+    """The body of every TRL stage (`stage`, its record): the parent's model and tokenizer, the stage's data, `trainer_class` with LoRA
     when asked, then `train_and_save`. `evaluate=False` for online RL (no dev loss to compute); `extra` goes into
     `run_info.json`. `data(model, tokenizer) -> splits` replaces the stage's own splits (rft: the loaded parent's
     verified samples); `prepare(trainer) -> dict` runs on the built trainer before training (sft_matched: its step
@@ -383,8 +384,8 @@ def run_trainer(
     `selection_signal` is the stage's dev signal where the data holds no verifiable answer (`dev_selection`)."""
     check_trainer_arguments(training_args)  # --max_steps -5 and other counts that would silently mean something else
     check_launch(training_args)  # before the model loads: a launch of independent copies costs only the imports
-    claim_output_dir(script_args, training_args, stage)  # another run's folder, or one in use, is refused as early
-    model = load_model(auto_class, model_args, stage, **(model_kwargs or {}))
+    claim_output_dir(script_args, training_args, stage.name)  # another run's folder, or one in use, is refused as early
+    model = load_model(auto_class, model_args, stage.name, **(model_kwargs or {}))
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     if model.config.pad_token_id is None:  # sequence classification finds the last real token through it
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -400,7 +401,7 @@ def run_trainer(
         callbacks=[selection] if selection is not None else None,
         **trainer_kwargs,
     )
-    extra = {**(extra or {}), "effective_batch": log_effective_batch(trainer, stage)}
+    extra = {**(extra or {}), "effective_batch": log_effective_batch(trainer, stage.name)}
     extra.update(prepare(trainer) if prepare is not None else {})
     return train_and_save(trainer, stage, script_args, tokenizer, extra, selection, compute)
 
@@ -459,8 +460,8 @@ def verifiable_dev_rows(script_args, steps: int):
     return rows.select(range(min(script_args.selection_examples, len(rows))))
 
 
-def write_card(trainer, info: dict, script_args) -> None:
-    """README.md (a huggingface_hub model card) beside the weights."""
+def write_card(trainer, stage: Stage, info: dict, script_args) -> None:
+    """README.md (a huggingface_hub model card) beside the weights, with the card text of `stage`'s record."""
     from ..evaluation.cards import stage_card
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -472,7 +473,7 @@ def write_card(trainer, info: dict, script_args) -> None:
         script_args,
         parent=parent,
         model_path=trainer.args.output_dir,
-        card=STAGES.get_stage(info["stage"]).card,
+        card=stage.card,
     )
     card.save(Path(trainer.args.output_dir) / "README.md")
 

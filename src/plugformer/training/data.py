@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from ..data.sources import load_stage_dataset
 from ..data.validation import check_data_files, check_rows
-from .stages import STAGES
+from .stage_table import Stage
 
 
-def stage_data(stage: str, script_args):
-    """The splits of `stage`, in the data format its record names (`format_data`); what identifies your data
+def stage_data(stage: Stage, script_args):
+    """The splits of `stage` (its record), in the data format it names (`format_data`); what identifies your data
     (`sources.data_identity`) is kept on `script_args.data_identity` for `run_info.json`."""
-    data = format_data(STAGES.get_stage(stage).data_format, script_args, f"stage {stage!r}")
+    data = format_data(stage.data_format, script_args, f"stage {stage.name!r}")
     script_args.data_identity = getattr(data, "identity", None)
     return data
 

@@ -16,6 +16,8 @@ Three ways a multi-process launch goes silently wrong, each turned into an error
   there, and now and then a rank of a finished `accelerate launch` aborted ("terminate called without an active
   exception", SIGABRT), so the launch failed after its model was saved. `end_process_group` destroys the group while
   the interpreter is whole, at the end of every successful command (accelerate's `end_training` does the same).
+- **A folder refused on one rank only.** `claim_output_dir` judges the output folder on every rank and gathers the
+  verdicts (`runtime.run_folders`), so that no rank trains on while another refuses.
 - **An effective batch nobody wrote down.** `effective_batch` / `log_effective_batch` give the examples (or, for
   GRPO/RLOO, completions) per optimizer step across all processes, printed once and kept in `run_info.json`.
 """
@@ -28,6 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from ..runtime.run_folders import MANIFEST, acquire_lock, occupied_problem, release_lock, take_over
 
 
 # Where a launcher announces the number of processes: torchrun / accelerate --multi_gpu / DeepSpeed set WORLD_SIZE,
@@ -175,6 +179,32 @@ def gather_from_ranks(value) -> list:
     return values
 
 
+def claim_output_dir(script_args, training_args, stage: str | None = None) -> None:
+    """Refuses an occupied or locked `output_dir` on every rank together (`ValueError`), else locks it (main
+    process) and, with `--overwrite_output_dir true`, removes the other run's checkpoints and records (`run_folders.REPLACED`).
+
+    Call before any work: the check reads only the folder. A collective (every rank's verdict is gathered), so that
+    no rank trains on while another refuses.
+    """
+    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    overwrite = bool(getattr(script_args, "overwrite_output_dir", False))
+    main = training_args.process_index == 0
+    problem = occupied_problem(output_dir, resume, overwrite, stage)
+    locked = False
+    if problem is None and main:
+        problem = acquire_lock(output_dir)
+        locked = problem is None
+        if locked:  # judged again under the lock: a run that finished into it since the first look is refused too
+            problem = occupied_problem(output_dir, resume, overwrite, stage)
+    first = next((p for p in gather_from_ranks(problem) if p), None)
+    if first is not None:
+        if locked:
+            release_lock(output_dir)
+        raise ValueError(first)
+    if main:
+        take_over(output_dir, overwrite, stage)
+
+
 def checkpoint_files(path: str | Path) -> list[str]:
     """The files of a checkpoint that every rank needs alike: its top-level files but the per-rank
     `rng_state_<rank>.pth` and the manifest (a checkpoint copied to another machine keeps the first rank's manifest).
@@ -184,8 +214,6 @@ def checkpoint_files(path: str | Path) -> list[str]:
     `--save_on_each_node true`: another machine's `checkpoint-N` then holds optimizer and trainer state without
     weights, and resuming from it fails on that machine alone while the others wait.
     """
-    from .checkpoints import MANIFEST
-
     path = Path(path)
     names = (p.name for p in path.iterdir() if p.is_file())
     return sorted(name for name in names if name != MANIFEST and not RNG_STATE.match(name))

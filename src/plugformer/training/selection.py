@@ -23,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..evaluation.scoring import exact_match
+from ..runtime.run_folders import LAST_STEP_DIR
 from .sharding import is_sharded
 
 
@@ -30,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 # what TRL's online trainers log that the history keeps beside the gold dev score
 LOGGED = ("reward", "kl")
-# the subfolder of a stage's output directory that holds its last step when selection handed on an earlier one
-LAST_STEP_DIR = "last_step"
 
 
 class ExactMatchSignal:

@@ -7,11 +7,25 @@ PPO's critic."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..evaluation.cards import StageCard
-from .arguments import RLHFArguments
-from .stages import Stage, StageInput, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import PolicyArguments
+from ..stage_table import Stage, StageInput, register_stage
+
+
+@dataclass
+class RLHFArguments(PolicyArguments):
+    """RLHF (RLOO): the policy stages' arguments and the folder of the model that rewards it."""
+
+    reward_model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "output directory of the reward stage (a num_labels=1 classifier) or of a dpo stage (its "
+            "implicit reward, beta * (log pi - log pi_ref))"
+        },
+    )
 
 
 def load_reward_model(path: str | None):
@@ -19,8 +33,8 @@ def load_reward_model(path: str | None):
     β·(log π − log π_ref), a reward function that tokenizes for itself."""
     from transformers import AutoModelForSequenceClassification
 
-    from ..evaluation.implicit_reward import ImplicitReward, dpo_record
-    from .common import load_tokenizer
+    from ...evaluation.implicit_reward import ImplicitReward, dpo_record
+    from ..common import load_tokenizer
 
     if not path:
         raise ValueError(
@@ -60,7 +74,7 @@ def reward_model_signal(reward_model, reward_tokenizer):
     model's mean score of greedy dev answers (`MeanReward`): the proxy on held-out prompts, no gold score."""
 
     def signal(script_args, tokenizer, rows):
-        from .selection_signals import ClassifierReward, MeanReward
+        from ..selection_signals import ClassifierReward, MeanReward
 
         reward = reward_model if reward_tokenizer is None else ClassifierReward(reward_model, reward_tokenizer)
         return MeanReward(rows, tokenizer, [reward], max_new_tokens=script_args.max_new_tokens)
@@ -75,12 +89,12 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import RLOOTrainer
 
-    from .common import run_trainer, sampled_tokens
-    from .selection import plot_overoptimisation
+    from ..common import run_trainer, sampled_tokens
+    from ..selection import plot_overoptimisation
 
     reward_model, reward_tokenizer = load_reward_model(script_args.reward_model_path)
     info = run_trainer(
-        "rlhf",
+        STAGE,
         RLOOTrainer,
         AutoModelForCausalLM,
         script_args,

@@ -1,9 +1,9 @@
 """The stage table: one registered `Stage` record per training stage, read by the pipeline, the CLI, compare, the data
 loader and the model cards, none of which tests a stage's name (torchtitan's `TrainSpec` is the model).
 
-Each stage's own module (`training/sft.py`, ...) builds its record and registers it with `register_stage`; a
-duplicate name raises. Importing this module, or a stage module, imports neither TRL nor a trainer: a stage module
-imports them inside its `train` function, so `plugformer train --help` lists the stages without loading them.
+Each stage's own module (`training/stages/sft.py`, ...) holds its script arguments and builds its record, which it
+registers with `register_stage`; a duplicate name raises. Importing this module imports no stage, and a stage module
+imports TRL only inside its `train` function, so `plugformer train --help` lists the stages without loading TRL.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Stage:
         name (`str`): The stage's name: `plugformer train <name>`, `configs/<name>/*.yaml`, the pipeline's folder.
         parent (`str`, *optional*): The stage whose output it starts from (`--model_name_or_path`); `None` builds a
             new model (which is also where `plugformer compare` sends `PlugformerConfig` fields).
-        script_arguments (`type`): Its dataclass of script arguments (`training/arguments.py`).
+        script_arguments (`type`): Its dataclass of script arguments (in its module; the shared bases are
+            `training/arguments.py`'s).
         config_class (`str`): Its trainer config class: `"TrainingArguments"`, `"Seq2SeqTrainingArguments"` or the
             name of a TRL config class.
         description (`str`): One line for `plugformer train --help`.

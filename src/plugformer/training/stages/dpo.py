@@ -7,16 +7,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..evaluation.cards import StageCard
-from .arguments import PolicyArguments
-from .stages import Stage, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import PolicyArguments
+from ..stage_table import Stage, register_stage
 
 
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import DPOTrainer
 
-    from .common import run_trainer
+    from ..common import run_trainer
 
     # the reference and beta make the saved policy a reward model too (`implicit_reward`, the rlhf stage's
     # --reward_model_path); with LoRA the reference is the adapter-free base, the same directory. Recorded by absolute
@@ -24,7 +24,7 @@ def train(script_args, model_args, training_args) -> dict:
     # picks the policy handed on; the last step is kept as the reward (`keep_last_step`)
     implicit = {**reference_record(model_args.model_name_or_path), "beta": training_args.beta}
     return run_trainer(
-        "dpo",
+        STAGE,
         DPOTrainer,
         AutoModelForCausalLM,
         script_args,
@@ -41,7 +41,7 @@ def implicit_reward_signal(model_args, training_args):
     reward's pairwise accuracy against the reference this stage trains against (`ImplicitRewardAccuracy`)."""
 
     def signal(script_args, tokenizer, rows):
-        from .selection_signals import ImplicitRewardAccuracy
+        from ..selection_signals import ImplicitRewardAccuracy
 
         return ImplicitRewardAccuracy(
             rows, tokenizer, model_args.model_name_or_path, training_args.beta, max_length=training_args.max_length
@@ -53,7 +53,7 @@ def implicit_reward_signal(model_args, training_args):
 def reference_record(reference: str) -> dict:
     """`{"reference": its absolute path, "reference_weights_sha256": ...}` for a local model folder (a Hub id is
     kept as given, with no digest)."""
-    from ..runtime.files import weights_sha256
+    from ...runtime.files import weights_sha256
 
     if not Path(reference).is_dir():
         return {"reference": reference, "reference_weights_sha256": None}

@@ -6,7 +6,7 @@ The data has a `text` column, a `label` column and, for sentence pairs (NLI), a 
 the class ids (integers keep their order), saved as the model's `id2label` / `label2id`, so `pipeline(
 "text-classification")` answers with the data's own labels. A dev or test label unseen in training is refused. The
 dev split is scored after training by accuracy and macro F1; `plugformer eval` scores the test split. The embedded
-data is a sentiment grammar ("the food was not really good" -> NEGATIVE, `data.sources.sentiment_rows`).
+data is a sentiment grammar ("the food was not really good" -> NEGATIVE, `data.tasks.sentiment`).
 
 A CSV's labels are read as written: `07` and `7` are two classes (pandas read both as the integer 7); labels that are
 all integers, no two of them spellings of one, stay integers as before (`user_data.csv_labels`). A parent that is
@@ -19,13 +19,27 @@ model reads sentence pairs only.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
-from ..evaluation.cards import StageCard
-from .arguments import ClassifyArguments, check_trainer_arguments, refuse_liger_kernel
-from .stages import Stage, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import StageArguments, check_counts, check_trainer_arguments, refuse_bare_answers, refuse_liger_kernel
+from ..stage_table import Stage, register_stage
 
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClassifyArguments(StageArguments):
+    """A sequence classifier fine-tuned on labelled text (`text`, `label`, and `text_pair` for sentence pairs)."""
+
+    max_length: int = field(default=128, metadata={"help": "tokens per text (or pair) at most; longer ones are cut"})
+    exact_match_examples: int = field(default=0, metadata={"help": "unused: a classifier generates no answers"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"max_length": 2})
+        refuse_bare_answers(self, "classify")
 
 
 def label_names(values: list) -> list[str]:
@@ -81,7 +95,7 @@ def head_options(path: str, labels: dict, columns: list[str]) -> dict:
     has no `text_pair`."""
     from transformers import AutoConfig
 
-    from ..decomposable import DecomposableAttentionConfig
+    from ...decomposable import DecomposableAttentionConfig
 
     config = AutoConfig.from_pretrained(path)
     if config.model_type == DecomposableAttentionConfig.model_type and "text_pair" not in columns:
@@ -124,8 +138,8 @@ def labelled_trainer(model, tokenizer, data, label2id: dict[str, int], script_ar
     by accuracy and macro F1 (the classify and nli stages)."""
     from transformers import DataCollatorWithPadding, Trainer
 
-    from ..evaluation.classification import compute_metrics
-    from .checkpoints import atomic_checkpoints
+    from ...evaluation.classification import compute_metrics
+    from ..checkpoints import atomic_checkpoints
 
     dev = tokenized(data["dev"], tokenizer, label2id, script_args.max_length) if "dev" in data else None
     return atomic_checkpoints(Trainer)(
@@ -142,16 +156,15 @@ def labelled_trainer(model, tokenizer, data, label2id: dict[str, int], script_ar
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForSequenceClassification
 
-    from .common import load_model, load_tokenizer, require_model_path, train_and_save, with_adapters
-    from .data import stage_data
-    from .distributed import check_launch, log_effective_batch
-    from .outputs import claim_output_dir
+    from ..common import load_model, load_tokenizer, require_model_path, train_and_save, with_adapters
+    from ..data import stage_data
+    from ..distributed import check_launch, claim_output_dir, log_effective_batch
 
     check_trainer_arguments(training_args)
     refuse_liger_kernel(training_args)
     check_launch(training_args)
     claim_output_dir(script_args, training_args, "classify")
-    data = stage_data("classify", script_args)
+    data = stage_data(STAGE, script_args)
     labels = label_fields(data)
     path = require_model_path(model_args, "classify")
     tokenizer = load_tokenizer(path)
@@ -162,7 +175,7 @@ def train(script_args, model_args, training_args) -> dict:
         model = with_adapters(model, model_args, "SEQ_CLS")
     trainer = labelled_trainer(model, tokenizer, data, labels["label2id"], script_args, training_args)
     extra = {"effective_batch": log_effective_batch(trainer, "classify"), "labels": list(labels["id2label"].values())}
-    return train_and_save(trainer, "classify", script_args, tokenizer, extra)
+    return train_and_save(trainer, STAGE, script_args, tokenizer, extra)
 
 
 STAGE = register_stage(

@@ -12,9 +12,69 @@ embedded data is an inference grammar (`data.nli`) whose role-swapped hypotheses
 
 from __future__ import annotations
 
-from ..evaluation.cards import StageCard
-from .arguments import NLIArguments
-from .stages import Stage, register_stage
+from dataclasses import dataclass, field
+
+from ...evaluation.cards import StageCard
+from ..arguments import StageArguments, check_counts, refuse_bare_answers
+from ..stage_table import Stage, register_stage
+
+
+@dataclass
+class NLIArguments(StageArguments):
+    """The decomposable attention model (Parikh et al. 2016) trained on sentence pairs (`text`, `text_pair`,
+    `label`): a new model (with a tokenizer trained on the training pairs), or a saved one continued."""
+
+    # a new model's DecomposableAttentionConfig fields; None: the config's default (in the help)
+    embedding_size: int | None = field(default=None, metadata={"help": "width of the token embeddings (unset: 128)"})
+    hidden_size: int | None = field(
+        default=None, metadata={"help": "width of the projected inputs and of F, G and H (unset: 128)"}
+    )
+    intra_attention: bool | None = field(
+        default=None,
+        metadata={
+            "help": "intra-sentence attention with a learned bias per distance (§3.3), which sees word order; "
+            "unset or false: each sentence is a bag of words"
+        },
+    )
+    max_intra_distance: int | None = field(
+        default=None, metadata={"help": "distances beyond this share one bias (unset: 10)"}
+    )
+    hidden_act: str | None = field(
+        default=None, metadata={"help": "activation of F, G and H (unset: relu, the paper's)"}
+    )
+    hidden_dropout: float | None = field(default=None, metadata={"help": "dropout inside F, G and H (unset: 0.2)"})
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "tokenizer to use; default: train a byte-level BPE on the training pairs"}
+    )
+    vocab_size: int = field(default=512, metadata={"help": "size of the tokenizer trained when none is given"})
+    max_length: int = field(default=128, metadata={"help": "tokens per pair at most; longer pairs are cut"})
+    exact_match_examples: int = field(default=0, metadata={"help": "unused: a classifier generates no answers"})
+
+    # the flags that set a DecomposableAttentionConfig field of a new model
+    ARCHITECTURE = (
+        "embedding_size",
+        "hidden_size",
+        "intra_attention",
+        "max_intra_distance",
+        "hidden_act",
+        "hidden_dropout",
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(
+            self, {"embedding_size": 1, "hidden_size": 1, "max_intra_distance": 1, "vocab_size": 1, "max_length": 3}
+        )
+        dropout = self.hidden_dropout
+        if dropout is not None and (
+            isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1
+        ):
+            raise ValueError(f"--hidden_dropout {dropout!r}: expected a number in [0, 1)")
+        refuse_bare_answers(self, "nli")
+
+    def architecture(self) -> dict:
+        """The architecture flags given (the others keep `DecomposableAttentionConfig`'s defaults)."""
+        return {name: getattr(self, name) for name in self.ARCHITECTURE if getattr(self, name) is not None}
 
 
 def check_parent(script_args, model_args) -> None:
@@ -23,8 +83,8 @@ def check_parent(script_args, model_args) -> None:
     use for (`--use_peft`: the record's `adapters=False`, refused for every such stage while parsing)."""
     from transformers import AutoConfig
 
-    from ..decomposable import DecomposableAttentionConfig
-    from .common import require_model_path
+    from ...decomposable import DecomposableAttentionConfig
+    from ..common import require_model_path
 
     if model_args.attn_implementation is not None:
         raise ValueError(
@@ -51,7 +111,7 @@ def check_parent(script_args, model_args) -> None:
 
 def build_tokenizer(script_args, model_args, data):
     """The model's own tokenizer, a named one, or a byte-level BPE trained on the training pairs."""
-    from ..data.tokenization import load_tokenizer, train_tokenizer
+    from ...data.tokenization import load_tokenizer, train_tokenizer
 
     source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
     if source is not None:
@@ -66,8 +126,8 @@ def build_model(script_args, model_args, tokenizer, labels: dict):
     tokenizer's vocabulary, padding and separator; `labels`: `classify.label_fields`."""
     from transformers import AutoModelForSequenceClassification
 
-    from ..decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
-    from .common import load_model
+    from ...decomposable import DecomposableAttentionConfig, DecomposableAttentionForSequenceClassification
+    from ..common import load_model
 
     if model_args.model_name_or_path is not None:
         model = load_model(AutoModelForSequenceClassification, model_args, "nli")
@@ -98,12 +158,11 @@ def build_model(script_args, model_args, tokenizer, labels: dict):
 
 
 def train(script_args, model_args, training_args) -> dict:
-    from .arguments import check_trainer_arguments, refuse_liger_kernel
+    from ..arguments import check_trainer_arguments, refuse_liger_kernel
+    from ..common import train_and_save
+    from ..data import stage_data
+    from ..distributed import check_launch, claim_output_dir, log_effective_batch
     from .classify import label_fields, labelled_trainer
-    from .common import train_and_save
-    from .data import stage_data
-    from .distributed import check_launch, log_effective_batch
-    from .outputs import claim_output_dir
 
     check_trainer_arguments(training_args)
     refuse_liger_kernel(training_args)
@@ -111,13 +170,13 @@ def train(script_args, model_args, training_args) -> dict:
     check_parent(script_args, model_args)
     claim_output_dir(script_args, training_args, "nli")
     with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
-        data = stage_data("nli", script_args)
+        data = stage_data(STAGE, script_args)
         tokenizer = build_tokenizer(script_args, model_args, data)
     labels = label_fields(data)
     model = build_model(script_args, model_args, tokenizer, labels)
     trainer = labelled_trainer(model, tokenizer, data, labels["label2id"], script_args, training_args)
     extra = {"effective_batch": log_effective_batch(trainer, "nli"), "labels": list(labels["id2label"].values())}
-    return train_and_save(trainer, "nli", script_args, tokenizer, extra)
+    return train_and_save(trainer, STAGE, script_args, tokenizer, extra)
 
 
 STAGE = register_stage(

@@ -4,9 +4,10 @@ them, or say that a run is in progress.
 transformers 5.24's `TrainingArguments` no longer has `overwrite_output_dir`: a run into a folder that holds another
 run's model and checkpoints overwrites the model, and the checkpoint rotation then keeps whichever `checkpoint-N` has
 the highest step — possibly the other run's, which `--resume_from_checkpoint last` would later resume inside this
-one. `claim_output_dir` refuses such a folder unless the run resumes its own checkpoint (`--resume_from_checkpoint`)
-or says `--overwrite_output_dir true`, and takes a lock file against a second live run in the same folder. A lock
-whose process is dead (a killed run) is taken over with a warning; takers go one at a time (an `flock` on a guard file
+one. A claim (`claim_folder`; a training run's, on every rank together, is `training.distributed.claim_output_dir`)
+refuses such a folder unless the run resumes its own checkpoint (`--resume_from_checkpoint`) or says
+`--overwrite_output_dir true`, and takes a lock file against a second live run in the same folder. A lock whose
+process is dead (a killed run) is taken over with a warning; takers go one at a time (an `flock` on a guard file
 beside the lock, released by the kernel when its holder dies), so two processes can never both take over the same
 stale lock.
 
@@ -34,17 +35,25 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
 from pathlib import Path
 
-from ..runtime.files import write_json_atomic
-from .checkpoints import _CHECKPOINT, MANIFEST, PROGRESS, retire
-from .selection import LAST_STEP_DIR
+from .files import write_json_atomic
 
 
 logger = logging.getLogger(__name__)
+
+# what plugformer's checkpoints leave in a run folder (`training.checkpoints` writes them): each `checkpoint-N`
+# published whole with its manifest, the step of the newest one, the staging area a checkpoint is written in
+MANIFEST = "checkpoint_manifest.json"
+PROGRESS = "last_checkpoint.json"  # in the output folder: the step of the newest checkpoint published
+STAGING = ".staging"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+# the subfolder that holds the last step's model when dev selection handed on an earlier one (`save_last_step`)
+LAST_STEP_DIR = "last_step"
 
 LOCK = ".plugformer.lock"
 TAKEOVER = ".plugformer.lock.takeover"  # flock'ed while a process judges and takes the lock: takers go one at a time
@@ -99,7 +108,7 @@ def eval_results(folder: str | Path) -> list[Path]:
 def foreign_checkpoints(folder: str | Path) -> list[str]:
     """The `checkpoint-<N>` folders in `folder` that plugformer did not publish, sorted: every one in a folder that
     holds no plugformer run (`recorded_stage`), else those without plugformer's manifest (`MANIFEST`)."""
-    checkpoints = sorted(path for path in Path(folder).iterdir() if _CHECKPOINT.match(path.name) and path.is_dir())
+    checkpoints = sorted(path for path in Path(folder).iterdir() if CHECKPOINT_NAME.match(path.name) and path.is_dir())
     ours = recorded_stage(folder)[0] is not None
     return [path.name for path in checkpoints if not ours or not (path / MANIFEST).is_file()]
 
@@ -111,7 +120,7 @@ def overwritten(folder: str | Path) -> list[Path]:
     results = eval_results(folder)
     if recorded_stage(folder)[0] is None:
         return results
-    checkpoints = [path for path in sorted(folder.iterdir()) if _CHECKPOINT.match(path.name) and path.is_dir()]
+    checkpoints = [path for path in sorted(folder.iterdir()) if CHECKPOINT_NAME.match(path.name) and path.is_dir()]
     records = [folder / name for name in REPLACED]
     # the finished record first, the claim last: a kill meanwhile leaves no record of a half-removed run, and the
     # folder still judged a plugformer run's
@@ -297,34 +306,6 @@ def release_lock(output_dir: str | Path) -> None:
         pass
 
 
-def claim_output_dir(script_args, training_args, stage: str | None = None) -> None:
-    """Refuses an occupied or locked `output_dir` on every rank together (`ValueError`), else locks it (main
-    process) and, with `--overwrite_output_dir true`, removes the other run's checkpoints and records (`REPLACED`).
-
-    Call before any work: the check reads only the folder. A collective (every rank's verdict is gathered), so that
-    no rank trains on while another refuses.
-    """
-    from .distributed import gather_from_ranks
-
-    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
-    overwrite = bool(getattr(script_args, "overwrite_output_dir", False))
-    main = training_args.process_index == 0
-    problem = occupied_problem(output_dir, resume, overwrite, stage)
-    locked = False
-    if problem is None and main:
-        problem = acquire_lock(output_dir)
-        locked = problem is None
-        if locked:  # judged again under the lock: a run that finished into it since the first look is refused too
-            problem = occupied_problem(output_dir, resume, overwrite, stage)
-    first = next((p for p in gather_from_ranks(problem) if p), None)
-    if first is not None:
-        if locked:
-            release_lock(output_dir)
-        raise ValueError(first)
-    if main:
-        take_over(output_dir, overwrite, stage)
-
-
 def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
     """With `overwrite`, removes what plugformer wrote of the other run (`overwritten`); records `stage` as the
     folder's (`RUN_RECORD`)."""
@@ -341,12 +322,35 @@ def take_over(output_dir: str, overwrite: bool, stage: str | None) -> None:
 
 
 def _remove(path: Path) -> None:
-    if _CHECKPOINT.match(path.name):
+    if CHECKPOINT_NAME.match(path.name):
         retire(path)  # renamed out of sight first: no half-deleted checkpoint-N
     elif path.is_dir():
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def retire(checkpoint: Path) -> None:
+    """Deletes a checkpoint directory after renaming it into the staging area, so it vanishes in one step."""
+    trash = checkpoint.parent / STAGING / f"retired-{checkpoint.name}"
+    trash.parent.mkdir(exist_ok=True)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(checkpoint, trash)
+    fsync(checkpoint.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def fsync(path: Path) -> None:
+    """Flushes a file, or a directory entry, to disk (directories cannot be opened for writing on every OS)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:  # e.g. directories on Windows
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def begin_run(output_dir: str | Path, stage: str) -> None:

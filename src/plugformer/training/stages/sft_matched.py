@@ -18,11 +18,27 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..evaluation.cards import StageCard
-from .arguments import MatchedSFTArguments, refuse_liger_kernel
-from .stages import Stage, StageInput, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import refuse_liger_kernel
+from ..stage_table import Stage, StageInput, register_stage
+from .sft import SFTArguments
+
+
+@dataclass
+class MatchedSFTArguments(SFTArguments):
+    """SFT whose optimizer steps are set by the compute another stage's chain used (`training/stages/sft_matched.py`)."""
+
+    match_compute_of: str | None = field(
+        default=None,
+        metadata={
+            "help": "output directory of the stage whose compute this run matches (e.g. grpo): the tokens "
+            "trained on and sampled by it and by each stage it descends from down to this run's parent "
+            "(run_info.json's compute records) set --max_steps"
+        },
+    )
 
 
 def compute_chain(matched: str, parent: str) -> list[dict]:
@@ -109,7 +125,7 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from .common import require_model_path, run_trainer
+    from ..common import require_model_path, run_trainer
     from .sft import completion_likelihood_signal, unfused_trainer
 
     refuse_liger_kernel(training_args)
@@ -127,7 +143,7 @@ def train(script_args, model_args, training_args) -> dict:
     compute_chain(script_args.match_compute_of, require_model_path(model_args, "sft_matched"))  # before any work
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
     return run_trainer(
-        "sft_matched",
+        STAGE,
         trainer_class,
         AutoModelForCausalLM,
         script_args,

@@ -7,11 +7,45 @@ reference model); the model card names both."""
 
 from __future__ import annotations
 
-from ..evaluation.cards import StageCard
-from ..evaluation.custom_rewards import resolve_reward_function, reward_name, reward_record
-from ..evaluation.rewards import REWARD_FUNCTIONS
-from .arguments import GRPOArguments
-from .stages import Stage, register_stage
+from dataclasses import dataclass, field
+
+from ...evaluation.cards import StageCard
+from ...evaluation.custom_rewards import resolve_reward_function, reward_name, reward_record
+from ...evaluation.rewards import REWARD_FUNCTIONS
+from ..arguments import PolicyArguments
+from ..stage_table import Stage, register_stage
+
+
+@dataclass
+class GRPOArguments(PolicyArguments):
+    """GRPO: the policy stages' arguments and the verifiable (or your own) reward functions."""
+
+    reward_functions: list[str] = field(
+        default_factory=lambda: ["exact_match", "format"],
+        metadata={"help": "verifiable rewards from plugformer.evaluation.rewards (weights: --reward_weights)"},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "your own reward functions (TRL's option): pkg.module:function (or pkg.module.function) "
+            "on the Python path, each f(prompts, completions, **kwargs) -> list[float | None] with the "
+            "data's other columns as keywords; scored after --reward_functions, --reward_weights "
+            "weighing all of them in that order"
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.reward_functions = list(self.reward_functions or [])
+        self.reward_funcs = list(self.reward_funcs or [])
+        unknown = [name for name in self.reward_functions if name not in REWARD_FUNCTIONS]
+        if unknown or not (self.reward_functions or self.reward_funcs):
+            raise ValueError(
+                f"--reward_functions {self.reward_functions}: choose one or more of "
+                f"{sorted(REWARD_FUNCTIONS)}, or give your own with --reward_funcs pkg.module:function"
+            )
+        for spec in self.reward_funcs:  # imported and checked now, before any model or data loads
+            resolve_reward_function(spec)
 
 
 def reward_functions(names: list[str], specs: list[str] | None = None) -> list:
@@ -65,12 +99,12 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
-    from .common import run_trainer, sampled_tokens
+    from ..common import run_trainer, sampled_tokens
 
     rewards = reward_functions(script_args.reward_functions, script_args.reward_funcs)
     check_reward_weights(training_args.reward_weights, script_args)
     return run_trainer(
-        "grpo",
+        STAGE,
         GRPOTrainer,
         AutoModelForCausalLM,
         script_args,
@@ -94,7 +128,7 @@ def mean_reward_signal(rewards: list, weights: list[float] | None):
     ground truth the data lacks: it would fail at the first step."""
 
     def signal(script_args, tokenizer, rows):
-        from .selection_signals import MeanReward
+        from ..selection_signals import MeanReward
 
         needing = [name for name in script_args.reward_functions if name in NEED_GROUND_TRUTH]
         if needing:

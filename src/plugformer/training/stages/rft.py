@@ -13,10 +13,38 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
-from ..evaluation.cards import StageCard
-from .arguments import RFTArguments, refuse_liger_kernel
-from .stages import Stage, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import check_counts, refuse_liger_kernel
+from ..stage_table import Stage, register_stage
+from .sft import SFTArguments
+
+
+@dataclass
+class RFTArguments(SFTArguments):
+    """Rejection-sampling fine-tuning: the parent's own samples of the training prompts, verified, then SFT."""
+
+    num_samples: int = field(default=8, metadata={"help": "completions sampled per training prompt (k)"})
+    sampling_temperature: float = field(default=1.0, metadata={"help": "temperature of the sampling (pure sampling)"})
+    sampling_max_new_tokens: int = field(default=48, metadata={"help": "generation budget of each sample"})
+    sampling_batch_size: int = field(default=256, metadata={"help": "sequences generated per `generate` call"})
+    max_kept_per_prompt: int = field(
+        default=0,
+        metadata={
+            "help": "verified completions kept per prompt after removing duplicates; 0: every distinct one "
+            "(Yuan et al. 2023's RFT), 1: best-of-k (one right answer per prompt)"
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(
+            self, {"num_samples": 1, "sampling_max_new_tokens": 1, "sampling_batch_size": 1, "max_kept_per_prompt": 0}
+        )
+        temperature = self.sampling_temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < 1e6:
+            raise ValueError(f"--sampling_temperature {temperature!r}: expected a positive number")
 
 
 def verified_rows(
@@ -29,7 +57,7 @@ def verified_rows(
     prompt, or `max_kept` (> 0) answers of that prompt already were. Rows are conversational prompt-completion pairs
     (TRL's format, loss on the completion); the record counts what was sampled, verified, dropped and kept.
     """
-    from ..evaluation.rewards import exact_match_reward
+    from ...evaluation.rewards import exact_match_reward
 
     if len(completions) != len(prompts) * samples:
         raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x {samples} samples")
@@ -71,10 +99,10 @@ def sampled_data(script_args, counts: dict):
         from accelerate import PartialState
         from datasets import Dataset, DatasetDict
 
-        from ..evaluation.answers import generate_answers
-        from .data import format_data, stage_data
+        from ...evaluation.answers import generate_answers
+        from ..data import format_data, stage_data
 
-        problems = stage_data("rft", script_args)["train"]
+        problems = stage_data(STAGE, script_args)["train"]
         prompts, answers, k = list(problems["prompt"]), list(problems["answer"]), script_args.num_samples
         model.to(PartialState().device)
         started = time.perf_counter()
@@ -113,7 +141,7 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from .common import run_trainer, trained_tokens
+    from ..common import run_trainer, trained_tokens
     from .sft import unfused_trainer
 
     refuse_liger_kernel(training_args)
@@ -124,7 +152,7 @@ def train(script_args, model_args, training_args) -> dict:
 
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
     return run_trainer(
-        "rft",
+        STAGE,
         trainer_class,
         AutoModelForCausalLM,
         script_args,

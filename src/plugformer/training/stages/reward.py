@@ -3,20 +3,20 @@ trained on preference pairs (Bradley-Terry: the chosen answer should score highe
 
 from __future__ import annotations
 
-from ..evaluation.cards import StageCard
-from .arguments import SelectionArguments
-from .stages import Stage, register_stage
+from ...evaluation.cards import StageCard
+from ..arguments import SelectionArguments
+from ..stage_table import Stage, register_stage
 
 
 def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForSequenceClassification
     from trl import RewardTrainer
 
-    from .common import run_trainer
+    from ..common import run_trainer
 
     # the language-model head is dropped; the scalar `score` head is new
     return run_trainer(
-        "reward",
+        STAGE,
         RewardTrainer,
         AutoModelForSequenceClassification,
         script_args,
@@ -29,7 +29,7 @@ def train(script_args, model_args, training_args) -> dict:
 
 def pairwise_accuracy_signal(script_args, tokenizer, rows):
     """The reward stage's dev signal, whatever its data: `RewardAccuracy` on the dev pairs."""
-    from .selection_signals import RewardAccuracy
+    from ..selection_signals import RewardAccuracy
 
     return RewardAccuracy(rows, tokenizer)
 

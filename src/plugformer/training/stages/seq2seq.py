@@ -11,14 +11,33 @@ normalised to ISO 8601 ("the 3rd of may, 1999" -> `1999-05-03`, `data.dates`).
 
 from __future__ import annotations
 
-from ..evaluation.cards import StageCard
-from .arguments import Seq2SeqArguments
-from .stages import Stage, register_stage
+from dataclasses import dataclass, field
+
+from ...evaluation.cards import StageCard
+from ..arguments import ArchitectureArguments, check_counts, refuse_bare_answers
+from ..stage_table import Stage, register_stage
+
+
+@dataclass
+class Seq2SeqArguments(ArchitectureArguments):
+    """An encoder-decoder trained on `source` -> `target` pairs (cross-attention scored as --attention_score)."""
+
+    num_decoder_layers: int | None = field(default=None, metadata={"help": "decoder layers (default: as the encoder)"})
+    max_source_length: int = field(default=128, metadata={"help": "source tokens at most; longer sources are cut"})
+    max_target_length: int = field(default=128, metadata={"help": "target tokens at most; longer targets are cut"})
+    num_beams: int = field(default=1, metadata={"help": "beam width of the dev and held-out scoring (1: greedy)"})
+
+    ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "num_decoder_layers")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"num_decoder_layers": 1, "max_source_length": 2, "max_target_length": 2, "num_beams": 1})
+        refuse_bare_answers(self, "seq2seq")
 
 
 def tokenized(split, tokenizer, script_args):
     """`split` as source `input_ids` and target `labels`, each ending with end of text (`evaluation.seq2seq`)."""
-    from ..evaluation.seq2seq import encode_sources, encode_targets
+    from ...evaluation.seq2seq import encode_sources, encode_targets
 
     def encode(batch):
         return {
@@ -31,7 +50,7 @@ def tokenized(split, tokenizer, script_args):
 
 def build_tokenizer(script_args, model_args, data):
     """The model's own tokenizer, a named one, or a byte-level BPE (digits split) trained on the training pairs."""
-    from ..data.tokenization import load_tokenizer, train_tokenizer
+    from ...data.tokenization import load_tokenizer, train_tokenizer
 
     source = model_args.model_name_or_path or script_args.tokenizer_name_or_path
     if source is not None:
@@ -45,7 +64,7 @@ def check_parent(model_args) -> None:
     decoder or encoder, whose tokenizer and weights the stage would otherwise start loading)."""
     from transformers import AutoConfig
 
-    from .common import require_model_path
+    from ..common import require_model_path
 
     if model_args.model_name_or_path is None:
         return
@@ -62,9 +81,9 @@ def build_model(script_args, model_args, tokenizer):
     position table covers `--max_source_length` and `--max_target_length` unless `--max_position_embeddings` says."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..configuration import PlugformerConfig
-    from ..modeling import PlugformerForConditionalGeneration
-    from .common import load_model, preset_config
+    from ...configuration import PlugformerConfig
+    from ...modeling import PlugformerForConditionalGeneration
+    from ..common import load_model, preset_config
 
     if model_args.model_name_or_path is not None:
         return load_model(AutoModelForSeq2SeqLM, model_args, "seq2seq")
@@ -89,12 +108,11 @@ def set_generation(model, tokenizer, script_args) -> None:
 def train(script_args, model_args, training_args) -> dict:
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer
 
-    from .arguments import check_trainer_arguments, refuse_liger_kernel
-    from .checkpoints import atomic_checkpoints
-    from .common import train_and_save, with_adapters
-    from .data import stage_data
-    from .distributed import check_launch, log_effective_batch
-    from .outputs import claim_output_dir
+    from ..arguments import check_trainer_arguments, refuse_liger_kernel
+    from ..checkpoints import atomic_checkpoints
+    from ..common import train_and_save, with_adapters
+    from ..data import stage_data
+    from ..distributed import check_launch, claim_output_dir, log_effective_batch
 
     check_trainer_arguments(training_args)
     refuse_liger_kernel(training_args)
@@ -102,7 +120,7 @@ def train(script_args, model_args, training_args) -> dict:
     check_parent(model_args)
     claim_output_dir(script_args, training_args, "seq2seq")
     with training_args.main_process_first(desc="data and tokenizer"):  # one process trains the tokenizer
-        data = stage_data("seq2seq", script_args)
+        data = stage_data(STAGE, script_args)
         tokenizer = build_tokenizer(script_args, model_args, data)
     model = build_model(script_args, model_args, tokenizer)
     set_generation(model, tokenizer, script_args)
@@ -117,7 +135,7 @@ def train(script_args, model_args, training_args) -> dict:
         processing_class=tokenizer,
     )
     extra = {"effective_batch": log_effective_batch(trainer, "seq2seq")}
-    return train_and_save(trainer, "seq2seq", script_args, tokenizer, extra)
+    return train_and_save(trainer, STAGE, script_args, tokenizer, extra)
 
 
 STAGE = register_stage(

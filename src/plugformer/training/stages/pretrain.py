@@ -4,6 +4,7 @@ tokenizer first when none is given."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from datasets import Dataset
@@ -15,21 +16,94 @@ from transformers import (
     default_data_collator,
 )
 
-from ..data.identity import corpus_cache_root, files_record, row_keys
-from ..data.packing import pack
-from ..data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
-from ..data.tokenization import set_chat_template, train_tokenizer
-from ..data.user_data import data_identity
-from ..data.validation import check_data_files
-from ..evaluation.cards import StageCard
-from ..modeling import PlugformerForCausalLM, PlugformerForMaskedLM
-from .arguments import PretrainArguments, check_trainer_arguments, refuse_liger_kernel
-from .checkpoints import atomic_checkpoints
-from .common import load_model, load_tokenizer, preset_config, set_generation_eos, train_and_save
-from .data import stage_data
-from .distributed import check_launch, log_effective_batch
-from .outputs import claim_output_dir
-from .stages import Stage, register_stage
+from ...data.identity import corpus_cache_root, files_record, row_keys
+from ...data.packing import pack
+from ...data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepared_tokenizer, stream_corpus
+from ...data.tokenization import CHAT_TEMPLATES, set_chat_template, train_tokenizer
+from ...data.user_data import data_identity
+from ...data.validation import check_data_files
+from ...evaluation.cards import StageCard
+from ...modeling import PlugformerForCausalLM, PlugformerForMaskedLM
+from ..arguments import (
+    FUSED_LOSS_HELP,
+    ArchitectureArguments,
+    check_counts,
+    check_trainer_arguments,
+    refuse_liger_kernel,
+)
+from ..checkpoints import atomic_checkpoints
+from ..common import load_model, load_tokenizer, preset_config, set_generation_eos, train_and_save
+from ..data import stage_data
+from ..distributed import check_launch, claim_output_dir, log_effective_batch
+from ..stage_table import Stage, register_stage
+
+
+@dataclass
+class PretrainArguments(ArchitectureArguments):
+    """A model from scratch (or continued pretraining with --model_name_or_path) and its tokenizer."""
+
+    is_causal: bool = field(default=True, metadata={"help": "False: a BERT-style encoder trained as a masked LM"})
+    block_size: int = field(default=128, metadata={"help": "tokens per training sequence (documents are packed)"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "masked-LM masking rate (is_causal=False)"})
+    document_positions: bool = field(
+        default=True,
+        metadata={
+            "help": "causal packing: positions restart at each document (and at the block's start for a "
+            "document continued from the previous block) and documents do not see each other; False: "
+            "positions run 0..block_size-1 across the block (contiguous text, as in the ALiBi paper's "
+            "training)"
+        },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "read --dataset_name lazily and tokenize and pack on the fly, for corpora that do not fit "
+            "on disk (needs --max_steps); dev and test are the stream's first --dev_examples and next "
+            "--test_examples documents, never trained on"
+        },
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "processes that tokenize and pack a corpus (default: every core available)"}
+    )
+    tokenizer_sample_mb: float = field(
+        default=64.0,
+        metadata={"help": "the new tokenizer trains on a seeded random sample of this many MB of training text"},
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "where a prepared corpus (its tokenizer, its packed blocks) is kept and reused; default: "
+            "$PLUGFORMER_CACHE or ~/.cache/plugformer"
+        },
+    )
+    fused_loss: bool = field(default=True, metadata={"help": FUSED_LOSS_HELP})
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": f"the chat template every later stage formats conversations with: {' | '.join(CHAT_TEMPLATES)} "
+            "(question_answer: `<|bos|>Question: {user}\\nAnswer: {assistant}<|endoftext|>`, the "
+            "embedded corpus's own documents); default: a new tokenizer's chatml, a loaded one's own"
+        },
+    )
+
+    ARCHITECTURE = (*ArchitectureArguments.ARCHITECTURE, "is_causal")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_counts(self, {"block_size": 2, "preprocessing_num_workers": 1})
+        if isinstance(self.tokenizer_sample_mb, bool) or not (
+            isinstance(self.tokenizer_sample_mb, (int, float)) and 0 < self.tokenizer_sample_mb < float("inf")
+        ):
+            raise ValueError(f"--tokenizer_sample_mb {self.tokenizer_sample_mb!r}: expected a positive number of MB")
+        if self.streaming and self.dataset_name is None:
+            raise ValueError(
+                "--streaming true reads a --dataset_name source lazily; the embedded generator is "
+                "already in memory: give --dataset_name (and --data_files), or drop --streaming"
+            )
+        if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"--chat_template {self.chat_template!r}: expected one of {' | '.join(CHAT_TEMPLATES)}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"--mlm_probability {self.mlm_probability!r}: expected a rate between 0 and 1 (exclusive)")
 
 
 def check_tokenizer_source(script_args, model_args) -> None:
@@ -58,7 +132,7 @@ def load_corpus(script_args) -> Corpus:
         corpus = stream_corpus(source, script_args.dev_examples, script_args.test_examples, script_args.rename_columns)
         script_args.data_identity = stream_identity(script_args, corpus)
         return corpus
-    data = stage_data("pretrain", script_args)
+    data = stage_data(STAGE, script_args)
     if script_args.dataset_name is None:
         return Corpus(data)
     source = {
@@ -185,7 +259,7 @@ def train(script_args, model_args, training_args) -> dict:
         processing_class=tokenizer,
     )
     extra = {"effective_batch": log_effective_batch(trainer, "pretrain")}
-    return train_and_save(trainer, "pretrain", script_args, tokenizer, extra)
+    return train_and_save(trainer, STAGE, script_args, tokenizer, extra)
 
 
 STAGE = register_stage(

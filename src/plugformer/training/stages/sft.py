@@ -7,9 +7,24 @@ patched onto any model), so the (batch, tokens, vocab) logits are never built: t
 
 from __future__ import annotations
 
-from ..evaluation.cards import StageCard
-from .arguments import SFTArguments, refuse_liger_kernel
-from .stages import Stage, register_stage
+from dataclasses import dataclass, field
+
+from ...evaluation.cards import StageCard
+from ..arguments import FUSED_LOSS_HELP, PolicyArguments, refuse_liger_kernel
+from ..stage_table import Stage, register_stage
+
+
+@dataclass
+class SFTArguments(PolicyArguments):
+    """Supervised fine-tuning on conversations: the policy stages' arguments and which loss trains it."""
+
+    fused_loss: bool = field(
+        default=True,
+        metadata={
+            "help": FUSED_LOSS_HELP + "; true is TRL's own chunked LM head (SFTTrainer's loss and its entropy "
+            "and token-accuracy metrics), false the model's unfused loss (without those metrics)"
+        },
+    )
 
 
 def unfused_trainer(sft_trainer: type) -> type:
@@ -28,12 +43,12 @@ def train(script_args, model_args, training_args) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from .common import run_trainer
+    from ..common import run_trainer
 
     refuse_liger_kernel(training_args)
     trainer_class = SFTTrainer if script_args.fused_loss else unfused_trainer(SFTTrainer)
     return run_trainer(
-        "sft",
+        STAGE,
         trainer_class,
         AutoModelForCausalLM,
         script_args,
@@ -49,7 +64,7 @@ def completion_likelihood_signal(training_args):
     each sequence cut to the trainer's `--max_length`."""
 
     def signal(script_args, tokenizer, rows):
-        from .selection_signals import CompletionLikelihood
+        from ..selection_signals import CompletionLikelihood
 
         return CompletionLikelihood(rows, tokenizer, max_length=training_args.max_length)
 
