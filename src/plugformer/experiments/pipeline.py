@@ -120,9 +120,9 @@ RUN_RECORD = "pipeline_run.json"  # the wall time of the whole run, the speed of
 
 
 def machine_speed(size: int = 1024, repeats: int = 25) -> dict:
-    """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats` products,
-    ~10 ms each at 200 GFLOP/s): the pipeline's wall time is only comparable between runs, or with a budget, next to
-    it (2-core machines of the same kind here measured 48 and 158 GFLOP/s on different days)."""
+    """This machine's fp32 `torch.mm` rate in GFLOP/s with the threads torch uses here (median of `repeats`
+    products): the pipeline's wall time is only comparable between runs, or with a budget, next to it, since machines
+    of the same kind run at rates far apart on different days."""
     import torch
 
     from ..bench.measure import matmul_peak
@@ -132,8 +132,8 @@ def machine_speed(size: int = 1024, repeats: int = 25) -> dict:
 
 
 def run_speed(before: dict, after: dict) -> dict:
-    """The rate beside a run, measured before and after it: `matmul_gflops` is their mean, and both are kept (one
-    5-product probe read 92 GFLOP/s before a run that took as long as its twin, whose probe read 216)."""
+    """The rate beside a run, measured before and after it: `matmul_gflops` is their mean, and both are kept (a
+    single probe can read half the rate its twin run's probe reads, for runs that take as long)."""
     mean = round((before["matmul_gflops"] + after["matmul_gflops"]) / 2, 1)
     return {
         **before,

@@ -213,7 +213,7 @@ def build_model(script_args, model_args, tokenizer):
 
 def check_blocks(data, blocks, block_size: int) -> None:
     """Raises `ValueError` before training when the train or dev split packs into no block: a dev split shorter
-    than one block used to train to the end and then fail in evaluation, before the model was saved."""
+    than one block would otherwise train to the end and then fail in evaluation, before the model is saved."""
     for split in ("train", "dev"):
         if isinstance(blocks.get(split), Dataset) and len(blocks[split]) == 0:  # a stream's length is unknown
             flag = "--dev_examples 0 (no dev loss), " if split == "dev" else ""
