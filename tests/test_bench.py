@@ -516,7 +516,7 @@ def test_modifier_fields_repeat_a_per_layer_pattern_with_the_fields_it_needs():
     )
 
 
-THIRD_WAVE = [  # the modifiers' variants: per-layer attention types, gated attention, value residuals, latent attention
+MODIFIER_ROWS = [  # the modifiers' variants: per-layer attention types, gated attention, value residuals, latent attention
     "sliding_window=256, layer_types=['sliding_attention', 'full_attention'] repeated",
     "use_gated_attention=True",
     "value_residual='fixed'",
@@ -527,7 +527,7 @@ THIRD_WAVE = [  # the modifiers' variants: per-layer attention types, gated atte
 
 def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
     """One tiny run of `--sections variants` on the baseline pair: a row for each attention modifier's each value (the
-    `THIRD_WAVE` rows among them), each with a ratio against the baseline and its kernel; no timing asserted."""
+    `MODIFIER_ROWS` rows among them), each with a ratio against the baseline and its kernel; no timing asserted."""
     argv = [
         "bench",
         "--sizes",
@@ -560,9 +560,9 @@ def test_the_variants_section_runs_a_row_per_modifier_value(tmp_path):
         "",
         *(modifier_label(name, value) for name, values in ATTENTION_MODIFIERS.items() for value in values),
     ]
-    assert set(THIRD_WAVE) <= set(labels)
+    assert set(MODIFIER_ROWS) <= set(labels)
     for row in rows:
         assert row["ratio_tokens_per_s"]["ratio"] > 0 and row["ratio_peak_memory"] > 0
         assert row["kernel"].split(":")[0] in row["supported_kernels"]
     markdown = (tmp_path / "bench.md").read_text()
-    assert all(f"| {label} |" in markdown for label in THIRD_WAVE)
+    assert all(f"| {label} |" in markdown for label in MODIFIER_ROWS)

@@ -31,8 +31,8 @@ from plugformer import (
 from plugformer.runtime.variants import ATTENTION_MODIFIERS, modifier_fields
 
 
-THIRD_WAVE = ("layer_types", "use_gated_attention", "value_residual")  # layer types, gated attention, value residual
-ISSUE_61 = ("exclusive_self_attention",)  # exclusive self-attention (its reference test: test_exclusive_self_attention)
+# the modifiers these suites rerun (exclusive self-attention's reference test: test_exclusive_self_attention)
+RERUN_MODIFIERS = ("layer_types", "use_gated_attention", "value_residual", "exclusive_self_attention")
 LAYERS, WINDOW = 3, 3  # a window shorter than the suites' 7-12 token inputs, so the sliding layers differ
 
 
@@ -43,7 +43,7 @@ def suite_fields(name: str) -> dict:
     return fields | ({"sliding_window": WINDOW} if "sliding_window" in fields else {})
 
 
-MODIFIERS = {name: suite_fields(name) for name in THIRD_WAVE + ISSUE_61}
+MODIFIERS = {name: suite_fields(name) for name in RERUN_MODIFIERS}
 SEQ2SEQ = dict(is_encoder_decoder=True, pad_token_id=seq2seq_suite.PAD, eos_token_id=seq2seq_suite.EOS)
 
 
@@ -69,10 +69,10 @@ def modified(names=MODIFIERS, **overrides) -> list:
     ]
 
 
-def test_the_suites_rerun_every_third_wave_modifier():
+def test_the_suites_rerun_modifiers_of_the_modifier_table():
     """Every modifier these suites rerun is a row of the modifier table, and the seq2seq reruns leave out only the mixed
     layer kinds, which a seq2seq config refuses naming the field."""
-    assert set(THIRD_WAVE + ISSUE_61) <= set(ATTENTION_MODIFIERS)
+    assert set(RERUN_MODIFIERS) <= set(ATTENTION_MODIFIERS)
     assert set(MODIFIERS) - set(SEQ2SEQ_MODIFIERS) == {"layer_types"}
     with pytest.raises(ValueError, match=r"layer_types=.* mixes kinds, which is_encoder_decoder=True"):
         PlugformerConfig.from_preset("tiny", **MODIFIERS["layer_types"], **SEQ2SEQ)
