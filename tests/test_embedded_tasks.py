@@ -15,7 +15,7 @@ import torch
 from plugformer.data.sources import load_stage_dataset
 from plugformer.data.splits import SPLITS, split_of_key
 from plugformer.data.tasks import TASKS, EmbeddedTask, register_task
-from plugformer.evaluation.cards import StageCard
+from plugformer.training.cards import StageCard
 
 
 @pytest.fixture
@@ -83,11 +83,11 @@ def test_a_task_registered_in_one_place_is_read_by_data_stages_eval_compare_and_
     task_table, tmp_path, monkeypatch
 ):
     from plugformer import PlugformerConfig, PlugformerForSequenceClassification, train_tokenizer
-    from plugformer.evaluation.cards import stage_card
     from plugformer.evaluation.held_out import rows_digest
     from plugformer.evaluation.scoring import main as eval_main
     from plugformer.experiments.compare import refuse_unscorable_stage
     from plugformer.training import STAGES, register_stage
+    from plugformer.training.cards import stage_card
     from plugformer.training.data import stage_data
 
     register_task(PARITY)

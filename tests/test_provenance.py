@@ -519,8 +519,8 @@ def test_every_grpo_config_sets_trl_default_loss_explicitly_and_its_card_names_i
     import trl
     import yaml
 
-    from plugformer.evaluation.cards import loss_text
     from plugformer.training import parse_stage_arguments
+    from plugformer.training.cards import loss_text
 
     values = yaml.safe_load(config.read_text())
     assert values["loss_type"] == "dapo" and values["beta"] == 0.0

@@ -20,10 +20,10 @@ import pytest
 
 from plugformer.cli import main as cli_main
 from plugformer.data.formats import FORMAT_COLUMNS
-from plugformer.evaluation.cards import StageCard
 from plugformer.experiments.parallel import split_batch
 from plugformer.experiments.pipeline import PipelineArguments, requirements, stage_argv
 from plugformer.training import STAGES, parse_stage_arguments, register_stage
+from plugformer.training.cards import StageCard
 from plugformer.training.common import write_card
 from plugformer.training.data import stage_data
 

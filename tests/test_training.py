@@ -699,8 +699,8 @@ def test_model_card_names_the_training_examples_and_the_share_of_bare_answers(ch
     and whether they skip the working; the all-worked data does not mention it."""
     from types import SimpleNamespace
 
-    from plugformer.evaluation.cards import stage_card
     from plugformer.training.arguments import StageArguments
+    from plugformer.training.cards import stage_card
 
     model = AutoModelForCausalLM.from_pretrained(chain["sft"])
     info = json.loads((chain["sft"] / "run_info.json").read_text())

@@ -462,7 +462,7 @@ def verifiable_dev_rows(script_args, steps: int):
 
 def write_card(trainer, stage: Stage, info: dict, script_args) -> None:
     """README.md (a huggingface_hub model card) beside the weights, with the card text of `stage`'s record."""
-    from ..evaluation.cards import stage_card
+    from .cards import stage_card
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     parent = model.config._name_or_path or None

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from ..evaluation.cards import StageCard
+from .cards import StageCard
 
 
 @dataclass(frozen=True, kw_only=True)

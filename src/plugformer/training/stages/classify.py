@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ..arguments import StageArguments, check_counts, check_trainer_arguments, refuse_bare_answers, refuse_liger_kernel
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

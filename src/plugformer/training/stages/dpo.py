@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...evaluation.cards import StageCard
 from ..arguments import PolicyArguments
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

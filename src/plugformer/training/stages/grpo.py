@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ...evaluation.custom_rewards import resolve_reward_function, reward_name, reward_record
 from ...evaluation.rewards import REWARD_FUNCTIONS
 from ..arguments import PolicyArguments
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ..arguments import StageArguments, check_counts, refuse_bare_answers
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

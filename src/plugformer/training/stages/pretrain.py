@@ -22,7 +22,6 @@ from ...data.prepare import Corpus, corpus_fingerprint, prepared_blocks, prepare
 from ...data.tokenization import CHAT_TEMPLATES, set_chat_template, train_tokenizer
 from ...data.user_data import data_identity
 from ...data.validation import check_data_files
-from ...evaluation.cards import StageCard
 from ...modeling import PlugformerForCausalLM, PlugformerForMaskedLM
 from ..arguments import (
     FUSED_LOSS_HELP,
@@ -31,6 +30,7 @@ from ..arguments import (
     check_trainer_arguments,
     refuse_liger_kernel,
 )
+from ..cards import StageCard
 from ..checkpoints import atomic_checkpoints
 from ..common import load_model, load_tokenizer, preset_config, set_generation_eos, train_and_save
 from ..data import stage_data

@@ -3,8 +3,8 @@ trained on preference pairs (Bradley-Terry: the chosen answer should score highe
 
 from __future__ import annotations
 
-from ...evaluation.cards import StageCard
 from ..arguments import SelectionArguments
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

@@ -15,8 +15,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ..arguments import check_counts, refuse_liger_kernel
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 from .sft import SFTArguments
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...evaluation.cards import StageCard
 from ..arguments import PolicyArguments
+from ..cards import StageCard
 from ..stage_table import Stage, StageInput, register_stage
 
 

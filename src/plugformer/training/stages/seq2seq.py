@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ..arguments import ArchitectureArguments, check_counts, refuse_bare_answers
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

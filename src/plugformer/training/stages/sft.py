@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...evaluation.cards import StageCard
 from ..arguments import FUSED_LOSS_HELP, PolicyArguments, refuse_liger_kernel
+from ..cards import StageCard
 from ..stage_table import Stage, register_stage
 
 

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...evaluation.cards import StageCard
 from ..arguments import refuse_liger_kernel
+from ..cards import StageCard
 from ..stage_table import Stage, StageInput, register_stage
 from .sft import SFTArguments
 

@@ -12,8 +12,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from ..capabilities import KERNELS
 from ..data.tasks import TASKS, EmbeddedTask
 from ..decomposable import DecomposableAttentionConfig
+from ..evaluation.stats import wilson_interval
 from ..runtime.environment import environment_text
-from .stats import wilson_interval
 
 
 TEMPLATE = """---
