@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from plugformer.evaluation.answers import prompt_text
 from plugformer.evaluation.attention_maps import attention_weights, save_attention_maps
 from plugformer.evaluation.plots import plot_training_curves
-from plugformer.evaluation.scoring import prompt_text
 from plugformer.experiments.pipeline import PipelineArguments, run
 from plugformer.training.common import load_tokenizer
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from plugformer.data import sources as task
-from plugformer.evaluation import scoring as evaluation
+from plugformer.evaluation import language_scores as evaluation
 from plugformer.evaluation.rewards import exact_match_reward, format_reward
 from plugformer.training import selection
 from plugformer.training.arguments import StageArguments

@@ -91,7 +91,7 @@ def test_eval_scores_preference_pairs_whose_prompt_is_implicit(dpo, tmp_path):
     from trl.data_utils import maybe_extract_prompt
 
     from plugformer.evaluation.implicit_reward import ImplicitReward
-    from plugformer.evaluation.scoring import reward_function_accuracy
+    from plugformer.evaluation.language_scores import reward_function_accuracy
 
     folder, _, _ = dpo
     implicit = [{"chosen": f"What is {i} + 5? {i + 5}", "rejected": f"What is {i} + 5? {i + 6}"} for i in range(30)]

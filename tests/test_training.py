@@ -572,7 +572,7 @@ def test_eval_scores_a_stage_directory_with_offline_metrics(chain, tmp_path):
             "1.0",
         ]
     )
-    from plugformer.evaluation.scoring import preference_accuracy
+    from plugformer.evaluation.language_scores import preference_accuracy
 
     rows = load_stage_dataset("preference", sizes={"dev": 6}, direct_fraction=1.0)["dev"]
     assert all("\n" not in row["rejected"][0]["content"] for row in rows)
@@ -790,8 +790,8 @@ def test_eval_scores_a_model_trained_on_your_data_on_the_split_its_run_held_out(
 
 def test_eval_on_your_preference_pairs_and_what_it_refuses(chain, tmp_path):
     from plugformer.data.sources import load_stage_dataset
+    from plugformer.evaluation.language_scores import preference_accuracy
     from plugformer.evaluation.scoring import main as eval_main
-    from plugformer.evaluation.scoring import preference_accuracy
 
     pairs = [{"prompt": f"{i} + 1 =", "chosen": f" {i + 1}", "rejected": f" {i + 2}"} for i in range(24)]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)

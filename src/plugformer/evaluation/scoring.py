@@ -23,31 +23,6 @@ from ..runtime.files import (
 from .evaluators import EVALUATORS, model_kind, trained_task, user_data_scores
 from .held_out import data_source
 
-# the scores of a language model live in `language_scores`; named here too, where the stages and tests import them
-from .language_scores import (
-    document_losses,
-    exact_match,
-    pass_at_k,
-    perplexity,
-    preference_accuracy,
-    reward_function_accuracy,
-    sampled_pass_at_k,
-)
-
-
-__all__ = [
-    "EvalArguments",
-    "document_losses",
-    "evaluate_directory",
-    "exact_match",
-    "main",
-    "pass_at_k",
-    "perplexity",
-    "preference_accuracy",
-    "reward_function_accuracy",
-    "sampled_pass_at_k",
-]
-
 
 @dataclass
 class EvalArguments:

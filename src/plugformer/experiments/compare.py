@@ -290,8 +290,8 @@ def _score(args: CompareArguments, model_dir: Path, split: str, size: int) -> tu
     from ..evaluation.answers import generate_answers
     from ..evaluation.classification import labelled_rows_scores
     from ..evaluation.held_out import recorded_held_out_texts
+    from ..evaluation.language_scores import document_losses
     from ..evaluation.rewards import exact_match_reward
-    from ..evaluation.scoring import document_losses
     from ..training import STAGES
 
     tokenizer = load_tokenizer(str(model_dir))

@@ -398,15 +398,19 @@ def naming_the_option(error: Exception, argv: list[str]) -> ValueError | None:
             (name, value) for name, value in given if value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan")
         ]
     else:
-        fits = [
-            (name, value)
-            for name, value in given
-            if re.search(rf"(?<![\w.+-]){re.escape(value)}(?!\w|\.\d)", text) or (not value and "''" in text)
-        ]
+        fits = [(name, value) for name, value in given if quotes(text, value)]
     if len(fits) != 1:
         return None
     name, value = fits[0]
-    return ValueError(f"{name} {value if value else repr(value)}: {text}")
+    return ValueError(f"{name} {value if value and value.isprintable() else repr(value)}: {text}")
+
+
+def quotes(text: str, value: str) -> bool:
+    """Whether the message `text` quotes `value`, as given or as Python's `repr` writes it (a control character
+    appears escaped, `'\\x01'`); an empty value as `''`."""
+    if not value:
+        return "''" in text
+    return any(re.search(rf"(?<![\w.+-]){re.escape(form)}(?!\w|\.\d)", text) for form in {value, repr(value)[1:-1]})
 
 
 def parse_arguments(cls: type[T], argv: list[str], prog: str) -> T:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from ..evaluation.language_scores import exact_match, sampled_pass_at_k
 from ..evaluation.pretrained import pretraining_format_exact_match
-from ..evaluation.scoring import PER_EXAMPLE, exact_match, sampled_pass_at_k
+from ..evaluation.scoring import PER_EXAMPLE
 from .data import evaluation_data, format_data
 from .sharding import is_sharded
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ..evaluation.scoring import exact_match
+from ..evaluation.language_scores import exact_match
 from ..runtime.run_folders import LAST_STEP_DIR
 from .sharding import is_sharded
 
@@ -34,7 +34,7 @@ LOGGED = ("reward", "kl")
 
 
 class ExactMatchSignal:
-    """Greedy dev exact match of the final number (`scoring.exact_match`) on `rows` (`prompt` and `answer`), with the
+    """Greedy dev exact match of the final number (`language_scores.exact_match`) on `rows` (`prompt` and `answer`), with the
     answers' format rate beside it: the signal wherever the data holds a verifiable answer."""
 
     name = "dev_exact_match"
