@@ -142,6 +142,27 @@ def test_other_dtypes_and_head_sizes_keep_the_torch_path(dtype, dim):
     assert not native_band_applies(query, query, query, torch.zeros(2, 39))
 
 
+@pytest.mark.parametrize(
+    ("setting", "flags", "runs"),
+    [
+        ("", {"avx2", "avx512f"}, True),
+        ("", {"avx2", "fma"}, False),  # narrower vectors: the torch paths take the calls
+        ("", set(), False),
+        ("1", {"avx2"}, True),
+        ("0", {"avx512f"}, False),
+    ],
+    ids=["avx512", "avx2", "no-flags", "forced-on", "off"],
+)
+def test_the_tiles_run_where_the_cpu_has_512_bit_vectors_or_where_told(monkeypatch, setting, flags, runs):
+    from plugformer import kernels_band_native
+
+    monkeypatch.setenv("PLUGFORMER_NATIVE_TILES", setting)
+    monkeypatch.setattr(kernels_band_native, "cpu_flags", lambda: frozenset(flags))
+    assert kernels_band_native.tiles_run_here() is runs
+    query = torch.zeros(1, 2, 20, 16)
+    assert native_band_applies(query, query, query, torch.zeros(2, 39)) is (runs and native_band() is not None)
+
+
 def test_a_profile_names_the_c_path():
     """`plugformer bench` labels the step's kernel `band-native` (beside the far keys' fused backward)."""
     leaves = inputs(40, 8, 16, 2, "bnhd")

@@ -68,7 +68,14 @@ def alibi_call(dtype=torch.float64, length: int = 12) -> tuple:
 
 
 def test_the_declared_order_is_the_one_sdpa_forward_tries(monkeypatch):
-    assert list(SDPA_PATHS) == ["relative_native", "banded_bias", "linear_bias", "relative_bias", "query_bias"]
+    assert list(SDPA_PATHS) == [
+        "relative_native",
+        "banded_bias",
+        "linear_bias",
+        "relative_bias",
+        "fire_native",
+        "query_bias",
+    ]
     asked = spy_on_applies(monkeypatch)
     calls = count_path_calls(monkeypatch, "linear_bias")
     query, key, value, bias = alibi_call()

@@ -194,6 +194,10 @@ class QueryBiasRecipe:
         dtype (`torch.dtype`): the dtype of the values (the stack's; `bias_values(...).to(dtype)`).
         width (`int`, *optional*, defaults to 1): numbers `function` holds per score at once besides the H of its
             result (FIRE's input, its piece and the slopes and intercepts looked up), for sizing blocks.
+        tables (`Callable`, *optional*): `(query_positions, length) -> (psi, inv_norm, kinks, slope, intercept)`
+            for a bias f(psi[i − j]·inv_norm[b, i]) piecewise linear per head over causal self-attention from slot
+            0 (FIRE's, `FireBias.piecewise_tables`), which `kernels_fire_native` evaluates per score; `None` where
+            the bias has no such form.
     """
 
     ndim = 4
@@ -208,10 +212,11 @@ class QueryBiasRecipe:
         num_heads: int,
         dtype: torch.dtype,
         width: int = 1,
+        tables=None,
     ):
         self.function, self.parameters = function, tuple(parameters)
         self.query_positions, self.query_slots, self.key_slots = query_positions, query_slots, key_slots
-        self.num_heads, self.dtype, self.width = num_heads, dtype, width
+        self.num_heads, self.dtype, self.width, self.tables = num_heads, dtype, width, tables
 
     @property
     def shape(self) -> torch.Size:
@@ -229,6 +234,12 @@ class QueryBiasRecipe:
         behind = self.query_slots[start:stop, None] - self.key_slots[None, :keys]  # (r, keys)
         positions = self.query_positions[:, start:stop]  # (B or 1, r)
         return self.function(positions, behind, parameters).to(self.dtype)
+
+    def piecewise_tables(self) -> tuple[torch.Tensor, ...]:
+        """`tables` of the queries' positions and length, under autograd from the scheme's parameters."""
+        if self.tables is None:
+            raise ValueError("this bias recipe has no piecewise tables (tables=None)")
+        return self.tables(self.query_positions, len(self.query_slots))
 
 
 class DecayBias:

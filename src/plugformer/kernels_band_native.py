@@ -6,16 +6,36 @@ of keys) and backward (dQ, dK, dV and the bias gradient by distance), in registe
 backward; `kernels_banded` its forward the same way and its near band's backward (T5's and the clamped bias, W = the
 far distance, the far keys' gradients from torch's fused backward). fp32 only, heads a multiple of 16 wide; the
 callers keep their torch paths for the rest, which compute the same numbers.
+
+The tiles compute on 16-float vectors (`csrc/tiles.h`), one register where the CPU has 512-bit vectors (x86's
+AVX-512). Where it has narrower ones the compiler splits every vector operation and the kernels run several times
+slower than the torch paths (BENCHMARKS.md, "Design measurements"), so there the torch paths take the calls
+(`tiles_run_here`); `PLUGFORMER_NATIVE_TILES=1` runs the tiles on any CPU (the tests do), `=0` on none.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
-from .native import load
+from .native import cpu_flags, load
+
+
+TILES = "PLUGFORMER_NATIVE_TILES"
+
+
+def tiles_run_here() -> bool:
+    """Whether the C tiles take the calls they compute on this machine: `$PLUGFORMER_NATIVE_TILES` `1` or `0` where
+    set, else where the CPU has 512-bit vectors (`avx512f`)."""
+    setting = os.environ.get(TILES, "").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    return "avx512f" in cpu_flags()
 
 
 # what a profile (`plugformer bench`) names this path by
@@ -37,7 +57,7 @@ def native_band() -> ctypes.CDLL | None:
 def native_band_applies(*tensors: torch.Tensor) -> bool:
     """Whether `csrc/band.c` computes the band of these tensors (the query first): fp32 on the CPU, plain tensors (no
     FakeTensor, DTensor) outside torch.compile / jit tracing, one head size for the `(B, H, N, D)` ones, whole 16-float
-    vectors, where it is built."""
+    vectors, where it is built and the tiles run fast (`tiles_run_here`)."""
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
             return False
@@ -46,7 +66,7 @@ def native_band_applies(*tensors: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
-    return native_band() is not None
+    return tiles_run_here() and native_band() is not None
 
 
 def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:

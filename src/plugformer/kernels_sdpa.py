@@ -11,9 +11,10 @@ order declared there:
 | `banded_bias` | `kernels_banded` | a bias constant beyond a distance (T5's buckets, clamped distances) |
 | `linear_bias` | `kernels_alibi` | a bias linear in the distance (ALiBi) |
 | `relative_bias` | `kernels_relative` | any other relative bias (KERPLE) in fp32 or fp64 |
+| `fire_native` | `kernels_fire_native` | a recipe with piecewise tables (FIRE's) in fp32, wholly in C |
 | `query_bias` | `kernels_query_bias` | a bias recipe in training (FIRE's; forgetting attention's `DecayBias`) |
 
-The first four take causal training or prefill only (no mask, no dropout, Q = K: `kernels.fused_causal_call`); each
+The first five take causal training or prefill only (no mask, no dropout, Q = K: `kernels.fused_causal_call`); each
 module's `*_applies` says the rest. Every other call takes the blockwise kernel, `kernels.sdpa_attention_forward`,
 which computes them all. A new path is one `SdpaPath` record in `SDPA_PATHS` (or, from outside,
 `SDPA_PATHS.register(path, before=...)`) and its reference test.
@@ -32,6 +33,7 @@ from .biases import RelativeBias
 from .kernels import sdpa_attention_forward, transformers_sdpa
 from .kernels_alibi import linear_bias_applies, linear_bias_attention
 from .kernels_banded import banded_bias_applies, banded_bias_attention
+from .kernels_fire_native import fire_native_applies, fire_native_attention
 from .kernels_query_bias import query_bias_applies, query_bias_attention
 from .kernels_relative import relative_bias_applies, relative_bias_attention
 from .kernels_relative_native import native_relative_applies, native_relative_attention
@@ -140,12 +142,13 @@ class SdpaPaths(MutableMapping):
 # The declared order: the C kernel first where it applies, but for a bias constant beyond a distance over
 # `kernels_relative_native.BANDED_FROM` tokens or more, which the banded kernel takes next (its far keys' fused
 # backward wins there); the banded and linear-bias kernels before the general relative one, which would also take
-# their biases; the recipe kernel takes biases none of the others does.
+# their biases; FIRE's bias in C before the recipe kernel, which takes every recipe the others do not.
 SDPA_PATHS = SdpaPaths(
     SdpaPath("relative_native", native_relative_applies, native_relative_attention),
     SdpaPath("banded_bias", banded_bias_applies, banded_bias_attention),
     SdpaPath("linear_bias", linear_bias_applies, linear_bias_attention),
     SdpaPath("relative_bias", relative_bias_applies, relative_bias_attention),
+    SdpaPath("fire_native", fire_native_applies, fire_native_attention),
     SdpaPath("query_bias", query_bias_applies, query_bias_attention),
 )
 

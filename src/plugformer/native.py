@@ -59,6 +59,17 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86's `flags`, Arm's `Features`); empty where it does not."""
+    return frozenset(
+        flag
+        for line in _cpu_identity().splitlines()
+        if line.split(":")[0].strip() in ("flags", "Features")
+        for flag in line.partition(":")[2].split()
+    )
+
+
 def _version(command: list[str]) -> str:
     try:
         result = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30, check=False)

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .biases import QueryBiasRecipe, QueryPositionBias
-from .piecewise import relu_mlp
+from .piecewise import relu_mlp, relu_mlp_pieces
 from .positions_base import POSITION_SCHEMES, PositionScheme
 
 
@@ -280,6 +280,20 @@ class FireBias(PositionScheme):
         normaliser = torch.log1p(scale * torch.maximum(later, threshold)) + self.eps  # ψ(max(L, i))
         return sign * torch.log1p(scale * distance.to(dtype)) / normaliser  # (B', Q, K)
 
+    def piecewise_tables(self, query_positions: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        """The bias of causal self-attention over `length` tokens from slot 0 as f_θ(psi[i − j]·inv_norm[b, i]) by
+        pieces, for `kernels_fire_native`: psi `(N,)` = ψ(d), inv_norm `(B or 1, N)` = 1 / (ψ(max(L, i)) + ε) at the
+        queries' positions, and `piecewise.relu_mlp_pieces`' kinks `(U,)`, slope and intercept `(H, U + 1)`, fp32 at
+        least, under autograd from the parameters (`mlp_inputs`' formula, the division as a product)."""
+        distance_scale, threshold_scale, *theta = self.bias_parameters()
+        dtype = torch.promote_types(distance_scale.dtype, torch.float32)
+        scale, threshold = distance_scale.abs().to(dtype), (threshold_scale.abs() * self.initial_threshold).to(dtype)
+        psi = torch.log1p(scale * torch.arange(length, device=query_positions.device, dtype=dtype))  # (N,)
+        later = torch.maximum(query_positions.to(dtype), threshold)  # (B', N)
+        inv_norm = 1.0 / (torch.log1p(scale * later) + self.eps)
+        kinks, slope, intercept = relu_mlp_pieces(*theta, dtype)
+        return psi, inv_norm, kinks, slope, intercept
+
     def fire_bias(self, query_positions: torch.Tensor, behind: torch.Tensor, parameters=None) -> torch.Tensor:
         """f_θ of `mlp_inputs`, as the bias `(B or 1, H, Q, K)` in θ's dtype; from `parameters` (tensors in the order
         of `bias_parameters`, e.g. the detached copies a kernel's backward recomputes a block from) instead of the
@@ -293,12 +307,6 @@ class FireBias(PositionScheme):
         """The bias `(1, H, Q, K)` of queries at `query_slots`, taken for their positions, over keys at `key_slots`."""
         behind = query_slots[:, None] - key_slots[None, :]  # (Q, K)
         return self.fire_bias(query_slots[None], behind)
-
-    def bias_by_distance(self, query_offset, query_length, key_offset, key_length, device):
-        raise ValueError(
-            "position_scheme='fire' has no bias per distance (it depends on the query position); use "
-            "bias_values(), which takes the positions"
-        )
 
     def bias_values(self, query_offset, query_length, key_offset, key_length, position_ids):
         device = position_ids.device
@@ -322,6 +330,7 @@ class FireBias(PositionScheme):
             self.num_heads,
             dtype,
             width=2 * self.num_heads + 3,
+            tables=self.piecewise_tables,
         )
 
     def reset_parameters(self, config):

@@ -39,6 +39,7 @@ SDPA_OPS = {
     "plugformer::band_native": "band-native",  # kernels_banded: the forward and the near band's backward in C
     "plugformer::relative_native": "relative-native",  # kernels_relative_native: any relative bias wholly in C
     "plugformer::relative_bias": "relative-bias",  # kernels_relative: fused forward, bias as a view; hand backward
+    "plugformer::fire_native": "fire-native",  # kernels_fire_native: FIRE's bias by pieces, wholly in C
     "plugformer::linear_bias": "linear-bias",  # kernels_alibi: ALiBi as a key-side row per query block
     "plugformer::query_bias": "query-bias",  # kernels_query_bias: FIRE's / forgetting's bias per block, recomputed
     "plugformer::additive_native": "additive-native",  # kernels_additive_native: tanh pair by pair in C

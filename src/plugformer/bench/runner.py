@@ -176,6 +176,8 @@ def variant_note(model, sdpa_backends: list[str]) -> str:
         return "fused forward, bias as a view; backward " + ("by hand" if learned else "fused")
     if "linear-bias" in sdpa_backends:
         return "key-side bias per block, no N x N mask"
+    if "fire-native" in sdpa_backends:
+        return "forward and backward in C, f_θ by pieces per row"
     if "query-bias" in sdpa_backends:
         return "bias per block, recomputed in backward"
     if "blockwise-bias" in sdpa_backends:
