@@ -160,6 +160,7 @@ def test_the_tiles_run_where_the_cpu_has_512_bit_vectors_or_where_told(monkeypat
     monkeypatch.setattr(kernels_band_native, "cpu_flags", lambda: frozenset(flags))
     assert kernels_band_native.tiles_run_here() is runs
     query = torch.zeros(1, 2, 20, 16)
+    assert kernels_band_native.tiles_take(query, query, query) is runs  # fire.c's rule too
     assert native_band_applies(query, query, query, torch.zeros(2, 39)) is (runs and native_band() is not None)
 
 

@@ -55,9 +55,15 @@ def native_band() -> ctypes.CDLL | None:
 
 
 def native_band_applies(*tensors: torch.Tensor) -> bool:
-    """Whether `csrc/band.c` computes the band of these tensors (the query first): fp32 on the CPU, plain tensors (no
-    FakeTensor, DTensor) outside torch.compile / jit tracing, one head size for the `(B, H, N, D)` ones, whole 16-float
-    vectors, where it is built and the tiles run fast (`tiles_run_here`)."""
+    """Whether `csrc/band.c` computes the band of these tensors (the query first): where `tiles_take` them and the
+    library is built."""
+    return tiles_take(*tensors) and native_band() is not None
+
+
+def tiles_take(*tensors: torch.Tensor) -> bool:
+    """Whether the C tiles (`csrc/tiles.h`: band.c's, fire.c's) compute on these tensors (the query first): fp32 on
+    the CPU, plain tensors (no FakeTensor, DTensor) outside torch.compile / jit tracing, one head size for the
+    `(B, H, N, D)` ones, whole 16-float vectors, on a machine where the tiles run fast (`tiles_run_here`)."""
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
             return False
@@ -66,7 +72,7 @@ def native_band_applies(*tensors: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
-    return tiles_run_here() and native_band() is not None
+    return tiles_run_here()
 
 
 def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ those to θ, c and L through the torch code that built the tables. No (B, H, N, 
 
 It takes causal training or prefill of N tokens from slot 0 with no mask and no dropout, in fp32 (queries, keys,
 values, the scheme's parameters and the bias's dtype), heads a multiple of 16 wide, where the library builds
-(`kernels_band_native.native_band_applies`); every other call keeps `kernels_query_bias` or the blockwise kernel.
+(`kernels_band_native.tiles_take`); every other call keeps `kernels_query_bias` or the blockwise kernel.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from .biases import QueryPositionBias
 from .kernels import repeat_kv, sum_over_groups, symbolic_sizes
-from .kernels_band_native import _rows, native_band_applies, rows_contiguous
+from .kernels_band_native import _rows, rows_contiguous, tiles_take
 from .native import load
 
 
@@ -152,7 +152,7 @@ def fire_native_applies(query, key, value, attention_mask, dropout: float, posit
         return False
     if recipe.dtype != torch.float32 or any(parameter.dtype != torch.float32 for parameter in recipe.parameters):
         return False
-    return native_band_applies(query, key, value) and native_fire() is not None
+    return tiles_take(query, key, value) and native_fire() is not None
 
 
 def fire_native_attention(
