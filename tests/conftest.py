@@ -22,7 +22,7 @@ collect_ignore = ["transformers_common_suite.py"]
 apply_offline_defaults()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the C tiles on every CPU, so their tests and the paths the suites expect do not depend on the machine's vector width
-# (by default they run only with 512-bit vectors: `kernels_band_native.tiles_run_here`, tested on its own)
+# (by default they run only on x86 with AVX2 or AVX-512: `kernels_band_native.tiles_run_here`, tested on its own)
 os.environ.setdefault("PLUGFORMER_NATIVE_TILES", "1")
 # pytest-xdist workers (`-n 2`, pyproject's addopts) share the cores: each takes its part for torch's own threads, so
 # two workers on 2 cores do not run 4 threads (a thread count the user set with OMP_NUM_THREADS is kept)

@@ -146,14 +146,16 @@ def test_other_dtypes_and_head_sizes_keep_the_torch_path(dtype, dim):
     ("setting", "flags", "runs"),
     [
         ("", {"avx2", "avx512f"}, True),
-        ("", {"avx2", "fma"}, False),  # narrower vectors: the torch paths take the calls
+        ("", {"avx2", "fma"}, True),
+        ("", {"sse4_2", "avx"}, False),  # untimed: the torch paths take the calls
+        ("", {"asimd", "fp"}, False),  # Arm's NEON
         ("", set(), False),
-        ("1", {"avx2"}, True),
+        ("1", {"sse2"}, True),
         ("0", {"avx512f"}, False),
     ],
-    ids=["avx512", "avx2", "no-flags", "forced-on", "off"],
+    ids=["avx512", "avx2", "avx", "neon", "no-flags", "forced-on", "off"],
 )
-def test_the_tiles_run_where_the_cpu_has_512_bit_vectors_or_where_told(monkeypatch, setting, flags, runs):
+def test_the_tiles_run_on_x86_with_avx2_or_where_told(monkeypatch, setting, flags, runs):
     from plugformer import kernels_band_native
 
     monkeypatch.setenv("PLUGFORMER_NATIVE_TILES", setting)

@@ -7,10 +7,10 @@ backward; `kernels_banded` its forward the same way and its near band's backward
 far distance, the far keys' gradients from torch's fused backward). fp32 only, heads a multiple of 16 wide; the
 callers keep their torch paths for the rest, which compute the same numbers.
 
-The tiles compute on 16-float vectors (`csrc/tiles.h`), one register where the CPU has 512-bit vectors (x86's
-AVX-512). Where it has narrower ones the compiler splits every vector operation and the kernels run several times
-slower than the torch paths (BENCHMARKS.md, "Design measurements"), so there the torch paths take the calls
-(`tiles_run_here`); `PLUGFORMER_NATIVE_TILES=1` runs the tiles on any CPU (the tests do), `=0` on none.
+The tiles compute on vectors of the compiler's widest register (`csrc/tiles.h`). They were timed at the speed of the
+torch paths on x86 with AVX2 and with AVX-512 (BENCHMARKS.md); elsewhere (Arm, x86 without AVX2) they are untimed, so
+the torch paths take the calls there (`tiles_run_here`); `PLUGFORMER_NATIVE_TILES=1` runs the tiles on any CPU (the
+tests do), `=0` on none.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ TILES = "PLUGFORMER_NATIVE_TILES"
 
 def tiles_run_here() -> bool:
     """Whether the C tiles take the calls they compute on this machine: `$PLUGFORMER_NATIVE_TILES` `1` or `0` where
-    set, else where the CPU has 512-bit vectors (`avx512f`)."""
+    set, else on x86 CPUs with AVX2 or AVX-512 (`avx2`, `avx512f`), where they were timed."""
     setting = os.environ.get(TILES, "").strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
     if setting in ("0", "false", "no", "off"):
         return False
-    return "avx512f" in cpu_flags()
+    return not cpu_flags().isdisjoint({"avx2", "avx512f"})
 
 
 # what a profile (`plugformer bench`) names this path by
@@ -63,7 +63,7 @@ def native_band_applies(*tensors: torch.Tensor) -> bool:
 def tiles_take(*tensors: torch.Tensor) -> bool:
     """Whether the C tiles (`csrc/tiles.h`: band.c's, fire.c's) compute on these tensors (the query first): fp32 on
     the CPU, plain tensors (no FakeTensor, DTensor) outside torch.compile / jit tracing, one head size for the
-    `(B, H, N, D)` ones, whole 16-float vectors, on a machine where the tiles run fast (`tiles_run_here`)."""
+    `(B, H, N, D)` ones, a multiple of 16 wide, on a machine where the tiles run fast (`tiles_run_here`)."""
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or type(tensor.detach()) is not torch.Tensor:
             return False

@@ -29,12 +29,15 @@ logger = logging.getLogger(__name__)
 SWITCH = "PLUGFORMER_NATIVE_KERNELS"
 CACHE = "PLUGFORMER_NATIVE_CACHE"
 SOURCES = Path(__file__).with_name("csrc")
-# -z now resolves every symbol at load, so a missing one is an OSError there, not a crash at the first call
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread")
+# -fno-trapping-math: the kernels read no floating-point exception flags, and with them GCC keeps a select between two
+# computed floats (a clamp, a masked weight) a branch where the CPU has no mask registers (AVX2), and the loop around
+# it scalar (BENCHMARKS.md, "Design measurements")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
 # Tried in order: OpenMP, whose libgomp.so.1 is torch's own where torch loaded one by that name (its Linux wheels
 # bundle it), so the kernels run on torch's thread pool (`csrc/parallel.h`); else no runtime (`omp simd` loops still
 # vectorised) and POSIX threads, where the compiler has no OpenMP (Apple's clang)
 THREADING = (("-fopenmp",), ("-fopenmp-simd",))
+# -z now resolves every symbol at load, so a missing one is an OSError there, not a crash at the first call;
 # macOS' linker has no -z now (and refuses a missing symbol when it links)
 LINK_FLAGS = () if platform.system() == "Darwin" else ("-Wl,-z,now",)
 BUILD_SECONDS = 300

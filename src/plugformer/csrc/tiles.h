@@ -1,4 +1,4 @@
-/* What the tiled attention kernels share (`band.c`, `fire.c`): the 16-float vector type, register-blocked products
+/* What the tiled attention kernels share (`band.c`, `fire.c`): the vector type, register-blocked products
  * (`gemm`), the clamped exponential of a log-weight, and the copies between strided rows and contiguous tiles.
  * Included first: its pragma turns FMA contraction on for the whole source. */
 #ifndef PLUGFORMER_TILES_H
@@ -15,44 +15,57 @@
 
 #include "expf.h" /* after the pragma: its polynomial takes the FMAs too */
 
-typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats; any alignment */
-
+/* The vector type of the products: one register. GCC lowers a vector wider than the CPU's through the stack (16-float
+ * products on AVX2 ran at 3 GFLOP/s where 8-float ones reach 52 on a Zen 2 core), so LANES follows the widest vectors
+ * the compiler targets; a micro tile keeps MB rows x WIDE columns of accumulators in about half the registers. */
 #if defined(__AVX512F__)
-#define MB 4 /* rows per micro tile: 4 x 4 vector accumulators fit AVX-512's 32 registers */
+#define LANES 16
+#define MB 4
+#define WIDE 64 /* 4 x 4 vectors of AVX-512's 32 registers */
+#elif defined(__AVX__)
+#define LANES 8
+#define MB 4
+#define WIDE 16 /* 4 x 2 vectors of AVX's 16 */
 #else
-#define MB 2 /* AVX2 splits a 16-float vector in two registers of its 16 */
+#define LANES 4 /* SSE, NEON */
+#define MB 2
+#define WIDE 16 /* 2 x 4 vectors of SSE's 16 (NEON has 32) */
 #endif
-#define ROWS 16 /* queries per tile: one vector of them */
+typedef float vf __attribute__((vector_size(4 * LANES), aligned(4))); /* any alignment */
+#define ROWS 16 /* queries per tile; a tile's columns come in multiples of 16, whole vectors on every width */
 
-/* e^x for a log-weight x (at most a rounding above 0): 0 below -87, where fp32 underflows, -inf included */
+/* e^x for a log-weight x (at most a rounding above 0): 0 below -87, where fp32 underflows, -inf included. Both
+ * sides are computed and one picked (a select, which vectorises), the exponential's input clamped either way. */
 static inline float exp_weight(float x) {
-    return x < -87.0f ? 0.0f : exp_clamped(x > 80.0f ? 80.0f : x);
+    const float clamped = x < -87.0f ? -87.0f : x > 80.0f ? 80.0f : x;
+    const float weight = exp_clamped(clamped);
+    return x < -87.0f ? 0.0f : weight;
 }
 
 /* C (m x n) = A (m x x) B (x x n), or C += A B (`add`): A(r, t) at a[r sam + t sax], B row-major (rows ldb apart),
- * C rows ldc apart; n a multiple of 16. Micro tiles of MB rows x NV vectors: per t, NV loads of B and MB broadcasts
- * of A feed MB x NV FMAs. */
-#define MICRO(R, NV)                                                                                                  \
-    static inline void micro_##R##_##NV(int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,        \
-                                        int64_t ldb, float *c, int64_t ldc, int add) {                               \
+ * C rows ldc apart; n a multiple of 16. Micro tiles of R rows x NV vectors: per t, NV loads of B and R broadcasts
+ * of A feed R x NV FMAs. */
+#define MICRO(NAME, R, NV)                                                                                            \
+    static inline void NAME(int64_t x, const float *a, int64_t sam, int64_t sax, const float *b, int64_t ldb,        \
+                            float *c, int64_t ldc, int add) {                                                         \
         vf acc[R][NV];                                                                                                \
         for (int r = 0; r < R; r++)                                                                                   \
-            for (int v = 0; v < NV; v++) acc[r][v] = add ? *(const vf *)(c + r * ldc + 16 * v) : (vf){0};             \
+            for (int v = 0; v < NV; v++) acc[r][v] = add ? *(const vf *)(c + r * ldc + LANES * v) : (vf){0};          \
         for (int64_t t = 0; t < x; t++) {                                                                             \
             vf row[NV];                                                                                               \
-            for (int v = 0; v < NV; v++) row[v] = *(const vf *)(b + t * ldb + 16 * v);                                \
+            for (int v = 0; v < NV; v++) row[v] = *(const vf *)(b + t * ldb + LANES * v);                             \
             for (int r = 0; r < R; r++) {                                                                             \
                 const float s = a[r * sam + t * sax];                                                                 \
                 for (int v = 0; v < NV; v++) acc[r][v] += s * row[v];                                                 \
             }                                                                                                         \
         }                                                                                                             \
         for (int r = 0; r < R; r++)                                                                                   \
-            for (int v = 0; v < NV; v++) *(vf *)(c + r * ldc + 16 * v) = acc[r][v];                                   \
+            for (int v = 0; v < NV; v++) *(vf *)(c + r * ldc + LANES * v) = acc[r][v];                                \
     }
-MICRO(MB, 4)
-MICRO(MB, 1)
-MICRO(1, 4)
-MICRO(1, 1)
+MICRO(micro_rows_wide, MB, WIDE / LANES)
+MICRO(micro_rows_16, MB, 16 / LANES)
+MICRO(micro_row_wide, 1, WIDE / LANES)
+MICRO(micro_row_16, 1, 16 / LANES)
 
 static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, int64_t sax, const float *b,
                  int64_t ldb, float *c, int64_t ldc, int add) {
@@ -61,15 +74,15 @@ static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, i
         const float *ar = a + r * sam;
         float *cr = c + r * ldc;
         int64_t col = 0;
-        for (; col + 64 <= n; col += 64) micro_MB_4(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
-        for (; col < n; col += 16) micro_MB_1(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col + WIDE <= n; col += WIDE) micro_rows_wide(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col < n; col += 16) micro_rows_16(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
     }
     for (; r < m; r++) {
         const float *ar = a + r * sam;
         float *cr = c + r * ldc;
         int64_t col = 0;
-        for (; col + 64 <= n; col += 64) micro_1_4(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
-        for (; col < n; col += 16) micro_1_1(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col + WIDE <= n; col += WIDE) micro_row_wide(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
+        for (; col < n; col += 16) micro_row_16(x, ar, sam, sax, b + col, ldb, cr + col, ldc, add);
     }
 }
 
