@@ -1,0 +1,86 @@
+"""The C tiles' products (`csrc/tiles.h`'s `gemm`) at every vector width this machine can run, against torch.
+
+`tiles.h` picks its vector type and micro-tile shape from the compiler's target (16 floats on AVX-512, 8 on AVX, 4 on
+SSE and NEON), so the kernels built on one machine exercise one of them only. Here a small driver around `gemm` is
+built once per target this CPU runs, with the project's flags, and its products are compared with torch's on shapes
+that reach every micro tile and its remainders (rows not a multiple of the tile's, columns 16 at a time after the wide
+tiles, the transposed reads of the backward).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import platform
+import subprocess
+
+import pytest
+import torch
+
+from plugformer import native
+
+
+DRIVER = r"""
+#include "tiles.h"
+void product(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, int64_t sax, const float *b, int64_t ldb,
+             float *c, int64_t ldc, int add) {
+    gemm(m, n, x, a, sam, sax, b, ldb, c, ldc, add);
+}
+int lanes(void) { return LANES; }
+"""
+# -march value -> (the /proc/cpuinfo flag the CPU needs to run its code, None for any x86-64; the floats per vector)
+TARGETS = {"x86-64": (None, 4), "x86-64-v3": ("avx2", 8), "x86-64-v4": ("avx512f", 16)}
+RUNNABLE = [
+    target
+    for target, (needed, _) in TARGETS.items()
+    if platform.machine() in ("x86_64", "AMD64") and (needed is None or needed in native.cpu_flags())
+]
+
+
+@pytest.fixture(scope="module", params=RUNNABLE or [None], ids=RUNNABLE or ["no-x86-target"])
+def product(request, tmp_path_factory):
+    command = native.compiler()
+    if command is None or request.param is None:
+        pytest.skip("an x86 CPU and a C compiler")
+    folder = tmp_path_factory.mktemp(f"tiles-{request.param}")
+    (folder / "driver.c").write_text(DRIVER)
+    flags = [flag for flag in native.FLAGS if not flag.startswith("-march")]
+    argv = [*command, *flags, f"-march={request.param}", f"-I{native.SOURCES}", str(folder / "driver.c")]
+    built = subprocess.run([*argv, "-o", str(folder / "driver.so"), "-lm"], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"the compiler does not build -march={request.param}: {built.stderr[-300:]}")
+    library = ctypes.CDLL(str(folder / "driver.so"))
+    assert library.lanes() == TARGETS[request.param][1]  # this width's vector type and micro tiles are the ones run
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.product.argtypes = [size, size, size, pointer, size, size, pointer, size, pointer, size, ctypes.c_int]
+    return library.product
+
+
+SHAPES = list(itertools.product((1, 4, 6, 7, 16, 19), (16, 48, 64, 80), (1, 16, 37)))
+
+
+@pytest.mark.parametrize(("rows", "columns", "inner"), SHAPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("add", [0, 1], ids=["set", "add"])
+def test_the_products_equal_torchs_at_every_vector_width(product, rows, columns, inner, transposed, add):
+    generator = torch.Generator().manual_seed(rows * 1000 + columns * 10 + inner)
+    a = torch.randn(rows, inner, generator=generator)
+    stored = a.t().contiguous() if transposed else a  # the backward reads A column-major (P^T dO)
+    step_row, step_inner = (1, rows) if transposed else (inner, 1)
+    b = torch.randn(inner, columns + 5, generator=generator)  # rows further apart than the columns read
+    c = torch.randn(rows, columns + 3, generator=generator)
+    expected = (c[:, :columns] if add else 0) + a.double() @ b[:, :columns].double()
+    product(
+        rows,
+        columns,
+        inner,
+        stored.data_ptr(),
+        step_row,
+        step_inner,
+        b.data_ptr(),
+        b.stride(0),
+        c.data_ptr(),
+        c.stride(0),
+        add,
+    )
+    torch.testing.assert_close(c[:, :columns].double(), expected, rtol=1e-5, atol=1e-5 * inner)
