@@ -6,6 +6,9 @@ eager, and which calls the `fire_native` path takes (fp32 causal training withou
 from __future__ import annotations
 
 import copy
+import ctypes
+import itertools
+import subprocess
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from test_sdpa_paths import count_path_calls
 from tolerances import assert_same_step, unit_roundoff
 
 import plugformer.kernels_fire_native as fire_native
+from plugformer import native
 from plugformer.biases import QueryPositionBias
 from plugformer.kernels_sdpa import SDPA_PATHS
 from plugformer.positions_base import POSITION_SCHEMES
@@ -146,3 +150,63 @@ def test_the_rule_takes_causal_fp32_calls_from_slot_0_only():
     assert not applies(*call)
     names = list(SDPA_PATHS)
     assert names.index("fire_native") == names.index("query_bias") - 1
+
+
+CROSSINGS_DRIVER = r"""
+#include "fire.c"
+void find_crossings(const float *psi_rev, int64_t n, float inv, const float *kinks, int64_t count, const int64_t *hints,
+                    int64_t *crossed) {
+    crossings(psi_rev, n, inv, kinks, count, hints, crossed);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def find_crossings(tmp_path_factory):
+    """`csrc/fire.c`'s `crossings`, built into a driver with the project's flags."""
+    folder = tmp_path_factory.mktemp("crossings")
+    (folder / "driver.c").write_text(CROSSINGS_DRIVER)
+    argv = [*native.compiler(), *native.FLAGS, *native.THREADING[1], f"-I{native.SOURCES}", str(folder / "driver.c")]
+    subprocess.run([*argv, "-o", str(folder / "driver.so"), "-lm"], check=True, capture_output=True)
+    library = ctypes.CDLL(str(folder / "driver.so"))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.find_crossings.argtypes = [pointer, size, ctypes.c_float, pointer, size, pointer, pointer]
+    return library.find_crossings
+
+
+@pytest.mark.parametrize(
+    ("length", "scale", "hints"),
+    list(itertools.product((1, 7, 300), (0.5, 1e-9), ("none", "exact", "zero", "past-the-end", "random"))),
+)
+def test_the_crossings_searched_from_any_hint_are_the_first_distances_past_each_kink(
+    find_crossings, length, scale, hints
+):
+    """Per kink, the first distance d whose x = psi[d]·inv (the fp32 product) exceeds it, n where none does: from no
+    hint, the right one, hints at 0 or past the end and random ones; kinks on a distance's x (that distance stays on
+    the left), below every x, +inf, and psi flat (c = 1e-9: long runs of one value)."""
+    generator = torch.Generator().manual_seed(length)
+    psi = torch.log1p(scale * torch.arange(length, dtype=torch.float32))
+    inv = 0.37
+    x = psi * inv
+    kinks = torch.cat([x[torch.randint(0, length, (6,), generator=generator)], torch.rand(6, generator=generator)])
+    kinks = torch.cat([kinks, torch.tensor([-1.0, float("inf")])]).sort().values
+    expected = torch.tensor([int((x <= kink).sum()) for kink in kinks])  # x only grows: the count at or below
+    hint = {
+        "none": None,
+        "exact": expected,
+        "zero": torch.zeros_like(expected),
+        "past-the-end": torch.full_like(expected, length + 5),
+        "random": torch.randint(-3, length + 3, expected.shape, generator=generator),
+    }[hints]
+    crossed = torch.full_like(expected, -7)
+    psi_rev = psi.flip(0).contiguous()
+    find_crossings(
+        psi_rev.data_ptr(),
+        length,
+        inv,
+        kinks.data_ptr(),
+        len(kinks),
+        None if hint is None else hint.data_ptr(),
+        crossed.data_ptr(),
+    )
+    assert torch.equal(crossed, expected)

@@ -77,7 +77,7 @@ static inline int64_t band_start(int64_t g0, int64_t width) {
  * in chunks of KEYS, so that a chunk's columns of K^T and V^T and rows of K, dK and dV stay in cache over the group
  * (a band as wide as the sequence sweeps every earlier key) */
 static void band_backward_range(const Work *w) {
-    const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
+    const int64_t n = w->length, dim = w->dim, width = w->width, padded = blocked_columns(n);
     const int64_t group = GROUP * ROWS;
     /* the bias by distance read as contiguous runs: entry u holds the value `top` - u slots behind (-inf outside the
      * band: the mask), so row i's columns c from key a read entries top - (i - a) + c, and their dS sums go to the
@@ -102,8 +102,8 @@ static void band_backward_range(const Work *w) {
         float *gbias = w->gbias + b * width;
         bias_runs(ext, extent, top, bias, width);
         memset(gext, 0, sizeof(float) * extent);
-        transpose(k, sk, kt, kc, n, dim, padded);
-        transpose(v, sv, vt, NULL, n, dim, padded);
+        transpose(k, sk, kt, kc, n, dim);
+        transpose(v, sv, vt, NULL, n, dim);
         memset(gkc, 0, sizeof(float) * n * dim);
         memset(gvc, 0, sizeof(float) * n * dim);
         for (int64_t g0 = 0; g0 < n; g0 += group) {
@@ -133,8 +133,8 @@ static void band_backward_range(const Work *w) {
                     if (a >= e) continue;
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
                     float *qt = qs + t * ROWS * dim, *got = go + t * ROWS * dim, *gqt = gq + t * ROWS * dim;
-                    gemm(rows, columns, dim, qt, dim, 1, kt + a, padded, p, columns, 0);   /* q.k */
-                    gemm(rows, columns, dim, got, dim, 1, vt + a, padded, ds, columns, 0); /* dO.v */
+                    gemm_blocked(rows, columns, dim, qt, dim, 1, kt, a, p, columns);   /* q.k */
+                    gemm_blocked(rows, columns, dim, got, dim, 1, vt, a, ds, columns); /* dO.v */
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t i = start + r;
                         float *pr = p + r * columns, *dr = ds + r * columns;
@@ -173,7 +173,7 @@ static void band_backward_range(const Work *w) {
  * would otherwise stream K and V from memory for every tile), each row's running maximum m_i and sum l_i rescaling its
  * output on the way */
 static void band_forward_range(const Work *w) {
-    const int64_t n = w->length, dim = w->dim, width = w->width, padded = n + 16;
+    const int64_t n = w->length, dim = w->dim, width = w->width, padded = blocked_columns(n);
     const int64_t group = FORWARD_GROUP * ROWS;
     /* the bias read as contiguous runs, as in the backward: i - a lies in -15 .. W + 30 */
     const int64_t top = ROWS + width + 16, extent = top + FORWARD_KEYS + 32;
@@ -188,7 +188,7 @@ static void band_forward_range(const Work *w) {
         const float *bias = w->bias + (b % w->heads) * width;
         float *out = rows_of(w, OUT, b, &so), *lse = w->lse_out + b * n;
         bias_runs(ext, extent, top, bias, width);
-        transpose(k, sk, kt, NULL, n, dim, padded);
+        transpose(k, sk, kt, NULL, n, dim);
         for (int64_t g0 = 0; g0 < n; g0 += group) {
             const int64_t group_rows = g0 + group <= n ? group : n - g0;
             for (int64_t t = 0; t * ROWS < group_rows; t++) {
@@ -208,7 +208,7 @@ static void band_forward_range(const Work *w) {
                     /* columns past `keys` are later keys: in the future of every row, so masked */
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
                     float *acct = acc + t * ROWS * dim;
-                    gemm(rows, columns, dim, qs + t * ROWS * dim, dim, 1, kt + a, padded, p, columns, 0); /* q.k */
+                    gemm_blocked(rows, columns, dim, qs + t * ROWS * dim, dim, 1, kt, a, p, columns); /* q.k */
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t i = start + r, row = t * ROWS + r;
                         float *pr = p + r * columns, chunk_high = -INFINITY, sum = 0.0f;

@@ -53,20 +53,40 @@ static float *rows_of(const Work *w, int t, int64_t b, int64_t *row_stride) {
     return w->tensors[t] + (b / w->heads) * s[0] + (b % w->heads) * s[1];
 }
 
-/* crossed[u] = the first distance d < n whose x = psi[d] * inv exceeds kinks[u] (n if none): piece p holds the
- * distances crossed[p - 1] .. crossed[p] - 1. The product is the one the score loops form, so a distance's piece is
- * the one its x falls in. */
-static void crossings(const float *psi_rev, int64_t n, float inv, const float *kinks, int64_t count, int64_t *crossed) {
-    int64_t low = 0; /* the kinks are sorted: each crossing lies at or after the previous one */
-    for (int64_t u = 0; u < count; u++) {
-        int64_t high = n;
-        while (low < high) {
-            const int64_t mid = low + (high - low) / 2;
-            if (psi_rev[n - 1 - mid] * inv > kinks[u]) high = mid;
-            else low = mid + 1;
-        }
-        crossed[u] = low;
+/* The first distance d < n whose x = psi[d] * inv exceeds `kink` (n if none), searched outwards from `hint`, then
+ * halved: x only grows with d (psi does, inv > 0), and a row's crossings lie a few distances from the previous row's
+ * (inv changes slowly along the rows), so a search costs a few products where one over all n took log2(n). The
+ * product is the one the score loops form, so a distance's piece is the one its x falls in. */
+static int64_t crossing(const float *psi_rev, int64_t n, float inv, float kink, int64_t hint) {
+#define ABOVE(d) (psi_rev[n - 1 - (d)] * inv > kink)
+    if (n == 0) return 0;
+    int64_t low, high, step = 1; /* the crossing lies in [low, high]; high == n or ABOVE(high) */
+    hint = hint < 0 ? 0 : hint > n - 1 ? n - 1 : hint;
+    if (ABOVE(hint)) { /* at or before the hint */
+        high = hint;
+        while (high - step >= 0 && ABOVE(high - step)) high -= step, step *= 2;
+        low = high - step + 1 > 0 ? high - step + 1 : 0;
+    } else { /* after it */
+        low = hint;
+        while (low + step < n && !ABOVE(low + step)) low += step, step *= 2;
+        high = low + step < n ? low + step : n;
+        low += 1;
     }
+    while (low < high) {
+        const int64_t mid = low + (high - low) / 2;
+        if (ABOVE(mid)) high = mid;
+        else low = mid + 1;
+    }
+    return low;
+#undef ABOVE
+}
+
+/* crossed[u] = the first distance whose x exceeds kinks[u] (n if none), for `count` sorted kinks: piece p holds the
+ * distances crossed[p - 1] .. crossed[p] - 1. `hints`: a nearby row's crossings, or NULL. */
+static void crossings(const float *psi_rev, int64_t n, float inv, const float *kinks, int64_t count,
+                      const int64_t *hints, int64_t *crossed) {
+    for (int64_t u = 0; u < count; u++)
+        crossed[u] = crossing(psi_rev, n, inv, kinks[u], hints ? hints[u] : u ? crossed[u - 1] : 0);
 }
 
 /* the piece of distance d: the number of crossings at or before it (a binary search: they are sorted) */
@@ -91,7 +111,7 @@ static inline int piece_columns(const int64_t *crossed, int64_t p, int64_t piece
 
 /* the backward, as band.c's (groups of GROUP tiles sweep chunks of KEYS keys), each row's bias by its pieces */
 static void fire_backward_range(const Work *w) {
-    const int64_t n = w->length, dim = w->dim, padded = n + 16, pieces = w->pieces, group = GROUP * ROWS;
+    const int64_t n = w->length, dim = w->dim, padded = blocked_columns(n), pieces = w->pieces, group = GROUP * ROWS;
     float *kt = malloc(sizeof(float) * dim * padded), *vt = malloc(sizeof(float) * dim * padded);
     float *p = malloc(sizeof(float) * ROWS * KEYS), *ds = malloc(sizeof(float) * ROWS * KEYS);
     float *qs = malloc(sizeof(float) * group * dim), *go = malloc(sizeof(float) * group * dim);
@@ -112,8 +132,8 @@ static void fire_backward_range(const Work *w) {
         float *gpsi_rev = w->gpsi_rev + b * n;
         memset(gslope, 0, sizeof(double) * pieces), memset(gintercept, 0, sizeof(double) * pieces);
         memset(ginv, 0, sizeof(double) * n), memset(gpsi_rev, 0, sizeof(float) * n);
-        transpose(k, sk, kt, kc, n, dim, padded);
-        transpose(v, sv, vt, NULL, n, dim, padded);
+        transpose(k, sk, kt, kc, n, dim);
+        transpose(v, sv, vt, NULL, n, dim);
         memset(gkc, 0, sizeof(float) * n * dim);
         memset(gvc, 0, sizeof(float) * n * dim);
         for (int64_t g0 = 0; g0 < n; g0 += group) {
@@ -130,7 +150,8 @@ static void fire_backward_range(const Work *w) {
                 for (int64_t d = 0; d < dim; d++) sum += go[r * dim + d] * out[i * so + d];
                 delta[r] = sum; /* dO_i . O_i */
                 memset(gq + r * dim, 0, sizeof(float) * dim);
-                crossings(w->psi_rev, n, inv[i], w->kinks, pieces - 1, crossed + r * pieces);
+                crossings(w->psi_rev, n, inv[i], w->kinks, pieces - 1, r ? crossed + (r - 1) * pieces : NULL,
+                          crossed + r * pieces);
             }
             const int64_t end = g0 + group_rows;
             for (int64_t c0 = 0; c0 < end; c0 += KEYS) {
@@ -141,8 +162,8 @@ static void fire_backward_range(const Work *w) {
                     if (a >= e) continue;
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
                     float *qt = qs + t * ROWS * dim, *got = go + t * ROWS * dim, *gqt = gq + t * ROWS * dim;
-                    gemm(rows, columns, dim, qt, dim, 1, kt + a, padded, p, columns, 0);   /* q.k */
-                    gemm(rows, columns, dim, got, dim, 1, vt + a, padded, ds, columns, 0); /* dO.v */
+                    gemm_blocked(rows, columns, dim, qt, dim, 1, kt, a, p, columns);   /* q.k */
+                    gemm_blocked(rows, columns, dim, got, dim, 1, vt, a, ds, columns); /* dO.v */
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t i = start + r, d0 = i - a; /* column c: distance d0 - c */
                         const int64_t last = d0 < columns - 1 ? d0 : columns - 1; /* later columns: the future */
@@ -195,7 +216,7 @@ static void fire_backward_range(const Work *w) {
 /* the forward, as band.c's (FlashAttention's online softmax, groups of FORWARD_GROUP tiles over chunks of
  * FORWARD_KEYS keys), each row's bias by its pieces */
 static void fire_forward_range(const Work *w) {
-    const int64_t n = w->length, dim = w->dim, padded = n + 16, pieces = w->pieces;
+    const int64_t n = w->length, dim = w->dim, padded = blocked_columns(n), pieces = w->pieces;
     const int64_t group = FORWARD_GROUP * ROWS;
     float *kt = malloc(sizeof(float) * dim * padded), *p = malloc(sizeof(float) * ROWS * FORWARD_KEYS);
     float *qs = malloc(sizeof(float) * group * dim), *acc = malloc(sizeof(float) * group * dim);
@@ -209,7 +230,7 @@ static void fire_forward_range(const Work *w) {
         const float *slope = w->slope + h * pieces, *intercept = w->intercept + h * pieces;
         const float *inv = w->inv + (w->shared ? 0 : b / w->heads) * n;
         float *out = rows_of(w, OUT, b, &so), *lse = w->lse_out + b * n;
-        transpose(k, sk, kt, NULL, n, dim, padded);
+        transpose(k, sk, kt, NULL, n, dim);
         for (int64_t g0 = 0; g0 < n; g0 += group) {
             const int64_t group_rows = g0 + group <= n ? group : n - g0;
             for (int64_t t = 0; t * ROWS < group_rows; t++) {
@@ -219,7 +240,8 @@ static void fire_forward_range(const Work *w) {
             memset(acc, 0, sizeof(float) * group_rows * dim);
             for (int64_t r = 0; r < group_rows; r++) {
                 high[r] = -INFINITY, total[r] = 0.0f;
-                crossings(w->psi_rev, n, inv[g0 + r], w->kinks, pieces - 1, crossed + r * pieces);
+                crossings(w->psi_rev, n, inv[g0 + r], w->kinks, pieces - 1, r ? crossed + (r - 1) * pieces : NULL,
+                          crossed + r * pieces);
             }
             const int64_t end = g0 + group_rows;
             for (int64_t c0 = 0; c0 < end; c0 += FORWARD_KEYS) {
@@ -230,7 +252,7 @@ static void fire_forward_range(const Work *w) {
                     if (a >= e) continue;
                     const int64_t keys = e - a, columns = (keys + 15) / 16 * 16;
                     float *acct = acc + t * ROWS * dim;
-                    gemm(rows, columns, dim, qs + t * ROWS * dim, dim, 1, kt + a, padded, p, columns, 0); /* q.k */
+                    gemm_blocked(rows, columns, dim, qs + t * ROWS * dim, dim, 1, kt, a, p, columns); /* q.k */
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t i = start + r, row = t * ROWS + r, d0 = i - a; /* column c: distance d0 - c */
                         const int64_t last = d0 < columns - 1 ? d0 : columns - 1; /* later columns: the future */

@@ -91,18 +91,42 @@ static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, i
     }
 }
 
-/* (length x dim) rows `stride` apart -> (dim x padded) columns, zeros after `length`, and (where `rows` is not
- * NULL) contiguous rows */
-static void transpose(const float *src, int64_t stride, float *dst, float *rows, int64_t length, int64_t dim,
-                      int64_t padded) {
-    for (int64_t d = 0; d < dim; d++) memset(dst + d * padded + length, 0, sizeof(float) * (padded - length));
+/* K^T and V^T as the products read them: in blocks of BLOCK keys (a multiple of WIDE on every target), each block dim
+ * rows of BLOCK contiguous floats, so that a chunk's columns are one contiguous run. A row-major (dim x length) copy
+ * put each of a chunk's dim rows on its own 4 KB page (rows length floats apart), where the prefetchers stop: on a
+ * Zen 2 core FIRE's backward at 4096 keys took 1.36x torch's time in that layout, 0.94x in this one. */
+#define BLOCK 64
+static inline int64_t blocked_columns(int64_t length) { return (length + BLOCK - 1) / BLOCK * BLOCK; }
+
+/* the column `column` (a multiple of 16) of a blocked copy with `dim` rows: BLOCK floats between its rows */
+static inline const float *block_column(const float *blocked, int64_t column, int64_t dim) {
+    return blocked + column / BLOCK * dim * BLOCK + column % BLOCK;
+}
+
+/* (length x dim) rows `stride` apart -> the blocked (dim x blocked_columns(length)) copy, zeros after `length`, and
+ * (where `rows` is not NULL) contiguous rows */
+static void transpose(const float *src, int64_t stride, float *dst, float *rows, int64_t length, int64_t dim) {
+    const int64_t tail = length / BLOCK * BLOCK; /* the last block, zeroed first where `length` ends inside it */
+    if (tail < blocked_columns(length)) memset(dst + tail * dim, 0, sizeof(float) * dim * BLOCK);
     for (int64_t start = 0; start < length; start += 16) { /* 16 rows at a time: they stay in L1 over the columns */
         const int64_t count = start + 16 <= length ? 16 : length - start;
+        float *block = (float *)block_column(dst, start, dim);
         for (int64_t d = 0; d < dim; d++)
-            for (int64_t j = 0; j < count; j++) dst[d * padded + start + j] = src[(start + j) * stride + d];
+            for (int64_t j = 0; j < count; j++) block[d * BLOCK + j] = src[(start + j) * stride + d];
     }
     if (rows)
         for (int64_t j = 0; j < length; j++) memcpy(rows + j * dim, src + j * stride, sizeof(float) * dim);
+}
+
+/* C (m x n) = A (m x x) B, B the columns column .. column + n - 1 of a blocked copy with x rows (n and column
+ * multiples of 16): one product per block the columns cross */
+static void gemm_blocked(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, int64_t sax,
+                         const float *blocked, int64_t column, float *c, int64_t ldc) {
+    for (int64_t done = 0; done < n;) {
+        const int64_t at = column + done, run = BLOCK - at % BLOCK < n - done ? BLOCK - at % BLOCK : n - done;
+        gemm(m, run, x, a, sam, sax, block_column(blocked, at, x), BLOCK, c + done, ldc, 0);
+        done += run;
+    }
 }
 
 /* rows `stride` apart += contiguous rows */
