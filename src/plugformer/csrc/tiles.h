@@ -92,9 +92,9 @@ static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, i
 }
 
 /* K^T and V^T as the products read them: in blocks of BLOCK keys (a multiple of WIDE on every target), each block dim
- * rows of BLOCK contiguous floats, so that a chunk's columns are one contiguous run. A row-major (dim x length) copy
- * put each of a chunk's dim rows on its own 4 KB page (rows length floats apart), where the prefetchers stop: on a
- * Zen 2 core FIRE's backward at 4096 keys took 1.36x torch's time in that layout, 0.94x in this one. */
+ * rows of BLOCK contiguous floats, so that a chunk of keys is one contiguous run. A row-major (dim x length) copy put
+ * each of a chunk's dim rows on its own 4 KB page (rows length floats apart), where the prefetchers stop, and the
+ * products waited on those loads at long sequences (model_cards/BENCHMARKS.md, "Design measurements"). */
 #define BLOCK 64
 static inline int64_t blocked_columns(int64_t length) { return (length + BLOCK - 1) / BLOCK * BLOCK; }
 
