@@ -8,17 +8,16 @@ from __future__ import annotations
 import copy
 import ctypes
 import itertools
-import subprocess
 
 import pytest
 import torch
+from c_drivers import build_driver
 from conftest import assert_same_training_step, build, left_padded, tiny_config, training_step, training_step_by_kernel
 from test_query_bias_kernel import fire_tolerances
 from test_sdpa_paths import count_path_calls
 from tolerances import assert_same_step, unit_roundoff
 
 import plugformer.kernels_fire_native as fire_native
-from plugformer import native
 from plugformer.biases import QueryPositionBias
 from plugformer.kernels_sdpa import SDPA_PATHS
 from plugformer.positions_base import POSITION_SCHEMES
@@ -163,12 +162,8 @@ void find_crossings(const float *psi_rev, int64_t n, float inv, const float *kin
 
 @pytest.fixture(scope="module")
 def find_crossings(tmp_path_factory):
-    """`csrc/fire.c`'s `crossings`, built into a driver with the project's flags."""
-    folder = tmp_path_factory.mktemp("crossings")
-    (folder / "driver.c").write_text(CROSSINGS_DRIVER)
-    argv = [*native.compiler(), *native.FLAGS, *native.THREADING[1], f"-I{native.SOURCES}", str(folder / "driver.c")]
-    subprocess.run([*argv, "-o", str(folder / "driver.so"), "-lm"], check=True, capture_output=True)
-    library = ctypes.CDLL(str(folder / "driver.so"))
+    """`csrc/fire.c`'s `crossings`, built into a driver with the kernels' flags."""
+    library = build_driver(tmp_path_factory.mktemp("crossings"), CROSSINGS_DRIVER)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.find_crossings.argtypes = [pointer, size, ctypes.c_float, pointer, size, pointer, pointer]
     return library.find_crossings

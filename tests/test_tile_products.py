@@ -14,10 +14,10 @@ from __future__ import annotations
 import ctypes
 import itertools
 import platform
-import subprocess
 
 import pytest
 import torch
+from c_drivers import build_driver
 
 from plugformer import native
 
@@ -50,17 +50,12 @@ RUNNABLE = [
 
 @pytest.fixture(scope="module", params=RUNNABLE or [None], ids=RUNNABLE or ["no-x86-target"])
 def library(request, tmp_path_factory):
-    command = native.compiler()
-    if command is None or request.param is None:
+    if native.compiler() is None or request.param is None:
         pytest.skip("an x86 CPU and a C compiler")
-    folder = tmp_path_factory.mktemp(f"tiles-{request.param}")
-    (folder / "driver.c").write_text(DRIVER)
-    flags = [flag for flag in native.FLAGS if not flag.startswith("-march")]
-    argv = [*command, *flags, f"-march={request.param}", f"-I{native.SOURCES}", str(folder / "driver.c")]
-    built = subprocess.run([*argv, "-o", str(folder / "driver.so"), "-lm"], capture_output=True, text=True)
-    if built.returncode != 0:
-        pytest.skip(f"the compiler does not build -march={request.param}: {built.stderr[-300:]}")
-    library = ctypes.CDLL(str(folder / "driver.so"))
+    try:
+        library = build_driver(tmp_path_factory.mktemp(f"tiles-{request.param}"), DRIVER, march=request.param)
+    except RuntimeError as error:
+        pytest.skip(f"the compiler does not build -march={request.param}: {error}")
     assert library.lanes() == TARGETS[request.param][1]  # this width's vector type and micro tiles are the ones run
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.product.argtypes = [size, size, size, pointer, size, size, pointer, size, pointer, size, ctypes.c_int]

@@ -98,9 +98,9 @@ static void gemm(int64_t m, int64_t n, int64_t x, const float *a, int64_t sam, i
 #define BLOCK 64
 static inline int64_t blocked_columns(int64_t length) { return (length + BLOCK - 1) / BLOCK * BLOCK; }
 
-/* the column `column` (a multiple of 16) of a blocked copy with `dim` rows: BLOCK floats between its rows */
-static inline const float *block_column(const float *blocked, int64_t column, int64_t dim) {
-    return blocked + column / BLOCK * dim * BLOCK + column % BLOCK;
+/* where column `column` (a multiple of 16) of a blocked copy with `dim` rows starts: BLOCK floats between its rows */
+static inline int64_t block_column(int64_t column, int64_t dim) {
+    return column / BLOCK * dim * BLOCK + column % BLOCK;
 }
 
 /* (length x dim) rows `stride` apart -> the blocked (dim x blocked_columns(length)) copy, zeros after `length`, and
@@ -110,7 +110,7 @@ static void transpose(const float *src, int64_t stride, float *dst, float *rows,
     if (tail < blocked_columns(length)) memset(dst + tail * dim, 0, sizeof(float) * dim * BLOCK);
     for (int64_t start = 0; start < length; start += 16) { /* 16 rows at a time: they stay in L1 over the columns */
         const int64_t count = start + 16 <= length ? 16 : length - start;
-        float *block = (float *)block_column(dst, start, dim);
+        float *block = dst + block_column(start, dim);
         for (int64_t d = 0; d < dim; d++)
             for (int64_t j = 0; j < count; j++) block[d * BLOCK + j] = src[(start + j) * stride + d];
     }
@@ -124,7 +124,7 @@ static void gemm_blocked(int64_t m, int64_t n, int64_t x, const float *a, int64_
                          const float *blocked, int64_t column, float *c, int64_t ldc) {
     for (int64_t done = 0; done < n;) {
         const int64_t at = column + done, run = BLOCK - at % BLOCK < n - done ? BLOCK - at % BLOCK : n - done;
-        gemm(m, run, x, a, sam, sax, block_column(blocked, at, x), BLOCK, c + done, ldc, 0);
+        gemm(m, run, x, a, sam, sax, blocked + block_column(at, x), BLOCK, c + done, ldc, 0);
         done += run;
     }
 }
