@@ -21,7 +21,7 @@ from plugformer.training import run_stage
 from plugformer.training.checkpoints import MANIFEST, STAGING, last_good_checkpoint, verify_checkpoint
 
 
-KILLS = int(os.environ.get("PLUGFORMER_KILLS", "4"))  # PLUGFORMER_KILLS=20 for a longer hunt
+KILLS = int(os.environ.get("PLUGFORMER_KILLS", "3"))  # PLUGFORMER_KILLS=20 for a longer hunt
 STEPS = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no",
          "--dev_examples", "0", "--exact_match_examples", "0"]  # fmt: skip
 

@@ -311,7 +311,10 @@ def resumed_against_whole(tmp_path: Path, corpus_file: Path, processes: int, *ex
         torch.testing.assert_close(again[name], first[name], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streaming"])
+# the map-style one-process case in the slow tier: the two-process test resumes a map-style corpus by default
+@pytest.mark.parametrize(
+    "streaming", [pytest.param(False, id="map-style", marks=pytest.mark.slow), pytest.param(True, id="streaming")]
+)
 def test_a_resumed_run_sees_exactly_the_uninterrupted_batches(tmp_path, streaming):
     corpus_file = write_corpus(tmp_path / "corpus.jsonl", 400)
     resumed_against_whole(tmp_path, corpus_file, 1, "--streaming", str(streaming).lower())

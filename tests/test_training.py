@@ -272,7 +272,9 @@ def launch(stage: str, output_dir, *extra: str, processes: int = 2, timeout: int
     return json.loads((Path(output_dir) / "run_info.json").read_text())
 
 
-@pytest.mark.parametrize("stage", ["pretrain", pytest.param("sft", marks=pytest.mark.slow)])  # ~30 s a stage
+# slow (~30 s a stage): tests/test_fused_loss_distributed.py's default case launches pretrain on 2 processes and
+# checks the same (world size 2, one digest on both ranks) and more
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in ("pretrain", "sft")])
 def test_two_cpu_processes_train_one_model(chain, stage, tmp_path):
     extra = PRETRAIN if stage == "pretrain" else [*TRL, "--model_name_or_path", str(chain["pretrain"])]
     info = launch(stage, tmp_path, *extra)
@@ -335,7 +337,10 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
 
 
-def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
+# In this process by default: the shipped `jobs: 2` starts a process per stage and per test split (about 16, most of
+# their time importing); tests/test_pipeline_jobs.py checks that side by side trains what in order trains.
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys, jobs):
     """The README's pipeline on the shipped tiny YAMLs, cut to a few steps; a re-run reuses finished stages."""
     from plugformer.experiments.pipeline import main as pipeline_main
 
@@ -350,6 +355,8 @@ def test_pipeline_chains_every_stage_from_the_shipped_configs(tmp_path, capsys):
         "6",
         "--max_new_tokens",
         "6",
+        "--jobs",
+        str(jobs),
     ]
     results = pipeline_main(argv)
     assert list(results) == ["pretrain", "sft", "reward", "dpo", "rlhf", "grpo"]
